@@ -1,0 +1,25 @@
+"""Gemma-style dense and MoE decoders behind a functional API over plain nested param dicts."""
+
+from decoupled_diloco.models.config import (
+    PRESETS,
+    ModelConfig,
+    get_model_config,
+    validate_model_config,
+)
+from decoupled_diloco.models.transformer import (
+    count_params,
+    forward,
+    init_params,
+    param_logical_axes,
+)
+
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "count_params",
+    "forward",
+    "get_model_config",
+    "init_params",
+    "param_logical_axes",
+    "validate_model_config",
+]

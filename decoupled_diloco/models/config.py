@@ -1,0 +1,219 @@
+"""Model configuration: the `ModelConfig` dataclass, named presets (plain data) and validation.
+
+Every model variant is a config field; presets only override fields. Nothing in the model code
+branches on a preset's name.
+"""
+
+import dataclasses
+
+ATTENTION_KINDS = ("global", "local")
+MOE_LAYER_CHOICES = ("none", "all", "every_other")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Gemma-style decoder (dense or MoE). Frozen, hence hashable: usable as a jit static arg."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4  # == num_heads: MHA; 1: MQA; else GQA (num_heads % num_kv_heads == 0)
+    head_dim: int = 16  # must be even (rotary rotates half-split pairs)
+    ffw_hidden: int = 256  # GeGLU hidden width of dense layers
+    qk_norm: bool = False  # RMSNorm on each query / key head before rotary
+    attn_logit_softcap: float = 0.0  # cap * tanh(logits / cap); 0 disables
+    final_logit_softcap: float = 0.0  # 0 disables
+    attention_pattern: tuple[str, ...] = ("global",)  # cycled over layers; "global" | "local"
+    sliding_window: int = 0  # tokens a "local" layer looks back; must be > 0 if a layer is local
+    rope_base: float = 10_000.0
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params are always float32
+    # Mixture of experts.
+    moe_layers: str = "none"  # "none" | "all" | "every_other" (odd layers 1, 3, 5, ...)
+    num_experts: int = 0
+    experts_per_token: int = 2  # top-k
+    expert_hidden: int = 0  # GeGLU hidden width per expert (and of the shared expert)
+    capacity_factor: float = 1.25  # per-expert buffer = ceil(cf * tokens * k / E); <= 0: dropless
+    shared_expert: bool = False  # always-on dense GeGLU added to the routed output
+    load_balance_weight: float = 0.01
+    router_z_weight: float = 0.001
+
+    def attention_kind(self, layer: int) -> str:
+        """ "global" or "local" for block `layer` (the pattern repeats over layers)."""
+        return self.attention_pattern[layer % len(self.attention_pattern)]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_layers == "all" or (self.moe_layers == "every_other" and layer % 2 == 1)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+# Gemma 2 shapes are from the Gemma 2 report (arXiv 2408.00118, table 1) and the released
+# configs: pre+post RMSNorm, GeGLU, alternating local (window 4096) / global attention starting
+# with local, attention softcap 50, final softcap 30, vocab 256128, query scale head_dim**-0.5
+# (query_pre_attn_scalar = 256 = head_dim for 2B and 9B). Counts include the tied embedding.
+_GEMMA2 = dict(
+    vocab_size=256_128,
+    head_dim=256,
+    attention_pattern=("local", "global"),
+    sliding_window=4096,
+    attn_logit_softcap=50.0,
+    final_logit_softcap=30.0,
+)
+
+PRESETS: dict[str, dict] = {
+    # ~140k params, byte-level: a miniature of gemma_2b (GQA, local/global, softcaps) for CPU
+    # tests. 256*64 embedding + 2 * (12_288 attn + 49_152 ffw + 256 norms) + 64 = 139_840.
+    "tiny": dict(
+        num_kv_heads=2,
+        attention_pattern=("local", "global"),
+        sliding_window=64,
+        attn_logit_softcap=50.0,
+        final_logit_softcap=30.0,
+    ),
+    # Same backbone as tiny with every FFW an MoE of 4 experts, top-2, hidden 128: activated
+    # 2 * 3 * 64 * 128 = 49_152 expert params per layer, as tiny's dense FFW, so activated
+    # ~140k (+256 router per layer); total ~238k.
+    "tiny_moe": dict(
+        num_kv_heads=2,
+        attention_pattern=("local", "global"),
+        sliding_window=64,
+        attn_logit_softcap=50.0,
+        final_logit_softcap=30.0,
+        moe_layers="all",
+        num_experts=4,
+        experts_per_token=2,
+        expert_hidden=128,
+    ),
+    # Gemma 2 2B: d 2304, 26 layers, 8 heads / 4 kv heads, ffw 9216 -> 2.61e9 params
+    # (0.59e9 embedding + 26 * 77.9e6).
+    "gemma_2b": dict(
+        _GEMMA2, d_model=2304, num_layers=26, num_heads=8, num_kv_heads=4, ffw_hidden=9216
+    ),
+    # There is no Gemma 2 5B; this interpolates between 2B and 9B with Gemma 7B's width:
+    # d 3072, 16 heads / 8 kv heads, ffw 4 * d = 12288, 28 layers -> 5.01e9 params
+    # (0.79e9 embedding + 28 * 151e6).
+    "gemma_5b": dict(
+        _GEMMA2, d_model=3072, num_layers=28, num_heads=16, num_kv_heads=8, ffw_hidden=12_288
+    ),
+    # Gemma 2 9B: d 3584, 42 layers, 16 heads / 8 kv heads, ffw 14336 -> 9.24e9 params
+    # (0.92e9 embedding + 42 * 198e6).
+    "gemma_9b": dict(
+        _GEMMA2, d_model=3584, num_layers=42, num_heads=16, num_kv_heads=8, ffw_hidden=14_336
+    ),
+    # gemma_2b backbone, every FFW an MoE of 16 experts, top-2. Activated per layer:
+    # attn 14.16e6 + router 2304 * 16 + 2 experts * 3 * 2304 * 5120 (70.78e6) = 84.98e6;
+    # 26 layers + 0.59e9 embedding -> 2.80e9 activated (15.7e9 total).
+    "moe_2p8b_active": dict(
+        _GEMMA2,
+        d_model=2304,
+        num_layers=26,
+        num_heads=8,
+        num_kv_heads=4,
+        moe_layers="all",
+        num_experts=16,
+        experts_per_token=2,
+        expert_hidden=5120,
+    ),
+    # gemma_5b backbone, every FFW an MoE of 16 experts, top-2. Activated per layer:
+    # attn 37.75e6 + router 3072 * 16 + 2 * 3 * 3072 * 3840 (70.78e6) = 108.6e6;
+    # 28 layers + 0.79e9 embedding -> 3.83e9 activated (17.7e9 total).
+    "moe_3p8b_active": dict(
+        _GEMMA2,
+        d_model=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        moe_layers="all",
+        num_experts=16,
+        experts_per_token=2,
+        expert_hidden=3840,
+    ),
+}
+
+
+def get_model_config(preset: str, **overrides) -> ModelConfig:
+    """The preset's config with `overrides` (field=value) applied, validated."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; known presets: {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown model config key(s) {unknown}; known keys: {sorted(fields)}")
+    values = {**PRESETS[preset], **overrides}
+    if not isinstance(values.get("attention_pattern", ()), tuple):  # lists arrive from flags
+        values["attention_pattern"] = tuple(values["attention_pattern"])
+    cfg = ModelConfig(**values)
+    validate_model_config(cfg)
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def validate_model_config(cfg: ModelConfig) -> None:
+    """Raises ValueError naming the offending field ("model.<field>") if `cfg` is unusable."""
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        value = getattr(cfg, name)
+        _require(value > 0, f"model.{name} ({value}) must be > 0")
+    _require(
+        cfg.num_heads % cfg.num_kv_heads == 0,
+        f"model.num_heads ({cfg.num_heads}) must be divisible by "
+        f"model.num_kv_heads ({cfg.num_kv_heads})",
+    )
+    _require(cfg.head_dim % 2 == 0, f"model.head_dim ({cfg.head_dim}) must be even for rotary")
+    for name in ("attn_logit_softcap", "final_logit_softcap"):
+        value = getattr(cfg, name)
+        _require(value >= 0, f"model.{name} ({value}) must be >= 0 (0 disables)")
+    _require(cfg.rope_base > 0, f"model.rope_base ({cfg.rope_base}) must be > 0")
+    _require(cfg.dtype in DTYPES, f"model.dtype ({cfg.dtype!r}) must be one of {DTYPES}")
+
+    pattern = cfg.attention_pattern
+    _require(
+        isinstance(pattern, tuple) and len(pattern) > 0,
+        f"model.attention_pattern ({pattern!r}) must be a non-empty tuple",
+    )
+    for kind in pattern:
+        _require(
+            kind in ATTENTION_KINDS,
+            f"model.attention_pattern entry {kind!r} must be one of {ATTENTION_KINDS}",
+        )
+    uses_local = any(cfg.attention_kind(i) == "local" for i in range(cfg.num_layers))
+    _require(
+        cfg.sliding_window > 0 or not uses_local,
+        f"model.sliding_window ({cfg.sliding_window}) must be > 0 when "
+        f"model.attention_pattern has 'local' layers",
+    )
+
+    _require(
+        cfg.moe_layers in MOE_LAYER_CHOICES,
+        f"model.moe_layers ({cfg.moe_layers!r}) must be one of {MOE_LAYER_CHOICES}",
+    )
+    if cfg.num_moe_layers < cfg.num_layers:
+        _require(cfg.ffw_hidden > 0, f"model.ffw_hidden ({cfg.ffw_hidden}) must be > 0")
+    if cfg.moe_layers == "none":
+        return
+    _require(
+        cfg.num_moe_layers > 0,
+        f"model.moe_layers ({cfg.moe_layers!r}) selects no layer with "
+        f"model.num_layers ({cfg.num_layers})",
+    )
+    _require(
+        cfg.num_experts >= 1,
+        f"model.num_experts ({cfg.num_experts}) must be >= 1 when "
+        f"model.moe_layers is {cfg.moe_layers!r}",
+    )
+    _require(
+        1 <= cfg.experts_per_token <= cfg.num_experts,
+        f"model.experts_per_token ({cfg.experts_per_token}) must be in "
+        f"[1, model.num_experts ({cfg.num_experts})]",
+    )
+    _require(cfg.expert_hidden > 0, f"model.expert_hidden ({cfg.expert_hidden}) must be > 0")
+    for name in ("load_balance_weight", "router_z_weight"):
+        value = getattr(cfg, name)
+        _require(value >= 0, f"model.{name} ({value}) must be >= 0")

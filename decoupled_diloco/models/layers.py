@@ -1,0 +1,144 @@
+"""Gemma-style layers: RMSNorm, rotary embeddings, soft-capping, attention, GeGLU feed-forward.
+
+Shape legend: B batch, T query sequence, S key sequence, D d_model, H query heads, K kv heads,
+G head_dim, F ffw hidden. Every parameter is created through `param`, which records its logical
+axis names next to its shape; `transformer.param_logical_axes` reads them back.
+
+Init (all weights plain normal, fan-in scaled, so every projection roughly preserves the RMS of
+its input): q/k/v std D**-0.5, attention out (H*G)**-0.5, ffw gate/up D**-0.5, down F**-0.5.
+Norm scales start at 0 because the norms multiply by (1 + scale).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decoupled_diloco.models.config import ModelConfig
+
+# Added to masked attention logits; finite so fully-masked rows could never produce NaN.
+_MASK_VALUE = -1e30
+
+
+def param(module: nn.Module, name: str, axes: tuple, shape: tuple, init) -> jax.Array:
+    """A float32 parameter whose logical axis names (one per dim) travel with it."""
+    if len(axes) != len(shape):
+        raise ValueError(f"{name}: axes {axes} do not match shape {shape}")
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+def fan_in_init(in_axis, batch_axis=()):
+    """Normal init with variance 1 / fan_in, fan_in = product of the `in_axis` dims."""
+    return nn.initializers.variance_scaling(
+        1.0, "fan_in", "normal", in_axis=in_axis, out_axis=-1, batch_axis=batch_axis
+    )
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / rms(x) * (1 + scale) over the last axis, computed in float32, returned in x.dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(x / cap): smooth clipping to (-cap, cap); `cap == 0` is the identity."""
+    if cap <= 0:
+        return x
+    return cap * jnp.tanh(x / cap)
+
+
+def apply_rotary(x_BTHG: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding, half-split form.
+
+    The pair (x[i], x[i + G/2]) is rotated by angle position * base**(-2i/G).
+    """
+    half = x_BTHG.shape[-1] // 2
+    inv_freq = base ** (-np.arange(half, dtype=np.float32) * 2.0 / x_BTHG.shape[-1])
+    angle_TG = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    sin, cos = jnp.sin(angle_TG)[:, None, :], jnp.cos(angle_TG)[:, None, :]
+    x1, x2 = jnp.split(x_BTHG.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BTHG.dtype)
+
+
+def attention_mask(q_positions_T: jax.Array, k_positions_S: jax.Array, window: int) -> jax.Array:
+    """[T, S] bool: causal, and if `window > 0` only keys with q - window < k (sliding window)."""
+    q, k = q_positions_T[:, None], k_positions_S[None, :]
+    mask = k <= q
+    if window > 0:
+        mask &= k > q - window
+    return mask
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a (1 + scale) gain over the last axis; `axis_name` is its logical name."""
+
+    axis_name: str = "embed"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = param(self, "scale", (self.axis_name,), (x.shape[-1],), nn.initializers.zeros)
+        return rms_norm(x, scale)
+
+
+class Attention(nn.Module):
+    """Causal self-attention, MHA / GQA / MQA, optional QK-norm, logit softcap, sliding window."""
+
+    cfg: ModelConfig
+    window: int  # 0: global attention
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        D, H, K, G = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        in_init = fan_in_init(in_axis=0, batch_axis=())
+        q = param(self, "q", ("embed", "heads", "head_dim"), (D, H, G), in_init)
+        k = param(self, "k", ("embed", "kv_heads", "head_dim"), (D, K, G), in_init)
+        v = param(self, "v", ("embed", "kv_heads", "head_dim"), (D, K, G), in_init)
+        out = param(self, "out", ("heads", "head_dim", "embed"), (H, G, D), fan_in_init((0, 1)))
+
+        x_BTD = x_BTD.astype(dtype)
+        q_BTHG = jnp.einsum("BTD,DHG->BTHG", x_BTD, q.astype(dtype))
+        k_BSKG = jnp.einsum("BSD,DKG->BSKG", x_BTD, k.astype(dtype))
+        v_BSKG = jnp.einsum("BSD,DKG->BSKG", x_BTD, v.astype(dtype))
+        if cfg.qk_norm:
+            q_BTHG = RMSNorm("head_dim", name="q_norm")(q_BTHG)
+            k_BSKG = RMSNorm("head_dim", name="k_norm")(k_BSKG)
+        positions_T = jnp.arange(x_BTD.shape[1])
+        q_BTHG = apply_rotary(q_BTHG, positions_T, cfg.rope_base) * jnp.asarray(G**-0.5, dtype)
+        k_BSKG = apply_rotary(k_BSKG, positions_T, cfg.rope_base)
+        # GQA: each kv head serves H // K consecutive query heads.
+        k_BSHG = jnp.repeat(k_BSKG, H // K, axis=2)
+        v_BSHG = jnp.repeat(v_BSKG, H // K, axis=2)
+
+        logits_BHTS = jnp.einsum(
+            "BTHG,BSHG->BHTS", q_BTHG, k_BSHG, preferred_element_type=jnp.float32
+        )
+        logits_BHTS = softcap(logits_BHTS, cfg.attn_logit_softcap)
+        mask_TS = attention_mask(positions_T, positions_T, self.window)
+        logits_BHTS = jnp.where(mask_TS, logits_BHTS, _MASK_VALUE)
+        probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1).astype(dtype)
+        mixed_BTHG = jnp.einsum("BHTS,BSHG->BTHG", probs_BHTS, v_BSHG)
+        return jnp.einsum("BTHG,HGD->BTD", mixed_BTHG, out.astype(dtype))
+
+
+def geglu(x_BTD, gate_DF, up_DF, down_FD) -> jax.Array:
+    """(gelu(x W_gate) * (x W_up)) W_down, tanh-approximate gelu as in Gemma."""
+    hidden_BTF = jax.nn.gelu(x_BTD @ gate_DF, approximate=True) * (x_BTD @ up_DF)
+    return hidden_BTF @ down_FD
+
+
+class FeedForward(nn.Module):
+    """Dense GeGLU. Params "gate", "up" [D, F] and "down" [F, D] (separate, not fused)."""
+
+    cfg: ModelConfig
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        D, F, dtype = self.cfg.d_model, self.hidden, jnp.dtype(self.cfg.dtype)
+        gate = param(self, "gate", ("embed", "mlp"), (D, F), fan_in_init(0))
+        up = param(self, "up", ("embed", "mlp"), (D, F), fan_in_init(0))
+        down = param(self, "down", ("mlp", "embed"), (F, D), fan_in_init(0))
+        return geglu(x_BTD.astype(dtype), gate.astype(dtype), up.astype(dtype), down.astype(dtype))

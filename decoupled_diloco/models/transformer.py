@@ -1,0 +1,177 @@
+"""Gemma-style decoder and the functional boundary of the model package.
+
+Outside `models/` the model is four pure functions over a plain nested dict of float32 arrays:
+`init_params`, `forward`, `param_logical_axes`, `count_params`. The dict layout is a contract
+(fragments, checkpoints and sharding rules key on its `/`-joined leaf names), one key per block,
+never scanned:
+
+  embedder/embedding [V, D]                      (tied: also the output projection)
+  block_<i>/pre_attn_norm/scale [D]
+  block_<i>/attn/{q [D, H, G], k [D, K, G], v [D, K, G], out [H, G, D]}
+  block_<i>/attn/{q_norm, k_norm}/scale [G]      (only if qk_norm)
+  block_<i>/post_attn_norm/scale, pre_ffw_norm/scale, post_ffw_norm/scale [D]
+  block_<i>/ffw/{gate [D, F], up [D, F], down [F, D]}              (dense layers)
+  block_<i>/moe/{router [D, E], gate [E, D, F], up [E, D, F], down [E, F, D]}   (MoE layers)
+  block_<i>/moe/shared/{gate, up, down}          (only if shared_expert)
+  final_norm/scale [D]
+
+Embedding init: normal with std 0.02 (GPT-2 convention). Inputs are embedding * sqrt(D), and
+logits are final-normed x (RMS 1) @ embedding.T, so initial logits have std 0.02 * sqrt(D): ~0.16
+for D = 64, giving an initial loss close to ln(V); Gemma's own default (std 0.01) is similar.
+"""
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decoupled_diloco.models.config import ModelConfig, validate_model_config
+from decoupled_diloco.models.layers import Attention, FeedForward, RMSNorm, param, softcap
+from decoupled_diloco.models.moe import MoE
+
+EMBEDDING_INIT_STD = 0.02
+
+
+class Embedder(nn.Module):
+    """Tied token embedding: `encode` tokens to scaled vectors, `decode` vectors to logits."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        shape = (self.cfg.vocab_size, self.cfg.d_model)
+        init = nn.initializers.normal(EMBEDDING_INIT_STD)
+        self.embedding = param(self, "embedding", ("vocab", "embed"), shape, init)
+
+    def encode(self, tokens_BT: jax.Array) -> jax.Array:
+        dtype = jnp.dtype(self.cfg.dtype)
+        x_BTD = jnp.take(self.embedding, tokens_BT, axis=0).astype(dtype)
+        return x_BTD * jnp.asarray(math.sqrt(self.cfg.d_model), dtype)
+
+    def decode(self, x_BTD: jax.Array) -> jax.Array:
+        embedding = self.embedding.astype(x_BTD.dtype)
+        return jnp.einsum("BTD,VD->BTV", x_BTD, embedding, preferred_element_type=jnp.float32)
+
+
+class Block(nn.Module):
+    """Gemma 2 block: x + post_norm(attn(pre_norm(x))), then the same around the (MoE) FFW."""
+
+    cfg: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict | None]:
+        cfg = self.cfg
+        window = cfg.sliding_window if cfg.attention_kind(self.layer) == "local" else 0
+        h_BTD = Attention(cfg, window, name="attn")(RMSNorm(name="pre_attn_norm")(x_BTD))
+        x_BTD = x_BTD + RMSNorm(name="post_attn_norm")(h_BTD)
+        h_BTD = RMSNorm(name="pre_ffw_norm")(x_BTD)
+        stats = None
+        if cfg.is_moe_layer(self.layer):
+            h_BTD, stats = MoE(cfg, name="moe")(h_BTD)
+        else:
+            h_BTD = FeedForward(cfg, cfg.ffw_hidden, name="ffw")(h_BTD)
+        return x_BTD + RMSNorm(name="post_ffw_norm")(h_BTD), stats
+
+
+def _moe_aux(cfg: ModelConfig, stats: list[dict]) -> dict[str, jax.Array]:
+    """Per-layer router statistics -> forward's aux dict; {} for a dense model.
+
+    The loss entries are means over MoE layers (so a uniform router reads 1.0);
+    moe_aux_loss is the weighted *sum* over layers, ready to add to the training loss.
+    """
+    if not stats:
+        return {}
+    load_balance_L = jnp.stack([s["load_balance_loss"] for s in stats])
+    z_L = jnp.stack([s["router_z_loss"] for s in stats])
+    weighted_L = cfg.load_balance_weight * load_balance_L + cfg.router_z_weight * z_L
+    return {
+        "moe_aux_loss": jnp.sum(weighted_L),
+        "load_balance_loss": jnp.mean(load_balance_L),
+        "router_z_loss": jnp.mean(z_L),
+        "expert_load": jnp.stack([s["expert_load"] for s in stats]),
+        "dropped_fraction": jnp.mean(jnp.stack([s["dropped_fraction"] for s in stats])),
+    }
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: tokens_BT -> (logits_BTV float32, aux)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BT: jax.Array) -> tuple[jax.Array, dict]:
+        cfg = self.cfg
+        embedder = Embedder(cfg, name="embedder")
+        x_BTD = embedder.encode(tokens_BT)
+        moe_stats = []
+        for layer in range(cfg.num_layers):
+            x_BTD, stats = Block(cfg, layer, name=f"block_{layer}")(x_BTD)
+            if stats is not None:
+                moe_stats.append(stats)
+        logits_BTV = embedder.decode(RMSNorm(name="final_norm")(x_BTD))
+        return softcap(logits_BTV, cfg.final_logit_softcap), _moe_aux(cfg, moe_stats)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_boxed(cfg: ModelConfig, rng: jax.Array) -> dict:
+    """Params wrapped in flax LogicallyPartitioned boxes (value + logical axis names)."""
+    return Transformer(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> dict:
+    """Fresh parameters: a plain nested dict of float32 arrays (layout in the module doc)."""
+    validate_model_config(cfg)
+    return nn.meta.unbox(_init_boxed(cfg, rng))
+
+
+def forward(cfg: ModelConfig, params: dict, tokens_BT: jax.Array) -> tuple[jax.Array, dict]:
+    """logits_BTV (float32) and aux for int tokens_BT. Pure; jit with `cfg` static.
+
+    aux is {} for a dense model; with MoE layers it holds "moe_aux_loss" (scalar, weighted sum
+    over MoE layers, add it to the loss), "load_balance_loss" and "router_z_loss" (scalars, mean
+    over MoE layers), "expert_load" [num_moe_layers, E] (fraction of top-k assignments per
+    expert) and "dropped_fraction" (scalar, mean over MoE layers).
+    """
+    return Transformer(cfg).apply({"params": params}, tokens_BT)
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict:
+    """Same nesting as init_params; each leaf is a tuple of logical axis names (or None), one
+    per array dim, from "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert"."""
+    boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
+    return jax.tree.map(
+        lambda box: tuple(box.names),
+        boxed,
+        is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned),
+    )
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    """{"a/b/c": leaf} for a nested dict whose leaves are not dicts."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def count_params(cfg: ModelConfig, activated: bool = False) -> int:
+    """Number of parameters (tied embedding counted once), computed from shapes only.
+
+    activated=True counts, of each expert-stacked tensor, only the top-k experts a token uses.
+    """
+    validate_model_config(cfg)
+    shapes = _leaves(jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0)))
+    axes = _leaves(param_logical_axes(cfg))
+    total = 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape.shape))
+        if activated and axes[name][:1] == ("expert",):
+            size = size // cfg.num_experts * cfg.experts_per_token
+        total += size
+    return total

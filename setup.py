@@ -1,0 +1,30 @@
+"""Installs decoupled_diloco: `pip install -e .` (add `[test]` for the test tools)."""
+
+import setuptools
+
+setuptools.setup(
+    name="decoupled_diloco",
+    version="0.1.0",
+    description=(
+        "Resilient, asynchronous, low-communication LLM pre-training in JAX "
+        "(Decoupled DiLoCo, arXiv 2604.21428)."
+    ),
+    packages=setuptools.find_packages(include=["decoupled_diloco", "decoupled_diloco.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.4.35",
+        "jaxlib>=0.4.35",
+        "flax>=0.10",
+        "optax>=0.2.3",
+        "orbax-checkpoint>=0.10",
+        "ml-collections>=0.1.1",
+        "tensorflow-datasets>=4.9.7",
+        "absl-py>=2.0",
+        "numpy>=1.26",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        "ray": ["ray[default]>=2.30"],
+    },
+)
