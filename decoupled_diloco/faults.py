@@ -1,0 +1,356 @@
+"""Seeded fault schedule: one description of failures shared by real runs and the simulator.
+
+A `FaultSpec` (part of the run config) says *what* can go wrong; `FaultSchedule` turns it
+into a deterministic timeline for M learners over a horizon, reproducible from
+`spec.seed`. The runtime consumes the events (crash a learner, restart it, slow it down,
+drop the syncer); the goodput simulator (`decoupled_diloco.simulator`) consumes the same
+schedule, so a real CPU run's measured goodput can be set beside the simulator's
+prediction for the very same timeline.
+
+Random learner crashes: each of a learner's `chips_per_learner` chips fails after an
+independent exponential time with mean `chip_mtbf_hours`. The superposition of n such
+clocks is a Poisson process of rate n / MTBF whose every event lands on a uniformly random
+chip, which is what is sampled (one draw per failure, never one clock per chip), so the
+cost is independent of the chip count. A crash while the learner is already down, or while
+it is not a member, is ignored (a dead chip cannot fail again; by memorylessness this
+thinning is exact).
+
+Independent random streams (crashes, stragglers) are derived from the seed, so enabling
+stragglers does not move the crash times. Per-step speed noise is not drawn from a stream
+at all: it is a hash of (seed, learner, step), so any process can recompute it.
+"""
+
+import bisect
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+# Ties at equal times resolve in this order, so a zero-delay crash precedes its restart.
+_KIND_ORDER = (
+    "leave",
+    "crash",
+    "syncer_crash",
+    "straggle_end",
+    "straggle_start",
+    "restart",
+    "syncer_restart",
+    "join",
+)
+_STREAM_CRASH, _STREAM_STRAGGLE = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultSpec:
+    """What can go wrong in a run; all times in seconds of wall (or simulated) time."""
+
+    seed: int = 0
+    crashes: tuple[tuple[int, float], ...] = ()  # explicit (learner, time_s) crashes
+    chip_mtbf_hours: float = 0.0  # 0 = no random crashes; else exponential per chip
+    chips_per_learner: int = 1  # a learner crashes when any of its chips fails
+    restart_delay_s: float = 5.0  # crash -> learner back (rejoins)
+    straggler_rate_per_hour: float = 0.0  # Poisson rate of slowdown episodes per learner
+    straggler_duration_s: float = 10.0
+    straggler_slowdown: float = 2.0  # step-time multiplier during an episode
+    speed_factors: tuple[float, ...] = ()  # per-learner step-time multiplier; () = all 1
+    slow_fraction: float = 0.0  # alternative to speed_factors: the last this-fraction...
+    slow_factor: float = 1.0  # ...of learners get this step-time multiplier (1.18 = 18% slower)
+    speed_noise: float = 0.0  # std of the multiplicative per-step log-normal noise (0.10)
+    link_latency_s: tuple[float, ...] = ()  # per-learner one-way latency to the syncer; () = 0
+    link_bandwidth_bps: tuple[float, ...] = ()  # per-learner bits/s; () or 0 = unlimited
+    membership: tuple[tuple[int, float, float], ...] = ()  # (learner, join_s, leave_s)
+    syncer_crashes: tuple[float, ...] = ()  # times the syncer crashes
+    syncer_restart_delay_s: float = 5.0
+
+
+class FaultEvent(NamedTuple):
+    """One timeline entry; `learner` is -1 for syncer events."""
+
+    time: float
+    kind: str  # one of _KIND_ORDER
+    learner: int
+    factor: float = 1.0  # step-time multiplier, for straggle_start
+
+
+def _fail(field: str, msg: str):
+    raise ValueError(f"faults.{field} {msg}")
+
+
+def validate_fault_spec(spec: FaultSpec, num_learners: int) -> None:
+    """Raises ValueError naming the offending `faults.<field>` (or `num_learners`)."""
+    if num_learners < 1:
+        raise ValueError(f"num_learners must be >= 1, got {num_learners}")
+    m = num_learners
+
+    def learner_ok(i, field):
+        if int(i) != i or not 0 <= i < m:
+            _fail(field, f"names learner {i!r}, but learners are 0..{m - 1}")
+
+    for entry in spec.crashes:
+        if len(entry) != 2:
+            _fail("crashes", f"entries must be (learner, time_s), got {entry!r}")
+        learner_ok(entry[0], "crashes")
+        if not entry[1] >= 0:
+            _fail("crashes", f"times must be >= 0, got {entry!r}")
+    for field in ("chip_mtbf_hours", "restart_delay_s", "straggler_rate_per_hour"):
+        if not getattr(spec, field) >= 0:
+            _fail(field, f"must be >= 0, got {getattr(spec, field)}")
+    for field in ("speed_noise", "syncer_restart_delay_s"):
+        if not getattr(spec, field) >= 0:
+            _fail(field, f"must be >= 0, got {getattr(spec, field)}")
+    if int(spec.chips_per_learner) != spec.chips_per_learner or spec.chips_per_learner < 1:
+        _fail("chips_per_learner", f"must be an integer >= 1, got {spec.chips_per_learner}")
+    if not spec.straggler_duration_s > 0:
+        _fail("straggler_duration_s", f"must be > 0, got {spec.straggler_duration_s}")
+    if not spec.straggler_slowdown >= 1:
+        _fail("straggler_slowdown", f"must be >= 1 (a slowdown), got {spec.straggler_slowdown}")
+    if not 0 <= spec.slow_fraction <= 1:
+        _fail("slow_fraction", f"must be in [0, 1], got {spec.slow_fraction}")
+    if not spec.slow_factor > 0:
+        _fail("slow_factor", f"must be > 0, got {spec.slow_factor}")
+    if spec.speed_factors and spec.slow_fraction > 0:
+        _fail("speed_factors", "and faults.slow_fraction are alternatives; set only one")
+    for field in ("speed_factors", "link_latency_s", "link_bandwidth_bps"):
+        values = getattr(spec, field)
+        if values and len(values) != m:
+            _fail(field, f"needs one value per learner ({m}) or none, got {len(values)}")
+    if any(not f > 0 for f in spec.speed_factors):
+        _fail("speed_factors", f"must all be > 0, got {spec.speed_factors}")
+    if any(not x >= 0 for x in spec.link_latency_s + spec.link_bandwidth_bps):
+        _fail("link_latency_s", "and faults.link_bandwidth_bps values must be >= 0")
+    for entry in spec.membership:
+        if len(entry) != 3:
+            _fail("membership", f"entries must be (learner, join_s, leave_s), got {entry!r}")
+        learner_ok(entry[0], "membership")
+        if not 0 <= entry[1] < entry[2]:
+            _fail("membership", f"needs 0 <= join_s < leave_s, got {entry!r}")
+    if any(not t >= 0 for t in spec.syncer_crashes):
+        _fail("syncer_crashes", f"times must be >= 0, got {spec.syncer_crashes}")
+
+
+def fault_spec_from_dict(d: Mapping) -> FaultSpec:
+    """Builds a FaultSpec from JSON-like data (lists become tuples); unknown keys raise."""
+    known = {f.name for f in dataclasses.fields(FaultSpec)}
+    for k in d:
+        if k not in known:
+            raise ValueError(f"faults.{k} is not a known key (known: {sorted(known)})")
+
+    def tup(v):
+        return tuple(tup(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+    return FaultSpec(**{k: tup(v) for k, v in d.items()})
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A 64-bit mixing hash; uint64 arithmetic wraps on overflow, which is the point."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def hashed_normal(seed: int, learner, step) -> np.ndarray:
+    """Standard normals that are a pure function of (seed, learner, step); broadcasts."""
+    learner = np.asarray(learner, dtype=np.int64).astype(np.uint64)
+    step = np.asarray(step, dtype=np.int64).astype(np.uint64)
+    h = _splitmix64(np.full(np.broadcast(learner, step).shape, seed % 2**64, dtype=np.uint64))
+    h = _splitmix64(_splitmix64(h ^ learner) ^ step)
+    g = _splitmix64(h ^ np.uint64(0xD1B54A32D192ED03))
+    u1 = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    u2 = (g >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def _merge_intervals(pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(pairs):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _inside(intervals: list[tuple[float, float]], t: float) -> bool:
+    """Whether t lies in one of the sorted, disjoint [a, b) intervals."""
+    i = bisect.bisect_right(intervals, (t, math.inf)) - 1
+    return i >= 0 and intervals[i][0] <= t < intervals[i][1]
+
+
+def _rng(seed: int, *stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed % 2**63, *stream])
+
+
+def _poisson_times(
+    rng: np.random.Generator, rate: float, horizon: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(arrival times in [0, horizon) of a rate-`rate` Poisson process, a uniform [0, 1) mark
+    per arrival). Drawn in fixed-size chunks of exponential gaps, so a longer horizon only
+    appends: a short run's timeline is a prefix of a long one's (a run and its simulation
+    may use different horizons)."""
+    times, marks, t = [], [], 0.0
+    while t < horizon:
+        arrivals = t + np.cumsum(rng.exponential(1.0 / rate, 1024))
+        times.append(arrivals)
+        marks.append(rng.uniform(0.0, 1.0, 1024))
+        t = arrivals[-1]
+    times_all, marks_all = np.concatenate(times), np.concatenate(marks)
+    inside = times_all < horizon
+    return times_all[inside], marks_all[inside]
+
+
+class FaultSchedule:
+    """The deterministic fault timeline of `num_learners` learners over [0, horizon_s).
+
+    `events` is sorted by time (ties in a fixed kind order, then learner); every accepted
+    crash is followed by its restart at crash + restart_delay_s (if inside the horizon).
+    """
+
+    def __init__(self, spec: FaultSpec, num_learners: int, horizon_s: float):
+        validate_fault_spec(spec, num_learners)
+        if not horizon_s > 0:
+            raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
+        self.spec, self.num_learners, self.horizon_s = spec, num_learners, float(horizon_s)
+        m = num_learners
+        self.speed = np.ones(m)
+        if spec.speed_factors:
+            self.speed = np.asarray(spec.speed_factors, dtype=np.float64)
+        elif spec.slow_fraction > 0:
+            n_slow = round(spec.slow_fraction * m)
+            self.speed[m - n_slow :] = spec.slow_factor
+        windows: dict[int, list] = {}
+        for learner, join, leave in spec.membership:
+            windows.setdefault(int(learner), []).append((float(join), float(leave)))
+        self.member_windows = [
+            _merge_intervals(windows.get(i, [(0.0, math.inf)])) for i in range(m)
+        ]
+
+        events: list[FaultEvent] = []
+        self.down = [[] for _ in range(m)]  # per learner: sorted [crash, restart) intervals
+        for t, learner in self._crash_candidates():
+            down = self.down[learner]
+            if (down and t < down[-1][1]) or not self.is_member(learner, t):
+                continue
+            back = t + spec.restart_delay_s
+            down.append((t, back))
+            events.append(FaultEvent(t, "crash", learner))
+            if back < self.horizon_s and self.is_member(learner, back):
+                events.append(FaultEvent(back, "restart", learner))
+        self.straggles = self._sample_straggles()
+        for learner, episodes in enumerate(self.straggles):
+            for a, b in episodes:
+                events.append(FaultEvent(a, "straggle_start", learner, spec.straggler_slowdown))
+                if b < self.horizon_s:
+                    events.append(FaultEvent(b, "straggle_end", learner))
+        self.syncer_down: list[tuple[float, float]] = []
+        for t in sorted(float(x) for x in spec.syncer_crashes if x < self.horizon_s):
+            if self.syncer_down and t < self.syncer_down[-1][1]:
+                continue
+            back = t + spec.syncer_restart_delay_s
+            self.syncer_down.append((t, back))
+            events.append(FaultEvent(t, "syncer_crash", -1))
+            if back < self.horizon_s:
+                events.append(FaultEvent(back, "syncer_restart", -1))
+        for learner, wins in enumerate(self.member_windows):
+            for join, leave in wins:
+                if 0 < join < self.horizon_s:
+                    events.append(FaultEvent(join, "join", learner))
+                if leave < self.horizon_s:
+                    events.append(FaultEvent(leave, "leave", learner))
+        order = {k: i for i, k in enumerate(_KIND_ORDER)}
+        self.events = sorted(events, key=lambda e: (e.time, order[e.kind], e.learner))
+        self._times = [e.time for e in self.events]
+
+    def _crash_candidates(self) -> list[tuple[float, int]]:
+        """Explicit crashes plus the Poisson superposition of every chip's failure clock."""
+        spec, m, horizon = self.spec, self.num_learners, self.horizon_s
+        out = [(float(t), int(i)) for i, t in spec.crashes if t < horizon]
+        if spec.chip_mtbf_hours > 0:
+            rate = m * spec.chips_per_learner / (spec.chip_mtbf_hours * 3600.0)
+            times, marks = _poisson_times(_rng(spec.seed, _STREAM_CRASH), rate, horizon)
+            # A uniformly random chip; chips are split evenly, so its learner is uniform too.
+            learners = np.minimum((marks * m).astype(np.int64), m - 1)
+            out += zip(times.tolist(), learners.tolist(), strict=True)
+        return sorted(out)
+
+    def _sample_straggles(self) -> list[list[tuple[float, float]]]:
+        spec = self.spec
+        if spec.straggler_rate_per_hour <= 0:
+            return [[] for _ in range(self.num_learners)]
+        rate = spec.straggler_rate_per_hour / 3600.0
+        out = []
+        for learner in range(self.num_learners):
+            rng = _rng(spec.seed, _STREAM_STRAGGLE, learner)
+            starts = _poisson_times(rng, rate, self.horizon_s)[0].tolist()
+            out.append(_merge_intervals([(s, s + spec.straggler_duration_s) for s in starts]))
+        return out
+
+    def events_between(self, t0: float, t1: float) -> list[FaultEvent]:
+        """Events with t0 <= time < t1, in timeline order."""
+        lo = bisect.bisect_left(self._times, t0)
+        hi = bisect.bisect_left(self._times, t1)
+        return self.events[lo:hi]
+
+    def is_member(self, learner: int, t: float) -> bool:
+        """Whether the learner exists at t (scavenging windows; unlisted = always)."""
+        return _inside(self.member_windows[learner], t)
+
+    def is_up(self, learner: int, t: float) -> bool:
+        """Alive (not between a crash and its restart) and a member at time t."""
+        return self.is_member(learner, t) and not _inside(self.down[learner], t)
+
+    def straggle_factor(self, learner: int, t: float) -> float:
+        """The episode slowdown if a straggler episode is active at t, else 1."""
+        return self.spec.straggler_slowdown if _inside(self.straggles[learner], t) else 1.0
+
+    def step_time_factor(self, learner: int, step: int, t: float) -> float:
+        """Step-time multiplier: constant speed * active straggle * hashed per-step noise."""
+        factor = float(self.speed[learner]) * self.straggle_factor(learner, t)
+        if self.spec.speed_noise > 0:
+            factor *= float(self.step_noise(np.asarray(learner), np.asarray(step)))
+        return factor
+
+    def step_noise(self, learner, step) -> np.ndarray:
+        """Mean-one log-normal noise exp(s*z - s^2/2), z hashed from (seed, learner, step)."""
+        s = self.spec.speed_noise
+        return np.exp(s * hashed_normal(self.spec.seed, learner, step) - 0.5 * s * s)
+
+    def step_time_factors(self, step, t) -> np.ndarray:
+        """Vectorised `step_time_factor` for all learners: [learners, len(step)] (step, t: [n])."""
+        step, t = np.asarray(step), np.asarray(t, dtype=np.float64)
+        out = np.empty((self.num_learners, t.size))
+        for learner, episodes in enumerate(self.straggles):
+            active = np.zeros(t.size, dtype=bool)
+            for a, b in episodes:  # few episodes per learner; a loop is cheapest
+                active |= (t >= a) & (t < b)
+            slow = np.where(active, self.spec.straggler_slowdown, 1.0)
+            out[learner] = self.speed[learner] * slow
+        if self.spec.speed_noise > 0:
+            out *= self.step_noise(np.arange(self.num_learners)[:, None], step[None, :])
+        return out
+
+    def link(self, learner: int) -> tuple[float, float]:
+        """(one-way latency in s, bandwidth in bits/s; inf when unlimited)."""
+        spec = self.spec
+        latency = float(spec.link_latency_s[learner]) if spec.link_latency_s else 0.0
+        bw = float(spec.link_bandwidth_bps[learner]) if spec.link_bandwidth_bps else 0.0
+        return latency, (bw if bw > 0 else math.inf)
+
+    def transfer_seconds(self, learner: int, num_bytes: int) -> float:
+        """Seconds to move num_bytes to or from the syncer: latency + 8 * bytes / bandwidth."""
+        latency, bw = self.link(learner)
+        return latency + (0.0 if math.isinf(bw) else num_bytes * 8.0 / bw)
+
+    def syncer_up(self, t: float) -> bool:
+        return not _inside(self.syncer_down, t)
+
+    def to_json(self) -> list[dict]:
+        """The timeline as JSON-ready dicts (for the run's event log)."""
+        return [e._asdict() for e in self.events]
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())

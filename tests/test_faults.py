@@ -1,0 +1,199 @@
+"""The seeded fault schedule: determinism, crash/restart pairing, membership, speeds, links."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.faults import (
+    FaultSchedule,
+    FaultSpec,
+    fault_spec_from_dict,
+    validate_fault_spec,
+)
+
+BUSY = FaultSpec(
+    seed=7,
+    chip_mtbf_hours=2.0,
+    chips_per_learner=4,
+    restart_delay_s=30.0,
+    straggler_rate_per_hour=6.0,
+    speed_noise=0.1,
+    membership=((3, 600.0, 2400.0),),
+    syncer_crashes=(100.0, 103.0, 1500.0),
+)
+
+
+def test_same_seed_same_timeline_and_different_seed_differs():
+    a = FaultSchedule(BUSY, 4, 3600.0).to_json()
+    b = FaultSchedule(BUSY, 4, 3600.0).to_json()
+    c = FaultSchedule(dataclasses.replace(BUSY, seed=8), 4, 3600.0).to_json()
+    assert a == b
+    assert a != c
+    assert any(e["kind"] == "crash" for e in a)
+
+
+def test_explicit_crashes_pair_with_restarts_and_crash_while_down_is_ignored():
+    spec = FaultSpec(crashes=((1, 50.0), (1, 52.0), (0, 10.0), (1, 70.0)), restart_delay_s=5.0)
+    sched = FaultSchedule(spec, 2, 1000.0)
+    got = [(e.time, e.kind, e.learner) for e in sched.events]
+    assert got == [
+        (10.0, "crash", 0),
+        (15.0, "restart", 0),
+        (50.0, "crash", 1),
+        (55.0, "restart", 1),  # the crash at 52 hit a learner already down
+        (70.0, "crash", 1),
+        (75.0, "restart", 1),
+    ]
+
+
+def test_events_are_sorted_and_is_up_agrees_with_them():
+    sched = FaultSchedule(BUSY, 4, 3600.0)
+    times = [e.time for e in sched.events]
+    assert times == sorted(times)
+    member = [sched.is_member(i, 0.0) for i in range(4)]
+    crashed = [False] * 4
+    for k, e in enumerate(sched.events):
+        if e.learner < 0:
+            continue
+        if e.kind in ("crash", "restart"):
+            crashed[e.learner] = e.kind == "crash"
+        elif e.kind in ("join", "leave"):
+            member[e.learner] = e.kind == "join"
+        nxt = sched.events[k + 1].time if k + 1 < len(sched.events) else 3600.0
+        probe = (e.time + nxt) / 2  # strictly between this event and the next one
+        if probe > e.time:
+            for i in range(4):
+                assert sched.is_up(i, probe) == (member[i] and not crashed[i]), (i, probe)
+
+
+def test_random_crash_count_matches_superposed_rate():
+    spec = FaultSpec(seed=3, chip_mtbf_hours=1000.0, chips_per_learner=500, restart_delay_s=0.0)
+    horizon = 10 * 3600.0
+    n = sum(e.kind == "crash" for e in FaultSchedule(spec, 8, horizon).events)
+    expected = 8 * 500 / 1000.0 * 10  # learners * chips / MTBF(h) * hours = 40
+    assert abs(n - expected) < 5 * math.sqrt(expected)
+
+
+def test_membership_windows_and_crashes_only_hit_members():
+    spec = FaultSpec(
+        seed=1, chip_mtbf_hours=0.05, membership=((2, 100.0, 200.0), (2, 300.0, 400.0))
+    )
+    sched = FaultSchedule(spec, 3, 500.0)
+    assert [
+        (e.time, e.kind) for e in sched.events if e.learner == 2 and e.kind in ("join", "leave")
+    ] == [
+        (100.0, "join"),
+        (200.0, "leave"),
+        (300.0, "join"),
+        (400.0, "leave"),
+    ]
+    assert not sched.is_member(2, 50.0) and sched.is_member(2, 150.0)
+    assert not sched.is_member(2, 250.0) and not sched.is_up(2, 450.0)
+    assert all(sched.is_member(e.learner, e.time) for e in sched.events if e.kind == "crash")
+    assert sched.is_member(0, 0.0) and sched.is_member(0, 499.0)
+
+
+def test_slow_fraction_applies_to_the_last_learners():
+    sched = FaultSchedule(FaultSpec(slow_fraction=0.5, slow_factor=1.18), 4, 100.0)
+    assert [sched.step_time_factor(i, 3, 1.0) for i in range(4)] == [1.0, 1.0, 1.18, 1.18]
+    sched = FaultSchedule(FaultSpec(speed_factors=(1.0, 2.0, 0.5)), 3, 100.0)
+    assert [sched.step_time_factor(i, 0, 0.0) for i in range(3)] == [1.0, 2.0, 0.5]
+
+
+def test_noise_is_a_function_of_learner_and_step_only():
+    spec = FaultSpec(seed=5, speed_noise=0.1)
+    a, b = FaultSchedule(spec, 3, 100.0), FaultSchedule(spec, 3, 100.0)
+    assert a.step_time_factor(1, 17, 0.0) == b.step_time_factor(1, 17, 99.0)
+    assert a.step_time_factor(1, 17, 0.0) != a.step_time_factor(1, 18, 0.0)
+    assert a.step_time_factor(1, 17, 0.0) != a.step_time_factor(2, 17, 0.0)
+    other = FaultSchedule(FaultSpec(seed=6, speed_noise=0.1), 3, 100.0)
+    assert a.step_time_factor(1, 17, 0.0) != other.step_time_factor(1, 17, 0.0)
+    f = a.step_time_factors(np.arange(20000), np.zeros(20000))
+    assert f.shape == (3, 20000)
+    assert abs(f.mean() - 1.0) < 0.005 and abs(np.log(f).std() - 0.1) < 0.005
+    assert f[2, 123] == pytest.approx(a.step_time_factor(2, 123, 0.0))
+
+
+def test_straggler_episodes_multiply_the_step_time():
+    spec = FaultSpec(
+        seed=2, straggler_rate_per_hour=20.0, straggler_duration_s=30.0, straggler_slowdown=3.0
+    )
+    sched = FaultSchedule(spec, 2, 3600.0)
+    starts = [e for e in sched.events if e.kind == "straggle_start"]
+    assert starts and all(e.factor == 3.0 for e in starts)
+    e = starts[0]
+    assert sched.step_time_factor(e.learner, 0, e.time + 1.0) == 3.0
+    assert sched.step_time_factor(e.learner, 0, e.time - 1e-3) == 1.0
+
+
+def test_link_and_transfer_seconds():
+    spec = FaultSpec(link_latency_s=(0.1, 0.0), link_bandwidth_bps=(1e6, 0.0))
+    sched = FaultSchedule(spec, 2, 10.0)
+    assert sched.link(0) == (0.1, 1e6) and sched.link(1) == (0.0, math.inf)
+    assert sched.transfer_seconds(0, 125_000) == pytest.approx(0.1 + 1.0)  # 1 Mbit at 1 Mbit/s
+    assert sched.transfer_seconds(1, 10**9) == 0.0
+    assert FaultSchedule(FaultSpec(), 2, 10.0).transfer_seconds(0, 10**6) == 0.0
+
+
+def test_syncer_crashes_and_events_between():
+    sched = FaultSchedule(
+        FaultSpec(syncer_crashes=(10.0, 12.0, 40.0), syncer_restart_delay_s=5.0), 1, 100.0
+    )
+    assert [(e.time, e.kind, e.learner) for e in sched.events] == [
+        (10.0, "syncer_crash", -1),
+        (15.0, "syncer_restart", -1),
+        (40.0, "syncer_crash", -1),
+        (45.0, "syncer_restart", -1),
+    ]
+    assert not sched.syncer_up(12.0) and sched.syncer_up(15.0) and sched.syncer_up(39.9)
+    assert [e.time for e in sched.events_between(15.0, 40.0)] == [15.0]
+
+
+def test_fault_spec_from_dict_round_trip_and_unknown_key():
+    spec = fault_spec_from_dict({"seed": 3, "crashes": [[0, 1.5]], "membership": [[1, 0, 9]]})
+    assert spec.crashes == ((0, 1.5),) and spec.membership == ((1, 0, 9),)
+    with pytest.raises(ValueError, match="faults.bogus"):
+        fault_spec_from_dict({"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"crashes": ((5, 1.0),)}, "faults.crashes"),
+        ({"crashes": ((0, -1.0),)}, "faults.crashes"),
+        ({"chip_mtbf_hours": -1.0}, "faults.chip_mtbf_hours"),
+        ({"chips_per_learner": 0}, "faults.chips_per_learner"),
+        ({"restart_delay_s": -2.0}, "faults.restart_delay_s"),
+        ({"straggler_duration_s": 0.0}, "faults.straggler_duration_s"),
+        ({"straggler_slowdown": 0.5}, "faults.straggler_slowdown"),
+        ({"speed_factors": (1.0,)}, "faults.speed_factors"),
+        ({"speed_factors": (1.0, 1.0), "slow_fraction": 0.5}, "faults.speed_factors"),
+        ({"slow_fraction": 1.5}, "faults.slow_fraction"),
+        ({"slow_factor": 0.0}, "faults.slow_factor"),
+        ({"speed_noise": -0.1}, "faults.speed_noise"),
+        ({"link_latency_s": (0.1, 0.1, 0.1)}, "faults.link_latency_s"),
+        ({"link_bandwidth_bps": (-1.0, 1.0)}, "faults.link_bandwidth_bps"),
+        ({"membership": ((0, 5.0, 5.0),)}, "faults.membership"),
+        ({"membership": ((9, 0.0, 5.0),)}, "faults.membership"),
+        ({"syncer_crashes": (-1.0,)}, "faults.syncer_crashes"),
+    ],
+)
+def test_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        validate_fault_spec(FaultSpec(**kwargs), 2)
+
+
+def test_validation_of_learners_and_horizon():
+    with pytest.raises(ValueError, match="num_learners"):
+        FaultSchedule(FaultSpec(), 0, 10.0)
+    with pytest.raises(ValueError, match="horizon_s"):
+        FaultSchedule(FaultSpec(), 2, 0.0)
+
+
+def test_short_horizon_timeline_is_a_prefix_of_a_long_one():
+    """Runs draw their schedule far ahead; a simulation of the first hour must agree."""
+    short = FaultSchedule(BUSY, 4, 3600.0)
+    long = FaultSchedule(BUSY, 4, 10 * 3600.0)
+    assert short.events == long.events_between(0.0, 3600.0)

@@ -1,0 +1,226 @@
+"""Goodput simulator: analytic cases, model identities, monotonicity, determinism, CLI."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.faults import FaultSpec
+from decoupled_diloco.simulator import SimParams, simulate
+from decoupled_diloco.simulator.timeline import fragment_loss
+from decoupled_diloco.simulator.trace import drop_failures_while_down
+
+SHORT = SimParams(horizon_days=2.0)
+# Timings of a toy CPU run: every number below is exact arithmetic on these.
+CPU = SimParams(
+    horizon_days=1000.0 / 86400,
+    detect_s=0.0,
+    reconfig_s=2.0,
+    restart_s=0.0,
+    restore_s=5.0,
+    step_s=3.0,
+    checkpoint_interval_s=30.0,
+    sync_period_s=8.0,
+    fragments=4,
+)
+ONE_CRASH = FaultSpec(crashes=((0, 100.0),), restart_delay_s=20.0)
+
+
+@pytest.mark.parametrize("method, learners", [("dp", 1), ("elastic_dp", 1), ("decoupled", 4)])
+def test_no_failures_means_full_goodput_and_uptime(method, learners):
+    r = simulate(method, 40_000, learners, dataclasses.replace(SHORT, chip_mtbf_years=1e12))
+    assert r.failures == 0
+    assert r.goodput == pytest.approx(1.0) and r.uptime == 1.0 and r.downtime_seconds == 0.0
+
+
+def test_dp_single_crash_exact():
+    """Stall from crash to restart + restore; the work since the last checkpoint is lost."""
+    r = simulate("dp", 2, 2, CPU, ONE_CRASH)
+    horizon = 1000.0
+    assert r.failures == 1 and r.downtime_seconds == pytest.approx(20.0 + 5.0)
+    lost = 2 * (100.0 % 30.0)  # chip-seconds since the checkpoint at t = 90
+    assert r.goodput == pytest.approx((2 * (horizon - 25.0) - lost) / (2 * horizon))
+
+
+def test_elastic_single_crash_exact():
+    """Everyone pauses detect + reconfig; the survivor runs alone; the returned learner is
+    re-added once its idle chip-seconds equal the re-add pause's cost (ski rental)."""
+    r = simulate("elastic_dp", 2, 2, CPU, ONE_CRASH)
+    # back at 120; idle 1 chip * (t - 120) == 1 running chip * 2 s -> pause [122, 124).
+    useful = 2 * 100.0 + 1 * (122.0 - 102.0) + 2 * (1000.0 - 124.0) - 2 * (100.0 % 3.0)
+    assert r.goodput == pytest.approx(useful / 2000.0)
+    assert r.downtime_seconds == pytest.approx(4.0) and r.recoveries == 2
+
+
+def test_decoupled_single_crash_exact():
+    """Only the crashed learner stops; it loses its unmerged work and rejoins after restore."""
+    r = simulate("decoupled", 2, 2, CPU, ONE_CRASH)
+    lost = fragment_loss(8.0, 4)(100.0)
+    assert 0 < lost < 8.0
+    assert r.goodput == pytest.approx((2000.0 - (125.0 - 100.0) - lost) / 2000.0)
+    assert r.uptime == 1.0 and r.failures == 1
+
+
+def test_syncer_crash_costs_uptime_not_goodput():
+    spec = FaultSpec(syncer_crashes=(300.0,), syncer_restart_delay_s=40.0)
+    r = simulate("decoupled", 3, 3, CPU, spec)
+    assert r.goodput == pytest.approx(1.0) and r.downtime_seconds == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_learner_is_exactly_elastic_dp(seed):
+    """M = 1, K = 1: the learner is an elastic job over all its units, so every number
+    matches, provided that losing *all* units at once costs the same: elastic DP falls back
+    to its last checkpoint, a learner to its last offer of each fragment -- identical for
+    one fragment offered every checkpoint interval. (With slices, all-dead never happens.)"""
+    p = dataclasses.replace(SHORT, seed=seed)
+    a = simulate("decoupled", 300_000, 1, p).to_dict()
+    b = simulate("elastic_dp", 300_000, 1, p).to_dict()
+    assert a.pop("method") == "decoupled" and b.pop("method") == "elastic_dp"
+    assert a == b
+    spec = FaultSpec(seed=seed, chip_mtbf_hours=0.2, chips_per_learner=4)
+    p = dataclasses.replace(CPU, fragments=1, sync_period_s=CPU.checkpoint_interval_s)
+    a = simulate("decoupled", 4, 1, p, spec)
+    b = simulate("elastic_dp", 4, 1, p, spec)
+    assert a.goodput == b.goodput and a.uptime == b.uptime and a.failures == b.failures > 0
+
+
+def test_m_learners_match_elastic_dp_on_n_over_m_chips():
+    """The paper's rule of thumb holds in expectation (learners are independent elastic jobs)."""
+    p = dataclasses.replace(SHORT, horizon_days=4.0)
+    dec = np.mean(
+        [
+            simulate("decoupled", 1_200_000, 4, dataclasses.replace(p, seed=s)).goodput
+            for s in range(2)
+        ]
+    )
+    ela = np.mean(
+        [
+            simulate("elastic_dp", 300_000, 1, dataclasses.replace(p, seed=s)).goodput
+            for s in range(2)
+        ]
+    )
+    assert abs(dec - ela) < 0.01
+
+
+def test_goodput_falls_with_chips_and_rises_with_learners():
+    chips = (150_000, 600_000, 2_400_000)
+    for method, m in [("dp", 1), ("elastic_dp", 1), ("decoupled", 4)]:
+        g = [simulate(method, n, m, SHORT).goodput for n in chips]
+        assert g[0] > g[1] > g[2], (method, g)
+    g = [simulate("decoupled", 1_200_000, m, SHORT).goodput for m in (1, 2, 4, 8, 16)]
+    assert all(a < b for a, b in zip(g, g[1:], strict=False)), g
+    dp, elastic = (simulate(k, 1_200_000, 1, SHORT).goodput for k in ("dp", "elastic_dp"))
+    assert dp < elastic < g[1]
+
+
+def test_uptime_needs_quorum():
+    full = simulate("decoupled", 1_200_000, 4, SHORT)
+    strict = simulate("decoupled", 1_200_000, 4, dataclasses.replace(SHORT, quorum=4))
+    assert full.uptime > 0.99 > strict.uptime
+    assert strict.goodput == full.goodput  # learners never wait for the quorum
+
+
+def test_determinism_per_seed():
+    a = simulate("decoupled", 600_000, 8, SHORT)
+    b = simulate("decoupled", 600_000, 8, SHORT)
+    c = simulate("decoupled", 600_000, 8, dataclasses.replace(SHORT, seed=1))
+    assert a == b and a.goodput != c.goodput
+
+
+def test_heterogeneous_learners_synchronous_vs_decoupled():
+    """4 fast + 4 slow (18%) + 10% noise, no failures: synchronous DP idles the fast ones
+    (the paper's K = 8 run: 84%); decoupled learners never wait (100%)."""
+    spec = FaultSpec(seed=0, slow_fraction=0.5, slow_factor=1.18, speed_noise=0.1)
+    dp = simulate("dp", 8, 8, CPU, spec)
+    dec = simulate("decoupled", 8, 8, CPU, spec)
+    assert 0.80 < dp.goodput < 0.88 and dec.goodput == 1.0
+
+
+def test_step_noise_hurts_big_synchronous_jobs_more():
+    p = dataclasses.replace(SHORT, chip_mtbf_years=1e12, step_noise_std=0.05, chip_speed_std=0.02)
+    dp = simulate("dp", 600_000, 1, p).goodput
+    dec = simulate("decoupled", 600_000, 16, p).goodput
+    assert dp < dec < 1.0
+
+
+def test_drop_failures_while_down_matches_brute_force():
+    rng = np.random.default_rng(0)
+    t = np.sort(rng.uniform(0, 100, 400))
+    u = rng.integers(0, 20, 400)
+    keep = drop_failures_while_down(t, u, 7.0)
+    down_until = {}
+    for i in range(len(t)):
+        ok = t[i] >= down_until.get(u[i], -np.inf)
+        assert keep[i] == ok
+        if ok:
+            down_until[u[i]] = t[i] + 7.0
+
+
+def test_failure_count_matches_chip_mtbf():
+    r = simulate("dp", 1_200_000, 1, SHORT)
+    expected = 1_200_000 * 2 / 365
+    assert abs(r.failures - expected) < 5 * np.sqrt(expected)
+
+
+def test_million_chips_over_weeks_is_fast():
+    t0 = time.perf_counter()
+    r = simulate("decoupled", 1_200_000, 8, SimParams(horizon_days=28.0))
+    assert time.perf_counter() - t0 < 10.0
+    assert r.failures > 80_000 and 0.8 < r.goodput < 0.95
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (("bogus", 100, 1, SHORT), "method"),
+        (("dp", 100, 3, SHORT), "chips"),
+        (("decoupled", 100, 2, dataclasses.replace(SHORT, quorum=3)), "quorum"),
+        (("dp", 100, 1, dataclasses.replace(SHORT, restore_s=-1.0)), "restore_s"),
+        (("dp", 100, 1, dataclasses.replace(SHORT, slice_chips=0)), "slice_chips"),
+        (("dp", 100, 1, dataclasses.replace(SHORT, horizon_days=0.0)), "horizon_days"),
+        (("dp", 6, 2, SHORT, FaultSpec(chips_per_learner=2)), "chips_per_learner"),
+    ],
+)
+def test_bad_input_names_the_key(args, key):
+    with pytest.raises(ValueError, match=key):
+        simulate(*args)
+
+
+def test_cli_json():
+    cmd = [sys.executable, "-m", "decoupled_diloco.simulate", "--method=decoupled"]
+    cmd += ["--chips=1200000", "--learners=8", "--chip_mtbf_years=1", "--seed=3"]
+    cmd += ["--horizon_days=2", "--json"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=root)
+    result = json.loads(out.stdout)
+    assert {"goodput", "uptime", "downtime_seconds", "failures"} <= result.keys()
+    assert 0.8 < result["goodput"] < 0.95 and result["uptime"] > 0.99
+    assert result["downtime_seconds"] >= 0 and result["failures"] > 5000 and result["seed"] == 3
+    spec = '{"seed": 1, "crashes": [[0, 100.0]], "restart_delay_s": 20.0}'
+    cmd = [sys.executable, "-m", "decoupled_diloco.simulate", "--method=dp", "--chips=2"]
+    cmd += ["--learners=2", f"--fault_spec={spec}", f"--horizon_days={1000 / 86400}"]
+    cmd += ["--detect_s=0", "--restart_s=0", "--restore_s=5", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=root)
+    assert json.loads(out.stdout)["downtime_seconds"] == pytest.approx(25.0)
+    bad = subprocess.run(
+        cmd[:-1] + ["--learners=3"], capture_output=True, text=True, env=env, cwd=root
+    )
+    assert bad.returncode != 0 and "chips" in bad.stderr + bad.stdout
+
+
+def test_job_that_loses_every_unit_restarts_on_units_already_back():
+    """Learner 1 is back but not yet re-added when learner 0 leaves for good: the elastic job
+    must restart on learner 1 at once (rejoin = restore_s), not wait for a later event."""
+    spec = FaultSpec(crashes=((1, 100.0),), membership=((0, 0.0, 110.0),), restart_delay_s=5.0)
+    p = dataclasses.replace(CPU, reconfig_s=50.0)  # the pause after the crash outlasts 110
+    r = simulate("elastic_dp", 2, 2, p, spec)
+    assert r.downtime_seconds == pytest.approx(115.0 - 100.0)
+    useful = 2 * 100.0 - 2 * (100.0 % 3.0) + (1000.0 - 115.0)
+    assert r.goodput == pytest.approx(useful / (110.0 + 1000.0))  # learner 0 allocated to 110
