@@ -1,0 +1,39 @@
+"""Decoupled DiLoCo at CPU scale: 4 learners x 2 fake CPU devices, K=1, grace, RDA.
+
+  python -m decoupled_diloco.main --config=configs/tiny_decoupled.py --workdir=/tmp/dd_dec
+
+Same per-learner model, batch and steps as the baselines in configs/tiny_{diloco,streaming}.py;
+4 learners see 4x the tokens of configs/tiny_dense.py, so compare against
+configs/tiny_dense_4x.py (one learner, 4x batch) at equal tokens.
+"""
+
+from decoupled_diloco.config import default_config
+
+
+def get_config(arg=None):
+    del arg
+    c = default_config()
+    c.name = "tiny_decoupled"
+    c.model.preset = "tiny"
+    c.data.source = "stdlib"
+    c.data.seq_len = 128
+    c.train.steps = 300
+    c.train.batch_size = 32
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 30
+    c.train.eval_every = 100
+    c.diloco.learners = 4
+    c.diloco.sync_every = 12  # H
+    c.diloco.fragments = 6  # P: a fragment due every H/P = 2 steps
+    c.diloco.fragment_strategy = "balanced"
+    c.diloco.overlap = 2  # tau (paper: 2)
+    c.diloco.quorum = 1  # K (paper: 1)
+    c.diloco.grace_gamma = 0.5
+    c.diloco.max_grace = 1.0
+    c.diloco.max_wait = 0.0  # never wait for the syncer
+    c.diloco.weights = "tokens"
+    c.diloco.merge = "rda"
+    c.diloco.embedding_merge = "mean"
+    c.diloco.outer_lr = 0.7
+    c.diloco.outer_momentum = 0.9
+    return c

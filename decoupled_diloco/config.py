@@ -1,0 +1,249 @@
+"""The run configuration: one commented ml_collections default, validated once into dataclasses.
+
+Config files under `configs/` start from `default_config()` and override what they need;
+absl flags override any key (`--config.diloco.learners=8`). `validate()` turns the
+ConfigDict into frozen dataclasses at the entry point, so bad configs fail at start-up with
+the offending key in the message, and nothing deeper in the code reads a ConfigDict.
+"""
+
+import dataclasses
+import math
+import typing
+
+import ml_collections
+
+from decoupled_diloco import faults, models, sharding
+from decoupled_diloco.data import DataConfig, validate_data_config
+from decoupled_diloco.diloco.learner import LearnerConfig
+from decoupled_diloco.diloco.syncer import SyncerConfig
+from decoupled_diloco.train.optimizer import TrainConfig
+
+RUNTIMES = ("local", "ray")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs, validated."""
+
+    model: models.ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    mesh: sharding.MeshConfig
+    learner: LearnerConfig
+    syncer: SyncerConfig
+    faults: faults.FaultSpec
+    num_learners: int
+    devices_per_learner: int
+    runtime: str
+    name: str
+
+    @property
+    def uses_syncer(self) -> bool:
+        return self.learner.sync_every > 0
+
+
+def _placeholders(dc) -> ml_collections.ConfigDict:
+    """One `None` placeholder per dataclass field ("take the preset's value"), typed for absl."""
+    out = ml_collections.ConfigDict()
+    hints = typing.get_type_hints(dc)
+    for f in dataclasses.fields(dc):
+        t = hints[f.name]
+        t = tuple if typing.get_origin(t) is tuple else t
+        out[f.name] = ml_collections.FieldReference(None, field_type=t)
+    return out
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Defaults of every key, each with its unit or allowed values."""
+    c = ml_collections.ConfigDict()
+    c.name = "run"  # free-form run name, written to summary.json
+    c.runtime = "local"  # "local" (threads in one process) | "ray" (one actor per learner)
+    c.seed = 0  # seeds params, data order and fault schedule unless those set their own
+
+    # Model: a preset name plus optional per-field overrides; None = the preset's value.
+    # Fields are documented in decoupled_diloco/models/config.py (ModelConfig).
+    c.model = _placeholders(models.ModelConfig)
+    c.model.preset = "tiny"  # a key of models.PRESETS: tiny, tiny_moe, gemma_2b, gemma_5b, ...
+
+    c.data = ml_collections.ConfigDict(dataclasses.asdict(DataConfig()))
+    # Fields documented in decoupled_diloco/data/config.py (DataConfig): source ("stdlib" |
+    # "shakespeare" | "path" | "tfds"), path, tfds_*, tokenizer ("byte" | "sentencepiece"),
+    # seq_len (tokens per example), eval_fraction (held-out share), max_corpus_bytes (0 = all).
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 200  # inner steps per learner
+    c.train.batch_size = 32  # sequences per inner step per learner
+    c.train.learning_rate = 3e-3  # peak inner AdamW lr
+    c.train.warmup_steps = 20  # linear warmup steps
+    c.train.min_lr_ratio = 0.1  # cosine decays to this fraction of the peak lr
+    c.train.weight_decay = 0.1  # decoupled AdamW weight decay (matrices only)
+    c.train.b1 = 0.9  # Adam beta1
+    c.train.b2 = 0.95  # Adam beta2
+    c.train.eps = 1e-8  # Adam epsilon
+    c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
+    c.train.eval_every = 50  # steps between evaluations; 0 = only at the end
+    c.train.eval_batches = 8  # held-out batches per evaluation
+    c.train.log_every = 10  # steps between metrics.jsonl lines / progress updates
+    c.train.checkpoint_every = 100  # steps between orbax checkpoints; 0 = only at the end
+    c.train.uptime_window = 2.0  # seconds: uptime counts windows in which the model advanced
+
+    c.mesh = ml_collections.ConfigDict()  # each learner's own mesh; -1 = remaining devices
+    c.mesh.data = -1  # pure data-parallel axis
+    c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
+    c.mesh.tensor = 1  # tensor-parallel axis (heads, ffw hidden, vocab)
+    c.mesh.expert = 1  # expert-parallel axis (MoE)
+    c.devices_per_learner = 0  # devices in each learner's mesh; 0 = all devices / learners
+
+    c.diloco = ml_collections.ConfigDict()
+    c.diloco.learners = 1  # M: independent learners (disjoint device subsets, data shards)
+    c.diloco.sync_every = 0  # H: steps between two syncs of a fragment; 0 = no syncer (DP)
+    c.diloco.fragments = 1  # P: parameter fragments synced on staggered schedules
+    c.diloco.fragment_strategy = "balanced"  # "balanced" | "layer" | "tensor"
+    c.diloco.overlap = 0  # tau: steps between offering a fragment and applying its merge
+    c.diloco.alpha = 0.0  # theta <- alpha*theta + (1-alpha)*merged; 0 overwrites
+    c.diloco.max_wait = 0.0  # seconds a learner waits at t+tau for a late merge; -1 = forever
+    c.diloco.quorum = 1  # K: fresh offers needed before a fragment may merge
+    c.diloco.grace_gamma = 0.5  # gamma of the adaptive grace window; 0 disables grace
+    c.diloco.max_grace = 2.0  # seconds: cap of the grace window
+    c.diloco.weights = "tokens"  # "tokens" (c_tokens^2 / c_steps) | "uniform"
+    c.diloco.merge = "rda"  # "rda" (radial-directional) | "mean" for non-embedding fragments
+    c.diloco.embedding_merge = "mean"  # merge rule of the embedding fragment: "mean" | "rda"
+    c.diloco.outer_lr = 0.7  # outer Nesterov lr (DiLoCo: 0.7; Streaming DiLoCo: 0.4)
+    c.diloco.outer_momentum = 0.9  # outer momentum mu
+    c.diloco.nesterov = True  # Nesterov (True) or heavy-ball (False) outer momentum
+    c.diloco.compression = "none"  # wire format: none | bf16 | int8 | int4 | int2 | int1
+    c.diloco.max_staleness = 4  # offers older than this many versions are rejected
+    c.diloco.heartbeat_timeout = 30.0  # seconds of silence before a learner counts as dead
+    c.diloco.syncer_shards = 1  # S: syncer shards, each owning a subset of fragments
+    c.diloco.final_sync = True  # at the end every learner offers every fragment once more
+
+    # Fault injection (decoupled_diloco/faults.py FaultSpec); times in seconds of wall time.
+    c.faults = ml_collections.ConfigDict(
+        {
+            f.name: (list(v) if isinstance(v, tuple) else v)
+            for f in dataclasses.fields(faults.FaultSpec)
+            for v in [f.default]
+        }
+    )
+    return c
+
+
+def _dataclass_from(dc, section: ml_collections.ConfigDict, prefix: str, **extra):
+    known = {f.name for f in dataclasses.fields(dc)}
+    values = {}
+    for k, v in section.items():
+        if k not in known:
+            raise ValueError(f"{prefix}.{k} is not a known key (known: {sorted(known)})")
+        if isinstance(v, list):
+            v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        values[k] = v
+    values.update(extra)
+    return dc(**values)
+
+
+def validate(c: ml_collections.ConfigDict) -> RunConfig:
+    """Checks every section and returns the frozen RunConfig; ValueError names the key."""
+    import jax
+
+    if c.runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {c.runtime!r}")
+
+    model_over = {k: v for k, v in c.model.items() if k != "preset" and v is not None}
+    if isinstance(model_over.get("attention_pattern"), list):
+        model_over["attention_pattern"] = tuple(model_over["attention_pattern"])
+    model_cfg = models.get_model_config(c.model.preset, **model_over)
+    models.validate_model_config(model_cfg)
+
+    data_cfg = _dataclass_from(DataConfig, c.data, "data")
+    validate_data_config(data_cfg)
+    if model_cfg.vocab_size < _vocab(data_cfg):
+        raise ValueError(
+            f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({_vocab(data_cfg)})"
+        )
+
+    train_cfg = _dataclass_from(TrainConfig, c.train, "train", seed=c.seed)
+    for key in ("steps", "batch_size"):
+        if getattr(train_cfg, key) < 1:
+            raise ValueError(f"train.{key} must be >= 1, got {getattr(train_cfg, key)}")
+    if train_cfg.learning_rate <= 0:
+        raise ValueError(f"train.learning_rate must be > 0, got {train_cfg.learning_rate}")
+
+    d = c.diloco
+    m = d.learners
+    if m < 1:
+        raise ValueError(f"diloco.learners must be >= 1, got {m}")
+    n_dev = jax.device_count()
+    per = c.devices_per_learner or n_dev // m
+    if per < 1:
+        raise ValueError(
+            f"diloco.learners ({m}) exceeds the {n_dev} available devices; set "
+            "devices_per_learner (learners then share devices round-robin)"
+        )
+    mesh_cfg = _dataclass_from(sharding.MeshConfig, c.mesh, "mesh")
+    shape = sharding.mesh_shape(mesh_cfg, per)
+    batch_ways = math.prod(
+        s for a, s in zip(sharding.MESH_AXES, shape, strict=True) if a != "tensor"
+    )
+    if train_cfg.batch_size % batch_ways:
+        raise ValueError(
+            f"train.batch_size ({train_cfg.batch_size}) must be divisible by the learner's "
+            f"batch-parallel devices ({batch_ways} = mesh data*fsdp*expert)"
+        )
+
+    learner_cfg = LearnerConfig(
+        sync_every=d.sync_every,
+        overlap=d.overlap,
+        alpha=d.alpha,
+        max_wait=math.inf if d.max_wait < 0 else d.max_wait,
+        compression=d.compression,
+        final_sync=d.final_sync,
+    )
+    syncer_cfg = SyncerConfig(
+        num_fragments=d.fragments,
+        fragment_strategy=d.fragment_strategy,
+        quorum=d.quorum,
+        grace_gamma=d.grace_gamma,
+        max_grace=d.max_grace,
+        overlap=d.overlap,
+        weights=d.weights,
+        merge=d.merge,
+        embedding_merge=d.embedding_merge,
+        outer_lr=d.outer_lr,
+        outer_momentum=d.outer_momentum,
+        nesterov=d.nesterov,
+        compression=d.compression,
+        max_staleness=d.max_staleness,
+        heartbeat_timeout=d.heartbeat_timeout,
+        shards=d.syncer_shards,
+    )
+    learner_cfg.validate()
+    syncer_cfg.validate(num_learners=m)
+    if learner_cfg.sync_every == 0 and m > 1:
+        raise ValueError(
+            f"diloco.sync_every=0 (no syncer) needs diloco.learners=1, got {m}: independent "
+            "learners that never sync would train M separate models"
+        )
+
+    fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults")
+    faults.validate_fault_spec(fault_spec, m)
+
+    return RunConfig(
+        model=model_cfg,
+        data=data_cfg,
+        train=train_cfg,
+        mesh=mesh_cfg,
+        learner=learner_cfg,
+        syncer=syncer_cfg,
+        faults=fault_spec,
+        num_learners=m,
+        devices_per_learner=per,
+        runtime=c.runtime,
+        name=c.name,
+    )
+
+
+def _vocab(data_cfg: DataConfig) -> int:
+    from decoupled_diloco.data import vocab_size
+
+    return vocab_size(data_cfg)

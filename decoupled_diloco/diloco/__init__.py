@@ -1,0 +1,1 @@
+"""Decoupled DiLoCo core: fragment plans, merge rules, outer optimizer, wire compression."""

@@ -1,0 +1,261 @@
+"""Fragment plans: which parameter leaves are synced together, and when.
+
+A plan is a pure function of the leaf names and shapes, so every learner and the syncer
+derive the same plan independently. Leaves are addressed by '/'-joined names
+("block_0/attn/q"); fragment p is due after inner step t when (t - offset_p) % H == 0,
+with offset_p = (p * H) // P, which staggers the P fragments evenly over H steps.
+
+Strategies (P fragments; embedding leaves, if any, always form their own fragment 0):
+  balanced  the other leaves, largest first (ties by name), each go to the currently
+            smallest of the remaining bins (ties: fewest leaves, then lowest index), so
+            bin sizes differ by at most the largest leaf. The default: flattest bandwidth.
+  layer     blocks are strided over the bins, as in Streaming DiLoCo: the r-th block goes
+            to bin r % bins; leaves outside blocks ("final_norm") join the smallest bin.
+  tensor    leaves are grouped by kind (the name without "block_<i>/", e.g. all "attn/q")
+            and whole kinds are bin-packed like `balanced`.
+With P == 1 everything, embeddings included, is one fragment and `embedding_fragment` is
+-1: it names only a fragment made purely of embedding leaves (merged by weighted mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+STRATEGIES = ("balanced", "layer", "tensor")
+_BLOCK_RE = re.compile(r"^block_(\d+)/")
+
+
+def flatten_params(params: Mapping) -> dict[str, Any]:
+    """Nested dict of arrays -> {"block_0/attn/q": array, ...}, keys sorted."""
+    flat: dict[str, Any] = {}
+
+    def visit(prefix: str, node: Any) -> None:
+        if isinstance(node, Mapping):
+            for key, child in node.items():
+                if not isinstance(key, str) or not key or "/" in key:
+                    raise ValueError(f"param key {key!r} under {prefix!r}: need a str without '/'")
+                visit(f"{prefix}/{key}" if prefix else key, child)
+        else:
+            flat[prefix] = node
+
+    visit("", params)
+    return dict(sorted(flat.items()))
+
+
+def unflatten_params(flat: Mapping[str, Any]) -> dict:
+    """Inverse of `flatten_params`: '/'-joined names back to a nested dict."""
+    nested: dict = {}
+    for name, leaf in sorted(flat.items()):
+        *parents, last = name.split("/")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"leaf name {name!r} nests under another leaf")
+        if last in node:
+            raise ValueError(f"leaf name {name!r} collides with a subtree")
+        node[last] = leaf
+    return nested
+
+
+def _num_elements(shape: Any) -> int:
+    return math.prod(tuple(getattr(shape, "shape", shape)))
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentPlan:
+    """P disjoint, non-empty fragments covering every leaf, with their sync schedule."""
+
+    names: tuple[tuple[str, ...], ...]  # leaf names per fragment, each sorted
+    sync_every: int  # H: inner steps between two syncs of the same fragment
+    offsets: tuple[int, ...]  # offset_p = (p * H) // P, in inner steps
+    strategy: str
+    embedding_fragment: int  # fragment made only of embedding leaves, -1 if none
+
+    def __post_init__(self):
+        object.__setattr__(self, "names", tuple(tuple(group) for group in self.names))
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        if not self.names or any(not group for group in self.names):
+            raise ValueError("diloco.fragments: a fragment plan must not contain empty fragments")
+        if any(list(group) != sorted(group) for group in self.names):
+            raise ValueError("diloco.fragments: leaf names in each fragment must be sorted")
+        all_names = [name for group in self.names for name in group]
+        if len(set(all_names)) != len(all_names):
+            raise ValueError("diloco.fragments: a leaf appears in more than one fragment")
+        if self.sync_every < 1:
+            raise ValueError(f"diloco.sync_every must be >= 1, got {self.sync_every}")
+        if len(self.offsets) != len(self.names):
+            raise ValueError("diloco.fragments: need one offset per fragment")
+        if not -1 <= self.embedding_fragment < len(self.names):
+            raise ValueError(f"embedding_fragment {self.embedding_fragment} out of range")
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.names)
+
+    @functools.cached_property
+    def _fragment_index(self) -> dict[str, int]:
+        return {name: p for p, group in enumerate(self.names) for name in group}
+
+    def fragment_of(self, name: str) -> int:
+        """Index of the fragment holding leaf `name`."""
+        try:
+            return self._fragment_index[name]
+        except KeyError:
+            raise ValueError(f"leaf {name!r} is in no fragment of this plan") from None
+
+    def due(self, step: int) -> list[int]:
+        """Fragments due after completing inner step `step` (steps count from 1)."""
+        if step <= 0:
+            return []
+        return [p for p, off in enumerate(self.offsets) if (step - off) % self.sync_every == 0]
+
+    def split(self, flat: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """A flat dict with exactly the plan's leaves -> one sub-dict per fragment."""
+        self._check_names(set(flat), "split")
+        return [{name: flat[name] for name in group} for group in self.names]
+
+    def join(self, parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+        """Inverse of `split`: per-fragment dicts -> one flat dict, keys sorted."""
+        if len(parts) != self.num_fragments:
+            raise ValueError(f"join needs {self.num_fragments} fragments, got {len(parts)}")
+        for p, (part, group) in enumerate(zip(parts, self.names, strict=True)):
+            if set(part) != set(group):
+                raise ValueError(f"join: fragment {p} has leaves {sorted(part)}, want {group}")
+        return dict(sorted((k, v) for part in parts for k, v in part.items()))
+
+    def fragment_bytes(self, shapes: Mapping[str, Any], dtype_bytes: int = 4) -> list[int]:
+        """Bytes per fragment for leaves of `shapes` stored with `dtype_bytes` per element."""
+        self._check_names(set(shapes), "fragment_bytes")
+        return [sum(_num_elements(shapes[n]) for n in group) * dtype_bytes for group in self.names]
+
+    def to_json(self) -> dict:
+        return {
+            "names": [list(group) for group in self.names],
+            "sync_every": self.sync_every,
+            "offsets": list(self.offsets),
+            "strategy": self.strategy,
+            "embedding_fragment": self.embedding_fragment,
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> FragmentPlan:
+        return FragmentPlan(
+            names=tuple(tuple(group) for group in d["names"]),
+            sync_every=int(d["sync_every"]),
+            offsets=tuple(int(o) for o in d["offsets"]),
+            strategy=str(d["strategy"]),
+            embedding_fragment=int(d["embedding_fragment"]),
+        )
+
+    def _check_names(self, got: set[str], what: str) -> None:
+        want = set(self._fragment_index)
+        if got != want:
+            missing, extra = sorted(want - got)[:5], sorted(got - want)[:5]
+            raise ValueError(f"{what}: plan leaves missing {missing}, unexpected {extra}")
+
+
+def _bin_pack(items: list[tuple[str, int]], num_bins: int) -> list[list[str]]:
+    """Greedy largest-first packing of (key, size) items into the currently smallest bin.
+
+    Ties go to the bin with fewer items, then the lowest index: the item count only matters
+    for zero-sized items, which would otherwise pile into one bin and leave others empty.
+    """
+    bins: list[list[str]] = [[] for _ in range(num_bins)]
+    sizes = [0] * num_bins
+    for key, size in sorted(items, key=lambda item: (-item[1], item[0])):
+        b = min(range(num_bins), key=lambda i: (sizes[i], len(bins[i]), i))
+        bins[b].append(key)
+        sizes[b] += size
+    return bins
+
+
+def _group_layers(sizes: dict[str, int], num_bins: int) -> list[list[str]]:
+    """Strided block groups: the r-th block (by index) -> bin r % num_bins."""
+    block_of = {n: int(m.group(1)) for n in sizes if (m := _BLOCK_RE.match(n))}
+    rank = {b: r for r, b in enumerate(sorted(set(block_of.values())))}
+    bins: list[list[str]] = [[] for _ in range(num_bins)]
+    for name in sorted(block_of):
+        bins[rank[block_of[name]] % num_bins].append(name)
+    bin_sizes = [sum(sizes[n] for n in group) for group in bins]
+    # Leaves outside blocks are few and small: the smallest group takes them.
+    smallest = min(range(num_bins), key=lambda i: (bin_sizes[i], i))
+    bins[smallest].extend(sorted(n for n in sizes if n not in block_of))
+    return bins
+
+
+def _tensor_kind(name: str) -> str:
+    return _BLOCK_RE.sub("", name)
+
+
+def _group_tensor_kinds(sizes: dict[str, int], num_bins: int) -> list[list[str]]:
+    """Whole tensor kinds ("attn/q" of every block) bin-packed by their total size."""
+    kind_size: dict[str, int] = {}
+    for name, size in sizes.items():
+        kind_size[_tensor_kind(name)] = kind_size.get(_tensor_kind(name), 0) + size
+    kind_bins = _bin_pack(list(kind_size.items()), num_bins)
+    bin_of_kind = {kind: b for b, kinds in enumerate(kind_bins) for kind in kinds}
+    bins: list[list[str]] = [[] for _ in range(num_bins)]
+    for name in sorted(sizes):
+        bins[bin_of_kind[_tensor_kind(name)]].append(name)
+    return bins
+
+
+_GROUPERS = {
+    "balanced": lambda sizes, n: _bin_pack(list(sizes.items()), n),
+    "layer": _group_layers,
+    "tensor": _group_tensor_kinds,
+}
+
+
+def make_fragment_plan(
+    shapes: Mapping[str, Any],
+    num_fragments: int,
+    strategy: str = "balanced",
+    sync_every: int = 1,
+    embedding_prefix: str = "embedder/",
+) -> FragmentPlan:
+    """Deterministic plan of `num_fragments` (P) fragments synced every `sync_every` (H) steps.
+
+    `shapes` maps leaf names to shapes (tuples, or anything with a `.shape`). The result
+    depends only on the names and sizes, never on dict insertion order.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"diloco.fragment_strategy={strategy!r}; expected one of {STRATEGIES}")
+    if not isinstance(num_fragments, int) or num_fragments < 1:
+        raise ValueError(f"diloco.fragments must be an int >= 1, got {num_fragments!r}")
+    if not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"diloco.sync_every must be an int >= 1, got {sync_every!r}")
+    if not shapes:
+        raise ValueError("diloco.fragments: the parameter tree has no leaves")
+    if num_fragments > len(shapes):
+        raise ValueError(
+            f"diloco.fragments={num_fragments} exceeds the number of leaves ({len(shapes)})"
+        )
+    sizes = {name: _num_elements(shape) for name, shape in shapes.items()}
+    embedding = sorted(n for n in sizes if n.startswith(embedding_prefix))
+    if num_fragments == 1:
+        groups, embedding_fragment = [sorted(sizes)], -1
+    elif embedding:
+        rest = {n: s for n, s in sizes.items() if not n.startswith(embedding_prefix)}
+        groups = [embedding] + (_GROUPERS[strategy](rest, num_fragments - 1) if rest else [])
+        embedding_fragment = 0
+    else:
+        groups, embedding_fragment = _GROUPERS[strategy](sizes, num_fragments), -1
+    if len(groups) != num_fragments or any(not group for group in groups):
+        raise ValueError(
+            f"diloco.fragments={num_fragments} would leave an empty fragment with "
+            f"diloco.fragment_strategy={strategy!r}; use fewer fragments"
+        )
+    return FragmentPlan(
+        names=tuple(tuple(sorted(group)) for group in groups),
+        sync_every=sync_every,
+        offsets=tuple((p * sync_every) // num_fragments for p in range(num_fragments)),
+        strategy=strategy,
+        embedding_fragment=embedding_fragment,
+    )

@@ -1,0 +1,393 @@
+"""The syncer: quorum, adaptive grace window, token-weighted RDA merge, outer Nesterov step.
+
+Pure logic driven by its runtime: `handle(msg, now)` and `tick(now)` return the messages to
+send, `next_deadline()` says when `tick` must run again. No threads, queues or sockets here,
+so the same object runs in-process, in a Ray actor, or under a fake clock in tests.
+
+Offers carry *outer gradients* v_m = Θ_p^(base) − θ_m,p, computed on the learner's side
+against its host copy of the global fragment it last received (bit-identical to the
+syncer's copy of that version unless replies are lossily compressed, in which case the
+anchor is what the learner really started from). This anchors a stale learner's work on
+the version it started from instead of the current one, without the syncer keeping old
+versions of Θ in memory.
+"""
+
+import dataclasses
+import math
+import time as _time
+from collections.abc import Callable
+
+import numpy as np
+
+from decoupled_diloco.diloco import compression, merge
+from decoupled_diloco.diloco.fragments import FragmentPlan
+from decoupled_diloco.diloco.messages import Heartbeat, Join, Leave, Merged, Offer, Snapshot
+
+WEIGHTS = ("tokens", "uniform")
+MERGES = ("rda", "mean")
+STRATEGIES = ("balanced", "layer", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncerConfig:
+    num_fragments: int = 1  # P
+    fragment_strategy: str = "balanced"
+    quorum: int = 1  # K
+    grace_gamma: float = 0.5  # γ; 0 disables the grace window
+    max_grace: float = 2.0  # seconds
+    overlap: int = 0  # τ, for the grace window's budget τ·ξ_step
+    weights: str = "tokens"
+    merge: str = "rda"
+    embedding_merge: str = "mean"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    compression: str = "none"  # replies' wire format
+    max_staleness: int = 4  # versions
+    heartbeat_timeout: float = 30.0  # seconds
+    shards: int = 1  # S
+    ema_decay: float = 0.8  # of the ξ moving averages
+
+    def validate(self, num_learners: int) -> None:
+        checks = [
+            (self.num_fragments >= 1, "diloco.fragments must be >= 1"),
+            (self.fragment_strategy in STRATEGIES, f"diloco.fragment_strategy not in {STRATEGIES}"),
+            (1 <= self.quorum <= num_learners, "diloco.quorum must be in [1, diloco.learners]"),
+            (self.grace_gamma >= 0, "diloco.grace_gamma must be >= 0"),
+            (self.max_grace >= 0, "diloco.max_grace must be >= 0"),
+            (self.weights in WEIGHTS, f"diloco.weights not in {WEIGHTS}"),
+            (self.merge in MERGES, f"diloco.merge not in {MERGES}"),
+            (self.embedding_merge in MERGES, f"diloco.embedding_merge not in {MERGES}"),
+            (self.outer_lr > 0, "diloco.outer_lr must be > 0"),
+            (0 <= self.outer_momentum < 1, "diloco.outer_momentum must be in [0, 1)"),
+            (self.compression in compression.METHODS, "diloco.compression unknown"),
+            (self.max_staleness >= 0, "diloco.max_staleness must be >= 0"),
+            (self.heartbeat_timeout > 0, "diloco.heartbeat_timeout must be > 0"),
+            (1 <= self.shards <= self.num_fragments, "diloco.syncer_shards must be in [1, P]"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"{msg} (got {self})")
+
+
+@dataclasses.dataclass
+class LearnerInfo:
+    incarnation: int = 0
+    last_seen: float = 0.0
+    joined: bool = False
+    step: int = 0
+
+
+class _Ema:
+    def __init__(self, decay: float):
+        self.decay, self.value = decay, None
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+    def get(self) -> float:
+        return 0.0 if self.value is None else self.value
+
+
+class Syncer:
+    """Owns the global fragments `fragments` (all of them unless the syncer is sharded)."""
+
+    def __init__(
+        self,
+        cfg: SyncerConfig,
+        plan: FragmentPlan,
+        params: dict[str, np.ndarray],
+        num_learners: int,
+        fragments: list[int] | None = None,
+        record: Callable[[dict], None] | None = None,
+    ):
+        self.cfg, self.plan, self.num_learners = cfg, plan, num_learners
+        self.owned = list(range(plan.num_fragments)) if fragments is None else list(fragments)
+        self.record = record or (lambda r: None)
+        parts = plan.split({k: np.asarray(v, np.float32) for k, v in params.items()})
+        self.theta = {p: {k: v.copy() for k, v in parts[p].items()} for p in self.owned}
+        self.outer = {
+            p: merge.OuterState({k: np.zeros_like(v) for k, v in self.theta[p].items()})
+            for p in self.owned
+        }
+        self.version = {p: 0 for p in self.owned}
+        self.pending: dict[int, dict[int, tuple[Offer, dict]]] = {p: {} for p in self.owned}
+        self.round_open: dict[int, float | None] = {p: None for p in self.owned}
+        self.quorum_at: dict[int, float | None] = {p: None for p in self.owned}
+        self.learners: dict[int, LearnerInfo] = {}
+        self.xi_step, self.xi_quorum, self.xi_merge = (_Ema(cfg.ema_decay) for _ in range(3))
+        self.stats = dict(merges=0, rejected_offers=0, bytes_in=0, bytes_out=0, offers=0)
+        self.merged_learners = 0
+        self.useful_steps: dict[int, float] = {}  # learner -> merged steps × fragment share
+        self._sizes = {p: sum(v.size for v in self.theta[p].values()) for p in self.owned}
+        self._total = sum(int(np.size(v)) for v in params.values())
+
+    # --- liveness --------------------------------------------------------------------
+    def live(self, now: float) -> list[int]:
+        return sorted(
+            m
+            for m, info in self.learners.items()
+            if info.joined and now - info.last_seen <= self.cfg.heartbeat_timeout
+        )
+
+    def register(self, m: int, incarnation: int, joined: bool, now: float) -> None:
+        """Restores a registry entry (after the syncer itself was restored)."""
+        self.learners[m] = LearnerInfo(incarnation=incarnation, last_seen=now, joined=joined)
+
+    def _touch(self, m: int, incarnation: int, now: float) -> LearnerInfo:
+        info = self.learners.setdefault(m, LearnerInfo())
+        info.last_seen = max(info.last_seen, now)
+        return info
+
+    # --- messages --------------------------------------------------------------------
+    def handle(self, msg, now: float) -> list[tuple[int, object]]:
+        """Processes one incoming message; returns (learner, message) pairs to send."""
+        if isinstance(msg, Join):
+            if not 0 <= msg.learner < self.num_learners:
+                self._reject(None, f"join from unknown learner {msg.learner}", now, msg.learner)
+                return []
+            info = self._touch(msg.learner, msg.incarnation, now)
+            info.incarnation, info.joined = msg.incarnation, True
+            for p in self.owned:  # offers of an earlier life are void
+                self.pending[p].pop(msg.learner, None)
+            self.record(
+                {
+                    "event": "join",
+                    "learner": msg.learner,
+                    "incarnation": msg.incarnation,
+                    "time": now,
+                }
+            )
+            return [(msg.learner, self.snapshot(now))]
+        if isinstance(msg, Leave):
+            info = self.learners.get(msg.learner)
+            if info is not None and info.incarnation == msg.incarnation:
+                info.joined = False
+                self.record({"event": "leave", "learner": msg.learner, "time": now})
+            return self.tick(now)
+        if isinstance(msg, Heartbeat):
+            info = self.learners.get(msg.learner)
+            if info is not None and info.incarnation == msg.incarnation:
+                self._touch(msg.learner, msg.incarnation, now)
+                info.step = msg.step
+                if msg.step_seconds > 0:
+                    self.xi_step.update(msg.step_seconds)
+            return []
+        if isinstance(msg, Offer):
+            self._accept(msg, now)
+            return self.tick(now)
+        raise TypeError(f"syncer cannot handle {type(msg).__name__}")
+
+    def _reject(self, offer: Offer | None, reason: str, now: float, learner: int = -1) -> None:
+        self.stats["rejected_offers"] += offer is not None
+        self.record(
+            {
+                "event": "reject",
+                "learner": offer.learner if offer else learner,
+                "fragment": offer.fragment if offer else None,
+                "reason": reason,
+                "time": now,
+            }
+        )
+
+    def _accept(self, offer: Offer, now: float) -> None:
+        self.stats["offers"] += 1
+        self.stats["bytes_in"] += offer.nbytes
+        reason, arrays = self._validate(offer)
+        if reason:
+            self._reject(offer, reason, now)
+            return
+        self._touch(offer.learner, offer.incarnation, now)
+        p = offer.fragment
+        if self.round_open[p] is None:
+            self.round_open[p] = now
+        old = self.pending[p].get(offer.learner)
+        if old is not None and old[0].incarnation == offer.incarnation:
+            # The newer offer's parameters contain the older one's work.
+            offer.work_steps += old[0].work_steps
+        self.pending[p][offer.learner] = (offer, arrays)  # newer replaces older
+
+    def _validate(self, offer: Offer) -> tuple[str, dict | None]:
+        """Returns (reason, decoded outer gradient); reason is "" for a good offer."""
+        info = self.learners.get(offer.learner)
+        if not 0 <= offer.learner < self.num_learners or info is None or not info.joined:
+            return f"unknown learner {offer.learner}", None
+        if offer.incarnation != info.incarnation:
+            return f"incarnation {offer.incarnation} != current {info.incarnation}", None
+        if offer.fragment not in self.version:
+            return f"fragment {offer.fragment} is not owned by this syncer", None
+        version = self.version[offer.fragment]
+        if offer.base_version > version:
+            return f"base version {offer.base_version} is from the future (now {version})", None
+        if version - offer.base_version > self.cfg.max_staleness:
+            return f"stale: base {offer.base_version}, now {version}", None
+        if offer.c_steps < 0 or offer.c_tokens < 0:
+            return "negative counters", None
+        try:
+            arrays = compression.decode(offer.payload)
+        except Exception as e:  # a malformed payload is a rejection, never a crash
+            return f"undecodable payload: {e!r}", None
+        expected = self.theta[offer.fragment]
+        if set(arrays) != set(expected):
+            return f"leaf names {sorted(arrays)[:3]}... do not match fragment", None
+        for k, v in arrays.items():
+            if v.shape != expected[k].shape:
+                return f"{k}: shape {v.shape} != {expected[k].shape}", None
+            if v.dtype != np.float32:
+                return f"{k}: dtype {v.dtype} != float32", None
+            if not np.isfinite(v).all():
+                return f"{k}: non-finite values", None
+        return "", arrays
+
+    # --- rounds ----------------------------------------------------------------------
+    def grace_window(self) -> float:
+        """γ·(τ·ξ_step − ξ_quorum − ξ_merge), clamped to [0, max_grace] seconds."""
+        budget = self.cfg.overlap * self.xi_step.get() - self.xi_quorum.get() - self.xi_merge.get()
+        return float(min(max(self.cfg.grace_gamma * budget, 0.0), self.cfg.max_grace))
+
+    def _drop_dead(self, now: float) -> None:
+        # Offers of a learner that left cleanly stay valid; those of a silent one are dropped.
+        dead = {
+            m
+            for m, info in self.learners.items()
+            if info.joined and now - info.last_seen > self.cfg.heartbeat_timeout
+        }
+        for p in self.owned:
+            for m in [m for m in self.pending[p] if m in dead]:
+                self.pending[p].pop(m)
+                self.record(
+                    {
+                        "event": "drop_offer",
+                        "learner": m,
+                        "fragment": p,
+                        "reason": "learner not live",
+                        "time": now,
+                    }
+                )
+
+    def tick(self, now: float) -> list[tuple[int, object]]:
+        """Closes every round whose quorum and grace window are satisfied."""
+        self._drop_dead(now)
+        live = set(self.live(now))
+        out = []
+        for p in self.owned:
+            fresh = self.pending[p]
+            if len(fresh) < self.cfg.quorum:
+                continue
+            if self.quorum_at[p] is None:
+                self.quorum_at[p] = now
+                self.xi_quorum.update(now - self.round_open[p])
+            everyone = live <= set(fresh)
+            if everyone or now >= self.quorum_at[p] + self.grace_window():
+                out += self._merge(p, now)
+        return out
+
+    def next_deadline(self) -> float | None:
+        times = [q + self.grace_window() for q in self.quorum_at.values() if q is not None]
+        return min(times) if times else None
+
+    def flush(self, now: float) -> list[tuple[int, object]]:
+        """Merges every fragment with pending offers, quorum or not (end of a run)."""
+        out = []
+        for p in self.owned:
+            if self.pending[p]:
+                if self.quorum_at[p] is None and self.round_open[p] is not None:
+                    self.quorum_at[p] = now
+                out += self._merge(p, now)
+        return out
+
+    def _merge(self, p: int, now: float) -> list[tuple[int, object]]:
+        t0 = _time.perf_counter()
+        offers = sorted(self.pending[p].values(), key=lambda oa: oa[0].learner)
+        self.pending[p] = {}
+        version = self.version[p]
+        kept = []
+        for o, a in offers:
+            if version - o.base_version <= self.cfg.max_staleness:
+                kept.append((o, a))
+            else:
+                self._reject(o, f"stale at merge: base {o.base_version}, now {version}", now)
+        w = merge.token_weights(
+            [o.c_tokens for o, _ in kept], [o.c_steps for o, _ in kept], self.cfg.weights
+        )
+        quorum_wait = (self.quorum_at[p] or now) - (self.round_open[p] or now)
+        grace_used = now - (self.quorum_at[p] or now)
+        self.round_open[p] = self.quorum_at[p] = None
+        if not kept or float(w.sum()) <= 0:
+            return []
+        rule = self.cfg.embedding_merge if p == self.plan.embedding_fragment else self.cfg.merge
+        delta = merge.merge([a for _, a in kept], w, rule)
+        self.theta[p], self.outer[p] = merge.outer_step(
+            self.theta[p],
+            delta,
+            self.outer[p],
+            self.cfg.outer_lr,
+            self.cfg.outer_momentum,
+            self.cfg.nesterov,
+        )
+        self.version[p] = version + 1
+        payload = compression.encode(self.theta[p], self.cfg.compression)
+        learners = tuple(o.learner for o, _ in kept)
+        reply = Merged(p, version + 1, payload, learners, now, payload.nbytes())
+        live = self.live(now)
+        merge_seconds = _time.perf_counter() - t0
+        self.xi_merge.update(merge_seconds)
+        self.stats["merges"] += 1
+        self.stats["bytes_out"] += reply.nbytes * len(live)
+        self.merged_learners += len(kept)
+        share = self._sizes[p] / self._total
+        for o, _ in kept:
+            self.useful_steps[o.learner] = (
+                self.useful_steps.get(o.learner, 0.0) + o.work_steps * share
+            )
+        self.record(
+            {
+                "event": "merge",
+                "fragment": p,
+                "version": version + 1,
+                "learners": list(learners),
+                "weights": [float(x) for x in w / w.sum()],
+                "base_versions": [o.base_version for o, _ in kept],
+                "staleness": [version - o.base_version for o, _ in kept],
+                "c_steps": [o.c_steps for o, _ in kept],
+                "work_steps": [o.work_steps for o, _ in kept],
+                "quorum_wait": quorum_wait,
+                "grace": grace_used,
+                "grace_window": self.grace_window(),
+                "merge_seconds": merge_seconds,
+                "bytes_in": int(sum(o.nbytes for o, _ in kept)),
+                "bytes_out": reply.nbytes * len(live),
+                "share": share,
+                "delta_norm": float(math.sqrt(sum(float(np.vdot(d, d)) for d in delta.values()))),
+                "time": now,
+            }
+        )
+        return [(m, reply) for m in live]
+
+    def snapshot(self, now: float) -> Snapshot:
+        params = {k: v.copy() for p in self.owned for k, v in self.theta[p].items()}
+        return Snapshot(dict(self.version), params, now)
+
+    def global_params(self) -> dict[str, np.ndarray]:
+        return {k: v for p in self.owned for k, v in self.theta[p].items()}
+
+    # --- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to resume: Θ, outer momenta, versions (host numpy + ints)."""
+        return {
+            "theta": {str(p): self.theta[p] for p in self.owned},
+            "momentum": {str(p): self.outer[p].momentum for p in self.owned},
+            "version": {str(p): np.int64(self.version[p]) for p in self.owned},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for p in self.owned:
+            self.theta[p] = {
+                k: np.asarray(v, np.float32) for k, v in state["theta"][str(p)].items()
+            }
+            self.outer[p] = merge.OuterState(
+                {k: np.asarray(v, np.float32) for k, v in state["momentum"][str(p)].items()}
+            )
+            self.version[p] = int(state["version"][str(p)])
+            self.pending[p] = {}
+            self.round_open[p] = self.quorum_at[p] = None

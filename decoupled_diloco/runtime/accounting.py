@@ -1,0 +1,98 @@
+"""Goodput accounting of real runs (the same quantities the simulator predicts).
+
+goodput  = useful learner compute / allocated learner compute, where a learner's step is
+           useful once its work reached a merged global fragment (per fragment, weighted by
+           the fragment's share of the parameters; each step is counted in exactly one offer
+           per fragment, so the tau overlap steps count as the protocol's own mixing, while
+           work lost to a crash, a rejection or a dropped offer does not count); in a run
+           without a syncer, steps that survive to the end (not lost to a restore) are useful.
+uptime   = fraction of windows of `window` seconds, from the first advance of the global
+           model to the end, in which the global model advanced (a merge, or a DP step).
+global_downtime_seconds = the windows in which it did not, times the window length.
+"""
+
+import math
+import threading
+
+
+class Ledger:
+    def __init__(self, num_learners: int, window: float = 2.0):
+        self.window = window
+        self._lock = threading.Lock()
+        self.merges = 0
+        self.merged_learners = 0
+        self.rejected = 0
+        self.failures = 0
+        self.restarts = 0
+        self.syncer_failures = 0
+        self.advances: list[float] = []
+        self.useful_steps = [0.0] * num_learners
+        self.step_seconds = [0.0] * num_learners
+        self.steps = [0] * num_learners
+        self.started = [math.nan] * num_learners
+        self.finished = [math.nan] * num_learners
+
+    def step(self, m: int, seconds: float, now: float) -> None:
+        with self._lock:
+            if math.isnan(self.started[m]):
+                self.started[m] = now - seconds
+            self.steps[m] += 1
+            self.step_seconds[m] += seconds
+
+    def advance(self, now: float) -> None:
+        with self._lock:
+            self.advances.append(now)
+
+    def merge(self, rec: dict) -> None:
+        with self._lock:
+            self.merges += 1
+            self.merged_learners += len(rec["learners"])
+            self.advances.append(rec["time"])
+            share = rec.get("share", 0.0)
+            for m, c in zip(rec["learners"], rec["work_steps"], strict=True):
+                self.useful_steps[m] += c * share
+
+    def failure(self, who, now: float) -> None:
+        with self._lock:
+            if who == "syncer":
+                self.syncer_failures += 1
+            self.failures += 1
+
+    def restart(self, who, now: float) -> None:
+        with self._lock:
+            self.restarts += 1
+
+    def finish(self, m: int, now: float) -> None:
+        with self._lock:
+            self.finished[m] = now
+
+    def uptime(self, wall: float) -> tuple[float, float]:
+        """(uptime fraction, downtime seconds) over windows after the first advance."""
+        if not self.advances:
+            return 0.0, wall
+        start = min(self.advances)
+        n = max(math.ceil((wall - start) / self.window), 1)
+        hit = {min(int((t - start) / self.window), n - 1) for t in self.advances}
+        return len(hit) / n, (n - len(hit)) * self.window
+
+    def summary(self, wall: float, uses_syncer: bool, learners) -> dict:
+        useful = allocated = 0.0
+        for m, lr in enumerate(learners):
+            if self.steps[m] == 0:
+                continue
+            per_step = self.step_seconds[m] / self.steps[m]
+            steps = self.useful_steps[m] if uses_syncer else lr.step
+            useful += min(steps, self.steps[m]) * per_step
+            end = self.finished[m] if not math.isnan(self.finished[m]) else wall
+            allocated += max(end - self.started[m], 1e-9)
+        uptime, downtime = self.uptime(wall)
+        return {
+            "merges": self.merges,
+            "mean_learners_per_merge": self.merged_learners / self.merges if self.merges else 0.0,
+            "goodput": min(useful / allocated, 1.0) if allocated else 0.0,
+            "uptime": uptime,
+            "global_downtime_seconds": downtime,
+            "failures": self.failures,
+            "restarts": self.restarts,
+            "rejected_offers": self.rejected,
+        }

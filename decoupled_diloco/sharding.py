@@ -1,0 +1,128 @@
+"""A learner's device mesh and the one logical-axis rules table.
+
+Every learner owns a `jax.sharding.Mesh` over an explicit list of devices, so several
+learners can own disjoint subsets of one host's (or one pod's) devices. Inside a mesh the
+axes are:
+
+  data    pure data parallelism (params replicated),
+  fsdp    data parallelism with parameters and optimizer state sharded (ZeRO-3 style),
+  tensor  Megatron-style tensor parallelism over heads / ffw hidden / vocab,
+  expert  expert parallelism for MoE layers (batch is also split over it).
+
+The model names each parameter dimension with a *logical* axis (see
+`models.param_logical_axes`); `LOGICAL_RULES` maps logical axes to mesh axes. A dimension
+that is not divisible by its mesh axis stays replicated rather than failing, because tiny
+CPU models routinely have e.g. 4 kv heads on an 8-way tensor axis.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp", "expert"),
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "expert": "expert",
+    "head_dim": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Per-learner mesh shape; -1 on one axis means "all remaining devices"."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
+    """Resolves the -1 axis; raises ValueError naming `mesh.<axis>` on a mismatch."""
+    sizes = {a: getattr(cfg, a) for a in MESH_AXES}
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        names = " and ".join(f"mesh.{a}" for a in free)
+        raise ValueError(f"{names} are all -1; at most one mesh axis may be -1")
+    for a, s in sizes.items():
+        if not isinstance(s, int) or s == 0 or s < -1:
+            raise ValueError(f"mesh.{a} must be a positive integer or -1, got {s!r}")
+    if num_devices < 1:
+        raise ValueError(f"mesh: a learner needs at least one device, got {num_devices}")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(
+                f"mesh.{free[0]}=-1: {num_devices} devices per learner are not divisible by the "
+                f"product of the other mesh axes ({fixed})"
+            )
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        used = " * ".join(f"mesh.{a}={s}" for a, s in sizes.items())
+        raise ValueError(f"{used} = {fixed} devices, but each learner has {num_devices}")
+    return tuple(sizes[a] for a in MESH_AXES)
+
+
+def make_mesh(devices: Sequence[jax.Device], cfg: MeshConfig = MeshConfig()) -> Mesh:
+    """A mesh over exactly `devices` (in the given order) with axes `MESH_AXES`."""
+    shape = mesh_shape(cfg, len(devices))
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES)
+
+
+def batch_axis_size(mesh: Mesh) -> int:
+    """How many ways a batch is split inside `mesh`."""
+    rule = LOGICAL_RULES["batch"]
+    return math.prod(mesh.shape[a] for a in rule)
+
+
+def logical_to_spec(
+    logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh
+) -> PartitionSpec:
+    """PartitionSpec for one array: logical axes mapped by the rules table.
+
+    A mesh axis is used at most once per array, and only when it divides the dimension.
+    """
+    if len(logical) != len(shape):
+        raise ValueError(f"logical axes {logical} do not match shape {shape}")
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(logical, shape, strict=True):
+        rule = LOGICAL_RULES.get(name) if name is not None else None
+        axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+        if axes and dim % math.prod(mesh.shape[a] for a in axes) == 0:
+            used.update(axes)
+            spec.append(axes[0] if len(axes) == 1 else axes)
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
+def param_shardings(params_shapes, logical_axes, mesh: Mesh):
+    """Tree of NamedSharding matching `params_shapes` (arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(
+        lambda x, axes: NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)),
+        params_shapes,
+        logical_axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a [B, T] token batch: B over the batch axes, T replicated."""
+    return NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"], None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

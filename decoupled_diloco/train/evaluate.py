@@ -1,0 +1,37 @@
+"""Held-out evaluation of a parameter set on a fixed list of eval batches."""
+
+import jax
+import numpy as np
+
+from decoupled_diloco import models, sharding, transfer
+from decoupled_diloco.data import make_iterator
+from decoupled_diloco.diloco.fragments import flatten_params, unflatten_params
+from decoupled_diloco.train.step import make_eval_step
+
+
+class Evaluator:
+    """Mean eval cross-entropy over the first `num_batches` held-out batches (fixed set)."""
+
+    def __init__(self, model_cfg, data_cfg, mesh, batch_size: int, num_batches: int):
+        it = make_iterator(data_cfg, "eval", batch_size=batch_size)
+        self.batches = [next(it) for _ in range(num_batches)]
+        abstract = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+        self.param_shardings = sharding.param_shardings(
+            abstract, models.param_logical_axes(model_cfg), mesh
+        )
+        self.flat_shardings = flatten_params(self.param_shardings)
+        self.batch_sharding = sharding.batch_sharding(mesh)
+        self._eval = jax.jit(
+            make_eval_step(model_cfg), in_shardings=(self.param_shardings, self.batch_sharding)
+        )
+
+    def __call__(self, params) -> float:
+        """`params`: nested device params, or a flat dict of host arrays (syncer's Θ)."""
+        if isinstance(next(iter(params.values())), np.ndarray):
+            params = unflatten_params(transfer.to_device(params, self.flat_shardings))
+        losses = []
+        for b in self.batches:
+            batch = transfer.to_device({"b": b}, {"b": self.batch_sharding})["b"]
+            losses.append(self._eval(params, batch))
+        host = transfer.to_host({str(i): x for i, x in enumerate(losses)})
+        return float(np.mean([float(v) for v in host.values()]))

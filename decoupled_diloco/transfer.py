@@ -1,0 +1,49 @@
+"""Explicit device <-> host transfers: the only module that moves parameter bytes.
+
+Learners hand fragments to the syncer as host numpy arrays and receive merged fragments
+back as host arrays; everything else stays on device. Keeping the transfers here lets
+tests run train steps under `jax.transfer_guard("disallow")` and makes the cost of
+communication visible in one place.
+"""
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def start_to_host(arrays: Mapping[str, jax.Array]) -> None:
+    """Starts asynchronous device->host copies so a later `to_host` does not stall."""
+    for a in arrays.values():
+        a.copy_to_host_async()
+
+
+def _gather(a: jax.Array) -> np.ndarray:
+    if not a.is_fully_addressable:
+        # A learner spanning several hosts: the slice all-gathers inside itself (the
+        # learner's own collective, never across learners), then every host holds it.
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    out = np.empty(a.shape, dtype=a.dtype)
+    for shard in a.addressable_shards:
+        if shard.replica_id == 0:  # copy each distinct piece once
+            out[shard.index] = np.asarray(shard.data)
+    return out
+
+
+def to_host(arrays: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Copies named (possibly sharded) arrays to host memory, shard by shard."""
+    start_to_host(arrays)
+    return {name: _gather(a) for name, a in arrays.items()}
+
+
+def to_device(
+    arrays: Mapping[str, np.ndarray], shardings: Mapping[str, jax.sharding.Sharding]
+) -> dict[str, jax.Array]:
+    """Places host arrays with the given shardings (works when devices span hosts)."""
+    out = {}
+    for name, x in arrays.items():
+        sharding = shardings[name]
+        x = np.asarray(x)
+        out[name] = jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx])
+    return out
