@@ -1,0 +1,112 @@
+"""Syncer merge throughput vs a plain numpy copy of the same bytes (the memory-bandwidth limit).
+
+For a fragment of N float32 parameters and K offers (outer gradients), times the merge plus
+outer Nesterov step and `np.copyto` of the K offers' bytes into preallocated arrays,
+interleaved in one run so both see the same machine load. Throughput is K·N·4 bytes of
+offers per second; the goal is merge ≥ 0.5 × copy.
+
+Paths:
+  fused        merge.merge_outer_step(..., inplace=True): the syncer owns Θ and the momentum
+  fused+norms  the same, given each offer's per-leaf ‖v‖² (`merge.offer_sq_norms`), which
+               a syncer can compute when the offer arrives, off the merge's critical path
+  composed     merge.merge then merge.outer_step: allocates Δ, Θ and momentum each call
+
+  python scripts/bench_syncer_merge.py            # N ∈ {4M, 16M}, K ∈ {1, 2, 4, 8}
+  python scripts/bench_syncer_merge.py --quick    # N ∈ {1M, 4M}, fewer repetitions
+"""
+
+import os
+import statistics
+import time
+
+import numpy as np
+from absl import app, flags
+
+from decoupled_diloco.diloco import merge
+
+_QUICK = flags.DEFINE_bool("quick", False, "Small fragments and 3 repetitions (about 10 s).")
+_SIZES = flags.DEFINE_list("sizes", None, "Fragment sizes in Mi-params (default 4,16; quick 1,4).")
+_KS = flags.DEFINE_list("ks", ["1", "2", "4", "8"], "Numbers of offers K merged at once.")
+_REPS = flags.DEFINE_integer("reps", None, "Timed repetitions per cell (default 7; quick 3).")
+
+
+def fragment_leaves(n: int) -> dict[str, int]:
+    """A fragment of n elements split like real ones: a few big matrices and a small norm."""
+    sizes = {"ffw/gate": n // 2, "attn/q": n // 4, "norm/scale": 1024}
+    sizes["attn/out"] = n - sum(sizes.values())
+    return sizes
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_cell(n: int, k: int, reps: int, rng: np.random.Generator) -> list[tuple[str, float]]:
+    """Median seconds per path (and of the copy) over `reps` interleaved repetitions."""
+    leaves = fragment_leaves(n)
+    theta = {name: rng.standard_normal(size, np.float32) for name, size in leaves.items()}
+    vs = [
+        {name: 1e-3 * rng.standard_normal(size, np.float32) for name, size in leaves.items()}
+        for _ in range(k)
+    ]
+    copies = [{name: np.empty_like(x) for name, x in v.items()} for v in vs]
+    w = rng.uniform(0.5, 2.0, k)
+    state = merge.OuterState.zeros(theta)
+    lr, mu = 0.7, 0.9
+
+    def copy():
+        for v, dst in zip(vs, copies, strict=True):
+            for name, x in v.items():
+                np.copyto(dst[name], x)
+
+    paths = {"copy": copy}
+    norms = [merge.offer_sq_norms(v) for v in vs]  # a syncer computes these on arrival
+    for rule in merge.RULES:
+        paths[f"{rule} fused"] = lambda r=rule: merge.merge_outer_step(
+            theta, vs, w, r, state, lr, mu, inplace=True
+        )
+        if rule == "rda":
+            paths["rda fused+norms"] = lambda: merge.merge_outer_step(
+                theta, vs, w, "rda", state, lr, mu, inplace=True, sq_norms=norms
+            )
+        paths[f"{rule} composed"] = lambda r=rule: merge.outer_step(
+            theta, merge.merge(vs, w, r), state, lr, mu
+        )
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():  # warm-up: first touch of every buffer
+        fn()
+    for _ in range(reps):
+        for name, fn in paths.items():
+            times[name].append(timed(fn))
+    return [(name, statistics.median(ts)) for name, ts in times.items()]
+
+
+def main(argv):
+    del argv
+    quick = _QUICK.value
+    sizes = [float(s) for s in (_SIZES.value or (["1", "4"] if quick else ["4", "16"]))]
+    reps = _REPS.value or (3 if quick else 7)
+    rng = np.random.default_rng(0)
+    # Shared machines skew both columns; the load average says how much to trust them.
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; median of {reps} runs")
+    print(
+        f"{'params':>8} {'K':>2} {'path':<16} {'ms':>8} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}"
+    )
+    for size in sizes:
+        n = int(size * 2**20)
+        for k in (int(x) for x in _KS.value):
+            results = dict(bench_cell(n, k, reps, rng))
+            gigabytes = k * n * 4 / 1e9
+            copy_rate = gigabytes / results.pop("copy")
+            for name, seconds in results.items():
+                rate = gigabytes / seconds
+                print(
+                    f"{size:>7g}M {k:>2} {name:<16} {1e3 * seconds:>8.1f} {rate:>7.2f} "
+                    f"{copy_rate:>9.2f} {rate / copy_rate:>6.2f}"
+                )
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,148 @@
+"""Wire compression: round trips within the stated bounds, packing, sizes, edge cases."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.diloco import compression
+from decoupled_diloco.diloco.compression import METHODS, decode, encode, max_abs_error_bound
+
+BOUNDED = ("none", "bf16", "int8", "int4", "int2")
+BLOCK = 16
+
+
+def inputs() -> dict[str, np.ndarray]:
+    """Random and adversarial tensors: odd sizes (not multiples of the block or of 2/4/8)."""
+    rng = np.random.default_rng(0)
+    outlier = rng.standard_normal(101).astype(np.float32)
+    outlier[37] = 1e6
+    return {
+        "normal": rng.standard_normal((7, 9)).astype(np.float32),
+        "tiny": (1e-20 * rng.standard_normal(35)).astype(np.float32),
+        "zeros": np.zeros((3, 5), np.float32),
+        "outlier": outlier,
+        "scalar": np.asarray(-2.5, np.float32),
+        "single": np.asarray([3.0], np.float32),
+        "empty": np.zeros((0, 4), np.float32),
+        "constant": np.full(BLOCK + 3, -0.75, np.float32),
+    }
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_round_trip_keeps_names_shapes_and_dtype(method):
+    x = inputs()
+    y = decode(encode(x, method, BLOCK))
+    assert list(y) == list(x)
+    for k in x:
+        assert y[k].shape == x[k].shape and y[k].dtype == np.float32
+
+
+@pytest.mark.parametrize("method", BOUNDED)
+@pytest.mark.parametrize("block_size", [BLOCK, 5, 256])
+def test_round_trip_within_stated_bound_per_block(method, block_size):
+    for name, x in inputs().items():
+        y = decode(encode({name: x}, method, block_size))[name]
+        flat_x, flat_y = x.reshape(-1), y.reshape(-1)
+        # Blocks are independent, so the bound must hold block by block, not just overall.
+        for start in range(0, flat_x.size, block_size):
+            xb, yb = flat_x[start : start + block_size], flat_y[start : start + block_size]
+            bound = max_abs_error_bound(xb, method, block_size)
+            assert np.max(np.abs(yb - xb)) <= bound, (name, start)
+
+
+def test_none_is_exact_and_decoded_views_are_read_only():
+    x = inputs()
+    enc = encode(x, "none")
+    x["normal"][0, 0] = 123.0  # the payload is a copy: later writes by the sender don't leak
+    y = decode(enc)
+    assert y["normal"][0, 0] != 123.0
+    assert all(np.array_equal(y[k], v) for k, v in inputs().items())
+    with pytest.raises(ValueError):
+        y["normal"][0, 0] = 1.0
+
+
+def test_bf16_is_round_to_nearest_even_with_relative_bound():
+    x = np.array([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0], np.float32)
+    y = decode(encode({"x": x}, "bf16"))["x"]
+    # Ties go to the even mantissa: 1 + 2^-8 -> 1, 1 + 3·2^-8 -> 1 + 2^-6.
+    np.testing.assert_array_equal(y, [1.0, 1.0 + 2**-6, -1.0, 3.0])
+    r = np.random.default_rng(1).standard_normal(1000).astype(np.float32) * 1e3
+    r_hat = decode(encode({"r": r}, "bf16"))["r"]
+    assert np.all(np.abs(r_hat - r) <= 2.0**-8 * np.abs(r))
+
+
+@pytest.mark.parametrize("method,levels", [("int8", 127), ("int4", 7), ("int2", 1)])
+def test_int_codes_are_symmetric_multiples_of_the_block_scale(method, levels):
+    x = np.random.default_rng(2).standard_normal(4 * BLOCK + 3).astype(np.float32)
+    y = decode(encode({"x": x}, method, BLOCK))["x"]
+    for start in range(0, x.size, BLOCK):
+        xb, yb = x[start : start + BLOCK], y[start : start + BLOCK]
+        scale = np.max(np.abs(xb)) / levels
+        codes = yb / scale
+        np.testing.assert_allclose(codes, np.round(codes), atol=1e-3)
+        assert np.max(np.abs(codes)) == pytest.approx(levels, abs=1e-3)  # absmax is exact
+
+
+def test_int1_keeps_signs_and_block_mean_abs():
+    x = np.random.default_rng(3).standard_normal(3 * BLOCK + 5).astype(np.float32)
+    y = decode(encode({"x": x}, "int1", BLOCK))["x"]
+    assert np.all(np.sign(y) == np.sign(x))
+    for start in range(0, x.size, BLOCK):
+        xb, yb = x[start : start + BLOCK], y[start : start + BLOCK]
+        np.testing.assert_allclose(np.abs(yb), np.mean(np.abs(xb)), rtol=1e-6)
+    assert max_abs_error_bound(x, "int1") == float("inf")
+    zeros = decode(encode({"z": np.zeros(9, np.float32)}, "int1", 4))["z"]
+    np.testing.assert_array_equal(zeros, 0.0)
+
+
+def test_nbytes_ratios():
+    x = {"w": np.random.default_rng(4).standard_normal((64, 1024)).astype(np.float32)}
+    fp32 = x["w"].nbytes
+    assert encode(x, "none").nbytes() == fp32
+    assert encode(x, "bf16").nbytes() == fp32 // 2
+    scales = 4 * x["w"].size // 256
+    for method, bits in [("int8", 8), ("int4", 4), ("int2", 2), ("int1", 1)]:
+        assert encode(x, method).nbytes() == fp32 * bits // 32 + scales
+    # Odd sizes round the packed payload up to whole bytes, never more.
+    odd = {"w": np.ones(11, np.float32)}
+    assert encode(odd, "int4", 4).nbytes() == 6 + 3 * 4
+    assert encode(odd, "int2", 4).nbytes() == 3 + 3 * 4
+    assert encode(odd, "int1", 4).nbytes() == 2 + 3 * 4
+
+
+def test_non_finite_values_poison_their_block():
+    x = np.ones(3 * BLOCK, np.float32)
+    x[BLOCK + 2] = np.nan
+    for method in ("int8", "int4", "int2", "int1", "bf16"):
+        y = decode(encode({"x": x}, method, BLOCK))["x"]
+        assert not np.all(np.isfinite(y[BLOCK : 2 * BLOCK])), method
+        assert np.all(np.isfinite(y[:BLOCK])) and np.all(np.isfinite(y[2 * BLOCK :])), method
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_encoded_is_plain_numpy_and_picklable(method):
+    enc = encode(inputs(), method, BLOCK)
+    for shape, payload, scales in enc.tensors.values():
+        assert isinstance(shape, tuple) and all(isinstance(d, int) for d in shape)
+        for a in (payload, scales):
+            assert type(a) is np.ndarray and a.dtype.kind in "fiu"
+    again = pickle.loads(pickle.dumps(enc))
+    y, z = decode(enc), decode(again)
+    assert all(np.array_equal(y[k], z[k]) for k in y)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="diloco.compression"):
+        encode({"x": np.ones(3, np.float32)}, "fp8")
+    with pytest.raises(ValueError, match="diloco.compression"):
+        decode(compression.Encoded("zip", {}))
+    with pytest.raises(ValueError, match="diloco.compression"):
+        max_abs_error_bound(np.ones(3), "int3")
+    with pytest.raises(ValueError, match="block_size"):
+        encode({"x": np.ones(3, np.float32)}, "int8", block_size=0)
+    enc = encode({"x": np.ones(10, np.float32)}, "int8", 4)
+    shape, payload, scales = enc.tensors["x"]
+    enc.tensors["x"] = ((12,), payload, scales)  # corrupt: shape disagrees with the payload
+    with pytest.raises(ValueError):
+        decode(enc)

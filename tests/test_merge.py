@@ -1,0 +1,210 @@
+"""Syncer math: token weights, mean and RDA merges, outer Nesterov step, fused fast path."""
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.diloco import merge
+
+SHAPES = {"attn/q": (6, 5), "ffw/down": (33,), "norm/scale": ()}
+
+
+def tree(rng, scale=1.0, shapes=SHAPES):
+    return {k: np.asarray(scale * rng.standard_normal(s), np.float32) for k, s in shapes.items()}
+
+
+def norm(x) -> float:
+    return float(np.linalg.norm(np.asarray(x, np.float64)))
+
+
+def test_token_weights():
+    w = merge.token_weights([100, 300, 50, 0], [10, 10, 0, 0])
+    np.testing.assert_allclose(w, [100**2 / 10, 300**2 / 10, 0, 0])
+    # Quantity × quality: twice the tokens at the same rate weigh 2×; the same tokens in
+    # half the steps (bigger batches) weigh 2× too.
+    np.testing.assert_allclose(merge.token_weights([200, 100], [10, 5]), [4000, 2000])
+    np.testing.assert_allclose(merge.token_weights([100, 100], [10, 5]), [1000, 2000])
+    np.testing.assert_array_equal(merge.token_weights([5, 7, 9], [1, 0, 3], "uniform"), [1, 0, 1])
+    with pytest.raises(ValueError, match="diloco.weights"):
+        merge.token_weights([1], [1], "loss")
+    with pytest.raises(ValueError):
+        merge.token_weights([1, 2], [1])
+    with pytest.raises(ValueError):
+        merge.token_weights([-1], [1])
+
+
+def test_outer_gradient_is_anchor_minus_local_in_float32():
+    rng = np.random.default_rng(0)
+    anchor, local = tree(rng), {k: v.astype(np.float64) for k, v in tree(rng).items()}
+    v = merge.outer_gradient(anchor, local)
+    for k in SHAPES:
+        assert v[k].dtype == np.float32 and v[k].shape == SHAPES[k]
+        np.testing.assert_allclose(v[k], anchor[k] - local[k], rtol=1e-6)
+
+
+def test_merge_mean_is_the_weighted_mean_and_ignores_zero_weights():
+    rng = np.random.default_rng(1)
+    vs, w = [tree(rng) for _ in range(4)], np.array([1.0, 3.0, 0.0, 2.0])
+    out = merge.merge(vs, w, "mean")
+    for k in SHAPES:
+        want = np.average([np.asarray(v[k], np.float64) for v in vs], axis=0, weights=w)
+        np.testing.assert_allclose(out[k], want, rtol=1e-5, atol=1e-6)
+    scaled = merge.merge_mean(vs, 7 * w)
+    assert all(np.allclose(scaled[k], out[k], rtol=1e-6) for k in SHAPES)
+
+
+def test_rda_of_parallel_offers_has_the_weighted_mean_norm_and_their_direction():
+    rng = np.random.default_rng(2)
+    direction = tree(rng)
+    coefs, w = [0.5, 2.0, 4.0], np.array([3.0, 1.0, 2.0])
+    vs = [{k: c * d for k, d in direction.items()} for c in coefs]
+    out = merge.merge_rda(vs, w)
+    for k, d in direction.items():
+        want_norm = float(np.dot(w, [c * norm(d) for c in coefs]) / w.sum())
+        assert norm(out[k]) == pytest.approx(want_norm, rel=1e-5)
+        np.testing.assert_allclose(out[k] / norm(out[k]), d / norm(d), atol=1e-6)
+
+
+def test_rda_norm_is_the_weighted_mean_norm_in_general():
+    rng = np.random.default_rng(3)
+    vs, w = [tree(rng, scale=s) for s in (0.1, 1.0, 3.0)], np.array([1.0, 2.0, 5.0])
+    out = merge.merge_rda(vs, w)
+    for k in SHAPES:
+        want = float(np.dot(w, [norm(v[k]) for v in vs]) / w.sum())
+        assert norm(out[k]) == pytest.approx(want, rel=1e-5)
+
+
+def test_rda_equals_mean_for_identical_offers():
+    rng = np.random.default_rng(4)
+    v = tree(rng)
+    vs, w = [v, {k: x.copy() for k, x in v.items()}, v], np.array([1.0, 2.0, 3.0])
+    rda, mean = merge.merge(vs, w, "rda"), merge.merge(vs, w, "mean")
+    for k in SHAPES:
+        np.testing.assert_allclose(rda[k], mean[k], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(rda[k], v[k], rtol=1e-5, atol=1e-7)
+
+
+def test_rda_keeps_the_norm_of_orthogonal_offers_where_mean_shrinks():
+    rng = np.random.default_rng(5)
+    n, shapes = 8, {"w": (4096,)}
+    vs, w = [tree(rng, shapes=shapes) for _ in range(n)], np.ones(n)
+    mean_norm = np.mean([norm(v["w"]) for v in vs])
+    assert norm(merge.merge_rda(vs, w)["w"]) == pytest.approx(mean_norm, rel=1e-5)
+    assert norm(merge.merge_mean(vs, w)["w"]) == pytest.approx(mean_norm / np.sqrt(n), rel=0.1)
+
+
+def test_rda_of_cancelling_or_zero_offers_is_zero():
+    rng = np.random.default_rng(6)
+    v = tree(rng)
+    cancel = merge.merge_rda([v, {k: -x for k, x in v.items()}], np.ones(2))
+    zero = merge.merge_rda([{k: np.zeros_like(x) for k, x in v.items()}] * 2, np.ones(2))
+    for out in (cancel, zero):
+        assert all(np.all(out[k] == 0) for k in SHAPES)
+
+
+def nesterov_reference(theta, deltas, lr, mu, nesterov):
+    """Float64 textbook SGD momentum over a sequence of outer gradients."""
+    theta, buf = np.asarray(theta, np.float64), 0.0
+    for d in deltas:
+        buf = mu * buf + d
+        theta = theta - lr * (d + mu * buf if nesterov else buf)
+    return theta, buf
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_matches_hand_computed_momentum(nesterov):
+    rng = np.random.default_rng(7)
+    theta = tree(rng)
+    deltas = [tree(rng, scale=0.1) for _ in range(3)]
+    state, got = merge.OuterState.zeros(theta), theta
+    for d in deltas:
+        got, state = merge.outer_step(got, d, state, lr=0.7, momentum=0.9, nesterov=nesterov)
+    for k in SHAPES:
+        want, buf = nesterov_reference(theta[k], [d[k] for d in deltas], 0.7, 0.9, nesterov)
+        np.testing.assert_allclose(got[k], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(state.momentum[k], buf, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_step_lr1_mu0_is_theta_minus_delta_and_pure():
+    rng = np.random.default_rng(8)
+    theta, delta = tree(rng), tree(rng)
+    before = {k: v.copy() for k, v in theta.items()}
+    state = merge.OuterState({})  # leaves missing from the state start at zero
+    new, new_state = merge.outer_step(theta, delta, state, lr=1.0, momentum=0.0)
+    for k in SHAPES:
+        np.testing.assert_array_equal(new[k], theta[k] - delta[k])
+        np.testing.assert_array_equal(theta[k], before[k])  # inputs untouched
+    assert state.momentum == {} and set(new_state.momentum) == set(SHAPES)
+
+
+@pytest.mark.parametrize("rule", merge.RULES)
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("w", [[2.0], [1.0, 0.0, 3.0], [1.0, 2.0, 3.0, 4.0, 5.0]])
+def test_fused_merge_outer_step_equals_composition(monkeypatch, rule, nesterov, w):
+    monkeypatch.setattr(merge, "_CHUNK", 7)  # many chunks, ragged last one
+    rng = np.random.default_rng(9)
+    theta, vs = tree(rng), [tree(rng, scale=0.1) for _ in w]
+    state = merge.OuterState(tree(rng, scale=0.01))
+    want, want_state = merge.outer_step(theta, merge.merge(vs, w, rule), state, 0.5, 0.8, nesterov)
+    got, got_state = merge.merge_outer_step(theta, vs, w, rule, state, 0.5, 0.8, nesterov)
+    theta_inplace = {k: x.copy() for k, x in theta.items()}
+    state_inplace = merge.OuterState({k: x.copy() for k, x in state.momentum.items()})
+    out, out_state = merge.merge_outer_step(
+        theta_inplace, vs, w, rule, state_inplace, 0.5, 0.8, nesterov, inplace=True
+    )
+    assert out is theta_inplace and out_state is state_inplace
+    for k in SHAPES:
+        for tensor, reference in ((got, want), (out, want)):
+            np.testing.assert_array_equal(tensor[k], reference[k])
+        for buf in (got_state.momentum[k], out_state.momentum[k]):
+            np.testing.assert_array_equal(buf, want_state.momentum[k])
+
+
+def test_precomputed_offer_norms_give_the_same_rda(monkeypatch):
+    monkeypatch.setattr(merge, "_CHUNK", 7)
+    rng = np.random.default_rng(12)
+    theta, vs, w = tree(rng), [tree(rng, scale=0.1) for _ in range(3)], [1.0, 0.0, 2.0]
+    norms = [merge.offer_sq_norms(v) for v in vs]
+    assert norms[0]["attn/q"] == pytest.approx(norm(vs[0]["attn/q"]) ** 2, rel=1e-6)
+    state = merge.OuterState.zeros(theta)
+    want, _ = merge.merge_outer_step(theta, vs, w, "rda", state, 0.7, 0.9)
+    got, _ = merge.merge_outer_step(theta, vs, w, "rda", state, 0.7, 0.9, sq_norms=norms)
+    rda, rda_known = merge.merge_rda(vs, w), merge.merge_rda(vs, w, sq_norms=norms)
+    for k in SHAPES:
+        np.testing.assert_array_equal(got[k], want[k])
+        np.testing.assert_array_equal(rda_known[k], rda[k])
+    bad = {**vs[0], "ffw/down": np.full(33, np.nan, np.float32)}
+    assert not np.isfinite(merge.offer_sq_norms(bad)["ffw/down"])
+    with pytest.raises(ValueError, match="sq_norms"):
+        merge.merge_rda(vs, w, sq_norms=norms[:2])
+
+
+def test_chunking_does_not_change_results(monkeypatch):
+    rng = np.random.default_rng(10)
+    vs, w = [tree(rng) for _ in range(3)], np.array([1.0, 2.0, 0.5])
+    whole = {rule: merge.merge(vs, w, rule) for rule in merge.RULES}
+    monkeypatch.setattr(merge, "_CHUNK", 4)
+    for rule in merge.RULES:
+        chunked = merge.merge(vs, w, rule)
+        assert all(np.allclose(chunked[k], whole[rule][k], rtol=1e-6) for k in SHAPES)
+
+
+def test_errors():
+    rng = np.random.default_rng(11)
+    v, theta = tree(rng), tree(rng)
+    with pytest.raises(ValueError, match="diloco.merge"):
+        merge.merge([v], [1.0], "median")
+    with pytest.raises(ValueError, match="diloco.merge"):
+        merge.merge_outer_step(theta, [v], [1.0], "median", merge.OuterState({}), 1.0, 0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        merge.merge_mean([], [])
+    with pytest.raises(ValueError, match="positive weight"):
+        merge.merge_rda([v, v], [0.0, 0.0])
+    with pytest.raises(ValueError, match="shape"):
+        merge.merge_mean([v, {**v, "ffw/down": np.zeros(3, np.float32)}], [1.0, 1.0])
+    with pytest.raises(ValueError, match="leaf names"):
+        merge.merge_mean([v, {"other": np.zeros(3, np.float32)}], [1.0, 1.0])
+    with pytest.raises(ValueError, match="not in the fragment"):
+        merge.outer_step(theta, v, merge.OuterState({"extra": np.zeros(1)}), 1.0, 0.0)
+    with pytest.raises(ValueError, match="float32"):
+        as64 = {k: x.astype(np.float64) for k, x in theta.items()}
+        merge.outer_step(as64, v, merge.OuterState({}), 1.0, 0.0, inplace=True)
