@@ -1,0 +1,76 @@
+"""Decoupled DiLoCo on Cloud TPU v5p with a mixture-of-experts model, one learner per slice.
+
+moe_2p8b_active: the gemma_2b backbone with every FFW an MoE of 16 experts, top-2; with the 32k
+vocabulary below, 2.3e9 activated and 15.2e9 total params. Within a slice the experts are split
+over an 8-way expert axis and everything else FSDP over the rest. fp32 params + AdamW moments +
+grads of 15.2e9 params are ~245 GB, so a v5p-32 slice (16 chips x 95 GB HBM, mesh fsdp 2 x
+expert 8) leaves most HBM to activations; v5p-16 (8 chips, fsdp 1 x expert 8) is the smallest
+slice this mesh fits on. The syncer's fp32 Θ and outer momentum need ~125 GB of head-VM RAM.
+
+  python scripts/tpu/launch.py launch --project=P --zone=us-east5-a \
+      --accelerator=v5p-32 --slices=4 --config=configs/tpu_moe_v5p.py -- \
+      --config.data.tfds_data_dir=gs://BUCKET/tensorflow_datasets
+
+Same algorithm settings and data as configs/tpu_dense_multislice.py (P = 24, H = 24, tau = 2,
+K = 1). Sizes are a starting point, not tuned or measured on TPU.
+"""
+
+from decoupled_diloco.config import default_config
+
+
+def get_config(arg=None):
+    del arg
+    c = default_config()
+    c.name = "tpu_moe_v5p"
+    c.runtime = "ray"  # one learner actor per slice, the syncer on the CPU head VM
+
+    c.model.preset = "moe_2p8b_active"
+    c.model.dtype = "bfloat16"  # compute dtype; params and optimizer state stay fp32
+    c.model.vocab_size = 32_768  # = data.spm_vocab_size (see configs/tpu_dense_multislice.py)
+
+    c.data.source = "tfds"
+    c.data.tfds_name = "c4/en:3.1.0"  # placeholder name: any TFDS text dataset in array_record
+    c.data.tfds_split = "train"
+    c.data.tfds_eval_split = "validation"
+    c.data.tfds_data_dir = (
+        ""  # set with --config.data.tfds_data_dir=gs://BUCKET/tensorflow_datasets
+    )
+    c.data.tfds_text_key = "text"
+    c.data.tokenizer = "sentencepiece"
+    c.data.spm_vocab_size = 32_768
+    c.data.seq_len = 2048
+
+    c.train.steps = 50_000  # inner steps per learner
+    c.train.batch_size = 64  # sequences per step per learner (divisible by the slice's chips)
+    c.train.learning_rate = 4e-4
+    c.train.warmup_steps = 1000
+    c.train.weight_decay = 0.1
+    c.train.eval_every = 1000
+    c.train.eval_batches = 16
+    c.train.log_every = 50
+    c.train.checkpoint_every = 1000
+
+    # Experts over an 8-way expert axis (16 experts: 2 per shard), the rest FSDP; v5p-N has
+    # N/2 chips, so fsdp = chips / 8 (v5p-16 -> 1, v5p-32 -> 2, v5p-64 -> 4).
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+    c.mesh.expert = 8
+    c.devices_per_learner = 0  # the launcher passes the chips per slice
+
+    c.diloco.learners = 4  # M, one per slice; the launcher passes --slices
+    c.diloco.sync_every = 24  # H
+    c.diloco.fragments = 24  # P
+    c.diloco.fragment_strategy = "balanced"
+    c.diloco.overlap = 2  # tau
+    c.diloco.quorum = 1  # K
+    c.diloco.grace_gamma = 0.5
+    c.diloco.max_grace = 2.0  # seconds
+    c.diloco.max_wait = 0.0
+    c.diloco.weights = "tokens"
+    c.diloco.merge = "rda"
+    c.diloco.embedding_merge = "mean"
+    c.diloco.outer_lr = 0.7
+    c.diloco.outer_momentum = 0.9
+    c.diloco.heartbeat_timeout = 600.0  # first-step compilation of a 15.7e9-param MoE
+    return c

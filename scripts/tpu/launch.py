@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Cloud TPU launcher: create slices, install, start Ray, launch a run, watch it, delete it all.
+
+Dry run by default: prints the exact commands (copy-pasteable); `--execute` runs them one by
+one and stops at the first failure. Step by step, with costs: scripts/tpu/README.md.
+
+  python scripts/tpu/launch.py create --project=P --zone=us-west4-a \
+      --accelerator=v5litepod-16 --slices=4 --spot
+  python scripts/tpu/launch.py setup  --project=P --zone=us-west4-a --slices=4 --git-url=URL
+  python scripts/tpu/launch.py ray-up --project=P --zone=us-west4-a \
+      --accelerator=v5litepod-16 --slices=4
+  python scripts/tpu/launch.py launch --project=P --zone=us-west4-a \
+      --accelerator=v5litepod-16 --slices=4 -- --config.train.steps=1000
+  python scripts/tpu/launch.py status --project=P --zone=us-west4-a
+  python scripts/tpu/launch.py delete --project=P --zone=us-west4-a --slices=4
+"""
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+import tpu_cluster as cluster
+import tpu_provision as provision
+from tpu_slices import check_name, parse_accelerator
+
+DRY_RUN_NOTE = "# dry run: nothing was executed; add --execute to run these commands"
+HEAD_IP_PLACEHOLDER = "HEAD_IP"
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--project", required=True, help="Google Cloud project id")
+    common.add_argument("--zone", required=True, help="e.g. us-west4-a (v5e), us-east5-a (v5p)")
+    common.add_argument("--name", default="dd", help="prefix of every resource name")
+    common.add_argument("--execute", action="store_true", help="run the commands (default: print)")
+    slices = argparse.ArgumentParser(add_help=False)
+    slices.add_argument("--slices", type=int, required=True, help="M: slices = learners")
+    accel = argparse.ArgumentParser(add_help=False)
+    accel.add_argument("--accelerator", required=True, help="v5litepod-N or v5p-N, per slice")
+    ray = argparse.ArgumentParser(add_help=False)
+    ray.add_argument("--head-ip", default="", help="head VM internal IP (default: look it up)")
+    ray.add_argument("--ray-port", type=int, default=cluster.RAY_PORT)
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="step", required=True)
+    c = sub.add_parser("create", parents=[common, slices, accel], help="queued resources + head")
+    c.add_argument("--runtime-version", default="", help="default: the generation's JAX image")
+    c.add_argument("--spot", action="store_true", help="Spot TPUs: cheaper, preemptible")
+    c.add_argument("--reserved", action="store_true", help="use the project's TPU reservation")
+    c.add_argument("--multislice", action="store_true", help="one all-or-nothing request")
+    c.add_argument("--valid-until-duration", default="", help="e.g. 6h: give up waiting after")
+    c.add_argument("--head-machine-type", default="n2-highmem-32", help="CPU VM of the syncer")
+    c.add_argument("--head-disk-size", default="200GB")
+    c.add_argument("--no-head", action="store_true", help="the head VM exists already")
+    s = sub.add_parser("setup", parents=[common, slices], help="install on head and TPU hosts")
+    s.add_argument("--git-url", default="", help="repository to install from")
+    s.add_argument("--git-ref", default="main", help="branch, tag or commit")
+    s.add_argument("--wheel", default="", help="local wheel instead of --git-url")
+    s.add_argument("--configs-dir", default="configs", help="copied to the head with --wheel")
+    s.add_argument("--python-version", default=cluster.Versions.python)
+    s.add_argument("--jax-version", default=cluster.Versions.jax)
+    s.add_argument("--ray-version", default=cluster.Versions.ray)
+    sub.add_parser("ray-up", parents=[common, slices, accel, ray], help="start the Ray cluster")
+    la = sub.add_parser("launch", parents=[common, slices, accel, ray], help="start the driver")
+    la.add_argument("--config", default="configs/tpu_dense_multislice.py")
+    la.add_argument("--workdir", default="", help="default: runs/<name> in the head's checkout")
+    la.add_argument("overrides", nargs="*", help="after --: --config.<key>=<value> overrides")
+    sub.add_parser("status", parents=[common], help="queued resources, Ray status, driver log")
+    d = sub.add_parser("delete", parents=[common, slices], help="delete slices and head VM")
+    d.add_argument("--multislice", action="store_true", help="slices were created --multislice")
+    d.add_argument("--keep-head", action="store_true", help="delete only the TPU slices")
+    return p
+
+
+def _needs_head_ip_lookup(args) -> bool:
+    return args.step in ("ray-up", "launch") and not args.head_ip
+
+
+def _head_ip(args, cloud: provision.Cloud) -> str:
+    """--head-ip, else the head VM's internal IP from gcloud (a placeholder in a dry run)."""
+    if not _needs_head_ip_lookup(args):
+        return args.head_ip
+    if not args.execute:
+        return HEAD_IP_PLACEHOLDER
+    lookup = provision.head_ip_command(args.name, cloud)
+    ip = subprocess.run(lookup, check=True, capture_output=True, text=True).stdout.strip()
+    if not ip:
+        raise ValueError(f"no internal IP for the head VM from: {shlex.join(lookup)}")
+    return ip
+
+
+def plan(args) -> list[list[str]]:
+    """The commands of one step, from parsed arguments; ValueError on bad arguments."""
+    name = check_name(args.name)
+    cloud = provision.Cloud(args.project, args.zone)
+    spec = parse_accelerator(args.accelerator) if hasattr(args, "accelerator") else None
+    if args.step == "create":
+        cmds = provision.queued_resource_commands(
+            spec,
+            name,
+            args.slices,
+            cloud,
+            runtime_version=args.runtime_version,
+            spot=args.spot,
+            reserved=args.reserved,
+            multislice=args.multislice,
+            valid_until_duration=args.valid_until_duration,
+        )
+        if not args.no_head:
+            cmds.append(
+                provision.head_vm_command(name, cloud, args.head_machine_type, args.head_disk_size)
+            )
+        return cmds
+    if args.step == "setup":
+        source = cluster.Source(args.git_url, args.git_ref, args.wheel, args.configs_dir)
+        versions = cluster.Versions(args.python_version, args.jax_version, args.ray_version)
+        return cluster.setup_commands(name, args.slices, cloud, source, versions)
+    if args.step == "ray-up":
+        ip = _head_ip(args, cloud)
+        return cluster.ray_up_commands(spec, name, args.slices, ip, cloud, args.ray_port)
+    if args.step == "launch":
+        cluster.check_overrides(args.overrides)  # before any look-up
+        address = f"{_head_ip(args, cloud)}:{args.ray_port}"
+        workdir = args.workdir or f"runs/{name}"
+        python = f"../{cluster.VENV}/bin/python"
+        main = cluster.main_command(
+            args.config, workdir, args.slices, spec, address, tuple(args.overrides), python
+        )
+        return [cluster.launch_command(name, cloud, main)]
+    if args.step == "status":
+        return cluster.status_commands(name, cloud)
+    return provision.delete_commands(name, args.slices, cloud, args.multislice, args.keep_head)
+
+
+def run(commands: list[list[str]], execute: bool) -> None:
+    """Prints every command; with `execute`, runs each and stops at the first failure."""
+    for cmd in commands:
+        print(("+ " if execute else "") + shlex.join(cmd), flush=True)
+        if execute:
+            subprocess.run(cmd, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        commands = plan(args)
+        if not args.execute:
+            print(DRY_RUN_NOTE)
+        if not args.execute and _needs_head_ip_lookup(args):
+            lookup = provision.head_ip_command(args.name, provision.Cloud(args.project, args.zone))
+            print(f"# {HEAD_IP_PLACEHOLDER} is the output of: {shlex.join(lookup)}")
+        run(commands, args.execute)
+    except ValueError as e:
+        parser.error(str(e))
+    except subprocess.CalledProcessError as e:
+        print(f"failed ({e.returncode}): {shlex.join(e.cmd)}", file=sys.stderr)
+        return e.returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
