@@ -112,8 +112,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.diloco.outer_momentum = 0.9  # outer momentum mu
     c.diloco.nesterov = True  # Nesterov (True) or heavy-ball (False) outer momentum
     c.diloco.compression = "none"  # wire format: none | bf16 | int8 | int4 | int2 | int1
-    c.diloco.max_staleness = 4  # offers older than this many versions are rejected
-    c.diloco.heartbeat_timeout = 30.0  # seconds of silence before a learner counts as dead
+    # Offers whose base is more than this many versions old are rejected. With K=1 every
+    # learner's offer can bump a fragment's version, so a healthy learner is routinely
+    # M-1 versions behind; outer gradients are anchored on each offer's own base version,
+    # so staleness is safe for the math and the bound only guards against zombies.
+    c.diloco.max_staleness = 64
+    # Seconds of silence before a learner counts as dead. Generous: the first step of an
+    # incarnation includes XLA compilation, minutes for large models.
+    c.diloco.heartbeat_timeout = 300.0
     c.diloco.syncer_shards = 1  # S: syncer shards, each owning a subset of fragments
     c.diloco.final_sync = True  # at the end every learner offers every fragment once more
 

@@ -16,3 +16,34 @@ jax.config.update(
     os.environ.get("DD_COMPILATION_CACHE", os.path.expanduser("~/.cache/decoupled_diloco_jax")),
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+import pytest  # noqa: E402
+
+
+def _small_config(**overrides):
+    """A tiny, fast run config; overrides use dotted keys: {"diloco.learners": 2}."""
+    from decoupled_diloco.config import default_config
+
+    c = default_config()
+    c.model.preset = "tiny"
+    c.data.seq_len = 64
+    c.data.max_corpus_bytes = 400_000
+    c.train.batch_size = 8
+    c.train.steps = 12
+    c.train.warmup_steps = 2
+    c.train.eval_every = 0
+    c.train.eval_batches = 2
+    c.train.log_every = 1
+    c.train.checkpoint_every = 0
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+@pytest.fixture
+def small_config():
+    return _small_config

@@ -128,6 +128,7 @@ class Learner:
         self.offer_step: list[int | None] = [None] * nfrag
         self.arrived: list[Merged | None] = [None] * nfrag
         self.applied_merges = 0
+        self.wait_seconds = 0.0  # total time blocked on late merges: idle, not compute
         self.step_seconds = 0.0
         self._last_step_start: float | None = None
         self._last_heartbeat = -math.inf
@@ -210,11 +211,12 @@ class Learner:
         return {k: float(v) if v.ndim == 0 else v for k, v in host.items()}
 
     def _boundary(self) -> None:
+        # Offer first: with tau = 0 a fragment offered at step t is applied at boundary t.
+        for p in self.plan.due(self.step):
+            self._offer(p)
         self._receive(0.0)
         self._wait_for_due_merges()
         self._apply_due()
-        for p in self.plan.due(self.step):
-            self._offer(p)
         now = self.clock()
         if now - self._last_heartbeat >= self.cfg.heartbeat_every:
             self._last_heartbeat = now
@@ -259,12 +261,16 @@ class Learner:
         if self.cfg.max_wait <= 0:
             return
         waiting = [p for p, s in enumerate(self.offer_step) if s is not None and self._due(p)]
-        deadline = self.clock() + self.cfg.max_wait
-        while any(self.arrived[p] is None for p in waiting):
-            left = deadline - self.clock()
-            if left <= 0:
-                return
-            self._receive(min(left, 1.0))
+        start = self.clock()
+        deadline = start + self.cfg.max_wait
+        try:
+            while any(self.arrived[p] is None for p in waiting):
+                left = deadline - self.clock()
+                if left <= 0:
+                    return
+                self._receive(min(left, 1.0))
+        finally:
+            self.wait_seconds += self.clock() - start
 
     def _apply_due(self) -> None:
         updates = {}

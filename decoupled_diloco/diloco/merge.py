@@ -1,4 +1,5 @@
-"""Syncer math: token weights, merge rules (mean, RDA) and the outer Nesterov step.
+"""Syncer math: token weights, merge rules (mean, RDA), the outer Nesterov step, and the
+divergence of the learners' MoE routers (a merge diagnostic).
 
 Arrays are dicts {leaf name: np.ndarray}; all math is float32 except scalar reductions
 (norms, weights), which accumulate in float64. Norms are per tensor (per leaf).
@@ -221,18 +222,21 @@ def _outputs(theta: dict, state: OuterState, inplace: bool) -> tuple[dict, dict,
     return bufs, theta, bufs
 
 
-def _apply_outer(leaf: tuple, xs: list, coefs, lr, momentum, nesterov: bool) -> None:
-    """Outer step of one leaf with Δ = Σ_m coefs[m] · xs[m], formed chunk by chunk.
+def _apply_outer(leaf: tuple, xs: list, coefs, lr, momentum, nesterov: bool) -> float:
+    """Outer step of one leaf with Δ = Σ_m coefs[m] · xs[m], formed chunk by chunk; ‖Δ‖².
 
     leaf = (Θ, buf, Θ out, buf out), outputs possibly aliasing inputs. Per chunk, float32:
-    buf = μ·buf + Δ;  Θ = Θ − lr·(Δ + μ·buf) (Nesterov) or Θ − lr·buf.
+    buf = μ·buf + Δ;  Θ = Θ − lr·(Δ + μ·buf) (Nesterov) or Θ − lr·buf. ‖Δ‖² comes almost
+    free: each chunk of Δ is still in cache when it is dotted with itself.
     """
     th, b, th_out, b_out = (_flat(x) for x in leaf)
     xs, lr, mu = [_flat(x) for x in xs], _F32(lr), _F32(momentum)
     delta_buf, tmp_buf = np.empty(min(th.size, _CHUNK), _F32), np.empty(min(th.size, _CHUNK), _F32)
+    delta_sq_norm = 0.0
     for s in _chunks(th.size):
         n = s.stop - s.start
         delta, tmp = _combine(xs, coefs, s, delta_buf[:n], tmp_buf[:n], True), tmp_buf[:n]
+        delta_sq_norm += float(np.dot(delta, delta))
         np.multiply(b[s], mu, out=b_out[s])
         np.add(b_out[s], delta, out=b_out[s])
         if nesterov:
@@ -242,6 +246,7 @@ def _apply_outer(leaf: tuple, xs: list, coefs, lr, momentum, nesterov: bool) -> 
         else:
             np.multiply(b_out[s], lr, out=tmp)
         np.subtract(th[s], tmp, out=th_out[s])
+    return delta_sq_norm
 
 
 def outer_step(
@@ -281,26 +286,59 @@ def merge_outer_step(
     inplace: bool = False,
     eps: float = 1e-12,
     sq_norms: list[dict] | None = None,
-) -> tuple[dict, OuterState]:
+    return_delta_norm: bool = False,
+) -> tuple[dict, OuterState] | tuple[dict, OuterState, float]:
     """`outer_step(theta, merge(vs, w, rule), state, lr, momentum, nesterov)`, fused.
 
     Same float32 operations, so the same result, but Δ is formed chunk by chunk inside the
     outer step instead of as a fragment-sized array (RDA still materialises its direction
     u, since ‖u‖ is needed before the first chunk can be scaled). With `inplace=True`
     (the syncer owns Θ and the momentum) nothing fragment-sized is allocated for "mean".
-    `sq_norms` as in `merge_rda`.
+    `sq_norms` as in `merge_rda`. With `return_delta_norm`, also returns ‖Δ‖, the L2 norm
+    of the merged outer gradient over all leaves (what `merge` would have returned).
     """
     if rule not in RULES:
         raise ValueError(f"diloco.merge={rule!r}; expected one of {RULES}")
     vs, w_hat, norms = _contributors(vs, w, sq_norms)
     _check_same_leaves([theta, vs[0]])
     bufs, theta_out, bufs_out = _outputs(theta, state, inplace)
+    delta_sq_norm = 0.0
     for k in theta:
         leaf, leaves = (theta[k], bufs[k], theta_out[k], bufs_out[k]), [v[k] for v in vs]
         if rule == "mean":
-            _apply_outer(leaf, leaves, w_hat, lr, momentum, nesterov)
+            delta_sq_norm += _apply_outer(leaf, leaves, w_hat, lr, momentum, nesterov)
         else:  # one leaf's direction u at a time bounds the extra memory
             known = [None if n is None else n[k] for n in norms]
             u, scale = _rda_direction(leaves, w_hat, eps, known)
-            _apply_outer(leaf, [u], [scale], lr, momentum, nesterov)
-    return theta_out, (state if inplace else OuterState(bufs_out))
+            delta_sq_norm += _apply_outer(leaf, [u], [scale], lr, momentum, nesterov)
+    out = theta_out, (state if inplace else OuterState(bufs_out))
+    return (*out, float(np.sqrt(delta_sq_norm))) if return_delta_norm else out
+
+
+ROUTER_SUFFIX = "moe/router"  # MoE router leaves: "block_<i>/moe/router" [D, E]
+
+
+def router_divergence(vs: list[dict], w, theta: dict, eps: float = 1e-12) -> float | None:
+    """How far apart the learners' routers moved: mean over router leaves of a fragment.
+
+    Per router leaf (name ending in `ROUTER_SUFFIX`), with ŵ = w / Σw over offers with
+    w > 0 and v̄ = Σ ŵ_m v_m their weighted mean outer gradient:
+        sqrt(Σ_m ŵ_m ‖v_m − v̄‖²) / (‖Θ‖ + eps)
+    the weighted standard deviation of the offers around their mean, relative to the
+    global router Θ the merge starts from (dimensionless; 0 iff all offers agree). None
+    when the fragment has no router leaf or fewer than two offers have weight > 0.
+    Router leaves are tiny ([D, E]), so this is computed exactly in float64.
+    """
+    w = np.asarray(w, np.float64)
+    keep = np.flatnonzero(w > 0)
+    names = [k for k in theta if k.endswith(ROUTER_SUFFIX)]
+    if len(keep) < 2 or not names:
+        return None
+    w_hat = w[keep] / w[keep].sum()
+    spreads = []
+    for k in names:
+        offers = np.stack([np.asarray(vs[i][k], np.float64).reshape(-1) for i in keep])
+        mean = w_hat @ offers
+        spread = np.sqrt(w_hat @ np.sum((offers - mean) ** 2, axis=1))
+        spreads.append(spread / (np.linalg.norm(np.asarray(theta[k], np.float64)) + eps))
+    return float(np.mean(spreads))

@@ -43,8 +43,8 @@ class SyncerConfig:
     outer_momentum: float = 0.9
     nesterov: bool = True
     compression: str = "none"  # replies' wire format
-    max_staleness: int = 4  # versions
-    heartbeat_timeout: float = 30.0  # seconds
+    max_staleness: int = 64  # versions
+    heartbeat_timeout: float = 300.0  # seconds
     shards: int = 1  # S
     ema_decay: float = 0.8  # of the ξ moving averages
 
@@ -111,7 +111,8 @@ class Syncer:
             for p in self.owned
         }
         self.version = {p: 0 for p in self.owned}
-        self.pending: dict[int, dict[int, tuple[Offer, dict]]] = {p: {} for p in self.owned}
+        # fragment -> learner -> (offer, decoded outer gradient, its per-leaf ‖v‖²)
+        self.pending: dict[int, dict[int, tuple[Offer, dict, dict]]] = {p: {} for p in self.owned}
         self.round_open: dict[int, float | None] = {p: None for p in self.owned}
         self.quorum_at: dict[int, float | None] = {p: None for p in self.owned}
         self.learners: dict[int, LearnerInfo] = {}
@@ -167,6 +168,11 @@ class Syncer:
             return self.tick(now)
         if isinstance(msg, Heartbeat):
             info = self.learners.get(msg.learner)
+            stale_registry = info is None or msg.incarnation > info.incarnation
+            if stale_registry and 0 <= msg.learner < self.num_learners:
+                # A live learner in a life this syncer never saw: its registry comes from a
+                # checkpoint older than the learner's (re)join, so treat it as that join.
+                return self.handle(Join(msg.learner, msg.incarnation, msg.time), now)
             if info is not None and info.incarnation == msg.incarnation:
                 self._touch(msg.learner, msg.incarnation, now)
                 info.step = msg.step
@@ -193,7 +199,7 @@ class Syncer:
     def _accept(self, offer: Offer, now: float) -> None:
         self.stats["offers"] += 1
         self.stats["bytes_in"] += offer.nbytes
-        reason, arrays = self._validate(offer)
+        reason, decoded = self._validate(offer)
         if reason:
             self._reject(offer, reason, now)
             return
@@ -205,10 +211,10 @@ class Syncer:
         if old is not None and old[0].incarnation == offer.incarnation:
             # The newer offer's parameters contain the older one's work.
             offer.work_steps += old[0].work_steps
-        self.pending[p][offer.learner] = (offer, arrays)  # newer replaces older
+        self.pending[p][offer.learner] = (offer, *decoded)  # newer replaces older
 
-    def _validate(self, offer: Offer) -> tuple[str, dict | None]:
-        """Returns (reason, decoded outer gradient); reason is "" for a good offer."""
+    def _validate(self, offer: Offer) -> tuple[str, tuple[dict, dict] | None]:
+        """Returns (reason, (decoded outer gradient, its per-leaf ‖v‖²)); reason "" if good."""
         info = self.learners.get(offer.learner)
         if not 0 <= offer.learner < self.num_learners or info is None or not info.joined:
             return f"unknown learner {offer.learner}", None
@@ -235,9 +241,14 @@ class Syncer:
                 return f"{k}: shape {v.shape} != {expected[k].shape}", None
             if v.dtype != np.float32:
                 return f"{k}: dtype {v.dtype} != float32", None
-            if not np.isfinite(v).all():
+        # ‖v‖² per leaf is the finiteness check (NaN/inf propagate into it; so does a float32
+        # overflow of values > ~1e19, which RDA could not merge either) and, kept with the
+        # offer, spares the merge one of RDA's read passes over the offers.
+        sq_norms = merge.offer_sq_norms(arrays)
+        for k, q in sq_norms.items():
+            if not math.isfinite(q):
                 return f"{k}: non-finite values", None
-        return "", arrays
+        return "", (arrays, sq_norms)
 
     # --- rounds ----------------------------------------------------------------------
     def grace_window(self) -> float:
@@ -301,10 +312,11 @@ class Syncer:
         offers = sorted(self.pending[p].values(), key=lambda oa: oa[0].learner)
         self.pending[p] = {}
         version = self.version[p]
-        kept = []
-        for o, a in offers:
+        kept, sq_norms = [], []
+        for o, a, q in offers:
             if version - o.base_version <= self.cfg.max_staleness:
                 kept.append((o, a))
+                sq_norms.append(q)
             else:
                 self._reject(o, f"stale at merge: base {o.base_version}, now {version}", now)
         w = merge.token_weights(
@@ -316,14 +328,23 @@ class Syncer:
         if not kept or float(w.sum()) <= 0:
             return []
         rule = self.cfg.embedding_merge if p == self.plan.embedding_fragment else self.cfg.merge
-        delta = merge.merge([a for _, a in kept], w, rule)
-        self.theta[p], self.outer[p] = merge.outer_step(
+        vs = [a for _, a in kept]
+        # Against Θ before this step: the router the offers' outer gradients started from.
+        router_divergence = merge.router_divergence(vs, w, self.theta[p])
+        # In place: Θ and the momenta are the syncer's alone (snapshot() and the reply's
+        # encode copy them; state_dict()'s callers copy under the lock around handle/tick).
+        self.theta[p], self.outer[p], delta_norm = merge.merge_outer_step(
             self.theta[p],
-            delta,
+            vs,
+            w,
+            rule,
             self.outer[p],
             self.cfg.outer_lr,
             self.cfg.outer_momentum,
             self.cfg.nesterov,
+            inplace=True,
+            sq_norms=sq_norms,
+            return_delta_norm=True,
         )
         self.version[p] = version + 1
         payload = compression.encode(self.theta[p], self.cfg.compression)
@@ -358,7 +379,11 @@ class Syncer:
                 "bytes_in": int(sum(o.nbytes for o, _ in kept)),
                 "bytes_out": reply.nbytes * len(live),
                 "share": share,
-                "delta_norm": float(math.sqrt(sum(float(np.vdot(d, d)) for d in delta.values()))),
+                "delta_norm": delta_norm,  # ‖Δ‖, the merged outer gradient's L2 norm
+                # Learners' router spread relative to ‖Θ_router‖, mean over the fragment's
+                # router leaves (definition: merge.router_divergence); only for MoE
+                # fragments merged from >= 2 weighted offers.
+                **({} if router_divergence is None else {"router_divergence": router_divergence}),
                 "time": now,
             }
         )
@@ -369,11 +394,16 @@ class Syncer:
         return Snapshot(dict(self.version), params, now)
 
     def global_params(self) -> dict[str, np.ndarray]:
+        """The live Θ arrays (merges update them in place): copy to keep a version."""
         return {k: v for p in self.owned for k, v in self.theta[p].items()}
 
     # --- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything needed to resume: Θ, outer momenta, versions (host numpy + ints)."""
+        """Everything needed to resume: Θ, outer momenta, versions (host numpy + ints).
+
+        The arrays are live (merges update them in place): copy them before `handle` or
+        `tick` can run again, as the runtime does under its syncer lock.
+        """
         return {
             "theta": {str(p): self.theta[p] for p in self.owned},
             "momentum": {str(p): self.outer[p].momentum for p in self.owned},
@@ -381,13 +411,11 @@ class Syncer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        # Own copies (writable, C-contiguous): merges update Θ and the momenta in place.
+        own = lambda tree: {k: np.array(v, np.float32, order="C") for k, v in tree.items()}
         for p in self.owned:
-            self.theta[p] = {
-                k: np.asarray(v, np.float32) for k, v in state["theta"][str(p)].items()
-            }
-            self.outer[p] = merge.OuterState(
-                {k: np.asarray(v, np.float32) for k, v in state["momentum"][str(p)].items()}
-            )
+            self.theta[p] = own(state["theta"][str(p)])
+            self.outer[p] = merge.OuterState(own(state["momentum"][str(p)]))
             self.version[p] = int(state["version"][str(p)])
             self.pending[p] = {}
             self.round_open[p] = self.quorum_at[p] = None

@@ -7,7 +7,9 @@ goodput  = useful learner compute / allocated learner compute, where a learner's
            work lost to a crash, a rejection or a dropped offer does not count); in a run
            without a syncer, steps that survive to the end (not lost to a restore) are useful.
 uptime   = fraction of windows of `window` seconds, from the first advance of the global
-           model to the end, in which the global model advanced (a merge, or a DP step).
+           model to the last learner step, in which the global model advanced (a merge, or
+           a DP step). The tail after training (final merges, checkpoints, evaluation) is
+           not downtime; advances in it count for the last window.
 global_downtime_seconds = the windows in which it did not, times the window length.
 """
 
@@ -30,6 +32,7 @@ class Ledger:
         self.step_seconds = [0.0] * num_learners
         self.steps = [0] * num_learners
         self.started = [math.nan] * num_learners
+        self.last_step = -math.inf  # when any learner last finished a step
         self.finished = [math.nan] * num_learners
 
     def step(self, m: int, seconds: float, now: float) -> None:
@@ -38,6 +41,7 @@ class Ledger:
                 self.started[m] = now - seconds
             self.steps[m] += 1
             self.step_seconds[m] += seconds
+            self.last_step = max(self.last_step, now)
 
     def advance(self, now: float) -> None:
         with self._lock:
@@ -71,7 +75,8 @@ class Ledger:
         if not self.advances:
             return 0.0, wall
         start = min(self.advances)
-        n = max(math.ceil((wall - start) / self.window), 1)
+        end = min(wall, self.last_step) if math.isfinite(self.last_step) else wall
+        n = max(math.ceil((end - start) / self.window), 1)
         hit = {min(int((t - start) / self.window), n - 1) for t in self.advances}
         return len(hit) / n, (n - len(hit)) * self.window
 

@@ -40,8 +40,13 @@ def learner_devices(run: RunConfig, m: int) -> list:
 
 
 class LocalRuntime:
-    def __init__(self, run: RunConfig, workdir: str, verbose: bool = True):
+    def __init__(
+        self, run: RunConfig, workdir: str, verbose: bool = True, halt_after: int | None = None
+    ):
+        """`halt_after`: stop every learner abruptly after that many steps, with no final
+        checkpoint or summary (tests use it to emulate a killed job)."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
+        self.halt_after = halt_after
         os.makedirs(workdir, exist_ok=True)
         self.metrics = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
         self.merges = JsonlWriter(os.path.join(workdir, "merges.jsonl"))
@@ -52,6 +57,8 @@ class LocalRuntime:
         self.errors: list[BaseException] = []
         self.t0 = 0.0
         self.syncer_lock = threading.Lock()
+        self._last_log: dict[int, tuple[float, int]] = {}
+        self._away: dict[int, str] = {}  # learner -> why it is down: "crash" | "leave"
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -163,6 +170,10 @@ class LocalRuntime:
                 if self.now() - last_ckpt >= self.syncer_checkpoint_seconds:
                     self._save_syncer(syncer, ckpt)
                     last_ckpt = self.now()
+            if down:  # the run ended during an outage: come back to finish cleanly
+                syncer = self._restore_syncer(shard, ckpt)
+                with self.syncer_lock:
+                    self.syncers[shard] = syncer
             # End of run: merge what is still pending, quorum or not.
             for msg in link.receive(0.0):
                 syncer.handle(msg, self.now())
@@ -213,22 +224,33 @@ class LocalRuntime:
             while learner.step < steps and not self.stop.is_set():
                 t = self.now()
                 if not self.schedule.is_up(m, t):
-                    self._learner_down(m, t)
+                    if not self._learner_down(m, t):
+                        return  # left the membership for good (scavenging)
                     continue
                 if learner.state is None:
                     restored = None if run.uses_syncer else self._restore_one(m)
                     learner.start(jax.random.key(run.train.seed), restored=restored)
-                    self.ledger.restart(m, self.now())
+                    crashed = self._away.pop(m, None) == "crash"
+                    if crashed:
+                        self.ledger.restart(m, self.now())
                     self.events.write(
-                        {"event": "rejoin", "learner": m, "step": learner.step, "time": self.now()}
+                        {
+                            "event": "rejoin" if crashed else "member_join",
+                            "learner": m,
+                            "step": learner.step,
+                            "time": self.now(),
+                        }
                     )
-                t_step = time.perf_counter()
+                t_step, waited = time.perf_counter(), learner.wait_seconds
                 metrics = learner.run_step()
-                compute = time.perf_counter() - t_step
+                blocked = learner.wait_seconds - waited  # waiting for a merge is not compute
+                compute = time.perf_counter() - t_step - blocked
                 factor = self.schedule.step_time_factor(m, learner.step, self.now())
-                if factor > 1.0:  # injected straggling / slower hardware
+                # Injected straggling / slower hardware; the first step of an incarnation
+                # is compilation, which a slower chip would not stretch by the same factor.
+                if factor > 1.0 and learner.step_seconds > 0:
                     time.sleep((factor - 1.0) * compute)
-                self.ledger.step(m, time.perf_counter() - t_step, self.now())
+                self.ledger.step(m, time.perf_counter() - t_step - blocked, self.now())
                 if not run.uses_syncer:
                     self.ledger.advance(self.now())
                 if not np.isfinite(metrics["loss"]) and run.uses_syncer:
@@ -242,9 +264,12 @@ class LocalRuntime:
                         }
                     )
                     learner.crash()
+                    self._away[m] = "crash"
                     self.ledger.failure(m, self.now())
                     continue
                 self._log_step(m, learner, metrics)
+                if self.halt_after is not None and learner.step >= self.halt_after:
+                    return  # emulated kill: nothing after the last periodic checkpoint
                 every = run.train.checkpoint_every
                 if every and learner.step % every == 0:
                     self._save_learner(m)
@@ -259,15 +284,33 @@ class LocalRuntime:
         finally:
             self.ledger.finish(m, self.now())
 
-    def _learner_down(self, m: int, t: float) -> None:
+    def _learner_down(self, m: int, t: float) -> bool:
+        """Learner m is not up at t. A crash loses its state; leaving the membership
+        (scavenging) is graceful: final offers and a Leave first. False once it will never
+        be a member again."""
         learner = self.learners[m]
+        member = self.schedule.is_member(m, t)
         if learner.state is not None:
-            self.ledger.failure(m, t)
+            if member:
+                self.ledger.failure(m, t)
+            else:
+                learner.finish()
+                if learner.link is not None:
+                    learner.link.flush()
+            self._away[m] = "crash" if member else "leave"
             self.events.write(
-                {"event": "learner_down", "learner": m, "step": learner.step, "time": t}
+                {
+                    "event": "learner_down" if member else "learner_leave",
+                    "learner": m,
+                    "step": learner.step,
+                    "time": t,
+                }
             )
             learner.crash()
+        if not member and all(end <= t for _, end in self.schedule.member_windows[m]):
+            return False
         time.sleep(0.02)
+        return True
 
     def _log_step(self, m: int, learner: Learner, metrics: dict) -> None:
         run = self.run_cfg
@@ -280,14 +323,15 @@ class LocalRuntime:
             "loss": metrics["loss"],
             "learning_rate": metrics["learning_rate"],
             "grad_norm": metrics["grad_norm"],
-            "tokens_per_second": learner.tokens_per_batch / max(learner.step_seconds, 1e-9),
+            "tokens_per_second": self._rate(m, learner),
             "time": self.now(),
         }
         for k in ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction"):
             if k in metrics:
                 rec[k] = metrics[k]
         if "expert_load" in metrics:
-            rec["expert_load"] = np.asarray(metrics["expert_load"]).round(4).tolist()
+            # float64 first: rounding float32 leaves 0.26249998807907104-style noise in the JSON.
+            rec["expert_load"] = np.asarray(metrics["expert_load"], np.float64).round(4).tolist()
         if (
             not run.uses_syncer
             and run.train.eval_every
@@ -302,6 +346,14 @@ class LocalRuntime:
                 f"loss {rec['loss']:.3f}{extra} tok/s {rec['tokens_per_second']:.0f}"
                 + (f" merges {self.ledger.merges}" if run.uses_syncer else ""),
             )
+
+    def _rate(self, m: int, learner: Learner) -> float:
+        """Tokens per second since this learner's previous log line."""
+        now, last = self.now(), self._last_log.get(m)
+        self._last_log[m] = (now, learner.step)
+        if last is None or now <= last[0] or learner.step <= last[1]:
+            return learner.tokens_per_batch / max(learner.step_seconds, 1e-9)
+        return (learner.step - last[1]) * learner.tokens_per_batch / (now - last[0])
 
     def _save_learner(self, m: int, wait: bool = False) -> None:
         learner = self.learners[m]
@@ -391,6 +443,10 @@ class LocalRuntime:
         self.progress.close()
         if self.errors:
             raise RuntimeError("a learner or syncer thread failed") from self.errors[0]
+        if self.halt_after is not None:
+            for c in self.learner_ckpts:
+                c.close()
+            return None
         return self._finish()
 
     def _watch(self, learner_threads) -> None:
