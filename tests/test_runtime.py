@@ -63,18 +63,20 @@ def test_kill_and_resume_matches_an_uninterrupted_run(small_config, tmp_path):
 def test_diloco_with_one_learner_h1_lr1_matches_plain_training(small_config, tmp_path):
     plain = _run(small_config(), tmp_path / "plain")
     diloco = _run(
-        small_config(**{
-            "diloco.sync_every": 1,
-            "diloco.fragments": 1,
-            "diloco.overlap": 0,
-            "diloco.quorum": 1,
-            "diloco.max_wait": -1.0,
-            "diloco.outer_lr": 1.0,
-            "diloco.outer_momentum": 0.0,
-            "diloco.merge": "mean",
-            "diloco.weights": "uniform",
-            "diloco.grace_gamma": 0.0,
-        }),
+        small_config(
+            **{
+                "diloco.sync_every": 1,
+                "diloco.fragments": 1,
+                "diloco.overlap": 0,
+                "diloco.quorum": 1,
+                "diloco.max_wait": -1.0,
+                "diloco.outer_lr": 1.0,
+                "diloco.outer_momentum": 0.0,
+                "diloco.merge": "mean",
+                "diloco.weights": "uniform",
+                "diloco.grace_gamma": 0.0,
+            }
+        ),
         tmp_path / "diloco",
     )
     assert diloco["merges"] >= 12
@@ -104,8 +106,9 @@ def test_k1_merges_keep_flowing_past_a_stalled_learner(small_config, tmp_path):
     cfg = _decoupled(small_config, **{"faults.speed_factors": [1.0, 1.0, 1.0, 25.0]})
     summary = _run(cfg, tmp_path)
     merges = _read(tmp_path / "merges.jsonl")
-    leave = {e["learner"]: e["time"] for e in _read(tmp_path / "events.jsonl")
-             if e["event"] == "leave"}
+    leave = {
+        e["learner"]: e["time"] for e in _read(tmp_path / "events.jsonl") if e["event"] == "leave"
+    }
     # The others never waited for the straggler: they finished long before it did...
     assert max(leave[0], leave[1], leave[2]) < leave[3]
     # ...and their offers kept being merged without it.
@@ -115,12 +118,15 @@ def test_k1_merges_keep_flowing_past_a_stalled_learner(small_config, tmp_path):
 
 
 def test_quorum_m_waits_for_every_learner(small_config, tmp_path):
-    cfg = _decoupled(small_config, **{
-        "diloco.quorum": 4,
-        "diloco.max_wait": -1.0,
-        "diloco.final_sync": False,
-        "faults.speed_factors": [1.0, 1.0, 1.0, 3.0],
-    })
+    cfg = _decoupled(
+        small_config,
+        **{
+            "diloco.quorum": 4,
+            "diloco.max_wait": -1.0,
+            "diloco.final_sync": False,
+            "faults.speed_factors": [1.0, 1.0, 1.0, 3.0],
+        },
+    )
     _run(cfg, tmp_path)
     merges = _read(tmp_path / "merges.jsonl")
     assert merges
@@ -134,7 +140,11 @@ def test_learners_run_concurrently_on_disjoint_devices(small_config, tmp_path, m
     lock = threading.Lock()
     original = learner_mod.Learner.run_step
 
+    barrier = threading.Barrier(2)
+
     def timed(self):
+        if self.step == 2:  # both compiled: start the timed steps together
+            barrier.wait(timeout=300)
         t0 = time.perf_counter()
         out = original(self)
         with lock:
@@ -149,7 +159,7 @@ def test_learners_run_concurrently_on_disjoint_devices(small_config, tmp_path, m
     devs = [set(d.id for d in mesh.devices.flat) for mesh in rt.meshes]
     assert len(devs[0]) == len(devs[1]) == 4 and not devs[0] & devs[1]
     # Time during which both learners were inside a step at once.
-    a, b = intervals[0][2:], intervals[1][2:]  # skip compilation
+    a, b = intervals[0][3:], intervals[1][3:]  # steps after the barrier
     both = sum(max(0.0, min(x1, y1) - max(x0, y0)) for x0, x1 in a for y0, y1 in b)
     busy = min(sum(x1 - x0 for x0, x1 in a), sum(y1 - y0 for y0, y1 in b))
     assert both > 0.3 * busy, (both, busy)
