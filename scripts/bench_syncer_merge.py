@@ -10,6 +10,10 @@ Paths:
   fused+norms  the same, given each offer's per-leaf ‖v‖² (`merge.offer_sq_norms`), which
                a syncer can compute when the offer arrives, off the merge's critical path
   composed     merge.merge then merge.outer_step: allocates Δ, Θ and momentum each call
+  syncer       Syncer._merge itself on K pending offers (diloco.merge = the rule): the fused
+               in-place path with arrival-time norms, plus its bookkeeping and the reply's
+               encode ("none": one copy of Θ); the offers' arrival (decode, validation, ‖v‖²)
+               runs untimed before each repetition, as it does off the merge's critical path
 
   python scripts/bench_syncer_merge.py            # N ∈ {4M, 16M}, K ∈ {1, 2, 4, 8}
   python scripts/bench_syncer_merge.py --quick    # N ∈ {1M, 4M}, fewer repetitions
@@ -22,7 +26,10 @@ import time
 import numpy as np
 from absl import app, flags
 
-from decoupled_diloco.diloco import merge
+from decoupled_diloco.diloco import compression, merge
+from decoupled_diloco.diloco.fragments import make_fragment_plan
+from decoupled_diloco.diloco.messages import Offer
+from decoupled_diloco.diloco.syncer import Syncer, SyncerConfig
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small fragments and 3 repetitions (about 10 s).")
 _SIZES = flags.DEFINE_list("sizes", None, "Fragment sizes in Mi-params (default 4,16; quick 1,4).")
@@ -37,20 +44,49 @@ def fragment_leaves(n: int) -> dict[str, int]:
     return sizes
 
 
-def timed(fn) -> float:
+def timed(path) -> float:
+    """Seconds of one call; `path` is fn or (untimed setup, fn)."""
+    setup, fn = path if isinstance(path, tuple) else (None, path)
+    if setup is not None:
+        setup()
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def syncer_path(theta: dict, payloads: list, w: np.ndarray, rule: str) -> tuple:
+    """(push the K offers, Syncer._merge) on a one-fragment syncer owning a copy of Θ."""
+    k = len(payloads)
+    plan = make_fragment_plan({name: x.shape for name, x in theta.items()}, 1)
+    # Quorum K + 1 with only K offering: offers stay pending until _merge is called.
+    cfg = SyncerConfig(quorum=k + 1, grace_gamma=0.0, merge=rule, max_staleness=1 << 30)
+    syncer = Syncer(cfg, plan, theta, k + 1)
+    for m in range(k + 1):
+        syncer.register(m, 0, True, 0.0)
+    tokens = np.maximum(1, np.round(1000 * np.sqrt(w))).astype(int)  # c_tokens² / 1 ∝ w
+
+    def push():
+        for m, payload in enumerate(payloads):
+            fields = dict(step=1, c_steps=1, c_tokens=int(tokens[m]), time=0.0, nbytes=1)
+            offer = Offer(m, 0, 0, base_version=syncer.version[0], payload=payload, **fields)
+            syncer.handle(offer, 0.0)
+        assert len(syncer.pending[0]) == k
+
+    return push, lambda: syncer._merge(0, 0.0)
 
 
 def bench_cell(n: int, k: int, reps: int, rng: np.random.Generator) -> list[tuple[str, float]]:
     """Median seconds per path (and of the copy) over `reps` interleaved repetitions."""
     leaves = fragment_leaves(n)
     theta = {name: rng.standard_normal(size, np.float32) for name, size in leaves.items()}
-    vs = [
-        {name: 1e-3 * rng.standard_normal(size, np.float32) for name, size in leaves.items()}
+    payloads = [  # the offers as a syncer receives them; vs are zero-copy views of them
+        compression.encode(
+            {name: 1e-3 * rng.standard_normal(size, np.float32) for name, size in leaves.items()},
+            "none",
+        )
         for _ in range(k)
     ]
+    vs = [compression.decode(payload) for payload in payloads]
     copies = [{name: np.empty_like(x) for name, x in v.items()} for v in vs]
     w = rng.uniform(0.5, 2.0, k)
     state = merge.OuterState.zeros(theta)
@@ -74,9 +110,10 @@ def bench_cell(n: int, k: int, reps: int, rng: np.random.Generator) -> list[tupl
         paths[f"{rule} composed"] = lambda r=rule: merge.outer_step(
             theta, merge.merge(vs, w, r), state, lr, mu
         )
+        paths[f"{rule} syncer"] = syncer_path(theta, payloads, w, rule)
     times: dict[str, list[float]] = {name: [] for name in paths}
-    for fn in paths.values():  # warm-up: first touch of every buffer
-        fn()
+    for path in paths.values():  # warm-up: first touch of every buffer
+        timed(path)
     for _ in range(reps):
         for name, fn in paths.items():
             times[name].append(timed(fn))

@@ -178,6 +178,48 @@ def test_precomputed_offer_norms_give_the_same_rda(monkeypatch):
         merge.merge_rda(vs, w, sq_norms=norms[:2])
 
 
+@pytest.mark.parametrize("rule", merge.RULES)
+def test_fused_path_returns_the_norm_of_the_merged_outer_gradient(monkeypatch, rule):
+    monkeypatch.setattr(merge, "_CHUNK", 7)
+    rng = np.random.default_rng(13)
+    theta, w = tree(rng), [1.0, 0.0, 2.0]
+    vs = [tree(rng, scale=0.1) for _ in w]
+    delta = merge.merge(vs, w, rule)
+    want = np.sqrt(sum(norm(d) ** 2 for d in delta.values()))
+    state = merge.OuterState.zeros(theta)
+    new, _, got = merge.merge_outer_step(
+        theta, vs, w, rule, state, 0.7, 0.9, return_delta_norm=True
+    )
+    assert got == pytest.approx(want, rel=1e-5) and got > 0
+    plain, _ = merge.merge_outer_step(theta, vs, w, rule, state, 0.7, 0.9)
+    for k in SHAPES:
+        np.testing.assert_array_equal(new[k], plain[k])
+
+
+def test_router_divergence_is_the_relative_weighted_spread_of_router_offers():
+    shapes = {"block_0/moe/router": (4, 3), "block_1/moe/router": (4, 3), "attn/q": (5,)}
+    rng = np.random.default_rng(14)
+    theta, v = tree(rng, shapes=shapes), tree(rng, scale=0.1, shapes=shapes)
+    assert merge.router_divergence([v, v, v], [1.0, 2.0, 3.0], theta) == pytest.approx(0, abs=1e-9)
+    # Two equally weighted offers ±u around a zero mean: spread ‖u‖ per leaf.
+    neg = {k: -x for k, x in v.items()}
+    want = np.mean([norm(v[k]) / norm(theta[k]) for k in shapes if k.endswith("router")])
+    got = merge.router_divergence([v, neg], [1.0, 1.0], theta)
+    assert got == pytest.approx(want, rel=1e-9)
+    # Zero-weight offers do not count, nor do non-router leaves.
+    assert merge.router_divergence([v, neg, v], [1.0, 1.0, 0.0], theta) == pytest.approx(got)
+    wild = {**neg, "attn/q": 1e3 * neg["attn/q"]}
+    assert merge.router_divergence([v, wild], [1.0, 1.0], theta) == pytest.approx(got)
+    # Spreading the offers further apart raises it; scaling Θ up lowers it.
+    far = {k: 3 * x for k, x in neg.items()}
+    assert merge.router_divergence([v, far], [1.0, 1.0], theta) > got
+    big = {k: 10 * x for k, x in theta.items()}
+    assert merge.router_divergence([v, neg], [1.0, 1.0], big) == pytest.approx(got / 10)
+    assert merge.router_divergence([v, neg], [1.0, 0.0], theta) is None  # one learner
+    dense = {"attn/q": theta["attn/q"]}
+    assert merge.router_divergence([{"attn/q": v["attn/q"]}] * 2, [1.0, 1.0], dense) is None
+
+
 def test_chunking_does_not_change_results(monkeypatch):
     rng = np.random.default_rng(10)
     vs, w = [tree(rng) for _ in range(3)], np.array([1.0, 2.0, 0.5])
