@@ -16,6 +16,7 @@ from decoupled_diloco import faults, models, sharding
 from decoupled_diloco.data import DataConfig, validate_data_config
 from decoupled_diloco.diloco.learner import LearnerConfig
 from decoupled_diloco.diloco.syncer import SyncerConfig
+from decoupled_diloco.runtime.ray_cluster import RayConfig
 from decoupled_diloco.train.optimizer import TrainConfig
 
 RUNTIMES = ("local", "ray")
@@ -36,6 +37,7 @@ class RunConfig:
     devices_per_learner: int
     runtime: str
     name: str
+    ray: RayConfig = RayConfig()  # only read by runtime == "ray"
 
     @property
     def uses_syncer(self) -> bool:
@@ -111,7 +113,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.diloco.outer_lr = 0.7  # outer Nesterov lr (DiLoCo: 0.7; Streaming DiLoCo: 0.4)
     c.diloco.outer_momentum = 0.9  # outer momentum mu
     c.diloco.nesterov = True  # Nesterov (True) or heavy-ball (False) outer momentum
-    c.diloco.compression = "none"  # wire format: none | bf16 | int8 | int4 | int2 | int1
+    # Wire format of offers (outer gradients): none | bf16 | int8 | int4 | int2 | int1.
+    c.diloco.compression = "none"
+    # Wire format of replies (merged parameters, not gradients: lossy formats perturb the
+    # model itself, so the default stays lossless): none | bf16 | int8 | int4 | int2 | int1.
+    c.diloco.reply_compression = "none"
     # Offers whose base is more than this many versions old are rejected. With K=1 every
     # learner's offer can bump a fragment's version, so a healthy learner is routinely
     # M-1 versions behind; outer gradients are anchored on each offer's own base version,
@@ -131,6 +137,17 @@ def default_config() -> ml_collections.ConfigDict:
             for v in [f.default]
         }
     )
+
+    # The Ray runtime (runtime = "ray"); fields documented in runtime/ray_cluster.py RayConfig.
+    c.ray = ml_collections.ConfigDict()
+    c.ray.address = ""  # "" = start (and stop) a local Ray cluster; "auto" | "host:port" joins one
+    c.ray.max_restarts = 3  # times Ray restarts a dead learner / syncer process; -1 = unlimited
+    c.ray.accelerator = "cpu"  # "cpu": own fake CPU devices per learner; "tpu": a slice each
+    c.ray.num_cpus = 0  # CPUs a local cluster advertises; 0 = all of this machine's
+    c.ray.temp_dir = "/tmp/ray_dd"  # local cluster's session dir (short: Ray's socket paths)
+    c.ray.checkpoint_dir = ""  # "" = <workdir>/checkpoints; multi-node: reachable by every node
+    c.ray.poll_seconds = 0.5  # seconds between the driver's collections of rows and records
+    c.ray.syncer_checkpoint_seconds = 5.0  # seconds between the syncer's orbax checkpoints
     return c
 
 
@@ -218,7 +235,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         outer_lr=d.outer_lr,
         outer_momentum=d.outer_momentum,
         nesterov=d.nesterov,
-        compression=d.compression,
+        compression=d.reply_compression,
         max_staleness=d.max_staleness,
         heartbeat_timeout=d.heartbeat_timeout,
         shards=d.syncer_shards,
@@ -234,6 +251,14 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults")
     faults.validate_fault_spec(fault_spec, m)
 
+    ray_cfg = _dataclass_from(RayConfig, c.get("ray", ml_collections.ConfigDict()), "ray")
+    ray_cfg.validate()
+    if c.runtime == "ray" and learner_cfg.sync_every == 0:
+        raise ValueError(
+            "runtime='ray' runs learners against a syncer: set diloco.sync_every > 0 "
+            "(data-parallel training without a syncer uses runtime='local')"
+        )
+
     return RunConfig(
         model=model_cfg,
         data=data_cfg,
@@ -246,6 +271,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         devices_per_learner=per,
         runtime=c.runtime,
         name=c.name,
+        ray=ray_cfg,
     )
 
 

@@ -47,3 +47,12 @@ def _small_config(**overrides):
 @pytest.fixture
 def small_config():
     return _small_config
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "ray: starts a local Ray cluster (tests/test_ray_runtime.py); -m 'not ray' skips"
+    )
+    config.addinivalue_line(
+        "markers", "slow: minutes of CPU (tests/test_experiments.py); -m 'not slow' skips"
+    )

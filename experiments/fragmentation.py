@@ -1,0 +1,137 @@
+r"""Experiment 7 — fragmentation: layer vs tensor vs balanced and P; quality and per-step bandwidth.
+
+    python experiments/fragmentation.py            # 6 arms, 300 steps, seeds 0,1: ~1 h
+    python experiments/fragmentation.py --quick    # 3 arms (P = 5), 48 steps, 1 seed: ~6 min
+    python experiments/fragmentation.py --scale=tpu   # TPU slices via Ray (not runnable here)
+
+configs/tiny_decoupled.py (M = 4, K = 1, H = 12) with a 4-block model (so that strided
+layer groups exist) and `diloco.fragment_strategy` in layer | tensor | balanced, P in
+{3, 5} (the embedding is always its own fragment). Bandwidth per learner step:
+  plan      from the fragment plan: the fp32 bytes of the fragments due at each of the
+            H step offsets (offer + reply, one learner); peak and mean over a period.
+  measured  merges.jsonl bytes_in + bytes_out binned by wall time into windows of one
+            median learner step; peak (99th percentile, robust to bursts after stalls)
+            and mean per window, over the middle 80% of the run.
+The paper: equal quality for all three; balanced has the flattest bandwidth (peak ≈ mean).
+Writes fragmentation.{md,png,json} into --out.
+"""
+
+import math
+
+import harness
+import numpy as np
+from absl import app
+
+harness.define_flags("experiments/results/fragmentation", "0,1")
+QUICK = harness.QUICK  # 48 steps, batch 8 per learner
+STRATEGIES = ("layer", "tensor", "balanced")
+
+FULL = {"train.eval_every": 50}
+
+
+def arms() -> list[harness.Arm]:
+    full = harness.is_full()
+    out = []
+    for p in (3, 5) if full else (5,):
+        for s in STRATEGIES:
+            over = {"model.num_layers": 4, "diloco.fragments": p}
+            over["diloco.fragment_strategy"] = s
+            out.append(harness.Arm(f"{s}_P{p}", "tiny_decoupled", over, f"{s}, P={p}"))
+    return out
+
+
+def plan_bandwidth(r) -> tuple[float, float, list[float]]:
+    """(peak, mean, per-offset) fp32 bytes per learner step from the run's fragment plan."""
+    import jax
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco import models
+    from decoupled_diloco.diloco.fragments import flatten_params, make_fragment_plan
+
+    c = harness.build_config(r.arm, r.seed, "cpu", harness.length_overrides(QUICK, FULL))
+    run = config_lib.validate(c)
+    shapes = flatten_params(
+        jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
+    )
+    plan = make_fragment_plan(
+        {k: v.shape for k, v in shapes.items()},
+        run.syncer.num_fragments,
+        run.syncer.fragment_strategy,
+        run.learner.sync_every,
+    )
+    per_step = [0.0] * plan.sync_every
+    for names, offset in zip(plan.names, plan.offsets, strict=True):
+        per_step[offset] += 2 * 4 * sum(math.prod(shapes[n].shape) for n in names)
+    return max(per_step), sum(per_step) / len(per_step), per_step
+
+
+def measured_bandwidth(r) -> tuple[float, float]:
+    """(peak, mean) bytes per one-step window, all learners, from merges.jsonl."""
+    merges = harness.rows(r.rundir, "merges.jsonl")
+    steps = [x for x in harness.rows(r.rundir, "metrics.jsonl") if x.get("learner") == 0]
+    dts = np.diff([x["time"] for x in steps]) / np.maximum(np.diff([x["step"] for x in steps]), 1)
+    if len(merges) < 3 or len(dts) == 0:
+        return float("nan"), float("nan")
+    step_s = float(np.median(dts))
+    t = np.array([x["time"] for x in merges])
+    b = np.array([x["bytes_in"] + x["bytes_out"] for x in merges], dtype=float)
+    lo, hi = np.quantile(t, [0.1, 0.9])
+    edges = np.arange(lo, hi + step_s, step_s)
+    if len(edges) < 2:
+        return float("nan"), float("nan")
+    hist, _ = np.histogram(t, bins=edges, weights=b)
+    return float(np.quantile(hist, 0.99)), float(hist.mean())
+
+
+def markdown(results) -> tuple[str, dict]:
+    body, plans = [], {}
+    for name, runs in harness.by_arm(results).items():
+        s = [r.summary for r in runs]
+        peak, mean, per_step = plan_bandwidth(runs[0])
+        plans[name] = per_step
+        meas = [measured_bandwidth(r) for r in runs]
+        body.append(
+            [
+                runs[0].arm.label,
+                harness.fmt([x["final_eval_loss"] for x in s]),
+                f"{peak / 1e3:.0f}",
+                f"{mean / 1e3:.0f}",
+                f"{peak / mean:.2f}",
+                harness.fmt([p / 1e3 for p, _ in meas], 0),
+                harness.fmt([m / 1e3 for _, m in meas], 0),
+                harness.fmt([p / m for p, m in meas], 2),
+            ]
+        )
+    header = ["arm", "final eval loss", "plan peak kB/step", "plan mean kB/step",
+              "plan peak/mean", "measured peak kB/step", "measured mean kB/step",
+              "measured peak/mean"]  # fmt: skip
+    note = (
+        f"Fragmentation, 4-block tiny model, M = 4, H = 12 ({harness.mode_note()}). Plan "
+        "columns: one learner's offer + reply bytes (fp32) per step; measured: all learners, "
+        "per wall-time window of one median step.\n\n"
+    )
+    return note + harness.table(header, body), plans
+
+
+def main(argv):
+    del argv
+    import matplotlib.pyplot as plt
+
+    out = harness.setup()
+    results = harness.run_arms(arms(), out, QUICK, FULL)
+    table, plans = markdown(results)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (name, per_step) in enumerate(plans.items()):
+        a.step(range(len(per_step)), [x / 1e3 for x in per_step], where="mid", color=f"C{i}",
+               label=name)  # fmt: skip
+    a.set_xlabel("step within a sync period (offset)")
+    a.set_ylabel("kB per learner step (offer + reply, fp32)")
+    a.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    harness.plot_curves(b, results)
+    fig.suptitle("Fragmentation: bandwidth per step and quality")
+    harness.write(out, "fragmentation", table, fig, results)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,75 @@
+r"""Experiment 6 — wire precision of offers and replies: fp32, bf16, int8, int4, 2-bit, 1-bit.
+
+    python experiments/precision.py            # 300 steps, seeds 0,1: ~50 min on 2 busy cores
+    python experiments/precision.py --quick    # 48 steps x batch 8, 1 seed: ~7 min
+    python experiments/precision.py --scale=tpu   # TPU slices via Ray (not runnable here)
+
+configs/tiny_decoupled.py (M = 4, K = 1, grace, RDA) with `diloco.compression` in
+none | bf16 | int8 | int4 | int2 | int1. The paper: int4 ≈ lossless; 2-bit and 1-bit
+degrade badly. Writes precision.{md,png,json} into --out.
+"""
+
+import harness
+from absl import app
+
+harness.define_flags("experiments/results/precision", "0,1")
+QUICK = harness.QUICK  # 48 steps, batch 8 per learner
+LABEL = {"none": "fp32"}
+FORMATS = ("none", "bf16", "int8", "int4", "int2", "int1")
+PAPER = {"none": "reference", "bf16": "-", "int8": "-", "int4": "≈ lossless"}
+PAPER |= {"int2": "degrades badly", "int1": "degrades badly"}
+
+FULL = {"train.eval_every": 50}
+
+
+def arms() -> list[harness.Arm]:
+    over = {}
+    return [
+        harness.Arm(f, "tiny_decoupled", over | {"diloco.compression": f}, LABEL.get(f, f))
+        for f in FORMATS
+    ]
+
+
+def markdown(results) -> str:
+    groups = harness.by_arm(results)
+    ref = [r.summary["final_eval_loss"] for r in groups.get("none", [])]
+    ref_bytes = [r.summary["bytes_per_token"] for r in groups.get("none", [])]
+    body = []
+    for name, runs in groups.items():
+        s = [r.summary for r in runs]
+        losses = [x["final_eval_loss"] for x in s]
+        bpt = [x["bytes_per_token"] for x in s]
+        body.append(
+            [
+                runs[0].arm.label,
+                harness.fmt(losses),
+                harness.fmt([a / b for a, b in zip(losses, ref, strict=False)], 3),
+                harness.fmt(bpt, 1),
+                harness.fmt([a / b for a, b in zip(bpt, ref_bytes, strict=False)], 3),
+                PAPER[name],
+            ]
+        )
+    header = ["wire format", "final eval loss", "ratio to fp32", "bytes / token",
+              "bytes vs fp32", "paper"]  # fmt: skip
+    return f"Communication precision ({harness.mode_note()}).\n\n" + harness.table(header, body)
+
+
+def main(argv):
+    del argv
+    import matplotlib.pyplot as plt
+
+    out = harness.setup()
+    results = harness.run_arms(arms(), out, QUICK, FULL)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    harness.plot_curves(a, results)
+    groups = list(harness.by_arm(results).values())
+    harness.plot_bars(b, [g[0].arm.label for g in groups],
+                      [[r.summary["final_eval_loss"] for r in g] for g in groups],
+                      "final eval loss")  # fmt: skip
+    b.set_ylim(min(r.summary["final_eval_loss"] for r in results) * 0.97, None)
+    fig.suptitle("Wire precision of offers and merged fragments")
+    harness.write(out, "precision", markdown(results), fig, results)
+
+
+if __name__ == "__main__":
+    app.run(main)
