@@ -24,7 +24,7 @@ setuptools.setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "ray[default]>=2.30"],
         "ray": ["ray[default]>=2.30"],
     },
 )

@@ -23,8 +23,9 @@ class Checkpointer:
     """One orbax CheckpointManager: an array tree plus a JSON side-car per step."""
 
     def __init__(self, directory: str, max_to_keep: int = 2):
+        # Remote paths (gs://..., for multi-node Ray runs) go to orbax as they are.
         self.manager = ocp.CheckpointManager(
-            os.path.abspath(directory),
+            directory if "://" in directory else os.path.abspath(directory),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
             ),

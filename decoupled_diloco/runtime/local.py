@@ -15,14 +15,14 @@ import jax
 import numpy as np
 
 from decoupled_diloco import faults, models
-from decoupled_diloco.checkpoint import Checkpointer, abstract_like
+from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
 from decoupled_diloco.diloco.fragments import flatten_params, make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner
 from decoupled_diloco.diloco.syncer import Syncer
 from decoupled_diloco.metrics import JsonlWriter, Progress, write_json
-from decoupled_diloco.runtime import accounting
+from decoupled_diloco.runtime import accounting, learner_host, report, syncer_host
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.sharding import make_mesh
 from decoupled_diloco.train.evaluate import Evaluator
@@ -57,7 +57,7 @@ class LocalRuntime:
         self.errors: list[BaseException] = []
         self.t0 = 0.0
         self.syncer_lock = threading.Lock()
-        self._last_log: dict[int, tuple[float, int]] = {}
+        self._rate = learner_host.RateMeter()  # tokens/s between log lines, per learner
         self._away: dict[int, str] = {}  # learner -> why it is down: "crash" | "leave"
 
     def now(self) -> float:
@@ -112,9 +112,8 @@ class LocalRuntime:
     # --- syncer shards --------------------------------------------------------------
     def _new_syncer(self, shard: int, init_params) -> Syncer:
         run = self.run_cfg
-        owned = [p for p in range(self.plan.num_fragments) if p % run.syncer.shards == shard]
-        return Syncer(
-            run.syncer, self.plan, init_params, run.num_learners, owned, record=self._record
+        return syncer_host.new_syncer(
+            run.syncer, self.plan, init_params, run.num_learners, shard, self._record
         )
 
     def _record(self, rec: dict) -> None:
@@ -157,16 +156,7 @@ class LocalRuntime:
                     for m, info in syncer.learners.items():
                         if info.joined:
                             link.send(m, syncer.snapshot(self.now()))
-                deadline = syncer.next_deadline()
-                timeout = 0.02 if deadline is None else min(max(deadline - self.now(), 0.0), 0.02)
-                msgs = link.receive(timeout)
-                with self.syncer_lock:
-                    out = []
-                    for msg in msgs:
-                        out += syncer.handle(msg, self.now())
-                    out += syncer.tick(self.now())
-                for m, msg in out:
-                    link.send(m, msg)
+                syncer_host.serve_turn(syncer, link, self.now, self.syncer_lock)
                 if self.now() - last_ckpt >= self.syncer_checkpoint_seconds:
                     self._save_syncer(syncer, ckpt)
                     last_ckpt = self.now()
@@ -188,24 +178,11 @@ class LocalRuntime:
             ckpt.close()
 
     def _save_syncer(self, syncer: Syncer, ckpt: Checkpointer, wait: bool = False) -> None:
-        with self.syncer_lock:
-            state = jax.tree.map(np.copy, syncer.state_dict())
-            meta = {
-                "plan": self.plan.to_json(),
-                "learners": {str(m): [i.incarnation, i.joined] for m, i in syncer.learners.items()},
-                "stats": syncer.stats,
-            }
-            step = sum(syncer.version.values())
-        if ckpt.latest_step() != step:
-            ckpt.save(step, state, meta, wait=wait)
+        syncer_host.save_syncer(syncer, ckpt, self.plan, self.syncer_lock, wait=wait)
 
     def _restore_syncer(self, shard: int, ckpt: Checkpointer) -> Syncer:
         syncer = self._new_syncer(shard, self.init_params)
-        if ckpt.latest_step() is not None:
-            state, meta = ckpt.restore(jax.tree.map(np.asarray, syncer.state_dict()))
-            syncer.load_state_dict(state)
-            for m, (inc, joined) in meta["learners"].items():
-                syncer.register(int(m), inc, joined, self.now())
+        if syncer_host.restore_syncer(syncer, ckpt, self.now()):
             self.events.write(
                 {
                     "event": "syncer_restore",
@@ -221,9 +198,17 @@ class LocalRuntime:
         run, learner = self.run_cfg, self.learners[m]
         steps = run.train.steps
         try:
+            seen = self.now()  # faults up to here have been applied
             while learner.step < steps and not self.stop.is_set():
                 t = self.now()
-                if not self.schedule.is_up(m, t):
+                # A crash whose whole outage fell inside one (slow) step still kills the
+                # learner: it loses its state and restarts at once.
+                missed = any(
+                    e.kind == "crash" and e.learner == m
+                    for e in self.schedule.events_between(seen, t)
+                )
+                seen = t
+                if missed or not self.schedule.is_up(m, t):
                     if not self._learner_down(m, t):
                         return  # left the membership for good (scavenging)
                     continue
@@ -245,11 +230,7 @@ class LocalRuntime:
                 metrics = learner.run_step()
                 blocked = learner.wait_seconds - waited  # waiting for a merge is not compute
                 compute = time.perf_counter() - t_step - blocked
-                factor = self.schedule.step_time_factor(m, learner.step, self.now())
-                # Injected straggling / slower hardware; the first step of an incarnation
-                # is compilation, which a slower chip would not stretch by the same factor.
-                if factor > 1.0 and learner.step_seconds > 0:
-                    time.sleep((factor - 1.0) * compute)
+                learner_host.straggle(self.schedule, m, learner, compute, self.now())
                 self.ledger.step(m, time.perf_counter() - t_step - blocked, self.now())
                 if not run.uses_syncer:
                     self.ledger.advance(self.now())
@@ -316,22 +297,8 @@ class LocalRuntime:
         run = self.run_cfg
         if learner.step % run.train.log_every and learner.step != run.train.steps:
             return
-        rec = {
-            "learner": m,
-            "step": learner.step,
-            "tokens": learner.step * learner.tokens_per_batch,
-            "loss": metrics["loss"],
-            "learning_rate": metrics["learning_rate"],
-            "grad_norm": metrics["grad_norm"],
-            "tokens_per_second": self._rate(m, learner),
-            "time": self.now(),
-        }
-        for k in ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction"):
-            if k in metrics:
-                rec[k] = metrics[k]
-        if "expert_load" in metrics:
-            # float64 first: rounding float32 leaves 0.26249998807907104-style noise in the JSON.
-            rec["expert_load"] = np.asarray(metrics["expert_load"], np.float64).round(4).tolist()
+        now = self.now()
+        rec = learner_host.step_record(m, learner, metrics, self._rate(m, learner, now), now)
         if (
             not run.uses_syncer
             and run.train.eval_every
@@ -347,40 +314,14 @@ class LocalRuntime:
                 + (f" merges {self.ledger.merges}" if run.uses_syncer else ""),
             )
 
-    def _rate(self, m: int, learner: Learner) -> float:
-        """Tokens per second since this learner's previous log line."""
-        now, last = self.now(), self._last_log.get(m)
-        self._last_log[m] = (now, learner.step)
-        if last is None or now <= last[0] or learner.step <= last[1]:
-            return learner.tokens_per_batch / max(learner.step_seconds, 1e-9)
-        return (learner.step - last[1]) * learner.tokens_per_batch / (now - last[0])
-
     def _save_learner(self, m: int, wait: bool = False) -> None:
-        learner = self.learners[m]
-        if learner.state is None:
-            return
-        meta = {
-            "step": learner.step,
-            "data": learner.data.get_state(),
-            "incarnation": learner.incarnation,
-        }
-        self.learner_ckpts[m].save(learner.step, learner.state, meta, wait=wait)
+        learner_host.save_learner(self.learners[m], self.learner_ckpts[m], wait=wait)
 
     def _restore_one(self, m: int):
         """Learner m's last checkpoint (state; step, data position set), or None."""
-        learner, ckpt = self.learners[m], self.learner_ckpts[m]
-        ckpt.manager.wait_until_finished()
-        if ckpt.latest_step() is None:
-            learner.step = 0
-            learner.data.set_state(self._initial_data_state[m])
-            return None
-        learner.init_from_rng(jax.random.key(0))  # shapes + shardings to restore onto
-        state, meta = ckpt.restore(abstract_like(learner.state))
-        learner.step = int(meta["step"])
-        learner.incarnation = max(learner.incarnation, int(meta["incarnation"]) + 1)
-        learner.data.set_state(meta["data"])
-        learner.state = None
-        return state
+        return learner_host.restore_learner(
+            self.learners[m], self.learner_ckpts[m], self._initial_data_state[m]
+        )
 
     def _restore_learners(self) -> list:
         self._initial_data_state = [lr.data.get_state() for lr in self.learners]
@@ -505,22 +446,16 @@ class LocalRuntime:
                 "time": wall,
             }
         )
-        summary = {
-            "name": run.name,
-            "final_eval_loss": final,
-            "steps": max(lr.step for lr in self.learners),
-            "tokens": self.total_tokens(),
-            "wall_seconds": wall,
-            "learners": run.num_learners,
-        }
-        summary.update(self.ledger.summary(wall, run.uses_syncer, self.learners))
-        if run.uses_syncer:
-            stats = [s.stats for s in self.syncers if s is not None]
-            summary["bytes_communicated"] = int(sum(s["bytes_in"] + s["bytes_out"] for s in stats))
-            summary["bytes_per_token"] = summary["bytes_communicated"] / max(summary["tokens"], 1)
-        else:
-            summary["bytes_communicated"] = 0
-            summary["bytes_per_token"] = 0.0
+        stats = [s.stats for s in self.syncers if s is not None] if run.uses_syncer else []
+        summary = report.run_summary(
+            run,
+            final,
+            max(lr.step for lr in self.learners),
+            self.total_tokens(),
+            wall,
+            self.ledger.summary(wall, run.uses_syncer, self.learners),
+            stats,
+        )
         write_json(os.path.join(self.workdir, "summary.json"), summary)
         for w in (self.metrics, self.merges, self.events):
             w.close()

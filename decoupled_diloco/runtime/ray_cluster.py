@@ -1,0 +1,156 @@
+"""The Ray cluster a run uses: connect or start one, and where learners and the syncer go.
+
+Placement (pure functions, testable without a cluster):
+- CPU (`ray.accelerator = "cpu"`, development and CI): every learner is a process with its
+  own fake CPU devices (`--xla_force_host_platform_device_count=<devices_per_learner>`).
+- TPU (`"tpu"`): learner m is the slice whose hosts carry the custom resource named by the
+  m-th slice id (scripts/tpu registers `{"TPU": chips per host, "<node-id>": 1}` on every
+  host); a slice of h hosts is h processes running the same program (multi-controller JAX,
+  `jax.distributed.initialize()` inside the slice only when h > 1), each asking for one
+  host's `{"TPU": chips, "<node-id>": 1}`.
+- The syncer goes where the custom resource `syncer` is (the head CPU VM) when the cluster
+  has it; anywhere otherwise.
+
+Importing this module does not import Ray; the runtime imports it lazily.
+"""
+
+import dataclasses
+import os
+import warnings
+
+ACCELERATORS = ("cpu", "tpu")
+SYNCER_RESOURCE = "syncer"  # the custom resource scripts/tpu puts on the head VM
+_STANDARD = {"CPU", "GPU", "TPU", "memory", "object_store_memory", SYNCER_RESOURCE}
+
+
+@dataclasses.dataclass(frozen=True)
+class RayConfig:
+    address: str = ""  # "" = start a local cluster for the run; "auto" / "host:port" joins one
+    max_restarts: int = 3  # Ray restarts of each learner and syncer process; -1 = unlimited
+    accelerator: str = "cpu"  # "cpu" (fake CPU devices per process) | "tpu" (a slice each)
+    num_cpus: int = 0  # CPUs a local cluster advertises; 0 = os.cpu_count()
+    temp_dir: str = "/tmp/ray_dd"  # a local cluster's session files (Ray's socket paths are
+    # limited to ~100 characters, so not under a deep workdir)
+    checkpoint_dir: str = ""  # "" = <workdir>/checkpoints; multi-node: a path all nodes reach
+    poll_seconds: float = 0.5  # how often the driver collects rows, records and progress
+    syncer_checkpoint_seconds: float = 5.0  # period of the syncer's orbax checkpoint
+
+    def validate(self) -> None:
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(
+                f"ray.accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}"
+            )
+        if self.max_restarts < -1:
+            raise ValueError(f"ray.max_restarts must be >= -1, got {self.max_restarts}")
+        if self.num_cpus < 0:
+            raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
+        if not self.poll_seconds > 0:
+            raise ValueError(f"ray.poll_seconds must be > 0, got {self.poll_seconds}")
+        if not self.syncer_checkpoint_seconds > 0:
+            raise ValueError(
+                f"ray.syncer_checkpoint_seconds must be > 0, got {self.syncer_checkpoint_seconds}"
+            )
+
+
+def connect(cfg: RayConfig, verbose: bool) -> bool:
+    """Connects the driver; returns True when it started a local cluster it must stop.
+
+    An already connected driver (e.g. a test session's shared cluster) is reused as is.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kw = dict(include_dashboard=False, log_to_driver=verbose, configure_logging=verbose)
+    with warnings.catch_warnings():
+        # Ray starts its daemons with fork+exec, which JAX (already up in the driver) warns
+        # about; the children exec at once and never run JAX.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+        if cfg.address:
+            ray.init(address=cfg.address, **kw)
+            return False
+        os.makedirs(cfg.temp_dir, exist_ok=True)
+        ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), _temp_dir=cfg.temp_dir, **kw)
+    return True
+
+
+def cpu_env(devices_per_learner: int) -> dict[str, str]:
+    """Environment of a CPU learner process: exactly its own fake devices, no accelerator."""
+    return {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_learner}",
+        "JAX_PLATFORMS": "cpu",
+        **_cache_env(),
+    }
+
+
+def _cache_env() -> dict[str, str]:
+    # Learner processes share the driver's persistent compilation cache (when it set one).
+    cache = os.environ.get("DD_COMPILATION_CACHE")
+    return {"DD_COMPILATION_CACHE": cache} if cache else {}
+
+
+def syncer_options(cluster_resources: dict, shards: int, max_restarts: int) -> dict:
+    """Actor options of a syncer shard: host CPU only, on the `syncer` node if there is one."""
+    opts = dict(
+        num_cpus=0,
+        max_restarts=max_restarts,
+        max_task_retries=0,
+        max_concurrency=8,
+        runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", **_cache_env()}},
+    )
+    if cluster_resources.get(SYNCER_RESOURCE, 0) > 0:
+        opts["resources"] = {SYNCER_RESOURCE: cluster_resources[SYNCER_RESOURCE] / shards}
+    return opts
+
+
+def learner_options(
+    accelerator: str, devices_per_learner: int, max_restarts: int, host: dict | None = None
+) -> dict:
+    """Actor options of one learner process; `host` = {"slice": id, "chips": n} on TPU."""
+    opts = dict(max_restarts=max_restarts, max_task_retries=0, max_concurrency=8)
+    if accelerator == "cpu":
+        opts.update(num_cpus=0, runtime_env={"env_vars": cpu_env(devices_per_learner)})
+    else:
+        opts.update(
+            num_cpus=0,
+            resources={"TPU": host["chips"], host["slice"]: 1},
+            runtime_env={"env_vars": _cache_env()},
+        )
+    return opts
+
+
+def tpu_slices(nodes: list[dict]) -> dict[str, dict]:
+    """Slices of a cluster from `ray.nodes()`: slice id -> {"hosts": h, "chips": per host}.
+
+    A TPU host's slice id is its one custom resource besides the standard ones, Ray's
+    per-node `node:<ip>` / `accelerator_type:*` and the `TPU-*-head` marker. Sorted by id,
+    so learner m gets the m-th slice.
+    """
+    out: dict[str, dict] = {}
+    for node in nodes:
+        res = node.get("Resources", {})
+        if not node.get("Alive", True) or res.get("TPU", 0) <= 0:
+            continue
+        ids = [
+            k
+            for k in res
+            if k not in _STANDARD
+            and not k.startswith(("node:", "accelerator_type:"))
+            and not (k.startswith("TPU-") and k.endswith("-head"))
+        ]
+        if len(ids) != 1:
+            raise ValueError(f"TPU host {node.get('NodeManagerAddress')} has slice ids {ids}")
+        entry = out.setdefault(ids[0], {"hosts": 0, "chips": int(res["TPU"])})
+        entry["hosts"] += 1
+    return dict(sorted(out.items()))
+
+
+def learner_hosts(slices: dict[str, dict], num_learners: int) -> list[dict]:
+    """Learner m's slice and host layout; ValueError when the cluster has too few slices."""
+    if len(slices) < num_learners:
+        raise ValueError(
+            f"diloco.learners={num_learners} but the Ray cluster has {len(slices)} TPU slices "
+            f"({sorted(slices)}): one learner per slice"
+        )
+    names = list(slices)[:num_learners]
+    return [{"slice": s, **slices[s]} for s in names]

@@ -1,0 +1,350 @@
+"""The Ray runtime: learners and syncer shards as separate processes (Ray actors).
+
+    python -m decoupled_diloco.main --config=configs/tiny_decoupled.py --workdir=/tmp/dd \
+        --config.runtime=ray                                    # a local Ray cluster
+        --config.ray.address=HEAD_IP:6379                       # or an existing one
+
+Each learner is an actor in its own process owning its own devices (`ray_learner.py`),
+each syncer shard an actor on the host CPU (`ray_syncer.py`); they talk through the same
+narrow transport as in process (`ray_links.py`). The driver (this file) only launches,
+watches and reports:
+- launch: connects to (or starts) the cluster, creates the syncer shards, then M learners;
+- watch: every `ray.poll_seconds` it collects learner rows and events, the syncer's merge
+  records and every process's pid; it applies the fault schedule's crashes by killing the
+  real processes (SIGKILL by pid on this node, `ray.kill` elsewhere); at `train.eval_every`
+  it fetches Θ from the syncer shards as numpy and evaluates it on its own devices;
+- report: the driver is the only writer of metrics.jsonl, merges.jsonl, events.jsonl and
+  summary.json (same keys as the local runtime), so actors need no shared filesystem for
+  them. Checkpoints are written by the actors themselves under `ray.checkpoint_dir`, which
+  must be reachable from every node of a multi-node cluster.
+
+Differences from the local runtime, all from real process boundaries: a killed learner
+redoes the steps since its last checkpoint (`train.checkpoint_every`), so metrics.jsonl can
+hold a step twice; rows and records buffered in a process when it dies are lost; a
+scheduled crash lasts at least as long as Ray needs to restart the process (seconds).
+"""
+
+import os
+import signal
+import time
+import types
+import uuid
+
+import jax
+import ray
+
+from decoupled_diloco import faults, sharding
+from decoupled_diloco.config import RunConfig
+from decoupled_diloco.metrics import JsonlWriter, Progress, write_json
+from decoupled_diloco.runtime import accounting, ray_cluster, ray_links, report
+from decoupled_diloco.runtime.local import SCHEDULE_HORIZON_S, learner_devices
+from decoupled_diloco.runtime.ray_learner import LearnerActor
+from decoupled_diloco.runtime.ray_syncer import SyncerActor
+from decoupled_diloco.train.evaluate import Evaluator
+
+
+class RayRuntime:
+    def __init__(self, run: RunConfig, workdir: str, verbose: bool = True):
+        self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
+        os.makedirs(workdir, exist_ok=True)
+        self.metrics = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
+        self.merges = JsonlWriter(os.path.join(workdir, "merges.jsonl"))
+        self.events = JsonlWriter(os.path.join(workdir, "events.jsonl"))
+        self.schedule = faults.FaultSchedule(run.faults, run.num_learners, SCHEDULE_HORIZON_S)
+        self.ledger = accounting.Ledger(run.num_learners, run.train.uptime_window)
+        self.ckpt_dir = run.ray.checkpoint_dir or os.path.join(workdir, "checkpoints")
+        self.t0 = time.time()
+        M = run.num_learners
+        self.learners: dict[tuple[int, int], object] = {}  # (m, host) -> actor handle
+        self.syncers: list = []
+        self.status = [{"step": 0, "done": False} for _ in range(M)]
+        self.lost: set[int] = set()  # learners whose restarts are exhausted
+        self.errors: dict[int, str] = {}  # learner -> its last error
+        self.pids: dict[tuple, tuple[int, str]] = {}  # (role, index, host) -> (pid, node)
+        self._pending: dict[tuple, object] = {}  # in-flight poll per actor
+        self._counted_failure: set = set()  # failures already counted before the restart
+        self._fault_t = 0.0
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    # --- launch -----------------------------------------------------------------------
+    def run(self) -> dict:
+        started = ray_cluster.connect(self.run_cfg.ray, self.verbose)
+        try:
+            self._launch()
+            self._build_evaluator()
+            self._watch()
+            return self._finish()
+        finally:
+            for h in [*self.learners.values(), *self.syncers]:
+                ray.kill(h, no_restart=True)
+            if started:
+                ray.shutdown()
+            for w in (self.metrics, self.merges, self.events):
+                w.close()
+
+    def _launch(self) -> None:
+        run = self.run_cfg
+        rc = run.ray
+        self.run_id = uuid.uuid4().hex[:8]
+        self.t0 = time.time()
+        self.events.write(
+            {"event": "run_start", "run_id": self.run_id, "wall_t0": self.t0, "time": 0.0}
+        )
+        opts = ray_cluster.syncer_options(
+            ray.cluster_resources(), run.syncer.shards, rc.max_restarts
+        )
+        for s in range(run.syncer.shards):
+            name = ray_links.actor_name(self.run_id, "syncer", s)
+            actor = ray.remote(SyncerActor).options(name=name, **opts)
+            self.syncers.append(actor.remote(s, run, self.ckpt_dir, self.run_id, self.t0))
+        if rc.accelerator == "tpu":
+            hosts = ray_cluster.learner_hosts(ray_cluster.tpu_slices(ray.nodes()), run.num_learners)
+        else:
+            hosts = [None] * run.num_learners
+        self.hosts = [1 if h is None else h["hosts"] for h in hosts]
+        for m, layout in enumerate(hosts):
+            for host in range(self.hosts[m]):
+                o = ray_cluster.learner_options(
+                    rc.accelerator, run.devices_per_learner, rc.max_restarts, layout
+                )
+                name = ray_links.actor_name(self.run_id, "learner", m, host)
+                actor = ray.remote(LearnerActor).options(name=name, **o)
+                self.learners[(m, host)] = actor.remote(
+                    m, run, self.ckpt_dir, self.run_id, self.t0, host, self.hosts[m]
+                )
+
+    def _build_evaluator(self) -> None:
+        """Evaluates Θ on the driver's devices: learner 0's device group when the driver
+        has that many (the local runtime's choice), else one device."""
+        run = self.run_cfg
+        if jax.device_count() >= run.devices_per_learner:
+            mesh = sharding.make_mesh(learner_devices(run, 0), run.mesh)
+        else:
+            mesh = sharding.make_mesh(jax.devices()[:1], sharding.MeshConfig())
+        self.evaluator = Evaluator(
+            run.model, run.data, mesh, run.train.batch_size, run.train.eval_batches
+        )
+        self.progress = Progress(run.train.steps)
+
+    # --- watch ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        run = self.run_cfg
+        next_eval = run.train.eval_every
+        while not all(s["done"] or m in self.lost for m, s in enumerate(self.status)):
+            time.sleep(run.ray.poll_seconds)
+            self._collect()
+            self._apply_faults()
+            lead = max(s["step"] for s in self.status)
+            if next_eval and lead >= next_eval and lead < run.train.steps:
+                next_eval += run.train.eval_every
+                self.metrics.write(
+                    {
+                        "learner": "global",
+                        "step": lead,
+                        "tokens": self._tokens(),
+                        "eval_loss": self.evaluator(self._global_params()),
+                        "merges": self.ledger.merges,
+                        "time": self.now(),
+                    }
+                )
+        if len(self.lost) == run.num_learners:
+            raise RuntimeError(
+                f"every learner died for good (ray.max_restarts={run.ray.max_restarts}); "
+                f"last errors: {self.errors}"
+            )
+
+    def _collect(self, wait: float | None = None) -> None:
+        """Issues a poll to every actor without one in flight, handles those that answer
+        within `wait` seconds (default: a poll period, at most 1 s)."""
+        actors = {("learner", m, h): a for (m, h), a in self.learners.items() if m not in self.lost}
+        actors.update({("syncer", s, 0): a for s, a in enumerate(self.syncers)})
+        for key, actor in actors.items():
+            if key not in self._pending:
+                self._pending[key] = actor.poll.remote()
+        refs = list(self._pending.values())
+        if wait is None:
+            wait = min(1.0, self.run_cfg.ray.poll_seconds)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        ready = set(ready)
+        for key, ref in list(self._pending.items()):
+            if ref not in ready:
+                continue
+            del self._pending[key]
+            try:
+                out = ray.get(ref)
+            except ray.exceptions.ActorDiedError as e:  # restarts exhausted: gone for good
+                if key[0] == "learner":
+                    self._learner_lost(key[1], e)
+                continue
+            except ray.exceptions.RayActorError:
+                continue  # down or restarting; the next poll tells
+            self._seen_pid(key, out["pid"], out["node"])
+            if key[0] == "syncer":
+                for rec in out["records"]:
+                    self._record(rec)
+            elif key[2] == 0:
+                self._learner_report(key[1], out)
+
+    def _learner_report(self, m: int, out: dict) -> None:
+        for seconds, t in out["steps"]:
+            self.ledger.step(m, seconds, t)
+        for ev in out["events"]:
+            self._learner_event(m, ev)
+        for row in out["rows"]:
+            self.metrics.write(row)
+            if m == 0 and self.verbose:
+                self.progress.update(
+                    row["step"],
+                    f"loss {row['loss']:.3f} tok/s {row['tokens_per_second']:.0f} "
+                    f"merges {self.ledger.merges}",
+                )
+        self.status[m] = {k: out[k] for k in ("step", "done", "incarnation")}
+        if out["done"]:
+            self.ledger.finish(m, out["finished_at"])
+
+    def _learner_event(self, m: int, ev: dict) -> None:
+        self.events.write(ev)
+        kind = ev["event"]
+        if kind == "learner_error":
+            self.errors[m] = ev["error"]
+        elif kind == "nan_restart":
+            self.ledger.failure(m, ev["time"])
+        elif kind == "rejoin":
+            if ev.get("process_restart") and m not in self._counted_failure:
+                self.ledger.failure(m, ev["time"])  # died without the driver killing it
+            self._counted_failure.discard(m)
+            self.ledger.restart(m, ev["time"])
+
+    def _record(self, rec: dict) -> None:
+        kind = rec.get("event")
+        if kind == "merge":
+            self.merges.write(rec)
+            self.ledger.merge(rec)
+            return
+        self.events.write(rec)
+        if kind == "reject":
+            self.ledger.rejected += 1
+        elif kind == "syncer_start" and rec["process_restart"]:
+            if ("syncer", rec["shard"]) not in self._counted_failure:
+                self.ledger.failure("syncer", rec["time"])
+            self._counted_failure.discard(("syncer", rec["shard"]))
+            self.ledger.restart("syncer", rec["time"])
+
+    def _seen_pid(self, key: tuple, pid: int, node: str) -> None:
+        """Tracks processes; a restarted host of a multi-host slice takes its siblings down
+        too (a slice's processes run one program together and must restart together)."""
+        old = self.pids.get(key)
+        self.pids[key] = (pid, node)
+        role, m, host = key
+        if role != "learner" or old is None or old[0] == pid or self.hosts[m] == 1:
+            return
+        for h in range(self.hosts[m]):
+            if h != host:
+                ray.kill(self.learners[(m, h)], no_restart=False)
+
+    def _learner_lost(self, m: int, err: BaseException) -> None:
+        self.lost.add(m)
+        self.ledger.finish(m, self.now())
+        self.events.write(
+            {"event": "learner_lost", "learner": m, "error": str(err)[:300], "time": self.now()}
+        )
+
+    # --- faults -----------------------------------------------------------------------
+    def _apply_faults(self) -> None:
+        now = self.now()
+        for ev in self.schedule.events_between(self._fault_t, now):
+            if ev.kind == "crash" and not self.status[ev.learner]["done"]:
+                m = ev.learner
+                for h in range(self.hosts[m]):
+                    self._kill(("learner", m, h), self.learners[(m, h)])
+                self._counted_failure.add(m)
+                self.ledger.failure(m, ev.time)
+                self.events.write(
+                    {
+                        "event": "learner_down",
+                        "learner": m,
+                        "step": self.status[m]["step"],
+                        "pid": self.pids.get(("learner", m, 0), (None,))[0],  # None: not up yet
+                        "time": ev.time,
+                    }
+                )
+            elif ev.kind == "syncer_crash":
+                for s, actor in enumerate(self.syncers):
+                    self._kill(("syncer", s, 0), actor)
+                    self._counted_failure.add(("syncer", s))
+                    self.ledger.failure("syncer", ev.time)
+                    self.events.write({"event": "syncer_crash", "shard": s, "time": ev.time})
+        self._fault_t = now
+
+    def _kill(self, key: tuple, actor) -> None:
+        """SIGKILL the actor's process: by pid on this node, through Ray elsewhere."""
+        pid, node = self.pids.get(key, (None, None))
+        if pid is not None and node == ray.get_runtime_context().get_node_id():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                return
+            except ProcessLookupError:
+                pass
+        ray.kill(actor, no_restart=False)
+
+    # --- report -----------------------------------------------------------------------
+    def _global_params(self) -> dict:
+        out = {}
+        for actor in self.syncers:
+            out.update(_call(actor.global_params))
+        return out
+
+    def _tokens(self) -> int:
+        tokens_per_batch = self.run_cfg.train.batch_size * self.run_cfg.data.seq_len
+        return sum(s["step"] for s in self.status) * tokens_per_batch
+
+    def _finish(self) -> dict:
+        run = self.run_cfg
+        wall = self.now()
+        self._collect(wait=30.0)  # the last rows and records
+        stats = []
+        for actor in self.syncers:
+            out = _call(actor.finish)
+            stats.append(out["stats"])
+            for rec in out["records"]:
+                self._record(rec)
+        final = self.evaluator(self._global_params())
+        steps = max(s["step"] for s in self.status)
+        self.metrics.write(
+            {
+                "learner": "global",
+                "step": steps,
+                "tokens": self._tokens(),
+                "eval_loss": final,
+                "time": wall,
+            }
+        )
+        learners = [types.SimpleNamespace(step=s["step"]) for s in self.status]
+        summary = report.run_summary(
+            run,
+            final,
+            steps,
+            self._tokens(),
+            wall,
+            self.ledger.summary(wall, True, learners),
+            stats,
+        )
+        write_json(os.path.join(self.workdir, "summary.json"), summary)
+        self.progress.close()
+        return summary
+
+
+def _call(method, *args, timeout: float = 600.0):
+    """Calls an actor method, retrying while the actor restarts (not once it is gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(method.remote(*args))
+        except ray.exceptions.ActorDiedError:
+            raise
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

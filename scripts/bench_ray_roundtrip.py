@@ -1,0 +1,439 @@
+r"""Fragment round trips through the Ray runtime vs the local runtime, and the Ray learner overhead.
+
+    python scripts/bench_ray_roundtrip.py            # tiny + ~110M model; overhead 2 x 80 steps
+    python scripts/bench_ray_roundtrip.py --quick    # fewer rounds and steps (~6 min)
+
+Part 1, the transport alone (no training). One learner-side link sends Offers whose payloads
+are synthetic outer gradients (float32 numpy, wire format "none") for the fragments of the
+model's plan; one syncer (K = 1, no grace window, RDA + outer Nesterov) merges each offer at
+once and replies to the learner. Measured on the learner's side:
+  latency     one offer in flight: offer handed to the link -> Merged reply in its inbox
+              (includes the syncer's merge, shown separately as "merge")
+  throughput  P fragments x R rounds offered back to back: offer bytes per second until
+              the last reply arrived (every reply carries as many bytes back)
+  local       LocalLearnerLink -> queue -> syncer thread -> queue (one process, no copies)
+  ray         a learner actor (own process) with RayLearnerLink -> SyncerActor (own
+              process) -> the learner's mailbox: pickling, object store, two processes
+Models: "tiny" (~140k params, P = 2) and "100m" (d 768, 12 layers, vocab 32k: ~110M
+params, P = 4, ~110 MB per fragment).
+
+Part 2, learner overhead on Ray: learner steps/s in a Decoupled run on the Ray runtime (2
+learner processes x 4 fake CPU devices, K = 1, the tiny_decoupled model, batch and plan)
+vs plain training of the same model in 2 concurrent Ray actor processes (no syncer, no
+link). Both are measured over the window in which both learners run (every learner past
+step --skip, none finished), sampled every 0.25 s: steps/s, and CPU seconds per step of
+each learner's process (/proc; its sender thread and Ray's threads included). Neither is
+clean on a shared 2-core machine: wall time moves with other load, and CPU time includes
+XLA's spinning worker threads, which spin more when a process gets more of the cores. The
+arms' order alternates per round. Goal: steps/s ratio >= 0.95 (communication off the
+learner's critical path).
+"""
+
+import json
+import os
+import queue
+import statistics
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco.diloco import compression  # noqa: E402
+from decoupled_diloco.diloco.messages import Join, Merged, Offer, Snapshot  # noqa: E402
+from decoupled_diloco.runtime import ray_cluster, ray_links, syncer_host  # noqa: E402
+
+_QUICK = flags.DEFINE_bool("quick", False, "Fewer rounds and steps (about 6 minutes).")
+_PARTS = flags.DEFINE_list("parts", ["roundtrip", "overhead"], "Which parts to run.")
+_MODELS = flags.DEFINE_list("models", ["tiny", "100m"], "Models for the round trips.")
+_ROUNDS = flags.DEFINE_integer("rounds", None, "Round trips per fragment (default 10; quick 3).")
+_STEPS = flags.DEFINE_integer("steps", None, "Steps per overhead run (default 80; quick 40).")
+_SKIP = flags.DEFINE_integer("skip", None, "Leading steps excluded (default 10; quick 8).")
+_REPEATS = flags.DEFINE_integer("repeats", None, "Overhead rounds (default 2; quick 1).")
+
+MODELS = {
+    "tiny": ({"model.preset": "tiny"}, 2),
+    "100m": (
+        {
+            "model.preset": "tiny",
+            "model.vocab_size": 32_768,
+            "model.d_model": 768,
+            "model.num_layers": 12,
+            "model.num_heads": 12,
+            "model.num_kv_heads": 12,
+            "model.head_dim": 64,
+            "model.ffw_hidden": 2048,
+            "model.sliding_window": 128,
+        },
+        4,
+    ),
+}
+
+
+def _config(over: dict):
+    c = config_lib.default_config()
+    for key, value in over.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+def transport_run(model: str):
+    over, P = MODELS[model]
+    return config_lib.validate(
+        _config(
+            {
+                **over,
+                "runtime": "ray",
+                "diloco.learners": 1,
+                "diloco.sync_every": P,
+                "diloco.fragments": P,
+                "diloco.quorum": 1,
+                "diloco.grace_gamma": 0.0,
+                "diloco.max_staleness": 1_000_000,  # pipelined offers run ahead of replies
+                "ray.syncer_checkpoint_seconds": 1e9,  # no checkpoints inside the timing
+            }
+        )
+    )
+
+
+# --- part 1: round trips -------------------------------------------------------------------
+class Prober:
+    """The learner's side of the round trips, over any LearnerLink whose inbox is `inbox`."""
+
+    def __init__(self, link, inbox: queue.Queue, names: list, shapes: dict):
+        self.link, self.inbox, self.names = link, inbox, names
+        rng = np.random.default_rng(0)
+        self.payloads = [
+            compression.encode(
+                {k: 1e-3 * rng.standard_normal(shapes[k]).astype(np.float32) for k in group},
+                "none",
+            )
+            for group in names
+        ]
+        self.version = [0] * len(names)
+
+    def _offer(self, p: int) -> Offer:
+        payload = ray_links.EncodedPayload(self.payloads[p])
+        return Offer(0, 0, p, 1, 1, 1, self.version[p], time.monotonic(), 1, payload)
+
+    def _next(self, kind) -> object:
+        while True:
+            msg = self.inbox.get()
+            if isinstance(msg, kind):
+                return msg
+
+    def join(self) -> None:
+        self.link.send(Join(0, 0, 0.0))
+        self._next(Snapshot)
+
+    def latency(self, rounds: int) -> list[tuple[int, float]]:
+        """(fragment, seconds) per sequential round trip."""
+        out = []
+        for _ in range(rounds):
+            for p in range(len(self.names)):
+                t = time.perf_counter()
+                self.link.send(self._offer(p))
+                reply = self._next(Merged)
+                out.append((p, time.perf_counter() - t))
+                self.version[p] = reply.version
+        return out
+
+    def throughput(self, rounds: int) -> tuple[float, int]:
+        """(seconds, offer bytes) for P x rounds offers sent back to back."""
+        n = rounds * len(self.names)
+        t = time.perf_counter()
+        for _ in range(rounds):
+            for p in range(len(self.names)):
+                self.link.send(self._offer(p))
+        for _ in range(n):
+            reply = self._next(Merged)
+            self.version[reply.fragment] = max(self.version[reply.fragment], reply.version)
+        seconds = time.perf_counter() - t
+        return seconds, rounds * sum(x.nbytes() for x in self.payloads)
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class RayProber:
+    """A learner process holding the prober; the syncer delivers into its inbox."""
+
+    def __init__(self, syncer_name: str, names: list, shapes: dict):
+        self.inbox: queue.Queue = queue.Queue()
+        link = ray_links.RayLearnerLink(0, [syncer_name], "none", lambda n: 0.0)
+        link.inbox = self.inbox
+        self.prober = Prober(link, self.inbox, names, shapes)
+
+    def deliver(self, msg) -> None:
+        self.inbox.put(msg)
+
+    def run(self, rounds: int):
+        self.prober.join()
+        return self.prober.latency(rounds), self.prober.throughput(rounds)
+
+
+def roundtrip_local(run, rounds: int, names, shapes):
+    from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
+    from decoupled_diloco.runtime.ray_syncer import initial_params
+
+    merges: list[float] = []
+
+    def record(rec):
+        if rec.get("event") == "merge":
+            merges.append(rec["merge_seconds"])
+
+    plan = syncer_host.fragment_plan(run)
+    syncer = syncer_host.new_syncer(run.syncer, plan, initial_params(run), 1, 0, record)
+    syncer_inbox: queue.Queue = queue.Queue()
+    link = LocalLearnerLink(0, [syncer_inbox], lambda p: 0, "none")
+    slink = LocalSyncerLink(syncer_inbox, {0: link.inbox})
+    stop, lock = threading.Event(), threading.Lock()
+
+    def serve():
+        while not stop.is_set():
+            syncer_host.serve_turn(syncer, slink, time.monotonic, lock)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    prober = Prober(link, link.inbox, names, shapes)
+    prober.join()
+    out = prober.latency(rounds), prober.throughput(rounds)
+    stop.set()
+    thread.join()
+    return (*out, merges)
+
+
+def roundtrip_ray(run, rounds: int, names, shapes):
+    from decoupled_diloco.runtime.ray_syncer import SyncerActor
+
+    run_id = f"bench{os.getpid()}"
+    name = ray_links.actor_name(run_id, "syncer", 0)
+    opts = ray_cluster.syncer_options(ray.cluster_resources(), 1, 0)
+    ckpt = tempfile.mkdtemp(prefix="dd_bench_rt_")
+    syncer = (
+        ray.remote(SyncerActor).options(name=name, **opts).remote(0, run, ckpt, run_id, time.time())
+    )
+    prober = RayProber.options(name=ray_links.actor_name(run_id, "learner", 0)).remote(
+        name, names, shapes
+    )
+    latency, throughput = ray.get(prober.run.remote(rounds))
+    records = ray.get(syncer.poll.remote())["records"]
+    merges = [r["merge_seconds"] for r in records if r.get("event") == "merge"]
+    for actor in (prober, syncer):
+        ray.kill(actor)
+    return latency, throughput, merges
+
+
+def roundtrips(models: list[str], rounds: int) -> None:
+    print("\n== fragment round trip (offer -> merged reply), K=1, wire format none ==")
+    head = f"{'model':6} {'runtime':7} {'P':>2} {'MB/frag':>8} {'latency ms (med / p90)':>23} "
+    print(head + f"{'merge ms':>9} {'throughput MB/s':>16} {'merges/s':>9}")
+    for model in models:
+        run = transport_run(model)
+        plan = syncer_host.fragment_plan(run)
+        from decoupled_diloco.runtime.ray_syncer import initial_params
+
+        shapes = {k: v.shape for k, v in initial_params(run).items()}
+        names = [list(g) for g in plan.names]
+        mb = statistics.mean(sum(4 * np.prod(shapes[k]) for k in g) for g in names) / 1e6
+        for runtime, fn in (("local", roundtrip_local), ("ray", roundtrip_ray)):
+            latency, (seconds, nbytes), merges = fn(run, rounds, names, shapes)
+            lat = sorted(s for _, s in latency)
+            p90 = lat[min(len(lat) - 1, int(0.9 * len(lat)))]
+            print(
+                f"{model:6} {runtime:7} {len(names):>2} {mb:8.2f} "
+                f"{1e3 * statistics.median(lat):11.1f} / {1e3 * p90:9.1f} "
+                f"{1e3 * statistics.median(merges):9.1f} {nbytes / seconds / 1e6:16.1f} "
+                f"{rounds * len(names) / seconds:9.1f}",
+                flush=True,
+            )
+
+
+# --- part 2: learner overhead ----------------------------------------------------------------
+def overhead_config(steps: int):
+    c = _config(
+        {
+            "model.preset": "tiny",
+            "data.seq_len": 128,
+            "train.batch_size": 32,
+            "train.steps": steps,
+            "train.warmup_steps": 5,
+            "train.eval_every": 0,
+            "train.eval_batches": 1,
+            "train.log_every": 1,
+            "train.checkpoint_every": 0,
+            "devices_per_learner": 4,
+            "runtime": "ray",
+            "diloco.learners": 2,
+            "diloco.sync_every": 12,
+            "diloco.fragments": 6,
+            "diloco.overlap": 2,
+            "diloco.quorum": 1,
+            "diloco.grace_gamma": 0.5,
+            "diloco.max_grace": 1.0,
+        }
+    )
+    return config_lib.validate(c)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class PlainTrainer:
+    """Plain training (no syncer, no link) of learner m's model and data in its own process."""
+
+    def __init__(self):
+        self.step = 0
+
+    def progress(self) -> tuple[int, int]:
+        return os.getpid(), self.step
+
+    def run(self, run, m: int) -> None:
+        from decoupled_diloco.runtime.ray_learner import configure_jax
+
+        configure_jax()
+        import jax
+
+        from decoupled_diloco.data import make_iterator
+        from decoupled_diloco.diloco.learner import Learner
+        from decoupled_diloco.sharding import make_mesh
+
+        mesh = make_mesh(jax.devices()[: run.devices_per_learner], run.mesh)
+        data = make_iterator(run.data, "train", run.train.batch_size, m, run.num_learners)
+        learner = Learner(m, run.learner, run.model, run.train, mesh, data)
+        learner.start(jax.random.key(run.train.seed))
+        for _ in range(run.train.steps):
+            learner.run_step()
+            self.step = learner.step
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # fields from the 3rd on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Sampler:
+    """Samples every learner's (step, process CPU s) while an arm runs; `probe()` returns
+    {learner: (pid, step)} or None while not every learner is up."""
+
+    def __init__(self, probe, period: float = 0.25):
+        self.samples: list[tuple[float, dict]] = []
+        self._probe, self._period, self._stop = probe, period, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                seen = self._probe()
+                if seen:
+                    cpu = {m: (step, process_cpu_seconds(pid)) for m, (pid, step) in seen.items()}
+                    self.samples.append((time.monotonic(), cpu))
+            except (OSError, ValueError, ray.exceptions.RayError):
+                pass  # a process not up yet or gone already
+
+    def result(self, skip: int, steps: int) -> tuple[float, float]:
+        """(steps/s, CPU s per step) per learner, mean over learners, over the window in
+        which every learner is past step `skip` and none has finished."""
+        self._stop.set()
+        self._thread.join()
+        inside = [(t, c) for t, c in self.samples if all(skip <= s < steps for s, _ in c.values())]
+        (t0, a), (t1, b) = inside[0], inside[-1]
+        rate = statistics.mean((b[m][0] - a[m][0]) / (t1 - t0) for m in a)
+        cpu = statistics.mean((b[m][1] - a[m][1]) / (b[m][0] - a[m][0]) for m in a)
+        return rate, cpu
+
+
+def plain_arm(run, skip: int) -> tuple[float, float]:
+    env = {"env_vars": ray_cluster.cpu_env(run.devices_per_learner)}
+    trainers = [PlainTrainer.options(runtime_env=env).remote() for _ in range(2)]
+    sampler = Sampler(lambda: dict(enumerate(ray.get([t.progress.remote() for t in trainers]))))
+    ray.get([t.run.remote(run, m) for m, t in enumerate(trainers)])
+    out = sampler.result(skip, run.train.steps)
+    for t in trainers:
+        ray.kill(t)
+    return out
+
+
+def decoupled_arm(run, skip: int) -> tuple[float, float]:
+    from decoupled_diloco.runtime.ray_runtime import RayRuntime
+
+    workdir = tempfile.mkdtemp(prefix="dd_bench_overhead_")
+
+    def read(name):
+        try:
+            with open(os.path.join(workdir, name), encoding="utf-8") as f:
+                return [json.loads(line) for line in f]
+        except FileNotFoundError:
+            return []
+
+    def probe():
+        pids = {
+            e["learner"]: e["pid"] for e in read("events.jsonl") if "pid" in e and "learner" in e
+        }
+        steps: dict = {}
+        for row in read("metrics.jsonl"):
+            if row["learner"] in pids:
+                steps[row["learner"]] = max(steps.get(row["learner"], 0), row["step"])
+        if len(steps) < run.num_learners:
+            return None
+        return {m: (pids[m], steps[m]) for m in steps}
+
+    sampler = Sampler(probe)
+    RayRuntime(run, workdir, verbose=False).run()
+    return sampler.result(skip, run.train.steps)
+
+
+def overhead(steps: int, skip: int, repeats: int) -> None:
+    run = overhead_config(steps)
+    got: dict[str, list[tuple[float, float]]] = {"plain": [], "decoupled": []}
+    for r in range(repeats):
+        order = ("plain", "decoupled") if r % 2 == 0 else ("decoupled", "plain")
+        for arm in order:  # alternating, so a drifting machine load skews both alike
+            got[arm].append((plain_arm if arm == "plain" else decoupled_arm)(run, skip))
+        (pr, pc), (dr, dc) = got["plain"][-1], got["decoupled"][-1]
+        print(
+            f"round {r}: steps/s plain {pr:.2f} decoupled {dr:.2f} (ratio {dr / pr:.3f}); "
+            f"CPU s/step plain {pc:.3f} decoupled {dc:.3f} (ratio {pc / dc:.3f})",
+            flush=True,
+        )
+    mean = {k: [statistics.mean(x) for x in zip(*v, strict=True)] for k, v in got.items()}
+    (pr, pc), (dr, dc) = mean["plain"], mean["decoupled"]
+    print(
+        f"\n== learner overhead on Ray (2 learners x 4 devices, tiny_decoupled plan) ==\n"
+        f"steps/s    plain {pr:.2f}  decoupled {dr:.2f}  ratio {dr / pr:.3f} (goal >= 0.95)\n"
+        f"CPU s/step plain {pc:.3f} decoupled {dc:.3f} ratio {pc / dc:.3f} (learner processes)"
+    )
+
+
+def main(argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    quick = _QUICK.value
+    rounds = _ROUNDS.value or (3 if quick else 10)
+    steps = _STEPS.value or (40 if quick else 80)
+    skip = _SKIP.value or (8 if quick else 10)
+    repeats = _REPEATS.value or (1 if quick else 2)
+    from decoupled_diloco.runtime.ray_learner import configure_jax
+
+    configure_jax()
+    started = ray_cluster.connect(ray_cluster.RayConfig(num_cpus=2), verbose=False)
+    try:
+        if "roundtrip" in _PARTS.value:
+            roundtrips(_MODELS.value, rounds)
+        if "overhead" in _PARTS.value:
+            overhead(steps, skip, repeats)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    app.run(main)
