@@ -56,3 +56,14 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: minutes of CPU (tests/test_experiments.py); -m 'not slow' skips"
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The default run skips `slow` and `ray` tests (kept under ~10 minutes on 2 cores);
+    select them explicitly, e.g. `pytest tests -m "slow or ray"` (as .ci/run does)."""
+    if config.getoption("-m"):
+        return
+    skip = pytest.mark.skip(reason='slow/ray: run with -m "slow or ray"')
+    for item in items:
+        if "slow" in item.keywords or "ray" in item.keywords:
+            item.add_marker(skip)
