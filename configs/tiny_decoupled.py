@@ -28,8 +28,12 @@ def get_config(arg=None):
     c.diloco.fragment_strategy = "balanced"
     c.diloco.overlap = 2  # tau (paper: 2)
     c.diloco.quorum = 1  # K (paper: 1)
-    c.diloco.grace_gamma = 0.5
-    c.diloco.max_grace = 1.0
+    # Grace may use the whole tau-step budget (gamma 1), and the cap must not bind: learners
+    # drift apart by a step or more (seconds on a busy CPU), and with a 1 s cap most merges
+    # held one learner (1.27 per merge), which cost 13% eval loss at 100 steps (3.11 vs
+    # 2.78 with 3.66 per merge; experiments/quality_equal_tokens.py, README).
+    c.diloco.grace_gamma = 1.0
+    c.diloco.max_grace = 4.0  # seconds
     c.diloco.max_wait = 0.0  # never wait for the syncer
     c.diloco.weights = "tokens"
     c.diloco.merge = "rda"

@@ -9,7 +9,8 @@ goodput  = useful learner compute / allocated learner compute, where a learner's
 uptime   = fraction of windows of `window` seconds, from the first advance of the global
            model to the last learner step, in which the global model advanced (a merge, or
            a DP step). The tail after training (final merges, checkpoints, evaluation) is
-           not downtime; advances in it count for the last window.
+           not downtime; advances in it count for the last window. A learner still down
+           when the run ends (stopped early) extends the horizon to that end: its outage is.
 global_downtime_seconds = the windows in which it did not, times the window length.
 """
 
@@ -33,6 +34,7 @@ class Ledger:
         self.steps = [0] * num_learners
         self.started = [math.nan] * num_learners
         self.last_step = -math.inf  # when any learner last finished a step
+        self._down: set = set()  # learners (or "syncer") failed and not yet restarted
         self.finished = [math.nan] * num_learners
 
     def step(self, m: int, seconds: float, now: float) -> None:
@@ -61,14 +63,18 @@ class Ledger:
             if who == "syncer":
                 self.syncer_failures += 1
             self.failures += 1
+            self._down.add(who)
 
     def restart(self, who, now: float) -> None:
         with self._lock:
             self.restarts += 1
+            self._down.discard(who)
 
     def finish(self, m: int, now: float) -> None:
         with self._lock:
             self.finished[m] = now
+            if m in self._down:  # the run ended during its outage
+                self.last_step = max(self.last_step, now)
 
     def uptime(self, wall: float) -> tuple[float, float]:
         """(uptime fraction, downtime seconds) over windows after the first advance."""

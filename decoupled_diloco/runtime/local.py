@@ -254,6 +254,8 @@ class LocalRuntime:
                 every = run.train.checkpoint_every
                 if every and learner.step % every == 0:
                     self._save_learner(m)
+            if learner.state is None:
+                return  # stopped while down: nothing of it survives to finish
             learner.finish()
             if learner.link is not None:
                 learner.link.flush()
@@ -430,6 +432,9 @@ class LocalRuntime:
     def _finish(self) -> dict:
         run = self.run_cfg
         wall = self.now()
+        if not run.uses_syncer and self.learners[0].state is None:
+            # Stopped while the job was down: what survives is its last checkpoint.
+            self.learners[0].start(jax.random.key(run.train.seed), restored=self._restore_one(0))
         for c in self.learner_ckpts:
             c.close()
         if run.uses_syncer:

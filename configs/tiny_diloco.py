@@ -1,0 +1,38 @@
+"""DiLoCo baseline at CPU scale: 4 learners x 2 devices, one fragment, everyone waits.
+
+  python -m decoupled_diloco.main --config=configs/tiny_diloco.py --workdir=/tmp/dd_diloco
+
+DiLoCo as a configuration of the Decoupled code path (design.md §2): P = 1, K = M = 4,
+tau = 0, learners wait for every merge (max_wait = -1), no grace, uniform weights, plain
+mean; outer Nesterov lr 0.7, momentum 0.9 (DiLoCo's values). Model, data, per-learner
+batch, steps and H are those of configs/tiny_decoupled.py, so all see the same tokens.
+"""
+
+from decoupled_diloco.config import default_config
+
+
+def get_config(arg=None):
+    del arg
+    c = default_config()
+    c.name = "tiny_diloco"
+    c.model.preset = "tiny"
+    c.data.source = "stdlib"
+    c.data.seq_len = 128
+    c.train.steps = 300
+    c.train.batch_size = 32
+    c.train.learning_rate = 3e-3
+    c.train.warmup_steps = 30
+    c.train.eval_every = 100
+    c.diloco.learners = 4
+    c.diloco.sync_every = 12  # H, as tiny_decoupled
+    c.diloco.fragments = 1  # P: the whole model is one fragment
+    c.diloco.overlap = 0  # tau: the merge is applied at the step it was offered
+    c.diloco.quorum = 4  # K = M
+    c.diloco.grace_gamma = 0.0  # no grace window (K = M already waits for all)
+    c.diloco.max_wait = -1.0  # wait forever: synchronous
+    c.diloco.weights = "uniform"
+    c.diloco.merge = "mean"
+    c.diloco.embedding_merge = "mean"
+    c.diloco.outer_lr = 0.7
+    c.diloco.outer_momentum = 0.9
+    return c

@@ -1,0 +1,233 @@
+"""Chaos runs of the local runtime: learner crash, scavenging, syncer crash, Decoupled vs DP.
+
+Faults are scheduled in wall-clock seconds from the start of a run, so a fault must not
+land before the learners' first (compiling) step: a module fixture first runs the same
+configuration without faults, which fills the persistent compilation cache (the step
+count is baked into the learning-rate schedule, hence the same `STEPS` everywhere), so
+later runs reach their first step in ~2-3 s (up to ~10 s on a heavily shared machine;
+faults come later than that). The runs are stretched to ~25-30 s by a constant speed
+factor scaled to the pace measured in the warm-up (learners sleep, which costs no CPU).
+~2 min in all on a 2-core machine. Same-seed
+determinism of the fault timeline is covered in test_faults.py.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco.runtime import launch
+
+STEPS = 120
+CRASH_AT, RESTART_DELAY = 10.0, 6.0  # learner 0 crashes at 10 s, is back at 16 s
+JOIN_AT, LEAVE_AT = 4.0, 14.0  # learner 2's membership window (scavenging)
+WINDOW = 3.0  # uptime window (s): DP's outage holds at least one whole window
+P = 4  # fragments; with H = P one is due every step, so merges come every step
+SYNCER_CRASH_AT, SYNCER_DELAY = 16.0, 3.0  # after its checkpoints at ~5, ~10 and ~15 s
+
+
+def tiny_config(learners: int = 2, slow: float = 1.0, **faults):
+    """`slow`: every learner's step-time multiplier (sleeping, not computing)."""
+    c = config_lib.default_config()
+    c.name = "chaos_test"
+    c.model.preset = "tiny"
+    c.data.seq_len = 64
+    c.data.max_corpus_bytes = 300_000
+    c.train.batch_size = 8
+    c.train.steps = STEPS
+    c.train.warmup_steps = 5
+    c.train.eval_every = 0
+    c.train.eval_batches = 2
+    c.train.log_every = 1
+    c.train.uptime_window = WINDOW
+    c.train.checkpoint_every = 0
+    c.devices_per_learner = 4  # two device groups; a third learner shares the first
+    c.diloco.learners = learners
+    if learners > 1:
+        c.diloco.sync_every = P  # H
+        c.diloco.fragments = P
+        c.diloco.overlap = 1  # tau
+        c.diloco.quorum = 1  # K
+    c.faults.speed_factors = [slow] * learners
+    for k, v in faults.items():
+        c.faults[k] = v
+    return c
+
+
+def run(c, workdir) -> dict:
+    summary = launch.run(config_lib.validate(c), str(workdir), verbose=False)
+
+    def rows(name):
+        with open(os.path.join(workdir, name), encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    return dict(
+        summary=summary,
+        events=rows("events.jsonl"),
+        merges=rows("merges.jsonl"),
+        metrics=rows("metrics.jsonl"),
+    )
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """Compiles every learner mesh's train step and the evaluator once (persistent cache).
+
+    Returns `slow(seconds)`: the speed factor that stretches a run of STEPS to about that
+    long at the machine's current pace (two learners' step time in this warm-up), so the
+    fault timeline fits the run whether the machine is idle or shared.
+    """
+    out = run(tiny_config(), tmp_path_factory.mktemp("warmup"))
+    t = [r["time"] for r in out["metrics"] if r["learner"] == 0]
+    pace = float(np.median(np.diff(t)))  # s per step (log_every = 1)
+
+    def slow(seconds: float) -> float:
+        return float(np.clip(seconds / (STEPS * pace), 2.0, 20.0))
+
+    return slow
+
+
+@pytest.fixture(scope="module")
+def learner_crash(warm, tmp_path_factory):
+    # Learner 0 crashes; learner 2 is scavenged capacity, a member only from 4 s to 14 s
+    # (it shares learner 0's devices).
+    c = tiny_config(
+        learners=3,
+        slow=warm(30.0),
+        crashes=[[0, CRASH_AT]],
+        restart_delay_s=RESTART_DELAY,
+        membership=[[2, JOIN_AT, LEAVE_AT]],
+    )
+    return run(c, tmp_path_factory.mktemp("decoupled_crash"))
+
+
+@pytest.fixture(scope="module")
+def dp_crash(warm, tmp_path_factory):
+    # One learner, no syncer; it restarts from its last checkpoint, so the steps since
+    # that checkpoint are lost as well as the restart delay.
+    c = tiny_config(
+        learners=1, slow=warm(24.0), crashes=[[0, CRASH_AT]], restart_delay_s=RESTART_DELAY
+    )
+    c.train.checkpoint_every = 25
+    return run(c, tmp_path_factory.mktemp("dp_crash"))
+
+
+def only(events, kind, **match):
+    return [e for e in events if e["event"] == kind and all(e[k] == v for k, v in match.items())]
+
+
+def assert_training_before(out: dict, t: float) -> None:
+    """The scenario needs every learner training before the fault at t seconds."""
+    first = min(r["time"] for r in out["metrics"] if r["learner"] != "global")
+    assert first < t - 1.0, f"first step at {first:.1f} s, fault at {t} s: machine too loaded"
+
+
+def test_killed_learner_rejoins_and_merges_continue_while_it_is_down(learner_crash):
+    events, merges = learner_crash["events"], learner_crash["merges"]
+    assert_training_before(learner_crash, CRASH_AT)
+    (down,) = only(events, "learner_down", learner=0)
+    (back,) = only(events, "rejoin", learner=0)
+    assert down["step"] > 0, "the crash must hit a learner that was training"
+    assert CRASH_AT <= down["time"] < back["time"]
+    assert back["time"] >= CRASH_AT + RESTART_DELAY
+    assert back["step"] == down["step"]  # it resumes its data stream where it stopped
+
+    # K = 1: the others keep the global model moving while learner 0 is down...
+    during = [r for r in merges if down["time"] + 0.5 < r["time"] < back["time"]]
+    assert len(during) >= 3
+    assert all(0 not in r["learners"] for r in during)
+    # ...and the restarted learner contributes to merges again.
+    assert any(0 in r["learners"] for r in merges if r["time"] > back["time"])
+
+    # It restarted from the global parameters, not from scratch: its first loss after the
+    # rejoin is closer to the trained model's than to a freshly initialised one's.
+    rows = learner_crash["metrics"]
+    initial = [r["loss"] for r in rows if r["learner"] == 0][0]
+    after = [r["loss"] for r in rows if r["learner"] == 0 and r["time"] > back["time"]]
+    peer = [r["loss"] for r in rows if r["learner"] == 1 and r["time"] <= back["time"]][-1]
+    assert after and after[0] < (initial + peer) / 2
+
+    s = learner_crash["summary"]
+    assert s["failures"] == 1 and s["restarts"] == 1
+    assert s["rejected_offers"] == 0
+    assert np.isfinite(s["final_eval_loss"])
+
+
+def test_decoupled_goodput_beats_data_parallel_under_the_same_crash(learner_crash, dp_crash):
+    dec, dp = learner_crash["summary"], dp_crash["summary"]
+    assert_training_before(dp_crash, CRASH_AT)
+    assert dp["failures"] == 1 and dp["restarts"] == 1
+    (dp_down,) = only(dp_crash["events"], "learner_down", learner=0)
+    (dp_back,) = only(dp_crash["events"], "rejoin", learner=0)
+    # DP resumes from its last checkpoint: the steps since then are redone.
+    assert dp_back["step"] <= dp_down["step"] and dp_back["step"] % 25 == 0
+
+    assert dec["global_downtime_seconds"] == 0.0
+    assert dec["uptime"] == 1.0
+    assert dp["global_downtime_seconds"] >= WINDOW  # a whole window without a step
+    assert dec["goodput"] > dp["goodput"]
+
+
+def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path):
+    c = tiny_config(
+        slow=warm(42.0), syncer_crashes=[SYNCER_CRASH_AT], syncer_restart_delay_s=SYNCER_DELAY
+    )
+    out = run(c, tmp_path)
+    assert_training_before(out, SYNCER_CRASH_AT - 5.0)  # a checkpoint after training began
+    events, merges = out["events"], out["merges"]
+    (crash,) = only(events, "syncer_crash")
+    restores = [e for e in only(events, "syncer_restore") if e["time"] > crash["time"]]
+    assert len(restores) == 1
+    restore = restores[0]
+    assert crash["time"] >= SYNCER_CRASH_AT
+    assert restore["time"] >= SYNCER_CRASH_AT + SYNCER_DELAY
+    restored = {int(p): v for p, v in restore["versions"].items()}
+
+    # The checkpoint held real progress, no later than what had been merged before the crash.
+    before = [r for r in merges if r["time"] < crash["time"]]
+    assert sum(restored.values()) > 0
+    for p, v in restored.items():
+        assert v <= max((r["version"] for r in before if r["fragment"] == p), default=0)
+    # Nothing merges while the syncer is down; afterwards every fragment continues from
+    # exactly the version it had checkpointed.
+    assert not [r for r in merges if crash["time"] < r["time"] < restore["time"]]
+    for p, v in restored.items():
+        later = [r["version"] for r in merges if r["fragment"] == p and r["time"] > restore["time"]]
+        assert later and later[0] == v + 1 and later == sorted(later)
+
+    # Learners were never blocked: they stepped on at their usual pace during the downtime.
+    for m in range(2):
+        rows = [r for r in out["metrics"] if r["learner"] == m]
+        t = np.array([r["time"] for r in rows])
+        down = (t > crash["time"]) & (t < restore["time"])
+        expected = len(t) / (t[-1] - t[0]) * (restore["time"] - crash["time"])
+        assert down.sum() >= max(2, 0.3 * expected), f"learner {m} stalled without the syncer"
+
+    s = out["summary"]
+    assert s["failures"] == 1 and s["restarts"] == 1
+    assert os.path.isdir(os.path.join(tmp_path, "checkpoints", "syncer_0"))
+    assert np.isfinite(s["final_eval_loss"])
+
+
+def test_scavenged_learner_joins_late_leaves_cleanly_and_the_run_ends(learner_crash):
+    # Learner 2 starts from the global model when its membership begins, makes its final
+    # offers when preempted, and never comes back (its step budget unfinished).
+    events, merges, rows = (
+        learner_crash["events"],
+        learner_crash["merges"],
+        learner_crash["metrics"],
+    )
+    (joined,) = only(events, "member_join", learner=2)
+    (left,) = only(events, "learner_leave", learner=2)
+    assert JOIN_AT <= joined["time"] < left["time"] and left["time"] >= LEAVE_AT
+    assert 0 < left["step"] < STEPS
+    assert not only(events, "learner_down", learner=2) and not only(events, "rejoin", learner=2)
+    contributed = [r["time"] for r in merges if 2 in r["learners"]]
+    assert contributed and min(contributed) > joined["time"]
+    assert len([t for t in contributed if t > left["time"]]) <= P  # its final offers only
+    # The others kept merging after it left, up to their full step budget.
+    assert any(r["time"] > left["time"] + 1.0 for r in merges)
+    steps = {m: max(r["step"] for r in rows if r["learner"] == m) for m in range(3)}
+    assert steps[0] == steps[1] == STEPS and steps[2] == left["step"]

@@ -1,0 +1,255 @@
+"""Offer validation: bad offers are rejected with a reason, counted, and never merged.
+
+Pure Syncer unit tests under a fake clock (no devices, no threads): learners join, send
+offers built by hand, and the global fragments must stay bit-identical and finite after
+every bad offer, while a good offer afterwards still merges.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.diloco import compression
+from decoupled_diloco.diloco.fragments import make_fragment_plan
+from decoupled_diloco.diloco.messages import Heartbeat, Join, Merged, Offer, Snapshot
+from decoupled_diloco.diloco.syncer import Syncer, SyncerConfig
+
+SHAPES = {
+    "embedder/input_embedding": (16, 8),
+    "block_0/attn/q": (8, 8),
+    "block_0/ffw/up": (8, 12),
+    "final_norm/scale": (8,),
+}
+P = 2  # fragment 0 = the embedding, fragment 1 = everything else
+CFG = SyncerConfig(num_fragments=P, quorum=1, grace_gamma=0.0, max_staleness=1)
+
+
+class Harness:
+    """A syncer with learners 0 and 1 joined, its event log, and a fake clock."""
+
+    def __init__(self, cfg: SyncerConfig = CFG, num_learners: int = 2):
+        rng = np.random.default_rng(0)
+        self.params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        self.plan = make_fragment_plan(SHAPES, P, "balanced", sync_every=4)
+        self.log: list[dict] = []
+        self.syncer = Syncer(cfg, self.plan, self.params, num_learners, record=self.log.append)
+        self.now = 0.0
+        for m in range(num_learners):
+            out = self.send(Join(m, 0, self.now))
+            assert isinstance(out[0][1], Snapshot)
+
+    def send(self, msg) -> list:
+        self.now += 0.1
+        return self.syncer.handle(msg, self.now)
+
+    def outer_grad(self, p: int, scale: float = 0.01, seed: int = 1) -> dict:
+        rng = np.random.default_rng(seed)
+        return {
+            k: (scale * rng.standard_normal(SHAPES[k])).astype(np.float32)
+            for k in self.plan.names[p]
+        }
+
+    def offer(self, p: int = 1, learner: int = 0, payload=None, **kw) -> Offer:
+        fields = dict(
+            learner=learner,
+            incarnation=0,
+            fragment=p,
+            step=4,
+            c_steps=4,
+            c_tokens=4 * 64,
+            base_version=self.syncer.version.get(p, 0),
+            time=self.now,
+            work_steps=4,
+        )
+        fields.update(kw)
+        if payload is None:
+            payload = compression.encode(self.outer_grad(p), "none")
+        return Offer(payload=payload, nbytes=1, **fields)
+
+    def global_copy(self) -> dict:
+        return {k: v.copy() for k, v in self.syncer.global_params().items()}
+
+    def rejections(self) -> list[dict]:
+        return [r for r in self.log if r.get("event") == "reject"]
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.isfinite(a[k]).all(), k
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def encoded(arrays: dict, dtype=np.float32) -> compression.Encoded:
+    """A hand-made "none" payload, so tests can put any dtype on the wire."""
+    tensors = {
+        k: (tuple(v.shape), np.asarray(v, dtype).reshape(-1), np.zeros(0, np.float32))
+        for k, v in arrays.items()
+    }
+    return compression.Encoded("none", tensors)
+
+
+def nan_payload(h: Harness) -> compression.Encoded:
+    grad = h.outer_grad(1)
+    grad["block_0/attn/q"][2, 3] = np.nan
+    return compression.encode(grad, "none")
+
+
+def inf_payload(h: Harness) -> compression.Encoded:
+    grad = h.outer_grad(1)
+    grad["block_0/ffw/up"][0, 0] = -np.inf
+    return compression.encode(grad, "none")
+
+
+def wrong_shape_payload(h: Harness) -> compression.Encoded:
+    grad = h.outer_grad(1)
+    grad["block_0/attn/q"] = np.zeros((8, 7), np.float32)
+    return compression.encode(grad, "none")
+
+
+def missing_leaf_payload(h: Harness) -> compression.Encoded:
+    grad = h.outer_grad(1)
+    grad.pop("final_norm/scale")
+    return compression.encode(grad, "none")
+
+
+def other_fragment_payload(h: Harness) -> compression.Encoded:
+    return compression.encode(h.outer_grad(0), "none")  # fragment 0's leaves, offered as 1
+
+
+# (case, offer fields, payload builder, expected reason fragment)
+BAD = [
+    ("nan", {}, nan_payload, "non-finite"),
+    ("inf", {}, inf_payload, "non-finite"),
+    ("wrong shape", {}, wrong_shape_payload, "shape"),
+    ("wrong dtype", {}, lambda h: encoded(h.outer_grad(1), np.float64), "dtype"),
+    ("int dtype", {}, lambda h: encoded(h.outer_grad(1), np.int32), "dtype"),
+    ("missing leaf", {}, missing_leaf_payload, "leaf names"),
+    ("leaves of another fragment", {}, other_fragment_payload, "leaf names"),
+    ("future version", {"base_version": 3}, None, "future"),
+    ("unknown learner", {"learner": 7}, None, "unknown learner"),
+    ("negative learner", {"learner": -1}, None, "unknown learner"),
+    ("unknown fragment", {"fragment": 5}, None, "fragment 5"),
+    ("old incarnation", {"incarnation": -1}, None, "incarnation"),
+    ("negative counters", {"c_steps": -1}, None, "negative"),
+    ("payload is not encoded", {}, lambda h: {"block_0/attn/q": np.zeros((8, 8))}, "payload"),
+    ("payload is a string", {}, lambda h: "garbage", "payload"),
+    ("bad method", {}, lambda h: compression.Encoded("zip", {}), "payload"),
+    (
+        "truncated payload",
+        {},
+        lambda h: compression.Encoded(
+            "none",
+            {
+                k: (SHAPES[k], np.zeros(3, np.float32), np.zeros(0, np.float32))
+                for k in h.plan.names[1]
+            },
+        ),
+        "payload",
+    ),
+]
+
+
+@pytest.mark.parametrize("case,fields,make_payload,reason", BAD, ids=[b[0] for b in BAD])
+def test_bad_offer_is_rejected_with_reason_and_never_merged(case, fields, make_payload, reason):
+    h = Harness()
+    before, versions = h.global_copy(), dict(h.syncer.version)
+    payload = make_payload(h) if make_payload else None
+    out = h.send(h.offer(payload=payload, **fields))
+
+    assert out == [], case  # no merge was sent to anyone
+    assert h.syncer.stats["rejected_offers"] == 1
+    assert h.syncer.stats["merges"] == 0
+    (rej,) = h.rejections()
+    assert reason in rej["reason"], rej
+    assert rej["fragment"] == fields.get("fragment", 1)
+    assert all(not pending for pending in h.syncer.pending.values())
+    assert h.syncer.version == versions
+    assert_same(h.syncer.global_params(), before)
+
+    # The syncer is unharmed: a good offer afterwards merges and moves only its fragment.
+    out = h.send(h.offer())
+    assert [type(msg) for _, msg in out] == [Merged, Merged]  # to both live learners
+    assert h.syncer.version == {0: 0, 1: 1}
+    after = h.syncer.global_params()
+    assert all(np.isfinite(v).all() for v in after.values())
+    assert any(not np.array_equal(after[k], before[k]) for k in h.plan.names[1])
+    for k in h.plan.names[0]:
+        np.testing.assert_array_equal(after[k], before[k])
+
+
+def test_stale_offer_is_rejected_once_the_fragment_moved_past_the_bound():
+    h = Harness()  # max_staleness = 1
+    for _ in range(2):  # learner 0 moves fragment 1 to version 2
+        assert h.send(h.offer(learner=0))
+    assert h.syncer.version[1] == 2
+    before = h.global_copy()
+    assert h.send(h.offer(learner=1, base_version=0)) == []
+    assert "stale" in h.rejections()[-1]["reason"]
+    assert h.syncer.stats["rejected_offers"] == 1
+    assert_same(h.syncer.global_params(), before)
+    # Within the bound (one version behind) the same learner's offer merges.
+    assert h.send(h.offer(learner=1, base_version=1))
+    assert h.syncer.version[1] == 3
+
+
+def test_offers_of_a_crashed_incarnation_are_void_after_its_rejoin():
+    cfg = dataclasses.replace(CFG, quorum=2)  # keep offers pending
+    h = Harness(cfg)
+    assert h.send(h.offer(learner=1, incarnation=0)) == []
+    assert 1 in h.syncer.pending[1]
+    h.send(Join(1, 1, h.now))  # learner 1 crashed and came back as incarnation 1
+    assert 1 not in h.syncer.pending[1]  # its pre-crash offer is dropped...
+    before = h.global_copy()
+    assert h.send(h.offer(learner=1, incarnation=0)) == []  # ...and late ones are rejected
+    assert "incarnation" in h.rejections()[-1]["reason"]
+    assert_same(h.syncer.global_params(), before)
+    # The new incarnation plus learner 0 reach the quorum of 2 and merge.
+    h.send(h.offer(learner=1, incarnation=1))
+    out = h.send(h.offer(learner=0))
+    assert out and out[0][1].learners == (0, 1)
+
+
+def test_offer_before_join_is_rejected():
+    h = Harness(num_learners=3)  # learner 2 exists in the config but has not joined...
+    h.syncer.learners.pop(2)  # ...as when the syncer was restored before its rejoin
+    assert h.send(h.offer(learner=2)) == []
+    assert "unknown learner" in h.rejections()[-1]["reason"]
+
+
+def test_rejections_accumulate_and_good_offers_between_them_merge():
+    h = Harness()
+    bad = [
+        h.offer(payload=nan_payload(h)),
+        h.offer(payload=wrong_shape_payload(h)),
+        h.offer(learner=9),
+    ]
+    merged = 0
+    for i, o in enumerate(bad):
+        h.send(o)
+        merged += bool(h.send(h.offer(learner=i % 2)))
+    assert h.syncer.stats["rejected_offers"] == 3
+    assert h.syncer.stats["merges"] == merged == 3
+    assert len(h.rejections()) == 3
+    assert all(np.isfinite(v).all() for v in h.syncer.global_params().values())
+
+
+def test_restored_syncer_readmits_learners_that_rejoined_after_its_checkpoint():
+    h = Harness(num_learners=3)
+    # Restored registry: learner 0 in incarnation 0, learner 1 still in its old life 0,
+    # learner 2 unknown (it joined after the checkpoint was written).
+    h.syncer.learners.pop(2)
+    assert h.send(h.offer(learner=1, incarnation=1)) == []  # newer life: not yet admitted
+    assert "incarnation" in h.rejections()[-1]["reason"]
+    # Heartbeats of the newer lives act as joins: each gets the global state to re-anchor on.
+    for m, inc in ((1, 1), (2, 0)):
+        out = h.send(Heartbeat(m, inc, step=10, step_seconds=0.1, time=h.now))
+        assert [(to, type(msg)) for to, msg in out] == [(m, Snapshot)]
+        assert h.syncer.learners[m].incarnation == inc and h.syncer.learners[m].joined
+    assert h.send(h.offer(learner=1, incarnation=1))  # K = 1: merges at once
+    assert h.send(h.offer(learner=2, incarnation=0))
+    # Heartbeats of older lives or of learners outside the run change nothing.
+    assert h.send(Heartbeat(1, 0, step=10, step_seconds=0.1, time=h.now)) == []
+    assert h.send(Heartbeat(7, 0, step=10, step_seconds=0.1, time=h.now)) == []
+    assert 7 not in h.syncer.learners
