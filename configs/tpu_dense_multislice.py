@@ -1,4 +1,7 @@
-"""Decoupled DiLoCo on Cloud TPU: a gemma_2b-shaped dense model, one learner per TPU slice.
+"""Decoupled DiLoCo on Cloud TPU: a Gemma-shaped dense model (2B, 5B or 9B), one learner per slice.
+
+Size: `--config=configs/tpu_dense_multislice.py:5b` (or `:9b`); 2B by default. The batch and
+memory notes below are for 2B; the larger shapes need proportionally larger slices.
 
 Paper setting: P = 24 fragments, H = 24 (one fragment synced per step), tau = 2, K = 1, with the
 adaptive grace window, token weights and RDA. Each learner shards the model FSDP-style over all
@@ -27,13 +30,19 @@ not tuned on TPU.
 from decoupled_diloco.config import default_config
 
 
+# `--config=configs/tpu_dense_multislice.py:9b` picks the model size (default 2b).
+SIZES = {"2b": "gemma_2b", "5b": "gemma_5b", "9b": "gemma_9b"}
+
+
 def get_config(arg=None):
-    del arg
+    size = arg or "2b"
+    if size not in SIZES:
+        raise ValueError(f"configs/tpu_dense_multislice.py: size {size!r} not in {sorted(SIZES)}")
     c = default_config()
-    c.name = "tpu_dense_multislice"
+    c.name = f"tpu_dense_multislice_{size}"
     c.runtime = "ray"  # one learner actor per slice, the syncer on the CPU head VM
 
-    c.model.preset = "gemma_2b"  # d 2304, 26 layers, 8 heads / 4 kv heads, ffw 9216
+    c.model.preset = SIZES[size]  # gemma_2b: d 2304, 26 layers, 8 heads / 4 kv heads, ffw 9216
     c.model.dtype = "bfloat16"  # compute dtype; params and optimizer state stay fp32
     # A 32k BPE vocabulary trained on the corpus (below) instead of Gemma's 256k saves 0.5e9
     # embedding params that would never be used. With the Gemma tokenizer instead, pass

@@ -10,7 +10,8 @@ uptime   = fraction of windows of `window` seconds, from the first advance of th
            model to the last learner step, in which the global model advanced (a merge, or
            a DP step). The tail after training (final merges, checkpoints, evaluation) is
            not downtime; advances in it count for the last window. A learner still down
-           when the run ends (stopped early) extends the horizon to that end: its outage is.
+           when the run ends (stopped early) extends the horizon to that end, so its outage
+           counts as downtime.
 global_downtime_seconds = the windows in which it did not, times the window length.
 """
 
