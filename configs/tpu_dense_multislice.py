@@ -29,7 +29,6 @@ not tuned on TPU.
 
 from decoupled_diloco.config import default_config
 
-
 # `--config=configs/tpu_dense_multislice.py:9b` picks the model size (default 2b).
 SIZES = {"2b": "gemma_2b", "5b": "gemma_5b", "9b": "gemma_9b"}
 
