@@ -1,8 +1,8 @@
 r"""Crash scenario, real runs: Decoupled DiLoCo (M = 4, K = 1) vs data-parallel, side by side.
 
     pip install -e .   # once
-    python experiments/chaos_crashes.py            # configs/chaos_crashes.py: <= 2 x 7 min
-    python experiments/chaos_crashes.py --quick    # 140 steps, crashes every ~15 s: <= 2 x 2.5 min
+    python experiments/chaos_crashes.py            # configs/chaos_crashes.py: ~9 min on 2 cores
+    python experiments/chaos_crashes.py --quick    # 140 steps, crashes every ~15 s: ~4 min
 
 Runs configs/chaos_crashes.py twice, one arm after the other so each has the whole
 machine: "decoupled" (4 learners of 16 chips, K = 1) and "dp" (one job of the same 64

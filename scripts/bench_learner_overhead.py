@@ -20,8 +20,13 @@ Learner 0's rate comes from its metrics.jsonl rows (log_every=1): steps per seco
 its row at step --skip (compilation excluded) and the last row before any learner stopped.
 The goal is decoupled / plain+peer >= 0.95 (communication off the critical path);
 decoupled / plain shows the raw cost of sharing the machine with a second learner.
+The decoupled arm also times learner 0's step boundary (`Learner._boundary`: offering due
+fragments, applying arrived merges, heartbeats), the only syncer work on the learner's own
+thread, as a share of its step time: what remains of a gap is other threads (transport,
+syncer) competing for the same cores, and load from outside.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -144,14 +149,36 @@ def rate_in(rows: list, t_from: float, t_to: float) -> float:
     return (s1 - s0) / (t1 - t0)
 
 
+@contextlib.contextmanager
+def timed_boundary(learner_id: int, skip: int):
+    """Records the seconds of each of `learner_id`'s step boundaries after step `skip`."""
+    original, seconds = Learner._boundary, []
+
+    def boundary(self):
+        start = time.perf_counter()
+        original(self)
+        if self.id == learner_id and self.step > skip:
+            seconds.append(time.perf_counter() - start)
+
+    Learner._boundary = boundary
+    try:
+        yield seconds
+    finally:
+        Learner._boundary = original
+
+
 def run_arm(arm: str, steps: int, skip: int, workdir: pathlib.Path) -> dict:
     if workdir.exists():
         shutil.rmtree(workdir)  # a stale run would be resumed from its checkpoints
     run = config_lib.validate(arm_config(arm, steps))
     rt = LocalRuntime(run, str(workdir), verbose=False)
+    boundary: list[float] = []
     if arm == "plain+peer":
         with Peer(run) as peer:
             summary = rt.run()
+    elif arm == "decoupled":
+        with timed_boundary(0, skip) as boundary:
+            peer, summary = None, rt.run()
     else:
         peer, summary = None, rt.run()
     rows = _rows(workdir)
@@ -161,6 +188,7 @@ def run_arm(arm: str, steps: int, skip: int, workdir: pathlib.Path) -> dict:
         out["other"] = rate_in(rows[1], start, end)
         out["merges"] = summary["merges"]
         out["bytes_per_token"] = summary["bytes_per_token"]
+        out["boundary_share"] = statistics.mean(boundary) * out["learner0"]
     elif peer is not None:
         out["other"] = peer.rate(rt.t0 + start, rt.t0 + end)
     return out
@@ -221,7 +249,11 @@ def main(argv):
     )
     merges = statistics.median(x["merges"] for x in results["decoupled"])
     bpt = statistics.median(x["bytes_per_token"] for x in results["decoupled"])
-    print(f"decoupled run: {merges:.0f} merges, {bpt:.1f} bytes communicated per token")
+    share = statistics.median(x["boundary_share"] for x in results["decoupled"])
+    print(
+        f"decoupled run: {merges:.0f} merges, {bpt:.1f} bytes communicated per token; "
+        f"learner 0's step boundary (offers, merges applied) = {100 * share:.1f}% of its step time"
+    )
 
 
 if __name__ == "__main__":
