@@ -2,7 +2,7 @@
 
   python -m decoupled_diloco.main --config=configs/chaos_crashes.py --workdir=/tmp/dd_chaos
   python -m decoupled_diloco.main --config=configs/chaos_crashes.py:dp --workdir=/tmp/dd_chaos_dp
-  python experiments/chaos_crashes.py   # both side by side: table + plot (~8 min)
+  python experiments/chaos_crashes.py   # both side by side: table + plot (~9 min)
 
 arg: "decoupled" (default) or "dp". Both arms run on the same 8 fake CPU devices, see the
 same tokens per step (DP: one learner, 4x the batch) and the same chip failures: 64 chips
