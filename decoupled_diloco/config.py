@@ -103,8 +103,15 @@ def default_config() -> ml_collections.ConfigDict:
     c.diloco.fragment_strategy = "balanced"  # "balanced" | "layer" | "tensor"
     c.diloco.overlap = 0  # tau: steps between offering a fragment and applying its merge
     c.diloco.alpha = 0.0  # theta <- alpha*theta + (1-alpha)*merged; 0 overwrites
+    # How a learner applies a merged fragment: "rebase" keeps its work the merge does not
+    # hold (steps since its offer; all of it if the round closed without it); "overwrite"
+    # replaces the fragment (Streaming DiLoCo). See decoupled_diloco/diloco/learner.py.
+    c.diloco.apply = "rebase"
     c.diloco.max_wait = 0.0  # seconds a learner waits at t+tau for a late merge; -1 = forever
     c.diloco.quorum = 1  # K: fresh offers needed before a fragment may merge
+    # "scheduled": one round per fragment per schedule slot, late offers join the next one;
+    # "eager": any K pending offers merge (ablation). See decoupled_diloco/diloco/syncer.py.
+    c.diloco.rounds = "scheduled"
     c.diloco.grace_gamma = 0.5  # gamma of the adaptive grace window; 0 disables grace
     c.diloco.max_grace = 2.0  # seconds: cap of the grace window
     c.diloco.weights = "tokens"  # "tokens" (c_tokens^2 / c_steps) | "uniform"
@@ -218,6 +225,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         sync_every=d.sync_every,
         overlap=d.overlap,
         alpha=d.alpha,
+        apply=d.apply,
         max_wait=math.inf if d.max_wait < 0 else d.max_wait,
         compression=d.compression,
         final_sync=d.final_sync,
@@ -226,6 +234,8 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         num_fragments=d.fragments,
         fragment_strategy=d.fragment_strategy,
         quorum=d.quorum,
+        rounds=d.rounds,
+        drop_superseded=d.apply == "rebase",
         grace_gamma=d.grace_gamma,
         max_grace=d.max_grace,
         overlap=d.overlap,

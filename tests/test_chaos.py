@@ -142,7 +142,14 @@ def test_killed_learner_rejoins_and_merges_continue_while_it_is_down(learner_cra
     # K = 1: the others keep the global model moving while learner 0 is down...
     during = [r for r in merges if down["time"] + 0.5 < r["time"] < back["time"]]
     assert len(during) >= 3
-    assert all(0 not in r["learners"] for r in during)
+    # (an offer it made before the crash may still ride along with a later round)
+    assert all(
+        s <= down["step"]
+        for r in during
+        for m, s in zip(r["learners"], r["steps"], strict=True)
+        if m == 0
+    )
+    assert sum(0 not in r["learners"] for r in during) >= 2
     # ...and the restarted learner contributes to merges again.
     assert any(0 in r["learners"] for r in merges if r["time"] > back["time"])
 

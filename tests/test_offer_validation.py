@@ -35,6 +35,7 @@ class Harness:
         self.log: list[dict] = []
         self.syncer = Syncer(cfg, self.plan, self.params, num_learners, record=self.log.append)
         self.now = 0.0
+        self.offers_made = 0
         for m in range(num_learners):
             out = self.send(Join(m, 0, self.now))
             assert isinstance(out[0][1], Snapshot)
@@ -51,11 +52,13 @@ class Harness:
         }
 
     def offer(self, p: int = 1, learner: int = 0, payload=None, **kw) -> Offer:
+        # Every offer at a step of the next schedule slot (H = 4), so each can open a round.
+        self.offers_made += 1
         fields = dict(
             learner=learner,
             incarnation=0,
             fragment=p,
-            step=4,
+            step=4 * self.offers_made,
             c_steps=4,
             c_tokens=4 * 64,
             base_version=self.syncer.version.get(p, 0),

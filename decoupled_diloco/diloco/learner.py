@@ -5,6 +5,18 @@ by its own thread, because train steps donate their input buffers (reading a don
 from another thread fails). Fragments leave as on-device copies whose host transfer,
 outer-gradient subtraction and encoding run in the link, off the learner's critical path.
 
+Applying a merged fragment (`apply`):
+  "rebase" (default) keeps the learner's work that the merge does not hold. If the merge
+      holds this learner's offer from step s: θ ← Θ_new + (θ − θ_s), i.e. the steps since
+      the offer (and, with lossy offers, the part of the offer the syncer did not receive:
+      error feedback) move onto the new global fragment. If it does not (a round closed
+      without this learner): θ ← θ + (Θ_new − anchor), a rebase that keeps all local work
+      since the last merge, which the next offer then carries; counters keep counting the
+      steps not merged yet. With τ = 0 and every learner in every merge (DiLoCo), this is
+      exactly the overwrite.
+  "overwrite" is Streaming DiLoCo's rule: θ ← α·θ + (1 − α)·Θ_new for every merge, resetting
+      the counters, so work a merge does not hold is discarded.
+
 The same class is the data-parallel trainer: without a link (`sync_every = 0`) it is plain
 training on its mesh.
 """
@@ -25,12 +37,16 @@ from decoupled_diloco.diloco.transport import LearnerLink
 from decoupled_diloco.train import optimizer as optim
 from decoupled_diloco.train.step import TrainState, make_train_step
 
+APPLY_MODES = ("rebase", "overwrite")
+MAX_UNMERGED_OFFERS = 4  # per fragment: references kept to subtract a merged offer
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     sync_every: int = 0  # H; 0 = no syncer (data-parallel)
     overlap: int = 0  # τ
     alpha: float = 0.0  # θ ← α·θ + (1−α)·Θ when a merged fragment is applied
+    apply: str = "rebase"  # "rebase" | "overwrite" (see the module docstring)
     max_wait: float = 0.0  # seconds to wait at t+τ for a late merge; inf = synchronous
     compression: str = "none"  # offers' wire format
     final_sync: bool = True
@@ -47,6 +63,8 @@ class LearnerConfig:
             )
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"diloco.alpha must be in [0, 1), got {self.alpha}")
+        if self.apply not in APPLY_MODES:
+            raise ValueError(f"diloco.apply must be one of {APPLY_MODES}, got {self.apply!r}")
         if self.max_wait < 0:
             raise ValueError(f"diloco.max_wait must be >= 0 or inf, got {self.max_wait}")
         if self.compression not in compression.METHODS:
@@ -59,16 +77,24 @@ class PendingFragment:
     """An offer's payload before it is sent: device copies plus the learner's anchor.
 
     `materialize` runs on the transport's thread: device→host, v = Θ^(base) − θ, encode.
+
+    With `keep`, it also keeps the outer gradient as the syncer will decode it (`sent`), so
+    the learner can later subtract exactly what a merge received.
     """
 
-    def __init__(self, arrays: dict[str, jax.Array], anchor: dict[str, np.ndarray]):
-        self.arrays, self.anchor = arrays, anchor
+    def __init__(self, arrays: dict[str, jax.Array], anchor: dict[str, np.ndarray], keep=False):
+        self.arrays, self.anchor, self.keep = arrays, anchor, keep
+        self.sent: dict[str, np.ndarray] | None = None
         transfer.start_to_host(arrays)
 
     def materialize(self, method: str) -> compression.Encoded:
         local = transfer.to_host(self.arrays)
+        self.arrays = None  # the device copies are no longer needed
         outer_grad = {k: np.subtract(self.anchor[k], local[k], dtype=np.float32) for k in local}
-        return compression.encode(outer_grad, method)
+        encoded = compression.encode(outer_grad, method)
+        if self.keep:
+            self.sent = outer_grad if method == "none" else compression.decode(encoded)
+        return encoded
 
 
 class Learner:
@@ -116,6 +142,9 @@ class Learner:
         self._mix = jax.jit(
             lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b)
         )
+        self._shift = jax.jit(  # θ + (1 − α)·δ, for the rebase
+            lambda a, d, alpha: jax.tree.map(lambda x, y: x + (1 - alpha) * y, a, d)
+        )
 
         self.state: TrainState | None = None
         self.step = 0  # inner steps taken by this learner (across incarnations)
@@ -127,6 +156,10 @@ class Learner:
         self.anchor: list[dict[str, np.ndarray]] = [{} for _ in range(nfrag)]
         self.offer_step: list[int | None] = [None] * nfrag
         self.arrived: list[Merged | None] = [None] * nfrag
+        # Rebase mode: offers not merged yet, step -> (payload, c_steps, c_tokens), and the
+        # (version, step) of the latest arrived merge that holds one of them.
+        self.sent: list[dict[int, tuple[PendingFragment, int, int]]] = [{} for _ in range(nfrag)]
+        self.merged_in: list[tuple[int, int] | None] = [None] * nfrag
         self.applied_merges = 0
         self.wait_seconds = 0.0  # total time blocked on late merges: idle, not compute
         self.step_seconds = 0.0
@@ -227,9 +260,21 @@ class Learner:
             if isinstance(msg, Snapshot):
                 self._resync(msg)
             if isinstance(msg, Merged) and msg.version > self.base_version[msg.fragment]:
-                old = self.arrived[msg.fragment]
+                p = msg.fragment
+                old = self.arrived[p]
                 if old is None or msg.version > old.version:
-                    self.arrived[msg.fragment] = msg
+                    self.arrived[p] = msg
+                step = self._my_merged_step(msg)
+                newest = self.merged_in[p] is None or (step or 0) >= self.merged_in[p][1]
+                if step is not None and self.cfg.apply == "rebase" and newest:
+                    self.merged_in[p] = (msg.version, step)
+
+    def _my_merged_step(self, msg: Merged) -> int | None:
+        """The step of this learner's offer that `msg` merged, if it merged one of ours."""
+        for m, step, inc in zip(msg.learners, msg.steps, msg.incarnations, strict=False):
+            if m == self.id and inc == self.incarnation:
+                return step
+        return None
 
     def _resync(self, snap: Snapshot) -> None:
         """A restored syncer's state: re-anchor on it, keep local params and progress.
@@ -240,7 +285,8 @@ class Learner:
         for p, version in snap.versions.items():
             self.base_version[p] = int(version)
             self.anchor[p] = {k: snap.params[k] for k in self.plan.names[p]}
-            self.arrived[p] = None
+            self.arrived[p] = self.merged_in[p] = self.offer_step[p] = None
+            self.sent[p] = {}  # a restored syncer holds no offers of ours
 
     def crash(self) -> None:
         """Loses everything the failed slice held: device state and unsent messages."""
@@ -249,18 +295,32 @@ class Learner:
         n = len(self.c_steps)
         self.c_steps, self.c_tokens, self.w_steps = [0] * n, [0] * n, [0] * n
         self.offer_step, self.arrived = [None] * n, [None] * n
+        self.sent, self.merged_in = [{} for _ in range(n)], [None] * n
         self.step_seconds, self._last_step_start = 0.0, None
         if hasattr(self.link, "drop_pending"):
             self.link.drop_pending()
             self.link.receive(0.0)
 
     def _due(self, p: int) -> bool:
+        """May the arrived merge of fragment p be applied at this step boundary?
+
+        A merge holding our offer from step s waits until s + τ; in rebase mode a merge
+        without it is applied at once (it discards nothing); in overwrite mode any merge
+        waits for our outstanding offer's s + τ.
+        """
+        if self.cfg.apply == "rebase":
+            if self.merged_in[p] is None:
+                return True
+            return self.step >= self.merged_in[p][1] + self.cfg.overlap
         return self.offer_step[p] is None or self.step >= self.offer_step[p] + self.cfg.overlap
 
     def _wait_for_due_merges(self) -> None:
         if self.cfg.max_wait <= 0:
             return
-        waiting = [p for p, s in enumerate(self.offer_step) if s is not None and self._due(p)]
+        tau = self.cfg.overlap
+        waiting = [
+            p for p, s in enumerate(self.offer_step) if s is not None and self.step >= s + tau
+        ]
         start = self.clock()
         deadline = start + self.cfg.max_wait
         try:
@@ -273,33 +333,73 @@ class Learner:
             self.wait_seconds += self.clock() - start
 
     def _apply_due(self) -> None:
-        updates = {}
+        updates, shifts = {}, {}
         for p, msg in enumerate(self.arrived):
             if msg is None or not self._due(p):
                 continue
             theta = compression.decode(msg.payload)
-            updates.update(theta)
+            delta = self._rebase(p, theta) if self.cfg.apply == "rebase" else None
+            if delta is None:  # overwrite
+                updates.update(theta)
+                self.c_steps[p] = self.c_tokens[p] = 0
+                self.offer_step[p] = None
+            else:
+                shifts.update(delta)
             self.anchor[p] = theta
             self.base_version[p] = msg.version
-            self.c_steps[p] = self.c_tokens[p] = 0
-            self.offer_step[p] = None
             self.arrived[p] = None
             self.applied_merges += 1
-        if not updates:
+        if not updates and not shifts:
             return
         flat = flatten_params(self.state.params)
-        new = transfer.to_device(updates, {k: self.flat_shardings[k] for k in updates})
-        if self.cfg.alpha > 0:
-            new = self._mix({k: flat[k] for k in new}, new, self.cfg.alpha)
-        flat.update(new)
+        if updates:
+            new = transfer.to_device(updates, {k: self.flat_shardings[k] for k in updates})
+            if self.cfg.alpha > 0:
+                new = self._mix({k: flat[k] for k in new}, new, self.cfg.alpha)
+            flat.update(new)
+        if shifts:
+            delta = transfer.to_device(shifts, {k: self.flat_shardings[k] for k in shifts})
+            flat.update(self._shift({k: flat[k] for k in delta}, delta, self.cfg.alpha))
         self.state = self.state._replace(params=unflatten_params(flat))
+
+    def _rebase(self, p: int, theta: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """δ with θ ← θ + δ (module docstring), or None to overwrite; updates p's counters."""
+        anchor = self.anchor[p]
+        if self.merged_in[p] is None:  # our work is not in Θ_new: move all of it onto it
+            return {k: np.subtract(theta[k], anchor[k], dtype=np.float32) for k in theta}
+        _, step = self.merged_in[p]
+        entry = self.sent[p].get(step)
+        self.sent[p], self.merged_in[p], self.offer_step[p] = {}, None, None
+        if entry is None or entry[0].sent is None:
+            return None  # no reference left for the merged offer: overwrite (loses, never repeats)
+        payload, c_steps, c_tokens = entry
+        # Offers made after step s repeat work Θ_new holds: the syncer drops them, so the
+        # steps since s are credited to the next offer instead.
+        self.w_steps[p] = self.step - step
+        if self.step == step and self.cfg.compression == "none":
+            return None  # θ = θ_s exactly: the overwrite, without rounding
+        self.c_steps[p] -= c_steps
+        self.c_tokens[p] -= c_tokens
+        # θ_s = anchor − v̂_s, so Θ_new + (θ − θ_s) = θ + (Θ_new − anchor + v̂_s).
+        return {
+            k: np.add(np.subtract(theta[k], anchor[k], dtype=np.float32), payload.sent[k])
+            for k in theta
+        }
 
     def _offer(self, p: int) -> None:
         if self.c_steps[p] == 0:
             return
         flat = flatten_params(self.state.params)
         copies = {k: flat[k].copy() for k in self.plan.names[p]}  # survives the next donation
-        payload = PendingFragment(copies, self.anchor[p])
+        rebase = self.cfg.apply == "rebase"
+        payload = PendingFragment(copies, self.anchor[p], keep=rebase)
+        if rebase:
+            sent = self.sent[p]
+            sent[self.step] = (payload, self.c_steps[p], self.c_tokens[p])
+            while len(sent) > MAX_UNMERGED_OFFERS:
+                # The syncer keeps only a learner's latest offer, so one this old is almost
+                # surely replaced; if it is merged after all, the merge overwrites.
+                del sent[min(sent)]
         self.link.send(
             Offer(
                 learner=self.id,

@@ -63,6 +63,8 @@ class Merged:
     learners: tuple[int, ...]  # contributors of this merge
     time: float
     nbytes: int = 0
+    steps: tuple[int, ...] = ()  # the step of each contributor's merged offer
+    incarnations: tuple[int, ...] = ()  # and the contributor's incarnation
 
 
 @dataclasses.dataclass

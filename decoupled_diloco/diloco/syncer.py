@@ -10,6 +10,18 @@ syncer's copy of that version unless replies are lossily compressed, in which ca
 anchor is what the learner really started from). This anchors a stale learner's work on
 the version it started from instead of the current one, without the syncer keeping old
 versions of Θ in memory.
+
+Rounds follow the fragment schedule ("scheduled", the default): fragment p is due on learner
+step t = offset_p + r·H, so an offer made at step t belongs to schedule slot r. A round
+closes when K offers of a slot not merged yet are in and the grace window has passed (or
+when every live learner has an offer in); it merges every pending offer, including late
+ones of older slots (a learner that is behind, restarted or slower). So out-of-step learners
+ride along with the next round instead of each triggering an outer step of its own, and
+the outer step keeps the rate of synchronous DiLoCo: one per fragment per H steps.
+
+An offer made before its learner applied a merge of its own earlier offer repeats work that
+merge already holds; it is dropped ("superseded"), and the learner carries the newer work
+into its next offer (see `Learner._apply_due`).
 """
 
 import dataclasses
@@ -66,6 +78,9 @@ class Syncer:
             for p in self.owned
         }
         self.version = {p: 0 for p in self.owned}
+        self.last_slot = {p: -1 for p in self.owned}  # highest schedule slot merged
+        # fragment -> learner -> (incarnation, version that merged its offer)
+        self.merged_into: dict[int, dict[int, tuple[int, int]]] = {p: {} for p in self.owned}
         # fragment -> learner -> (offer, decoded outer gradient, its per-leaf ‖v‖²)
         self.pending: dict[int, dict[int, tuple[Offer, dict, dict]]] = {p: {} for p in self.owned}
         self.round_open: dict[int, float | None] = {p: None for p in self.owned}
@@ -106,6 +121,7 @@ class Syncer:
             info.incarnation, info.joined = msg.incarnation, True
             for p in self.owned:  # offers of an earlier life are void
                 self.pending[p].pop(msg.learner, None)
+                self.merged_into[p].pop(msg.learner, None)
             self.record(
                 {
                     "event": "join",
@@ -160,6 +176,18 @@ class Syncer:
             return
         self._touch(offer.learner, offer.incarnation, now)
         p = offer.fragment
+        done = self.merged_into[p].get(offer.learner) if self.cfg.drop_superseded else None
+        if done is not None and done[0] == offer.incarnation and offer.base_version < done[1]:
+            self.record(
+                {
+                    "event": "drop_offer",
+                    "learner": offer.learner,
+                    "fragment": p,
+                    "reason": f"superseded: an earlier offer was merged into version {done[1]}",
+                    "time": now,
+                }
+            )
+            return
         if self.round_open[p] is None:
             self.round_open[p] = now
         old = self.pending[p].get(offer.learner)
@@ -231,20 +259,31 @@ class Syncer:
                     }
                 )
 
+    def slot(self, offer: Offer) -> int:
+        """The schedule slot r of an offer: made at step offset_p + r·H (or after it)."""
+        return (offer.step - self.plan.offsets[offer.fragment]) // self.plan.sync_every
+
+    def fresh_offers(self, p: int) -> int:
+        """Offers counting towards the quorum of fragment p's next round."""
+        if self.cfg.rounds == "eager":
+            return len(self.pending[p])
+        return sum(self.slot(o) > self.last_slot[p] for o, _, _ in self.pending[p].values())
+
     def tick(self, now: float) -> list[tuple[int, object]]:
         """Closes every round whose quorum and grace window are satisfied."""
         self._drop_dead(now)
         live = set(self.live(now))
         out = []
         for p in self.owned:
-            fresh = self.pending[p]
-            if len(fresh) < self.cfg.quorum:
-                continue
-            if self.quorum_at[p] is None:
-                self.quorum_at[p] = now
-                self.xi_quorum.update(now - self.round_open[p])
-            everyone = live <= set(fresh)
-            if everyone or now >= self.quorum_at[p] + self.grace_window():
+            pending = self.pending[p]
+            everyone = bool(pending) and live <= set(pending)
+            if self.fresh_offers(p) >= self.cfg.quorum:
+                if self.quorum_at[p] is None:
+                    self.quorum_at[p] = now
+                    self.xi_quorum.update(now - self.round_open[p])
+                if everyone or now >= self.quorum_at[p] + self.grace_window():
+                    out += self._merge(p, now)
+            elif everyone:  # below quorum, but nobody else is going to offer
                 out += self._merge(p, now)
         return out
 
@@ -304,7 +343,19 @@ class Syncer:
         self.version[p] = version + 1
         payload = compression.encode(self.theta[p], self.cfg.compression)
         learners = tuple(o.learner for o, _ in kept)
-        reply = Merged(p, version + 1, payload, learners, now, payload.nbytes())
+        reply = Merged(
+            p,
+            version + 1,
+            payload,
+            learners,
+            now,
+            payload.nbytes(),
+            steps=tuple(o.step for o, _ in kept),
+            incarnations=tuple(o.incarnation for o, _ in kept),
+        )
+        for o, _ in kept:
+            self.merged_into[p][o.learner] = (o.incarnation, version + 1)
+        self.last_slot[p] = max(self.last_slot[p], max(self.slot(o) for o, _ in kept))
         live = self.live(now)
         merge_seconds = _time.perf_counter() - t0
         self.xi_merge.update(merge_seconds)
@@ -325,6 +376,7 @@ class Syncer:
                 "weights": [float(x) for x in w / w.sum()],
                 "base_versions": [o.base_version for o, _ in kept],
                 "staleness": [version - o.base_version for o, _ in kept],
+                "steps": [o.step for o, _ in kept],  # learner step of each merged offer
                 "c_steps": [o.c_steps for o, _ in kept],
                 "work_steps": [o.work_steps for o, _ in kept],
                 "quorum_wait": quorum_wait,
@@ -363,6 +415,7 @@ class Syncer:
             "theta": {str(p): self.theta[p] for p in self.owned},
             "momentum": {str(p): self.outer[p].momentum for p in self.owned},
             "version": {str(p): np.int64(self.version[p]) for p in self.owned},
+            "last_slot": {str(p): np.int64(self.last_slot[p]) for p in self.owned},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -372,5 +425,7 @@ class Syncer:
             self.theta[p] = own(state["theta"][str(p)])
             self.outer[p] = merge.OuterState(own(state["momentum"][str(p)]))
             self.version[p] = int(state["version"][str(p)])
+            self.last_slot[p] = int(state.get("last_slot", {}).get(str(p), -1))
+            self.merged_into[p] = {}
             self.pending[p] = {}
             self.round_open[p] = self.quorum_at[p] = None

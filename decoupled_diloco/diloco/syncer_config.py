@@ -7,6 +7,7 @@ from decoupled_diloco.diloco import compression
 WEIGHTS = ("tokens", "uniform")
 MERGES = ("rda", "mean")
 STRATEGIES = ("balanced", "layer", "tensor")
+ROUNDS = ("scheduled", "eager")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +15,13 @@ class SyncerConfig:
     num_fragments: int = 1  # P
     fragment_strategy: str = "balanced"
     quorum: int = 1  # K
+    # "scheduled": one round per fragment per schedule slot; K counts offers of a slot not
+    # merged yet, late offers ride along with the next round. "eager": any K pending offers
+    # close a round (ablation: out-of-step learners then trigger one merge each).
+    rounds: str = "scheduled"
+    # Drop an offer made before its learner applied the merge of its earlier offer (it
+    # repeats that work). Right for learners that rebase; overwriting learners discard it.
+    drop_superseded: bool = True
     grace_gamma: float = 0.5  # γ; 0 disables the grace window
     max_grace: float = 2.0  # seconds
     overlap: int = 0  # τ, for the grace window's budget τ·ξ_step
@@ -34,6 +42,7 @@ class SyncerConfig:
             (self.num_fragments >= 1, "diloco.fragments must be >= 1"),
             (self.fragment_strategy in STRATEGIES, f"diloco.fragment_strategy not in {STRATEGIES}"),
             (1 <= self.quorum <= num_learners, "diloco.quorum must be in [1, diloco.learners]"),
+            (self.rounds in ROUNDS, f"diloco.rounds not in {ROUNDS}"),
             (self.grace_gamma >= 0, "diloco.grace_gamma must be >= 0"),
             (self.max_grace >= 0, "diloco.max_grace must be >= 0"),
             (self.weights in WEIGHTS, f"diloco.weights not in {WEIGHTS}"),
