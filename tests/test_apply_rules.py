@@ -16,7 +16,7 @@ from decoupled_diloco.data import make_iterator
 from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.fragments import flatten_params, make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner
-from decoupled_diloco.diloco.messages import Join, Merged, Offer, Snapshot
+from decoupled_diloco.diloco.messages import Heartbeat, Join, Merged, Offer, Snapshot
 from decoupled_diloco.diloco.syncer import Syncer, SyncerConfig
 from decoupled_diloco.diloco.transport import LearnerLink
 from decoupled_diloco.sharding import make_mesh
@@ -223,3 +223,20 @@ def test_an_offer_repeating_merged_work_is_dropped(drop):
     # Learner 0's next offer was made before it applied version 1: base 0 < 1.
     s.handle(offer(0, step=8, base=0), 2.0)
     assert s.version[0] == (1 if drop else 2)
+
+
+def test_a_late_offer_does_not_open_a_round_or_eat_the_grace_window():
+    s = syncer(learners=3)
+    s.cfg = SyncerConfig(quorum=1, grace_gamma=1.0, max_grace=10.0, overlap=2)
+    for m in range(3):
+        s.handle(Heartbeat(m, 0, 1, 1.0, 0.0), 0.0)  # 1 s steps: grace budget τ·ξ = 2 s
+    assert not merged(s.handle(offer(0, step=4), 1.0))  # quorum; grace runs until t = 3
+    assert not merged(s.handle(offer(1, step=5), 1.5))
+    (m,) = merged(s.tick(3.1))
+    assert m.learners == (0, 1)
+    s.handle(offer(2, step=4), 5.0)  # late: waits for the next round, opens none
+    assert s.round_open[0] is None
+    assert not merged(s.handle(offer(0, step=8, base=1), 20.0))  # fresh: quorum at once
+    assert s.grace_window() == pytest.approx(2.0, rel=0.2)  # no 15 s "time to quorum"
+    (m,) = merged(s.tick(22.5))
+    assert m.learners == (0, 2)

@@ -184,11 +184,14 @@ class Syncer:
                     "learner": offer.learner,
                     "fragment": p,
                     "reason": f"superseded: an earlier offer was merged into version {done[1]}",
+                    "step": offer.step,
+                    "base_version": offer.base_version,
                     "time": now,
                 }
             )
             return
-        if self.round_open[p] is None:
+        fresh = self.cfg.rounds == "eager" or self.slot(offer) > self.last_slot[p]
+        if self.round_open[p] is None and fresh:  # a late offer does not open a round
             self.round_open[p] = now
         old = self.pending[p].get(offer.learner)
         if old is not None and old[0].incarnation == offer.incarnation:
