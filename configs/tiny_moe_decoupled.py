@@ -30,12 +30,17 @@ def get_config(arg=None):
     c.diloco.fragment_strategy = "balanced"
     c.diloco.overlap = 2  # tau (paper: 2)
     c.diloco.quorum = 1  # K (paper: 1)
-    c.diloco.grace_gamma = 0.5
-    c.diloco.max_grace = 1.0
+    c.diloco.grace_gamma = 1.0  # as configs/tiny_decoupled.py
+    c.diloco.max_grace = 4.0
     c.diloco.max_wait = 0.0  # never wait for the syncer
     c.diloco.weights = "tokens"
     c.diloco.merge = "rda"
     c.diloco.embedding_merge = "mean"
-    c.diloco.outer_lr = 0.7
-    c.diloco.outer_momentum = 0.9
+    # Outer step: plain averaging (lr 1, no momentum) at this scale. DiLoCo's lr 0.7 with
+    # Nesterov 0.9 overshoots over only 25 outer steps per fragment (H = 12, 300 steps):
+    # measured at 300 steps, seed 0 (eval loss; one learner alone: 1.854, DP batch 128:
+    # 1.651): DiLoCo 2.171 (0.7, 0.9), 1.937 (1.0, 0.5), 1.818 (1.0, 0); Decoupled 2.254,
+    # 2.045, 1.834. The code defaults stay DiLoCo's for long runs (configs/tpu_*.py).
+    c.diloco.outer_lr = 1.0
+    c.diloco.outer_momentum = 0.0
     return c

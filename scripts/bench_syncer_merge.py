@@ -5,6 +5,12 @@ outer Nesterov step and `np.copyto` of the K offers' bytes into preallocated arr
 interleaved in one run so both see the same machine load. Throughput is K·N·4 bytes of
 offers per second; the goal is merge ≥ 0.5 × copy.
 
+That goal cannot be met for every K: the copy reads and writes K·N floats, while any merge
+plus outer step must at least read the K offers, Θ and the momentum and write Θ and the
+momentum, (K + 4)·N floats, so at memory speed merge/copy ≤ 2K / (K + 4) (0.40, 0.67,
+1.00, 1.33 for K = 1, 2, 4, 8). The `bound` column prints it and `of bound` how close a
+path gets; the syncer path also copies Θ into its reply (+2N: bound 2K / (K + 6)).
+
 Paths:
   fused        merge.merge_outer_step(..., inplace=True): the syncer owns Θ and the momentum
   fused+norms  the same, given each offer's per-leaf ‖v‖² (`merge.offer_sq_norms`), which
@@ -130,6 +136,7 @@ def main(argv):
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; median of {reps} runs")
     print(
         f"{'params':>8} {'K':>2} {'path':<16} {'ms':>8} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}"
+        f" {'bound':>6} {'of bound':>8}"
     )
     for size in sizes:
         n = int(size * 2**20)
@@ -139,9 +146,11 @@ def main(argv):
             copy_rate = gigabytes / results.pop("copy")
             for name, seconds in results.items():
                 rate = gigabytes / seconds
+                bound = 2 * k / (k + (6 if name.endswith("syncer") else 4))
+                ratio = rate / copy_rate
                 print(
                     f"{size:>7g}M {k:>2} {name:<16} {1e3 * seconds:>8.1f} {rate:>7.2f} "
-                    f"{copy_rate:>9.2f} {rate / copy_rate:>6.2f}"
+                    f"{copy_rate:>9.2f} {ratio:>6.2f} {bound:>6.2f} {ratio / bound:>8.2f}"
                 )
 
 
