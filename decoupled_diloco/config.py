@@ -133,6 +133,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Seconds of silence before a learner counts as dead. Generous: the first step of an
     # incarnation includes XLA compilation, minutes for large models.
     c.diloco.heartbeat_timeout = 300.0
+    # Seconds between the syncer's orbax checkpoints (both runtimes): a syncer crash loses
+    # the merges since the last one.
+    c.diloco.syncer_checkpoint_seconds = 5.0
     c.diloco.syncer_shards = 1  # S: syncer shards, each owning a subset of fragments
     c.diloco.final_sync = True  # at the end every learner offers every fragment once more
 
@@ -154,7 +157,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.ray.temp_dir = "/tmp/ray_dd"  # local cluster's session dir (short: Ray's socket paths)
     c.ray.checkpoint_dir = ""  # "" = <workdir>/checkpoints; multi-node: reachable by every node
     c.ray.poll_seconds = 0.5  # seconds between the driver's collections of rows and records
-    c.ray.syncer_checkpoint_seconds = 5.0  # seconds between the syncer's orbax checkpoints
     return c
 
 
@@ -249,6 +251,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         max_staleness=d.max_staleness,
         heartbeat_timeout=d.heartbeat_timeout,
         shards=d.syncer_shards,
+        checkpoint_seconds=d.syncer_checkpoint_seconds,
     )
     learner_cfg.validate()
     syncer_cfg.validate(num_learners=m)

@@ -4,13 +4,19 @@ r"""Quality at equal tokens: Decoupled DiLoCo vs data-parallel, DiLoCo and Strea
     python experiments/quality_equal_tokens.py                 # 300 steps, seed 0
     python experiments/quality_equal_tokens.py --seeds=0,1     # mean ± std over seeds
     python experiments/quality_equal_tokens.py --quick         # 100 steps per learner
+    python experiments/quality_equal_tokens.py --arms=dp,decoupled,decoupled_m2,decoupled_m8
+    python experiments/quality_equal_tokens.py --arms=dp_moe,decoupled_moe   # the MoE pair
 
 Arms (every one sees 300 x 128 sequences x 128 tokens = 4.9M tokens of the Python stdlib
 corpus, byte-level, the tiny Gemma-style model):
   dp         configs/tiny_dense_4x.py: one learner over 8 devices, batch 128
   decoupled  configs/tiny_decoupled.py: M=4 learners x batch 32, K=1, grace, token weights, RDA
   diloco     configs/tiny_diloco.py: P=1, K=M, synchronous, plain mean
-  streaming  configs/tiny_streaming.py: P=6, K=M, synchronous, tau=1, alpha=0.5, outer lr 0.4
+  streaming  configs/tiny_streaming.py: P=6, K=M, synchronous, tau=1, overwrite with alpha=0.5
+  decoupled_m2 / decoupled_m8   tiny_decoupled.py with M=2 x batch 64 / M=8 x batch 16
+  dp_moe     configs/tiny_moe.py at batch 128 (the MoE arms' reference)
+  decoupled_moe  configs/tiny_moe_decoupled.py: M=4 x batch 32
+Runtime on 2 cores: DP ~9 min, each 4-learner arm ~3.5 min (--quick: a third).
 Each run's seed also seeds its data order (`seed` and `data.seed`). Every arm is evaluated
 on the same 512 held-out sequences (eval_batches x batch_size = 512). Arms run one after
 the other, so each has the whole machine. Writes into --out:
@@ -64,13 +70,29 @@ CONFIGS = {
     "decoupled": "tiny_decoupled.py",
     "diloco": "tiny_diloco.py",
     "streaming": "tiny_streaming.py",
+    "decoupled_m2": "tiny_decoupled.py",
+    "decoupled_m8": "tiny_decoupled.py",
+    "dp_moe": "tiny_moe.py",
+    "decoupled_moe": "tiny_moe_decoupled.py",
 }
 LABELS = {
     "dp": "data-parallel (batch 128)",
     "decoupled": "Decoupled DiLoCo (M=4, K=1, grace)",
     "diloco": "DiLoCo (P=1, K=M)",
     "streaming": "Streaming DiLoCo (P=6, K=M)",
+    "decoupled_m2": "Decoupled DiLoCo (M=2 x batch 64)",
+    "decoupled_m8": "Decoupled DiLoCo (M=8 x batch 16)",
+    "dp_moe": "MoE data-parallel (batch 128)",
+    "decoupled_moe": "MoE Decoupled DiLoCo (M=4, K=1, grace)",
 }
+# Arm-specific overrides: every arm processes 128 sequences per step in total.
+ARM_OVERRIDES = {
+    "decoupled_m2": {"diloco.learners": 2, "train.batch_size": 64},
+    "decoupled_m8": {"diloco.learners": 8, "train.batch_size": 16},
+    "dp_moe": {"train.batch_size": 128},
+}
+REFERENCE = {"dp_moe": "dp_moe", "decoupled_moe": "dp_moe"}  # ratio to; default "dp"
+DATA_PARALLEL = ("dp", "dp_moe")
 EVAL_SEQUENCES = 512  # the same held-out windows for every arm
 QUICK = {"train.steps": 100, "train.warmup_steps": 10, "train.eval_every": 25}
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -100,6 +122,8 @@ def make_config(arm: str, seed: int, quick: bool, extra: dict):
     c.seed = seed
     c.data.seed = seed
     c.train.checkpoint_every = 0  # only the final one
+    for key, value in ARM_OVERRIDES.get(arm, {}).items():
+        _set(c, key, value)
     c.train.eval_batches = EVAL_SEQUENCES // c.train.batch_size
     for key, value in (QUICK if quick else {}).items():
         _set(c, key, value)
@@ -109,7 +133,7 @@ def make_config(arm: str, seed: int, quick: bool, extra: dict):
         c.train.eval_every = max(FLAGS.steps // 4, 1)
     if c.train.eval_every:  # DP evaluates only on its logged steps
         c.train.log_every = math.gcd(c.train.log_every, c.train.eval_every)
-    if arm != "dp":
+    if arm not in DATA_PARALLEL:
         for key, value in extra.items():
             _set(c, key, value)
     return c
@@ -122,7 +146,8 @@ def eval_curve(workdir: pathlib.Path, arm: str) -> list[tuple[int, float]]:
         for line in f:
             r = json.loads(line)
             who = r.get("learner")
-            if "eval_loss" in r and (who == "global" or (arm == "dp" and who == 0)):
+            dp = arm in DATA_PARALLEL
+            if "eval_loss" in r and (who == "global" or (dp and who == 0)):
                 curve.append((r["tokens"], r["eval_loss"]))
     return sorted(set(curve))
 
@@ -147,6 +172,7 @@ def run_one(arm: str, seed: int, quick: bool, extra: dict) -> dict:
         "params": params,
         "learners": run.num_learners,
         "tokens_per_learner_step": run.train.batch_size * run.data.seq_len,
+        "seq_len": run.data.seq_len,
     }
 
 
@@ -172,45 +198,48 @@ def _stats(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.4f} ± {statistics.stdev(xs):.4f}"
 
 
+DP_REPLICAS = 4  # DP's all-reduce is modelled over the device groups of the M = 4 learners
+
+
 def markdown(results: dict, seeds: list[int], quick: bool) -> str:
-    dp_loss = [r["summary"]["final_eval_loss"] for r in results.get("dp", [])]
     any_run = next(iter(results.values()))[0]
-    m = max(r[0]["learners"] for r in results.values())
-    per_learner = next(
-        (r[0]["tokens_per_learner_step"] for a, r in results.items() if a != "dp"),
-        any_run["tokens_per_learner_step"],
-    )
-    dp_bpt = dp_allreduce_bytes_per_token(any_run["params"], m, per_learner)
+    seqs = 128  # sequences per step, all learners together, in every arm
+    per_replica = seqs // DP_REPLICAS * any_run["seq_len"]  # tokens per replica step
     out = [
         f"Equal tokens{' (--quick)' if quick else ''}: {any_run['summary']['tokens']:,} tokens "
-        f"per run, seeds {seeds}; tiny model ({any_run['params']:,} params), stdlib corpus, "
-        f"eval on {EVAL_SEQUENCES} held-out sequences (nats/byte). Ratio = arm / DP, per seed, "
-        "then averaged.",
+        f"per run, seeds {seeds}; stdlib corpus, byte-level; eval on {EVAL_SEQUENCES} held-out "
+        "sequences (nats/byte). Ratio = arm / its data-parallel reference (dense arms: DP; MoE "
+        "arms: MoE DP), per seed, then averaged.",
         "",
-        "| arm | final eval loss | ratio to DP | merges | learners / merge | bytes / token "
-        "| bytes vs DP | wall (s) |",
-        "|---" * 8 + "|",
+        "| arm | params | final eval loss | ratio to DP | merges | learners / merge "
+        "| bytes / token | bytes vs DP | wall (s) |",
+        "|---" * 9 + "|",
     ]
     for arm, runs in results.items():
+        ref = REFERENCE.get(arm, "dp")
+        ref_loss = [r["summary"]["final_eval_loss"] for r in results.get(ref, [])]
         losses = [r["summary"]["final_eval_loss"] for r in runs]
         ratio = (
-            _stats([a / b for a, b in zip(losses, dp_loss, strict=True)])
-            if len(dp_loss) == len(losses)
+            _stats([a / b for a, b in zip(losses, ref_loss, strict=True)])
+            if len(ref_loss) == len(losses)
             else "-"
         )
         s = [r["summary"] for r in runs]
-        bpt = dp_bpt if arm == "dp" else statistics.mean(x["bytes_per_token"] for x in s)
+        dp_bpt = dp_allreduce_bytes_per_token(runs[0]["params"], DP_REPLICAS, per_replica)
+        bpt = dp_bpt if arm in DATA_PARALLEL else statistics.mean(x["bytes_per_token"] for x in s)
         merges = statistics.mean(x.get("merges", 0) for x in s)
         per_merge = statistics.mean(x.get("mean_learners_per_merge", 0.0) for x in s)
         wall = statistics.mean(x["wall_seconds"] for x in s)
+        dp_tag = " (model)" if arm in DATA_PARALLEL else ""
         out.append(
-            f"| {LABELS[arm]} | {_stats(losses)} | {ratio} | {merges:.0f} | {per_merge:.2f} "
-            f"| {bpt:.1f}{' (model)' if arm == 'dp' else ''} | {bpt / dp_bpt:.3f} | {wall:.0f} |"
+            f"| {LABELS[arm]} | {runs[0]['params']:,} | {_stats(losses)} | {ratio} | {merges:.0f} "
+            f"| {per_merge:.2f} | {bpt:.1f}{dp_tag} | {bpt / dp_bpt:.3f} | {wall:.0f} |"
         )
     out += [
         "",
-        f"DP bytes/token: ring all-reduce of fp32 gradients over M = {m} replicas (the learners' "
-        f"device groups), 2·(M−1)·4·params bytes per step over M·{per_learner} tokens.",
+        f"DP bytes/token: ring all-reduce of fp32 gradients over {DP_REPLICAS} replicas (the "
+        f"M = 4 learners' device groups), 2·({DP_REPLICAS}−1)·4·params bytes per step over "
+        f"{seqs} sequences.",
     ]
     return "\n".join(out) + "\n"
 

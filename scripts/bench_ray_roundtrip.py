@@ -99,7 +99,7 @@ def transport_run(model: str):
                 "diloco.quorum": 1,
                 "diloco.grace_gamma": 0.0,
                 "diloco.max_staleness": 1_000_000,  # pipelined offers run ahead of replies
-                "ray.syncer_checkpoint_seconds": 1e9,  # no checkpoints inside the timing
+                "diloco.syncer_checkpoint_seconds": 1e9,  # no checkpoints inside the timing
             }
         )
     )

@@ -43,3 +43,18 @@ def test_smoke_writes_table_plot_and_runs(name, tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("(cached)") == len(runs)
+
+
+def test_quality_equal_tokens_dense_and_moe_arms(tmp_path):
+    out = tmp_path / "quality"
+    arms = "dp,decoupled_m2,dp_moe,decoupled_moe"
+    cmd = [sys.executable, str(ROOT / "experiments" / "quality_equal_tokens.py"), "--steps=4",
+           f"--arms={arms}", f"--out={out}", f"--workdir={tmp_path / 'runs'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (out / "quality_equal_tokens.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "arm" not in line]
+    assert len(rows) == 4
+    # Each arm is compared with its own data-parallel reference: both references read 1.0000.
+    assert sum("| 1.0000 |" in row for row in rows) == 2
+    assert (out / "quality_equal_tokens.png").read_bytes()[:4] == b"\x89PNG"

@@ -141,7 +141,7 @@ def chaos_run(cluster, tmp_path_factory):
             "diloco.overlap": 1,
             "diloco.grace_gamma": 0.0,
             "train.checkpoint_every": 4,
-            "ray.syncer_checkpoint_seconds": 1.0,
+            "diloco.syncer_checkpoint_seconds": 1.0,
             "faults.speed_factors": [3.0, 3.0, 5.0],
             "faults.crashes": [[2, CRASH_AT]],
             "faults.restart_delay_s": 1.0,

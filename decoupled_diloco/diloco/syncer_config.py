@@ -36,6 +36,7 @@ class SyncerConfig:
     heartbeat_timeout: float = 300.0  # seconds
     shards: int = 1  # S
     ema_decay: float = 0.8  # of the ξ moving averages
+    checkpoint_seconds: float = 5.0  # period of the syncer's orbax checkpoint (runtimes)
 
     def validate(self, num_learners: int) -> None:
         checks = [
@@ -54,6 +55,7 @@ class SyncerConfig:
             (self.max_staleness >= 0, "diloco.max_staleness must be >= 0"),
             (self.heartbeat_timeout > 0, "diloco.heartbeat_timeout must be > 0"),
             (1 <= self.shards <= self.num_fragments, "diloco.syncer_shards must be in [1, P]"),
+            (self.checkpoint_seconds > 0, "diloco.syncer_checkpoint_seconds must be > 0"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -157,7 +157,7 @@ class LocalRuntime:
                         if info.joined:
                             link.send(m, syncer.snapshot(self.now()))
                 syncer_host.serve_turn(syncer, link, self.now, self.syncer_lock)
-                if self.now() - last_ckpt >= self.syncer_checkpoint_seconds:
+                if self.now() - last_ckpt >= self.run_cfg.syncer.checkpoint_seconds:
                     self._save_syncer(syncer, ckpt)
                     last_ckpt = self.now()
             if down:  # the run ended during an outage: come back to finish cleanly
@@ -333,7 +333,6 @@ class LocalRuntime:
     def run(self) -> dict:
         run = self.run_cfg
         self._build()
-        self.syncer_checkpoint_seconds = 5.0
         self.learner_ckpts = [
             Checkpointer(os.path.join(self.ckpt_dir, f"learner_{m}"))
             for m in range(run.num_learners)

@@ -33,7 +33,6 @@ class RayConfig:
     # limited to ~100 characters, so not under a deep workdir)
     checkpoint_dir: str = ""  # "" = <workdir>/checkpoints; multi-node: a path all nodes reach
     poll_seconds: float = 0.5  # how often the driver collects rows, records and progress
-    syncer_checkpoint_seconds: float = 5.0  # period of the syncer's orbax checkpoint
 
     def validate(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -46,10 +45,6 @@ class RayConfig:
             raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
         if not self.poll_seconds > 0:
             raise ValueError(f"ray.poll_seconds must be > 0, got {self.poll_seconds}")
-        if not self.syncer_checkpoint_seconds > 0:
-            raise ValueError(
-                f"ray.syncer_checkpoint_seconds must be > 0, got {self.syncer_checkpoint_seconds}"
-            )
 
 
 def connect(cfg: RayConfig, verbose: bool) -> bool:

@@ -139,7 +139,7 @@ class SyncerActor:
                 for m, info in list(self.syncer.learners.items()):
                     if info.joined:
                         self.link.send(m, self.syncer.snapshot(self.now()))
-            period = self.run.ray.syncer_checkpoint_seconds
+            period = self.run.syncer.checkpoint_seconds
             last_ckpt = self.now()
             while not self._stop.is_set():
                 syncer_host.serve_turn(self.syncer, self.link, self.now, self.lock)
