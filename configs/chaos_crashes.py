@@ -15,7 +15,7 @@ it until the chip's slice is back, and it restarts from its last checkpoint
 the same rate in both arms, the seeded schedule gives both the same crash times.
 """
 
-from decoupled_diloco.config import default_config
+from decoupled_diloco.config import set_decoupled, tiny_cpu_config
 
 LEARNERS = 4
 CHIPS_PER_LEARNER = 16
@@ -24,15 +24,11 @@ CHIPS_PER_LEARNER = 16
 def get_config(arg="decoupled"):
     if arg not in ("decoupled", "dp"):
         raise ValueError(f"configs/chaos_crashes.py:<arg> must be 'decoupled' or 'dp', got {arg!r}")
-    c = default_config()
-    c.name = f"chaos_crashes_{arg}"
-    c.model.preset = "tiny"
-    c.data.source = "stdlib"
-    c.data.seq_len = 128
-    c.train.steps = 300  # inner steps per learner
-    c.train.batch_size = 16  # per learner; DP below: 4x
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 30
+    dp = arg == "dp"
+    # Per learner batch 16; DP: one job over the same devices with 4x the batch.
+    c = tiny_cpu_config(
+        f"chaos_crashes_{arg}", learners=1 if dp else LEARNERS, batch_size=64 if dp else 16
+    )
     c.train.eval_every = 25  # steps: enough points for the loss-vs-wall-time plot
     c.train.eval_batches = 4
     c.train.checkpoint_every = 50  # steps: what a crashed DP job falls back to
@@ -42,19 +38,7 @@ def get_config(arg="decoupled"):
     c.faults.chip_mtbf_hours = 1 / 3  # per chip: 20 min, so 64 chips fail every ~19 s
     c.faults.chips_per_learner = CHIPS_PER_LEARNER
     c.faults.restart_delay_s = 6.0  # failure -> failed part back (rejoin / relaunch)
-
-    if arg == "dp":
-        c.diloco.learners = 1
-        c.diloco.sync_every = 0  # no syncer: plain data-parallel on all 8 devices
-        c.train.batch_size *= LEARNERS
+    if dp:
         c.faults.chips_per_learner = LEARNERS * CHIPS_PER_LEARNER  # same chips, one job
         return c
-    c.diloco.learners = LEARNERS  # M: 2 fake devices each
-    c.diloco.sync_every = 12  # H
-    c.diloco.fragments = 6  # P: one fragment due every H/P = 2 steps
-    c.diloco.overlap = 2  # tau
-    c.diloco.quorum = 1  # K: merges never wait for a dead learner
-    c.diloco.grace_gamma = 0.5
-    c.diloco.max_grace = 1.0  # seconds
-    c.diloco.max_wait = 0.0  # learners never wait for the syncer
-    return c
+    return set_decoupled(c)  # K = 1: merges never wait for a dead learner

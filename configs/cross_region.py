@@ -11,7 +11,7 @@ is ~100 kB in fp32, i.e. ~80 ms on the far learners' 10 Mbit/s; int4 compression
 that ~8x. About 2 minutes on 2 cores.
 """
 
-from decoupled_diloco.config import default_config
+from decoupled_diloco.config import set_decoupled, tiny_cpu_config
 
 NEAR = (0.002, 1e9)  # (one-way latency s, bits/s): same region as the syncer
 FAR = (0.15, 10e6)  # another region over a thin WAN share
@@ -19,26 +19,10 @@ FAR = (0.15, 10e6)  # another region over a thin WAN share
 
 def get_config(arg=None):
     del arg
-    c = default_config()
-    c.name = "cross_region"
-    c.model.preset = "tiny"
-    c.data.source = "stdlib"
-    c.data.seq_len = 128
-    c.train.steps = 300
-    c.train.batch_size = 16  # per learner
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 30
+    c = set_decoupled(tiny_cpu_config("cross_region", learners=4, batch_size=16))
     c.train.eval_every = 50
-    c.diloco.learners = 4  # M: 2 fake devices each
-    c.diloco.sync_every = 12  # H
-    c.diloco.fragments = 6  # P
-    c.diloco.overlap = 2  # tau: the slack that hides the link latency
-    c.diloco.quorum = 1  # K
-    c.diloco.grace_gamma = 0.5
-    c.diloco.max_grace = 1.0  # seconds
-    c.diloco.max_wait = 0.0  # a slow link never stalls a learner
     c.diloco.compression = "none"  # try int4 for the far learners' sake
-    links = (NEAR, NEAR, FAR, FAR)
+    links = (NEAR, NEAR, FAR, FAR)  # tau = 2 steps of slack hide the far links' latency
     c.faults.link_latency_s = [lat for lat, _ in links]
     c.faults.link_bandwidth_bps = [bw for _, bw in links]
     return c

@@ -14,7 +14,7 @@ arg selects the quorum rule (the paper's heterogeneous experiment):
 Each learner is one fake CPU device; a few minutes per run on 2 cores.
 """
 
-from decoupled_diloco.config import default_config
+from decoupled_diloco.config import set_decoupled, tiny_cpu_config
 
 LEARNERS = 8
 MODES = ("sync", "k1", "k1_grace")
@@ -23,21 +23,10 @@ MODES = ("sync", "k1", "k1_grace")
 def get_config(arg="k1_grace"):
     if arg not in MODES:
         raise ValueError(f"configs/heterogeneous.py:<arg> must be one of {MODES}, got {arg!r}")
-    c = default_config()
-    c.name = f"heterogeneous_{arg}"
-    c.model.preset = "tiny"
-    c.data.source = "stdlib"
-    c.data.seq_len = 128
-    c.train.steps = 240
-    c.train.batch_size = 8  # per learner
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 24
+    c = tiny_cpu_config(f"heterogeneous_{arg}", learners=LEARNERS, batch_size=8, steps=240)
     c.train.eval_every = 40
     c.devices_per_learner = 1
-    c.diloco.learners = LEARNERS  # M
-    c.diloco.sync_every = 12  # H
-    c.diloco.fragments = 6  # P
-    c.diloco.overlap = 2  # tau
+    set_decoupled(c)
 
     c.faults.slow_fraction = 0.5  # the last 4 learners...
     c.faults.slow_factor = 1.18  # ...take 18% longer per step
@@ -48,9 +37,6 @@ def get_config(arg="k1_grace"):
         c.diloco.grace_gamma = 0.0
         c.diloco.max_wait = -1.0  # wait at t + tau until the merge is there
     else:
-        c.diloco.quorum = 1
-        c.diloco.max_wait = 0.0  # never wait
         # The grace window spends the slack of the tau overlap steps on collecting offers.
         c.diloco.grace_gamma = 1.0 if arg == "k1_grace" else 0.0
-        c.diloco.max_grace = 2.0  # seconds
     return c

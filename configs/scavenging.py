@@ -10,7 +10,7 @@ not finished their steps when they leave do not come back. Each learner is one f
 device (8 in all). About 2-3 minutes on 2 cores.
 """
 
-from decoupled_diloco.config import default_config
+from decoupled_diloco.config import set_decoupled, tiny_cpu_config
 
 BASE, EXTRA = 4, 4
 JOIN_S, LEAVE_S = 20.0, 60.0  # seconds of wall time
@@ -18,23 +18,10 @@ JOIN_S, LEAVE_S = 20.0, 60.0  # seconds of wall time
 
 def get_config(arg=None):
     del arg
-    c = default_config()
-    c.name = "scavenging"
-    c.model.preset = "tiny"
-    c.data.source = "stdlib"
-    c.data.seq_len = 128
-    c.train.steps = 300  # per learner; the extra learners leave before reaching it
-    c.train.batch_size = 8  # per learner
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 30
+    # train.steps is per learner; the extra learners leave before reaching it.
+    c = tiny_cpu_config("scavenging", learners=BASE + EXTRA, batch_size=8)
     c.train.eval_every = 50
-    c.devices_per_learner = 1
-    c.diloco.learners = BASE + EXTRA  # M counts every learner that may ever be present
-    c.diloco.sync_every = 12  # H
-    c.diloco.fragments = 6  # P
-    c.diloco.overlap = 2  # tau
-    c.diloco.quorum = 1  # K
-    c.diloco.grace_gamma = 0.5
-    c.diloco.max_grace = 1.0  # seconds
+    c.devices_per_learner = 1  # M counts every learner that may ever be present
+    set_decoupled(c)
     c.faults.membership = [(m, JOIN_S, LEAVE_S) for m in range(BASE, BASE + EXTRA)]
     return c

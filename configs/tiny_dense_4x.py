@@ -9,21 +9,9 @@ steps keeps the learning-rate schedule (warmup, cosine) identical; the peak lr i
 per-learner one, unscaled for the 4x batch (a choice, not a tuned value).
 """
 
-from decoupled_diloco.config import default_config
+from decoupled_diloco.config import tiny_cpu_config
 
 
 def get_config(arg=None):
     del arg
-    c = default_config()
-    c.name = "tiny_dense_4x"
-    c.model.preset = "tiny"
-    c.data.source = "stdlib"
-    c.data.seq_len = 128
-    c.train.steps = 300
-    c.train.batch_size = 128  # sequences per step: 4 learners x 32
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 30
-    c.train.eval_every = 100
-    c.diloco.learners = 1
-    c.diloco.sync_every = 0  # no syncer: plain data-parallel training over all devices
-    return c
+    return tiny_cpu_config("tiny_dense_4x", batch_size=128)  # sequences per step: 4 x 32

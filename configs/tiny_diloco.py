@@ -4,27 +4,16 @@
 
 DiLoCo as a configuration of the Decoupled code path (design.md §2): P = 1, K = M = 4,
 tau = 0, learners wait for every merge (max_wait = -1), no grace, uniform weights, plain
-mean; outer step lr 1, no momentum (see below). Model, data, per-learner
+mean; outer step lr 1, no momentum (`tiny_cpu_config`). Model, data, per-learner
 batch, steps and H are those of configs/tiny_decoupled.py, so all see the same tokens.
 """
 
-from decoupled_diloco.config import default_config
+from decoupled_diloco.config import tiny_cpu_config
 
 
 def get_config(arg=None):
     del arg
-    c = default_config()
-    c.name = "tiny_diloco"
-    c.model.preset = "tiny"
-    c.data.source = "stdlib"
-    c.data.seq_len = 128
-    c.train.steps = 300
-    c.train.batch_size = 32
-    c.train.learning_rate = 3e-3
-    c.train.warmup_steps = 30
-    c.train.eval_every = 100
-    c.diloco.learners = 4
-    c.diloco.sync_every = 12  # H, as tiny_decoupled
+    c = tiny_cpu_config("tiny_diloco", learners=4)
     c.diloco.fragments = 1  # P: the whole model is one fragment
     c.diloco.overlap = 0  # tau: the merge is applied at the step it was offered
     c.diloco.quorum = 4  # K = M
@@ -33,11 +22,4 @@ def get_config(arg=None):
     c.diloco.weights = "uniform"
     c.diloco.merge = "mean"
     c.diloco.embedding_merge = "mean"
-    # Outer step: plain averaging (lr 1, no momentum) at this scale. DiLoCo's lr 0.7 with
-    # Nesterov 0.9 overshoots over only 25 outer steps per fragment (H = 12, 300 steps):
-    # measured at 300 steps, seed 0 (eval loss; one learner alone: 1.854, DP batch 128:
-    # 1.651): DiLoCo 2.171 (0.7, 0.9), 1.937 (1.0, 0.5), 1.818 (1.0, 0); Decoupled 2.254,
-    # 2.045, 1.834. The code defaults stay DiLoCo's for long runs (configs/tpu_*.py).
-    c.diloco.outer_lr = 1.0
-    c.diloco.outer_momentum = 0.0
     return c
