@@ -240,3 +240,21 @@ def test_a_late_offer_does_not_open_a_round_or_eat_the_grace_window():
     assert s.grace_window() == pytest.approx(2.0, rel=0.2)  # no 15 s "time to quorum"
     (m,) = merged(s.tick(22.5))
     assert m.learners == (0, 2)
+
+
+def test_time_spent_evaluating_is_not_allocated_training_time():
+    from decoupled_diloco.runtime.accounting import Ledger
+
+    class Done:
+        step = 10
+
+    def goodput(idle: float) -> float:
+        ledger = Ledger(1)
+        for i in range(10):
+            ledger.step(0, 1.0, now=1.0 + i + (idle if i >= 5 else 0.0))
+        ledger.idle(0, idle)
+        ledger.finish(0, 10.0 + idle)
+        return ledger.summary(10.0 + idle, uses_syncer=False, learners=[Done()])["goodput"]
+
+    assert goodput(0.0) == pytest.approx(1.0)
+    assert goodput(4.0) == pytest.approx(1.0)  # a 4 s evaluation mid-run costs no goodput

@@ -1,6 +1,7 @@
 """Goodput accounting of real runs (the same quantities the simulator predicts).
 
-goodput  = useful learner compute / allocated learner compute, where a learner's step is
+goodput  = useful learner compute / allocated learner compute (minus time a learner spends
+           evaluating, which is not training), where a learner's step is
            useful once its work reached a merged global fragment (per fragment, weighted by
            the fragment's share of the parameters; each step is counted in exactly one offer
            per fragment: learners that rebase carry the steps after a merged offer into their
@@ -38,6 +39,7 @@ class Ledger:
         self.last_step = -math.inf  # when any learner last finished a step
         self._down: set = set()  # learners (or "syncer") failed and not yet restarted
         self.finished = [math.nan] * num_learners
+        self.idle_seconds = [0.0] * num_learners  # allocated but not training (evaluation)
 
     def step(self, m: int, seconds: float, now: float) -> None:
         with self._lock:
@@ -46,6 +48,10 @@ class Ledger:
             self.steps[m] += 1
             self.step_seconds[m] += seconds
             self.last_step = max(self.last_step, now)
+
+    def idle(self, m: int, seconds: float) -> None:
+        with self._lock:
+            self.idle_seconds[m] += seconds
 
     def advance(self, now: float) -> None:
         with self._lock:
@@ -97,7 +103,7 @@ class Ledger:
             steps = self.useful_steps[m] if uses_syncer else lr.step
             useful += min(steps, self.steps[m]) * per_step
             end = self.finished[m] if not math.isnan(self.finished[m]) else wall
-            allocated += max(end - self.started[m], 1e-9)
+            allocated += max(end - self.started[m] - self.idle_seconds[m], 1e-9)
         uptime, downtime = self.uptime(wall)
         return {
             "merges": self.merges,

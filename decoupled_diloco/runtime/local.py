@@ -306,7 +306,10 @@ class LocalRuntime:
             and run.train.eval_every
             and (learner.step % run.train.eval_every == 0)
         ):
+            t0 = time.perf_counter()
             rec["eval_loss"] = self.evaluator(learner.state.params)
+            # Evaluation is not training (Decoupled runs evaluate Θ off the learners).
+            self.ledger.idle(m, time.perf_counter() - t0)
         self.metrics.write(rec)
         if m == 0 and self.verbose:
             extra = f" eval {rec['eval_loss']:.3f}" if "eval_loss" in rec else ""
