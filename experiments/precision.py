@@ -5,8 +5,9 @@ r"""Experiment 6 — wire precision of offers and replies: fp32, bf16, int8, int
     python experiments/precision.py --scale=tpu   # TPU slices via Ray (not runnable here)
 
 configs/tiny_decoupled.py (M = 4, K = 1, grace, RDA) with `diloco.compression` in
-none | bf16 | int8 | int4 | int2 | int1. The paper: int4 ≈ lossless; 2-bit and 1-bit
-degrade badly. Writes precision.{md,png,json} into --out.
+none | bf16 | int8 | int4 | int2 | int1 for offers (replies lossless), plus int4 and int1
+in both directions (`diloco.reply_compression` too). The paper: int4 ≈ lossless; 2-bit and
+1-bit degrade badly. Writes precision.{md,png,json} into --out. --quick: ~3 min idle.
 """
 
 import harness
@@ -16,6 +17,7 @@ harness.define_flags("experiments/results/precision", "0,1")
 QUICK = harness.QUICK  # 48 steps, batch 8 per learner
 LABEL = {"none": "fp32"}
 FORMATS = ("none", "bf16", "int8", "int4", "int2", "int1")
+BOTH_WAYS = ("int4", "int1")  # offers and merged replies in the same format
 PAPER = {"none": "reference", "bf16": "-", "int8": "-", "int4": "≈ lossless"}
 PAPER |= {"int2": "degrades badly", "int1": "degrades badly"}
 
@@ -23,11 +25,21 @@ FULL = {"train.eval_every": 50}
 
 
 def arms() -> list[harness.Arm]:
-    over = {}
-    return [
-        harness.Arm(f, "tiny_decoupled", over | {"diloco.compression": f}, LABEL.get(f, f))
+    """Offers in each format (replies lossless, the default), then some formats both ways.
+
+    Offers are outer gradients, and a learner keeps what its lossy offer did not deliver
+    (learner.py: error feedback), so offers tolerate low precision; replies are parameters,
+    whose rounding error nobody feeds back.
+    """
+    out = [
+        harness.Arm(f, "tiny_decoupled", {"diloco.compression": f}, LABEL.get(f, f))
         for f in FORMATS
     ]
+    both = {"diloco.compression": None, "diloco.reply_compression": None}
+    for f in BOTH_WAYS:
+        over = {k: f for k in both}
+        out.append(harness.Arm(f"{f}_both", "tiny_decoupled", over, f"{f} both ways"))
+    return out
 
 
 def markdown(results) -> str:
@@ -46,11 +58,11 @@ def markdown(results) -> str:
                 harness.fmt([a / b for a, b in zip(losses, ref, strict=False)], 3),
                 harness.fmt(bpt, 1),
                 harness.fmt([a / b for a, b in zip(bpt, ref_bytes, strict=False)], 3),
-                PAPER[name],
+                PAPER.get(name, PAPER.get(name.removesuffix("_both"), "-")),
             ]
         )
-    header = ["wire format", "final eval loss", "ratio to fp32", "bytes / token",
-              "bytes vs fp32", "paper"]  # fmt: skip
+    header = ["wire format (offers; replies fp32 unless both ways)", "final eval loss",
+              "ratio to fp32", "bytes / token", "bytes vs fp32", "paper"]  # fmt: skip
     return f"Communication precision ({harness.mode_note()}).\n\n" + harness.table(header, body)
 
 
