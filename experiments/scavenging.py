@@ -14,6 +14,8 @@ same 2 cores instead of adding chips, so they cannot add compute; on TPU they do
 Writes scavenging.{md,png,json} into --out.
 """
 
+import math
+
 import harness
 from absl import app
 
@@ -55,6 +57,15 @@ def time_to(curve, target: float) -> float:
     return float("nan")
 
 
+def reach_time(times: list[float]) -> str:
+    """Mean ± std over the seeds that reached the target, and how many did not."""
+    reached = [t for t in times if math.isfinite(t)]
+    if not reached:
+        return "not reached"
+    missed = len(times) - len(reached)
+    return harness.fmt(reached, 0) + (f" ({missed} of {len(times)} not reached)" if missed else "")
+
+
 def markdown(results) -> str:
     groups = harness.by_arm(results)
     target = harness.stat([r.summary["final_eval_loss"] for r in groups["base"]])[0]
@@ -64,7 +75,7 @@ def markdown(results) -> str:
         body.append(
             [
                 runs[0].arm.label,
-                harness.fmt([time_to(harness.eval_curve(r), target) for r in runs], 0),
+                reach_time([time_to(harness.eval_curve(r), target) for r in runs]),
                 harness.fmt([x["final_eval_loss"] for x in s]),
                 harness.fmt([x["tokens"] for x in s], 0),
                 harness.fmt([x["mean_learners_per_merge"] for x in s], 2),
