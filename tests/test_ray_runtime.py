@@ -286,13 +286,18 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
             k: (scale * rng.standard_normal(theta0[k].shape)).astype(dtype) for k in plan.names[p]
         }
 
+    steps = iter(range(4, 10_000, 4))
+
     def offer(p, payload, learner=0, base=0, incarnation=0):
+        # Each offer at a step of the next schedule slot (H = 4), so each can open a round
+        # (as in tests/test_offer_validation.py's harness).
         enc = (
             payload
             if isinstance(payload, compression.Encoded)
             else compression.encode(payload, "none")
         )
-        return Offer(learner, incarnation, p, 4, 4, 256, base, 0.0, 4, enc, enc.nbytes())
+        step = next(steps)
+        return Offer(learner, incarnation, p, step, 4, 256, base, 0.0, 4, enc, enc.nbytes())
 
     good = compression.encode(grad(1), "none")
     nan = grad(1)
