@@ -56,7 +56,7 @@ def define_flags(default_out: str, default_seeds: str) -> None:
     """The flags every experiment script shares (absl; call once at import)."""
     flags.DEFINE_string("out", default_out, "Output directory (tables, plots, runs/).")
     flags.DEFINE_list("seeds", default_seeds.split(","), "Seeds; every arm runs once per seed.")
-    flags.DEFINE_bool("quick", False, "Short runs, 1 seed: minutes on 2 cores.")
+    flags.DEFINE_bool("quick", False, "Short runs, 1 seed unless --seeds is given: minutes.")
     flags.DEFINE_bool("smoke", False, "~6 steps, 1 seed, tiny batches: only checks the plumbing.")
     flags.DEFINE_enum("scale", "cpu", ["cpu", "tpu"], "cpu: tiny configs; tpu: configs/tpu_*.")
     flags.DEFINE_bool("fresh", False, "Rerun runs whose summary.json already exists.")
@@ -141,7 +141,10 @@ def is_full() -> bool:
 
 def seeds() -> list[int]:
     FLAGS = flags.FLAGS
-    return [0] if (FLAGS.smoke or FLAGS.quick) else [int(s) for s in FLAGS.seeds]
+    # --quick runs one seed unless --seeds is given explicitly (quick runs with a spread).
+    if FLAGS.smoke or (FLAGS.quick and not FLAGS["seeds"].present):
+        return [0]
+    return [int(s) for s in FLAGS.seeds]
 
 
 def setup() -> pathlib.Path:

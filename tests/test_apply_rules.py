@@ -258,3 +258,19 @@ def test_time_spent_evaluating_is_not_allocated_training_time():
 
     assert goodput(0.0) == pytest.approx(1.0)
     assert goodput(4.0) == pytest.approx(1.0)  # a 4 s evaluation mid-run costs no goodput
+
+
+def test_allocation_ends_when_training_ends_not_after_the_tail():
+    from decoupled_diloco.runtime.accounting import Ledger
+
+    class Done:
+        step = 10
+
+    ledger = Ledger(1)
+    for i in range(10):
+        ledger.step(0, 1.0, now=1.0 + i)
+    ledger.finish(0, 10.0)  # last step done: final offers and checkpoint follow
+    ledger.finish(0, 13.0)  # the runtime's final report after its 3 s tail
+    assert ledger.summary(13.0, uses_syncer=False, learners=[Done()])["goodput"] == pytest.approx(
+        1.0
+    )

@@ -380,6 +380,7 @@ class Syncer:
                 "base_versions": [o.base_version for o, _ in kept],
                 "staleness": [version - o.base_version for o, _ in kept],
                 "steps": [o.step for o, _ in kept],  # learner step of each merged offer
+                "incarnations": [o.incarnation for o, _ in kept],
                 "c_steps": [o.c_steps for o, _ in kept],
                 "work_steps": [o.work_steps for o, _ in kept],
                 "quorum_wait": quorum_wait,

@@ -1,7 +1,8 @@
 """Goodput accounting of real runs (the same quantities the simulator predicts).
 
-goodput  = useful learner compute / allocated learner compute (minus time a learner spends
-           evaluating, which is not training), where a learner's step is
+goodput  = useful learner compute / allocated learner compute (from a learner's first step
+           to its last, minus time it spends evaluating, which is not training; the tail
+           after its last step, final offers and checkpoint, is not allocation), where a learner's step is
            useful once its work reached a merged global fragment (per fragment, weighted by
            the fragment's share of the parameters; each step is counted in exactly one offer
            per fragment: learners that rebase carry the steps after a merged offer into their
@@ -79,7 +80,11 @@ class Ledger:
             self._down.discard(who)
 
     def finish(self, m: int, now: float) -> None:
+        """Learner m's allocation ends at `now` (the first call wins: a runtime reports the
+        end of training before its tail of final offers and checkpoint)."""
         with self._lock:
+            if not math.isnan(self.finished[m]):
+                return
             self.finished[m] = now
             if m in self._down:  # the run ended during its outage
                 self.last_step = max(self.last_step, now)

@@ -256,6 +256,7 @@ class LocalRuntime:
                     self._save_learner(m)
             if learner.state is None:
                 return  # stopped while down: nothing of it survives to finish
+            self.ledger.finish(m, self.now())  # training ends; the tail is not allocation
             learner.finish()
             if learner.link is not None:
                 learner.link.flush()

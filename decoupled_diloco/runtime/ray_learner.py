@@ -243,13 +243,14 @@ class LearnerActor:
             if every and learner.step % every == 0:
                 learner_host.save_learner(learner, self.ckpt)
             self._set_status()
+        finished_at = self.now()  # training ends; final offers and checkpoint are the tail
         if learner.state is not None:
             learner.finish()
             if self.link is not None:
                 self.link.flush()
             learner_host.save_learner(learner, self.ckpt, wait=True)
         self.ckpt.close()
-        self._set_status(done=True, finished_at=self.now())
+        self._set_status(done=True, finished_at=finished_at)
         self._event("learner_done", step=learner.step)
 
     def _down(self, t: float) -> bool:
