@@ -2,13 +2,14 @@
 
 goodput  = useful learner compute / allocated learner compute (from a learner's first step
            to its last, minus time it spends evaluating, which is not training; the tail
-           after its last step, final offers and checkpoint, is not allocation), where a learner's step is
-           useful once its work reached a merged global fragment (per fragment, weighted by
-           the fragment's share of the parameters; each step is counted in exactly one offer
-           per fragment: learners that rebase carry the steps after a merged offer into their
-           next offer, overwriting learners count the tau overlap steps as the protocol's own
-           mixing; work lost to a crash, a rejection or a dropped offer does not count); in a run
-           without a syncer, steps that survive to the end (not lost to a restore) are useful.
+           after its last step, final offers and checkpoint, is not allocation), where a
+           learner's step is useful once its work reached a merged global fragment (per
+           fragment, weighted by the fragment's share of the parameters; each step is
+           counted in exactly one offer per fragment: learners that rebase carry the steps
+           after a merged offer into their next offer, overwriting learners count the tau
+           overlap steps as the protocol's own mixing; work lost to a crash, a rejection or
+           a dropped offer does not count); in a run without a syncer, steps that survive to
+           the end (not lost to a restore) are useful.
 uptime   = fraction of windows of `window` seconds, from the first advance of the global
            model to the last learner step, in which the global model advanced (a merge, or
            a DP step). The tail after training (final merges, checkpoints, evaluation) is
