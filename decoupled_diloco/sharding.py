@@ -13,8 +13,15 @@ The model names each parameter dimension with a *logical* axis (see
 `models.param_logical_axes`); `LOGICAL_RULES` maps logical axes to mesh axes. A dimension
 that is not divisible by its mesh axis stays replicated rather than failing, because tiny
 CPU models routinely have e.g. 4 kv heads on an 8-way tensor axis.
+
+Activations are placed by the same table: inside `constraint_mesh(mesh)` (which a train step
+enters while it is traced), `constrain(x, logical_axes)` pins an intermediate to the rules'
+sharding; outside it `constrain` is the identity, so model code runs unchanged on one device.
+The MoE layer uses it to move dispatched tokens to the devices holding their expert
+(an all-to-all) instead of letting XLA all-gather every expert's weights onto every device.
 """
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -28,6 +35,9 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp", "expert"),
+    # Batch dim of expert-major (dispatched) MoE activations: the expert axis is taken by
+    # their expert dim, so rows are split over the pure data axes only.
+    "dispatch_batch": ("data", "fsdp"),
     "vocab": "tensor",
     "embed": "fsdp",
     "heads": "tensor",
@@ -100,7 +110,7 @@ def logical_to_spec(
     for name, dim in zip(logical, shape, strict=True):
         rule = LOGICAL_RULES.get(name) if name is not None else None
         axes = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+        axes = tuple(a for a in axes if a not in used and mesh.shape.get(a, 1) > 1)
         if axes and dim % math.prod(mesh.shape[a] for a in axes) == 0:
             used.update(axes)
             spec.append(axes[0] if len(axes) == 1 else axes)
@@ -126,3 +136,25 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def constraint_mesh(mesh: Mesh | None):
+    """Context in which `constrain` shards activations over `mesh` (None: a no-op context).
+
+    Enters only the abstract mesh, so it may be used inside a function being jitted; jit the
+    function with shardings on the same `mesh`.
+    """
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """`x` pinned to the rules' sharding of `logical` (one name per dim) over the context mesh.
+
+    The identity outside `constraint_mesh` (or `jax.set_mesh`), e.g. in single-device tests.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical, x.shape, mesh))

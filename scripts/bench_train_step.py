@@ -17,6 +17,8 @@ devices can keep idle cores busy that one device leaves unused.
   python scripts/bench_train_step.py                       # tiny + tiny_moe, 32 x 128
   python scripts/bench_train_step.py --quick               # < 1 min
   python scripts/bench_train_step.py --presets=tiny --batch=64 --seq=256 --steps=20
+  python scripts/bench_train_step.py --presets=tiny_moe --devices=4 --expert=4   # expert-parallel
+  python scripts/bench_train_step.py --presets=tiny_moe --capacity_factor=0      # dropless
 """
 
 import os
@@ -50,6 +52,12 @@ _BATCH = flags.DEFINE_integer("batch", 32, "Sequences per step (split over the d
 _SEQ = flags.DEFINE_integer("seq", 128, "Tokens per sequence (the batch is [batch, seq + 1]).")
 _STEPS = flags.DEFINE_integer("steps", None, "Timed steps per cell (default 10; quick 3).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compiling.")
+_EXPERT = flags.DEFINE_integer(
+    "expert", 1, "Expert mesh axis size for MoE presets (data axis = the remaining devices)."
+)
+_CAPACITY = flags.DEFINE_float(
+    "capacity_factor", None, "MoE capacity factor override (<= 0: dropless); default: preset's."
+)
 _QUICK = flags.DEFINE_bool("quick", False, "3 timed steps, 1 warm-up step (under a minute).")
 _CACHE = flags.DEFINE_string(
     "compilation_cache",
@@ -90,16 +98,26 @@ def device_peak_bytes(devices) -> int | None:
     return max(s["peak_bytes_in_use"] for s in stats)
 
 
+def model_config(preset: str) -> models.ModelConfig:
+    """The preset, with --capacity_factor applied to MoE presets."""
+    cfg = models.get_model_config(preset)
+    if cfg.moe_layers != "none" and _CAPACITY.value is not None:
+        cfg = models.get_model_config(preset, capacity_factor=_CAPACITY.value)
+    return cfg
+
+
 def bench_cell(preset: str, n: int, host_state: TrainState, steps: int, warmup: int) -> dict:
-    """Times the train step of `preset` on a data-parallel mesh over the first n devices."""
-    model_cfg = models.get_model_config(preset)
+    """Times the train step of `preset` on a mesh over the first n devices: data parallel,
+    times --expert-way expert parallel for MoE presets."""
+    model_cfg = model_config(preset)
     train_cfg = TrainConfig(batch_size=_BATCH.value)
-    mesh = sharding.make_mesh(jax.devices()[:n], sharding.MeshConfig(data=-1))
+    expert = _EXPERT.value if model_cfg.moe_layers != "none" else 1
+    mesh = sharding.make_mesh(jax.devices()[:n], sharding.MeshConfig(data=-1, expert=expert))
     state_sh = state_shardings(host_state, model_cfg, mesh)
     batch_sh = sharding.batch_sharding(mesh)
     step = jax.jit(
         make_train_step(
-            model_cfg, make_inner_optimizer(train_cfg), learning_rate_schedule(train_cfg)
+            model_cfg, make_inner_optimizer(train_cfg), learning_rate_schedule(train_cfg), mesh
         ),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, sharding.replicated(mesh)),
@@ -128,6 +146,7 @@ def bench_cell(preset: str, n: int, host_state: TrainState, steps: int, warmup: 
     return {
         "preset": preset,
         "devices": n,
+        "expert": expert,
         "params": models.count_params(model_cfg),
         "activated": models.count_params(model_cfg, activated=True),
         "compile_s": compile_s,
@@ -143,14 +162,15 @@ def bench_cell(preset: str, n: int, host_state: TrainState, steps: int, warmup: 
 
 def markdown_table(rows: list[dict]) -> str:
     header = (
-        "| preset | devices | params (total / activated) | compile s | step ms median (min-max) "
+        "| preset | devices (expert) | params (total / activated) | compile s "
+        "| step ms median (min-max) "
         "| tokens/s | state MiB/device | device peak MiB | peak RSS MiB |"
     )
     lines = [header, header_rule(header)]
     for r in rows:
         peak = "n/a" if r["device_peak"] is None else f"{r['device_peak'] / 2**20:.1f}"
         lines.append(
-            f"| {r['preset']} | {r['devices']} | {r['params'] / 1e3:.0f}k / "
+            f"| {r['preset']} | {r['devices']} ({r['expert']}) | {r['params'] / 1e3:.0f}k / "
             f"{r['activated'] / 1e3:.0f}k | {r['compile_s']:.1f} | {r['step_ms']:.0f} "
             f"({r['step_ms_range'][0]:.0f}-{r['step_ms_range'][1]:.0f}) "
             f"| {r['tokens_per_s']:,.0f} | {r['state_mib']:.2f} | {peak} | {r['rss_mib']:.0f} |"
@@ -190,9 +210,11 @@ def main(argv):
             raise ValueError(f"--devices entry {n} must be in [1, {available}]")
         if _BATCH.value % n:
             raise ValueError(f"--batch ({_BATCH.value}) must be divisible by every --devices ({n})")
+        if n % _EXPERT.value:
+            raise ValueError(f"--devices entry {n} must be divisible by --expert ({_EXPERT.value})")
     rows = []
     for preset in _PRESETS.value:
-        model_cfg = models.get_model_config(preset)
+        model_cfg = model_config(preset)
         optimizer = make_inner_optimizer(TrainConfig())
         host_state = jax.device_get(init_train_state(model_cfg, optimizer, jax.random.key(0)))
         for n in counts:
@@ -205,7 +227,8 @@ def main(argv):
             )
     print(
         f"\njax {jax.__version__}, {os.cpu_count()} CPU cores, {available} fake devices; "
-        f"batch {_BATCH.value} x seq {_SEQ.value}, median of {steps} steps after {warmup} warm-up\n"
+        f"batch {_BATCH.value} x seq {_SEQ.value}, median of {steps} steps after {warmup} warm-up, "
+        f"MoE capacity_factor {_CAPACITY.value if _CAPACITY.value is not None else 'of preset'}\n"
     )
     print(markdown_table(rows))
     comparison = dense_vs_moe_table(rows)

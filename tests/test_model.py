@@ -181,7 +181,9 @@ def test_sliding_window_limits_influence(kind):
 
 
 def test_gqa_and_mqa_equal_mha_with_repeated_kv_heads():
-    """A model with K kv heads is an MHA model whose k/v heads are repeated H / K times."""
+    """A model with K kv heads is an MHA model whose k/v heads are repeated H / K times.
+
+    (Self-consistency only; test_model_reference.py checks attention against numpy.)"""
     tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, 256)
     mha_cfg = get_model_config("tiny", num_heads=4, num_kv_heads=4)
     for num_kv in (2, 1):
@@ -266,6 +268,14 @@ def test_preset_shapes_and_param_counts(preset):
             "model.experts_per_token",
         ),
         (dict(moe_layers="all", num_experts=2, expert_hidden=0), "model.expert_hidden"),
+        (
+            dict(moe_layers="all", num_experts=2, experts_per_token=1, expert_hidden=8),
+            "model.experts_per_token = 1 with model.moe_gate = 'chosen_softmax'",
+        ),
+        (
+            dict(moe_layers="all", num_experts=2, expert_hidden=8, moe_gate="softmax"),
+            "model.moe_gate",
+        ),
         (dict(moe_layers="some"), "model.moe_layers"),
         (dict(not_a_field=1), "not_a_field"),
     ],

@@ -1,5 +1,7 @@
 """Mixture of experts: routing masks, capacity and dropping, router losses, model integration."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from decoupled_diloco.models.moe import (
     expert_capacity,
     route_top_k,
     router_statistics,
+    top_k,
 )
 
 jit_forward = jax.jit(forward, static_argnums=0)
@@ -43,6 +46,30 @@ def test_expert_capacity():
     assert expert_capacity(10, k=1, num_experts=4, capacity_factor=1.0) == 3  # ceil(2.5)
     assert expert_capacity(8, k=2, num_experts=4, capacity_factor=0.0) == 8  # dropless
     assert expert_capacity(8, k=2, num_experts=4, capacity_factor=100.0) == 8  # never > tokens
+
+
+def test_top_k_matches_lax_top_k_and_breaks_ties_to_the_lower_index():
+    x = jax.random.normal(jax.random.key(0), (3, 5, 6))
+    for k in (1, 2, 6):
+        values, indices = top_k(x, k)
+        want_values, want_indices = jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(indices, want_indices)
+        np.testing.assert_array_equal(values, want_values)
+    _, tied = top_k(jnp.array([[1.0, 3.0, 3.0, 0.0, 3.0]]), 3)
+    np.testing.assert_array_equal(tied, [[1, 2, 4]])
+
+
+def test_gate_rules():
+    logits_BTE = jnp.array([[[2.0, 1.0, 0.0, -1.0]]])
+    probs = np.exp([2.0, 1.0, 0.0, -1.0]) / np.sum(np.exp([2.0, 1.0, 0.0, -1.0]))
+    gates, experts = route_top_k(logits_BTE, 2, "chosen_softmax")
+    np.testing.assert_array_equal(experts, [[[0, 1]]])
+    np.testing.assert_allclose(gates, [[[np.e / (np.e + 1), 1 / (np.e + 1)]]], rtol=1e-6)
+    gates, experts = route_top_k(logits_BTE, 2, "full_softmax")  # Switch: no renormalising
+    np.testing.assert_array_equal(experts, [[[0, 1]]])
+    np.testing.assert_allclose(gates, [[probs[:2]]], rtol=1e-6)
+    with pytest.raises(ValueError, match="gate rule"):
+        route_top_k(logits_BTE, 2, "sigmoid")
 
 
 def test_dispatch_drops_assignments_beyond_capacity():
@@ -95,9 +122,22 @@ def test_load_balance_is_one_when_uniform_and_grows_when_concentrated():
 # --- MoE layer ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shared_expert", [False, True])
-def test_all_experts_no_drops_equals_dense_softmax_mixture(shared_expert):
-    cfg = moe_cfg(experts_per_token=4, capacity_factor=0.0, shared_expert=shared_expert)
+@pytest.mark.parametrize(
+    "shared_expert, capacity_factor, gate",
+    [
+        (False, 0.0, "chosen_softmax"),
+        (True, 0.0, "chosen_softmax"),
+        (False, 0.0, "full_softmax"),
+        (False, 2.0, "chosen_softmax"),  # C = T: the capacity path cannot drop either
+    ],
+)
+def test_all_experts_no_drops_equals_dense_softmax_mixture(shared_expert, capacity_factor, gate):
+    cfg = moe_cfg(
+        experts_per_token=4,
+        capacity_factor=capacity_factor,
+        shared_expert=shared_expert,
+        moe_gate=gate,
+    )
     x_BTD = jax.random.normal(jax.random.key(1), (2, 6, cfg.d_model))
     params, y_BTD, stats = apply_moe(cfg, x_BTD)
     probs_BTE = jax.nn.softmax(x_BTD @ params["router"], axis=-1)
@@ -120,6 +160,62 @@ def test_capacity_path_equals_dropless_when_nothing_drops():
     _, y_dropless, _ = apply_moe(moe_cfg(capacity_factor=0.0), x_BTD)
     assert float(stats["dropped_fraction"]) == 0.0, "precondition: pick a seed with no drops"
     np.testing.assert_allclose(y_capped, y_dropless, atol=1e-6)
+
+
+def reference_moe(cfg, params, x_BTD):
+    """Per-token loop in numpy (float64): y_t = sum_j gate_tj * GeGLU_{e_tj}(x_t)."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    x = np.asarray(x_BTD, np.float64)
+
+    def gelu(z):  # tanh approximation, as Gemma
+        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+
+    y = np.zeros_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            logits = x[b, t] @ p["router"]
+            chosen = np.argsort(-logits, kind="stable")[: cfg.experts_per_token]
+            probs = np.exp(logits - logits.max())
+            if cfg.moe_gate == "full_softmax":
+                gates = probs[chosen] / probs.sum()
+            else:
+                gates = probs[chosen] / probs[chosen].sum()
+            for g, e in zip(gates, chosen, strict=True):
+                hidden = gelu(x[b, t] @ p["gate"][e]) * (x[b, t] @ p["up"][e])
+                y[b, t] += g * (hidden @ p["down"][e])
+    return y
+
+
+@pytest.mark.parametrize(
+    "k, gate", [(2, "chosen_softmax"), (1, "full_softmax"), (3, "full_softmax")]
+)
+def test_dropless_equals_per_token_reference_loop(k, gate):
+    cfg = moe_cfg(experts_per_token=k, capacity_factor=0.0, moe_gate=gate)
+    x_BTD = jax.random.normal(jax.random.key(7), (2, 5, cfg.d_model))
+    params, y_BTD, stats = apply_moe(cfg, x_BTD)
+    np.testing.assert_allclose(y_BTD, reference_moe(cfg, params, x_BTD), atol=1e-5)
+    assert float(stats["dropped_fraction"]) == 0.0
+
+
+def test_dropless_gradients_equal_the_capacity_path_without_drops():
+    # Same routing, so the same function: the grouped matmuls must transpose correctly.
+    x_BTD = jax.random.normal(jax.random.key(2), (3, 8, 8))
+    capped, dropless = moe_cfg(capacity_factor=1.5), moe_cfg(capacity_factor=0.0)
+    params, _, stats = apply_moe(capped, x_BTD)
+    assert float(stats["dropped_fraction"]) == 0.0
+    probe_BTD = jax.random.normal(jax.random.key(8), x_BTD.shape)
+
+    def grads(cfg):
+        def loss(p, x):
+            return jnp.sum(MoE(cfg).apply({"params": p}, x)[0] * probe_BTD)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x_BTD)
+
+    (g_capped, gx_capped), (g_dropless, gx_dropless) = grads(capped), grads(dropless)
+    for name in ("router", "gate", "up", "down"):
+        assert float(jnp.max(jnp.abs(g_dropless[name]))) > 0, name
+        np.testing.assert_allclose(g_dropless[name], g_capped[name], atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(gx_dropless, gx_capped, atol=1e-5)
 
 
 def test_tiny_capacity_drops_tokens():
@@ -179,6 +275,37 @@ def test_language_model_loss_reaches_the_router(tiny_moe):
     grads = jax.jit(jax.grad(loss))(params)
     for i in range(cfg.num_layers):
         assert float(jnp.max(jnp.abs(grads[f"block_{i}"]["moe"]["router"]))) > 0
+
+
+@pytest.mark.parametrize("capacity_factor", [1.25, 0.0])
+def test_top1_switch_gate_trains_the_router_from_the_lm_loss(capacity_factor):
+    cfg = get_model_config(
+        "tiny_moe", experts_per_token=1, moe_gate="full_softmax", capacity_factor=capacity_factor
+    )
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(6), (2, 16), 0, cfg.vocab_size)
+
+    def router_grads(c):  # cross-entropy only: no aux loss
+        def loss(p):
+            log_probs = jax.nn.log_softmax(jit_forward(c, p, tokens)[0][:, :-1])
+            return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+
+        grads = jax.jit(jax.grad(loss))(params)
+        return [grads[f"block_{i}"]["moe"]["router"] for i in range(c.num_layers)]
+
+    for g in router_grads(cfg):
+        assert float(jnp.max(jnp.abs(g))) > 0
+    # What validation forbids: with one chosen expert its renormalised gate is exactly 1.
+    chosen = dataclasses.replace(cfg, moe_gate="chosen_softmax")
+    for g in router_grads(chosen):
+        assert float(jnp.max(jnp.abs(g))) == 0.0
+
+
+def test_top1_with_chosen_softmax_is_rejected_naming_the_keys():
+    with pytest.raises(ValueError, match="model.experts_per_token = 1 .*model.moe_gate"):
+        get_model_config("tiny_moe", experts_per_token=1)
+    with pytest.raises(ValueError, match="model.moe_gate"):
+        get_model_config("tiny_moe", moe_gate="sigmoid")
 
 
 def test_every_other_layout_and_activated_count():

@@ -1,6 +1,7 @@
 """Learner meshes, the logical-axis rules, and sharded train steps that match one device."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,6 @@ from decoupled_diloco.train.optimizer import (
 )
 from decoupled_diloco.train.step import TrainState, make_train_step
 
-# warmup 1: step 0 runs at lr 0, so later steps are where a sharding bug in the update shows.
 TRAIN_CFG = TrainConfig(steps=10, warmup_steps=1, learning_rate=3e-3)
 BATCH, SEQ = 8, 32
 NUM_STEPS = 3
@@ -184,9 +184,9 @@ def make_batch(cfg, seed=0):
 
 
 @functools.cache
-def host_state(preset):
+def host_state(preset, **overrides):
     """Fresh params and AdamW state of `preset` as host numpy trees (shared across meshes)."""
-    cfg = models.get_model_config(preset)
+    cfg = models.get_model_config(preset, **overrides)
     params = models.init_params(cfg, jax.random.key(1))
     opt_state = make_inner_optimizer(TRAIN_CFG).init(params)
     return cfg, jax.device_get(TrainState(jnp.zeros((), jnp.int32), params, opt_state))
@@ -202,7 +202,7 @@ def sharded_step(cfg, mesh, state):
         opt_state_shardings(state.opt_state, param_sh, state.params, mesh),
     )
     step = jax.jit(
-        make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN_CFG)),
+        make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN_CFG), mesh),
         in_shardings=(state_sh, batch_sharding(mesh)),
         out_shardings=(state_sh, replicated(mesh)),
     )
@@ -218,8 +218,8 @@ def run_steps(step, state, batch):
 
 
 @functools.cache
-def single_device_losses(preset):
-    cfg, state = host_state(preset)
+def single_device_losses(preset, **overrides):
+    cfg, state = host_state(preset, **overrides)
     device = jax.devices()[0]
     optimizer = make_inner_optimizer(TRAIN_CFG)
     step = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN_CFG)))
@@ -229,16 +229,17 @@ def single_device_losses(preset):
 
 
 @pytest.mark.parametrize(
-    "preset, devices, mesh_cfg",
+    "preset, overrides, devices, mesh_cfg",
     [
-        ("tiny", slice(4, 8), MeshConfig(data=-1)),  # pure data parallel, not device 0
-        ("tiny", slice(0, 4), MeshConfig(data=-1, fsdp=2, tensor=2)),
-        ("tiny_moe", slice(0, 4), MeshConfig(data=-1, expert=2)),
+        ("tiny", {}, slice(4, 8), MeshConfig(data=-1)),  # pure data parallel, not device 0
+        ("tiny", {}, slice(0, 4), MeshConfig(data=-1, fsdp=2, tensor=2)),
+        ("tiny_moe", {}, slice(0, 4), MeshConfig(data=-1, expert=2)),
+        ("tiny_moe", {"capacity_factor": 0.0}, slice(0, 4), MeshConfig(data=-1, expert=2)),
     ],
-    ids=["data4", "fsdp2_tensor2", "moe_expert2"],
+    ids=["data4", "fsdp2_tensor2", "moe_expert2", "moe_dropless_expert2"],
 )
-def test_sharded_train_step_matches_single_device(preset, devices, mesh_cfg):
-    cfg, state = host_state(preset)
+def test_sharded_train_step_matches_single_device(preset, overrides, devices, mesh_cfg):
+    cfg, state = host_state(preset, **overrides)
     mesh = make_mesh(jax.devices()[devices], mesh_cfg)
     step, placed, batch_sh = sharded_step(cfg, mesh, state)
     batch = jax.device_put(make_batch(cfg), batch_sh)
@@ -246,7 +247,7 @@ def test_sharded_train_step_matches_single_device(preset, devices, mesh_cfg):
     assert len(batch.addressable_shards[0].data) == BATCH // batch_axis_size(mesh)
 
     losses, final = run_steps(step, placed, batch)
-    expected_losses, expected_params = single_device_losses(preset)
+    expected_losses, expected_params = single_device_losses(preset, **overrides)
     np.testing.assert_allclose(losses, expected_losses, atol=1e-4)
     assert losses[-1] < losses[0]  # the updates really happened
     got = flat(jax.device_get(final.params))
@@ -265,3 +266,33 @@ def test_train_step_does_no_implicit_host_transfer():
         jax.block_until_ready(metrics)
     assert int(jax.device_get(placed.step)) == 2
     assert np.isfinite(float(metrics["loss"]))
+
+
+def _collectives(hlo: str) -> dict[str, list[str]]:
+    """{"all-gather": [result shape, ...], ...} of a compiled (per-device) HLO module."""
+    found: dict[str, list[str]] = {}
+    for m in re.finditer(r"= (.+?) (all-gather|all-to-all|all-reduce|reduce-scatter)\(", hlo):
+        found.setdefault(m.group(2), []).append(m.group(1))
+    return found
+
+
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=1, expert=4), MeshConfig(data=2, expert=2)])
+def test_expert_parallel_step_partitions_expert_compute(mesh_cfg):
+    """Each device holds and computes only its experts: tokens travel (all-to-all), weights
+    do not. The regression this guards against: XLA all-gathered every expert's weights onto
+    every device and each device ran all experts on its tokens."""
+    cfg, state = host_state("tiny_moe")
+    mesh = make_mesh(jax.devices()[:4], mesh_cfg)
+    step, placed, batch_sh = sharded_step(cfg, mesh, state)
+    batch = jax.device_put(make_batch(cfg), batch_sh)
+    hlo = step.lower(placed, batch).compile().as_text()
+    E, D, F = cfg.num_experts, cfg.d_model, cfg.expert_hidden
+    local = E // mesh.shape["expert"]
+    full_expert_shapes = (f"f32[{E},{D},{F}]", f"f32[{E},{F},{D}]")
+    collectives = _collectives(hlo)
+    gathered = [s for s in collectives.get("all-gather", []) if s.startswith(full_expert_shapes)]
+    assert not gathered, f"expert weights all-gathered to full size: {gathered}"
+    assert not any(shape in hlo for shape in full_expert_shapes)  # never materialised at all
+    assert f"f32[{local},{D},{F}]" in hlo  # the per-device expert shard feeds the matmuls
+    # Forward dispatch and combine, and their transposes, in each MoE layer.
+    assert len(collectives.get("all-to-all", [])) >= 4 * cfg.num_moe_layers

@@ -14,7 +14,7 @@ from decoupled_diloco.train.optimizer import (
     learning_rate_schedule,
     make_inner_optimizer,
 )
-from decoupled_diloco.train.step import init_train_state, loss_fn, make_train_step
+from decoupled_diloco.train.step import TrainState, init_train_state, loss_fn, make_train_step
 
 
 def batch_of(cfg, batch=8, seq=32, seed=0):
@@ -31,8 +31,10 @@ def test_schedule_warms_up_then_cosine_decays_to_min():
         TrainConfig(steps=100, warmup_steps=10, learning_rate=peak, min_lr_ratio=ratio)
     )
     lr = np.array([float(schedule(t)) for t in range(121)])
-    np.testing.assert_allclose(lr[:11], peak * np.arange(11) / 10, rtol=1e-6)  # linear from 0
-    assert lr.max() == pytest.approx(peak) and lr.argmax() == 10
+    # Linear warmup that already learns at step 0 and reaches the peak at its last step.
+    np.testing.assert_allclose(lr[:10], peak * np.arange(1, 11) / 10, rtol=1e-6)
+    assert lr[0] > 0
+    assert lr.max() == pytest.approx(peak) and lr[10] == pytest.approx(peak)
     assert np.all(np.diff(lr[10:101]) < 0)  # strictly decaying after the peak
     # Cosine: halfway through the decay the lr is halfway between peak and floor.
     assert lr[55] == pytest.approx(peak * (ratio + (1 - ratio) / 2), rel=1e-5)
@@ -61,7 +63,7 @@ def test_weight_decay_skips_1d_params():
     zeros = jax.tree.map(jnp.zeros_like, params)
     # Jitted: one compile instead of many tiny eager ones.
     update = jax.jit(
-        lambda g, p: optax.apply_updates(p, optimizer.update(g, optimizer.init(p), p)[0])
+        lambda g, p: optax.apply_updates(p, optimizer.update(g, optimizer.init(p), p, step=0)[0])
     )
     new = update(zeros, params)
     shrink = 1 - train_cfg.learning_rate * train_cfg.weight_decay
@@ -92,7 +94,7 @@ def test_grad_clipping_caps_what_adam_sees(grad_clip):
     def first_moment_norm(clip):
         train_cfg = TrainConfig(grad_clip=clip, b1=0.9)
         optimizer = make_inner_optimizer(train_cfg)
-        _, state = jax.jit(optimizer.update)(grads, optimizer.init(params), params)
+        _, state = jax.jit(optimizer.update)(grads, optimizer.init(params), params, step=0)
         return adam_first_moment_norm(state) / (1 - train_cfg.b1)  # = ‖gradient fed to Adam‖
 
     assert first_moment_norm(grad_clip) == pytest.approx(grad_clip, rel=1e-5)
@@ -100,8 +102,24 @@ def test_grad_clipping_caps_what_adam_sees(grad_clip):
     # Small gradients pass through untouched.
     small = jax.tree.map(lambda g: g * (0.5 * grad_clip / float(optax.tree.norm(grads))), grads)
     optimizer = make_inner_optimizer(TrainConfig(grad_clip=grad_clip))
-    _, state = jax.jit(optimizer.update)(small, optimizer.init(params), params)
+    _, state = jax.jit(optimizer.update)(small, optimizer.init(params), params, step=0)
     assert adam_first_moment_norm(state) / 0.1 == pytest.approx(0.5 * grad_clip, rel=1e-4)
+
+
+def test_lr_follows_the_step_passed_to_update_not_the_optimizer_state():
+    train_cfg = TrainConfig(steps=1000, warmup_steps=100, learning_rate=1e-2, weight_decay=0.0)
+    schedule = learning_rate_schedule(train_cfg)
+    optimizer = make_inner_optimizer(train_cfg)
+    params = {"w": jnp.arange(1.0, 7.0).reshape(2, 3)}
+    grads = {"w": jnp.full((2, 3), 0.5)}
+    update = jax.jit(optimizer.update)
+    fresh = optimizer.init(params)
+    for step in (0, 50, 500):
+        # Adam's first (bias-corrected) step is sign(g), so the update is -lr(step) per entry.
+        updates, _ = update(grads, fresh, params, step=step)
+        np.testing.assert_allclose(updates["w"], -float(schedule(step)), rtol=1e-6)
+    with pytest.raises(ValueError, match="step=train_state.step"):
+        optimizer.update(grads, fresh, params)
 
 
 # --- train step ------------------------------------------------------------------------------
@@ -155,3 +173,31 @@ def test_moe_aux_loss_is_added_to_the_training_loss():
         router_total = g_total[f"block_{layer}"]["moe"]["router"]
         router_ce = g_ce[f"block_{layer}"]["moe"]["router"]
         assert float(jnp.abs(router_total - router_ce).max()) > 1e-6
+
+
+def test_fresh_optimizer_state_at_step_500_trains_at_lr_500():
+    """A learner that rejoins at step 500 resets AdamW (optimizer.init) but keeps its step:
+    it must train at lr(500), not restart warmup (optax's internal count would be 0)."""
+    cfg = models.get_model_config("tiny")
+    train_cfg = TrainConfig(
+        steps=1000, warmup_steps=100, learning_rate=1e-2, weight_decay=0.0, grad_clip=0.0
+    )
+    optimizer = make_inner_optimizer(train_cfg)
+    schedule = learning_rate_schedule(train_cfg)
+    step = jax.jit(make_train_step(cfg, optimizer, schedule))
+    params = models.init_params(cfg, jax.random.key(0))
+    batch = batch_of(cfg)
+    moved = {}
+    for at in (0, 500):
+        state = TrainState(jnp.asarray(at, jnp.int32), params, optimizer.init(params))
+        new, metrics = step(state, batch)
+        assert int(new.step) == at + 1
+        assert float(metrics["learning_rate"]) == pytest.approx(float(schedule(at)))
+        # First Adam step: each entry moves by lr * |g| / (|g| + eps), i.e. lr for |g| >> eps.
+        moved[at] = max(
+            float(jnp.max(jnp.abs(a - b)))
+            for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params), strict=True)
+        )
+    assert schedule(0) > 0 and schedule(500) > 5 * schedule(0)
+    assert moved[500] == pytest.approx(float(schedule(500)), rel=1e-3)
+    assert moved[0] == pytest.approx(float(schedule(0)), rel=1e-3)  # float32 rounding of p

@@ -9,35 +9,40 @@ import dataclasses
 ATTENTION_KINDS = ("global", "local")
 MOE_LAYER_CHOICES = ("none", "all", "every_other")
 DTYPES = ("float32", "bfloat16")
+MOE_GATES = ("chosen_softmax", "full_softmax")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Gemma-style decoder (dense or MoE). Frozen, hence hashable: usable as a jit static arg."""
 
-    vocab_size: int = 256
-    d_model: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
+    vocab_size: int = 256  # tokens in the vocabulary (embedding rows); 256 = byte-level
+    d_model: int = 64  # residual stream width, features
+    num_layers: int = 2  # decoder blocks (unscanned: one param subtree each)
+    num_heads: int = 4  # query heads per attention layer
     num_kv_heads: int = 4  # == num_heads: MHA; 1: MQA; else GQA (num_heads % num_kv_heads == 0)
-    head_dim: int = 16  # must be even (rotary rotates half-split pairs)
-    ffw_hidden: int = 256  # GeGLU hidden width of dense layers
-    qk_norm: bool = False  # RMSNorm on each query / key head before rotary
-    attn_logit_softcap: float = 0.0  # cap * tanh(logits / cap); 0 disables
-    final_logit_softcap: float = 0.0  # 0 disables
+    head_dim: int = 16  # features per head; must be even (rotary rotates half-split pairs)
+    ffw_hidden: int = 256  # GeGLU hidden width of dense layers, features
+    qk_norm: bool = False  # True: RMSNorm on each query / key head before rotary
+    attn_logit_softcap: float = 0.0  # cap * tanh(logits / cap) on attention logits; 0 disables
+    final_logit_softcap: float = 0.0  # same on the output logits; 0 disables
     attention_pattern: tuple[str, ...] = ("global",)  # cycled over layers; "global" | "local"
-    sliding_window: int = 0  # tokens a "local" layer looks back; must be > 0 if a layer is local
-    rope_base: float = 10_000.0
+    sliding_window: int = 0  # tokens a "local" layer sees (incl. itself); > 0 if any is local
+    rope_base: float = 10_000.0  # rotary base wavelength (pair i turns at base**(-2i/head_dim))
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params are always float32
     # Mixture of experts.
     moe_layers: str = "none"  # "none" | "all" | "every_other" (odd layers 1, 3, 5, ...)
-    num_experts: int = 0
-    experts_per_token: int = 2  # top-k
-    expert_hidden: int = 0  # GeGLU hidden width per expert (and of the shared expert)
+    num_experts: int = 0  # routed experts per MoE layer (E); >= 1 when moe_layers != "none"
+    experts_per_token: int = 2  # top-k, in [1, num_experts]
+    expert_hidden: int = 0  # GeGLU hidden width per expert (and of the shared expert), features
     capacity_factor: float = 1.25  # per-expert buffer = ceil(cf * tokens * k / E); <= 0: dropless
-    shared_expert: bool = False  # always-on dense GeGLU added to the routed output
-    load_balance_weight: float = 0.01
-    router_z_weight: float = 0.001
+    shared_expert: bool = False  # True: always-on dense GeGLU added to the routed output
+    # "chosen_softmax": gates = softmax over the k chosen logits (needs k >= 2: with k = 1 the
+    # gate is always 1 and the LM loss cannot train the router) | "full_softmax" (Switch):
+    # gate = full-softmax probability of each chosen expert, not renormalised.
+    moe_gate: str = "chosen_softmax"
+    load_balance_weight: float = 0.01  # weight of the Switch load-balancing loss (1 = uniform)
+    router_z_weight: float = 0.001  # weight of the router z-loss (mean logsumexp(logits)^2)
 
     def attention_kind(self, layer: int) -> str:
         """ "global" or "local" for block `layer` (the pattern repeats over layers)."""
@@ -214,6 +219,16 @@ def validate_model_config(cfg: ModelConfig) -> None:
         f"[1, model.num_experts ({cfg.num_experts})]",
     )
     _require(cfg.expert_hidden > 0, f"model.expert_hidden ({cfg.expert_hidden}) must be > 0")
+    _require(
+        cfg.moe_gate in MOE_GATES,
+        f"model.moe_gate ({cfg.moe_gate!r}) must be one of {MOE_GATES}",
+    )
+    _require(
+        not (cfg.experts_per_token == 1 and cfg.moe_gate == "chosen_softmax"),
+        "model.experts_per_token = 1 with model.moe_gate = 'chosen_softmax' gives every token "
+        "a gate of exactly 1, so the language-model loss never reaches the router; use "
+        "model.moe_gate = 'full_softmax' (Switch) or model.experts_per_token >= 2",
+    )
     for name in ("load_balance_weight", "router_z_weight"):
         value = getattr(cfg, name)
         _require(value >= 0, f"model.{name} ({value}) must be >= 0")

@@ -22,7 +22,8 @@ class Evaluator:
         self.flat_shardings = flatten_params(self.param_shardings)
         self.batch_sharding = sharding.batch_sharding(mesh)
         self._eval = jax.jit(
-            make_eval_step(model_cfg), in_shardings=(self.param_shardings, self.batch_sharding)
+            make_eval_step(model_cfg, mesh),
+            in_shardings=(self.param_shardings, self.batch_sharding),
         )
 
     def __call__(self, params) -> float:

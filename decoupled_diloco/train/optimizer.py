@@ -1,4 +1,11 @@
-"""Inner optimizer: AdamW with linear warmup, cosine decay and global-norm clipping."""
+"""Inner optimizer: AdamW with linear warmup, cosine decay and global-norm clipping.
+
+The learning rate is a function of the learner's step (`TrainState.step`), passed to every
+update as `optimizer.update(grads, opt_state, params, step=step)`, not of a counter inside
+the optimizer state. A learner that resets its AdamW state (rejoining after a crash) at step
+500 therefore trains at lr(500), not from the start of warmup again; only Adam's own bias
+correction restarts, which is what a fresh moment estimate needs.
+"""
 
 import dataclasses
 
@@ -29,16 +36,40 @@ class TrainConfig:
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0 to `learning_rate`, then cosine decay to `min_lr_ratio *
-    learning_rate` at step `steps` (constant after). Without warmup, step 0 runs at the peak."""
+    """lr at inner step t (0-based): linear warmup peak * (t + 1) / warmup_steps for
+    t < warmup_steps (step 0 already learns; the last warmup step reaches the peak), then
+    cosine decay from the peak to `min_lr_ratio * learning_rate` at step `steps` (constant
+    after). Without warmup, step 0 runs at the peak."""
     warmup = max(cfg.warmup_steps, 0)
     decay_steps = max(cfg.steps - warmup, 1)
     cosine = optax.cosine_decay_schedule(cfg.learning_rate, decay_steps, alpha=cfg.min_lr_ratio)
     if warmup == 0:
         return cosine
-    return optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.learning_rate, warmup), cosine], boundaries=[warmup]
-    )
+
+    def linear_warmup(step):
+        return cfg.learning_rate * (step + 1) / warmup
+
+    return optax.join_schedules([linear_warmup, cosine], boundaries=[warmup])
+
+
+def scale_by_step_schedule(schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+    """Multiplies updates by -schedule(step); `step` is a keyword argument of `update`."""
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None, *, step=None, **extra_args):
+        del params, extra_args
+        if step is None:
+            raise ValueError(
+                "the inner optimizer's learning rate follows the learner's step: call "
+                "optimizer.update(grads, opt_state, params, step=train_state.step)"
+            )
+        lr = schedule(step)
+        return jax.tree.map(lambda u: -lr * u, updates), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _decay_mask(params):
@@ -47,16 +78,15 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def make_inner_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW as used by DiLoCo's inner loop (clip → Adam → decoupled weight decay)."""
+def make_inner_optimizer(cfg: TrainConfig) -> optax.GradientTransformationExtraArgs:
+    """AdamW as used by DiLoCo's inner loop (clip → Adam → decoupled weight decay → lr).
+
+    Same math as `optax.adamw` with the schedule of `learning_rate_schedule(cfg)`, except
+    that the lr is read at the `step` passed to `update` (see the module docstring).
+    """
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
-        optax.adamw(
-            learning_rate=learning_rate_schedule(cfg),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=_decay_mask,
-        ),
+        optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+        optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask),
+        scale_by_step_schedule(learning_rate_schedule(cfg)),
     )

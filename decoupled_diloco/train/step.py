@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from decoupled_diloco import models
+from decoupled_diloco.sharding import constraint_mesh
 
 
 class TrainState(NamedTuple):
@@ -38,13 +39,26 @@ def init_train_state(model_cfg, optimizer: optax.GradientTransformation, rng) ->
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
-def make_train_step(model_cfg, optimizer: optax.GradientTransformation, schedule):
-    """(state, batch [B, T+1] int32) -> (new state, metrics dict of scalars)."""
+def make_train_step(
+    model_cfg,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    mesh: jax.sharding.Mesh | None = None,
+):
+    """(state, batch [B, T+1] int32) -> (new state, metrics dict of scalars).
+
+    The optimizer's update receives `step=state.step`, so the lr is `schedule(state.step)`
+    (`make_inner_optimizer` reads it there) however old the optimizer state is; "learning_rate"
+    logs that value. With `mesh`, jit the step with shardings on that mesh: the model then
+    also shards its activations by the rules table (MoE expert parallelism needs this).
+    """
+    optimizer = optax.with_extra_args_support(optimizer)  # plain optax ignores `step`
 
     def train_step(state: TrainState, batch_BT1: jax.Array):
-        grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
-        (total, (ce, aux)), grads = grad_fn(model_cfg, state.params, batch_BT1)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        with constraint_mesh(mesh):
+            grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+            (total, (ce, aux)), grads = grad_fn(model_cfg, state.params, batch_BT1)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, step=state.step)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": ce,
@@ -59,10 +73,11 @@ def make_train_step(model_cfg, optimizer: optax.GradientTransformation, schedule
     return train_step
 
 
-def make_eval_step(model_cfg):
-    """(params, batch [B, T+1]) -> mean cross-entropy of the batch."""
+def make_eval_step(model_cfg, mesh: jax.sharding.Mesh | None = None):
+    """(params, batch [B, T+1]) -> mean cross-entropy of the batch. `mesh` as in train."""
 
     def eval_step(params, batch_BT1):
-        return loss_fn(model_cfg, params, batch_BT1)[1][0]
+        with constraint_mesh(mesh):
+            return loss_fn(model_cfg, params, batch_BT1)[1][0]
 
     return eval_step
