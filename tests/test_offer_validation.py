@@ -135,7 +135,16 @@ BAD = [
     ("negative learner", {"learner": -1}, None, "unknown learner"),
     ("unknown fragment", {"fragment": 5}, None, "fragment 5"),
     ("old incarnation", {"incarnation": -1}, None, "incarnation"),
-    ("negative counters", {"c_steps": -1}, None, "negative"),
+    ("negative counters", {"c_steps": -1}, None, "counters"),
+    ("more steps than the learner took", {"c_steps": 10**6}, None, "counters"),
+    ("absurd token count", {"c_tokens": 2**60}, None, "counters"),
+    ("negative work steps", {"work_steps": -3}, None, "work_steps"),
+    ("nan counter", {"c_tokens": float("nan")}, None, "c_tokens must be an integer"),
+    ("float counter", {"c_steps": 4.0}, None, "c_steps must be an integer"),
+    ("string learner", {"learner": "0"}, None, "learner must be an integer"),
+    ("bool fragment", {"fragment": True}, None, "fragment must be an integer"),
+    ("none version", {"base_version": None}, None, "base_version must be an integer"),
+    ("step from the future", {"step": 10**9}, None, "step 1000000000 is from the future"),
     ("payload is not encoded", {}, lambda h: {"block_0/attn/q": np.zeros((8, 8))}, "payload"),
     ("payload is a string", {}, lambda h: "garbage", "payload"),
     ("bad method", {}, lambda h: compression.Encoded("zip", {}), "payload"),
@@ -167,6 +176,7 @@ def test_bad_offer_is_rejected_with_reason_and_never_merged(case, fields, make_p
     (rej,) = h.rejections()
     assert reason in rej["reason"], rej
     assert rej["fragment"] == fields.get("fragment", 1)
+    assert rej["learner"] == fields.get("learner", 0)
     assert all(not pending for pending in h.syncer.pending.values())
     assert h.syncer.version == versions
     assert_same(h.syncer.global_params(), before)
@@ -256,3 +266,39 @@ def test_restored_syncer_readmits_learners_that_rejoined_after_its_checkpoint():
     assert h.send(Heartbeat(1, 0, step=10, step_seconds=0.1, time=h.now)) == []
     assert h.send(Heartbeat(7, 0, step=10, step_seconds=0.1, time=h.now)) == []
     assert 7 not in h.syncer.learners
+
+
+def test_a_far_future_step_cannot_starve_later_rounds():
+    """A learner's own reported step bounds its offers: a bogus slot far ahead is rejected,
+    so it cannot mark the fragment's later slots as merged already."""
+    h = Harness()
+    h.send(Heartbeat(0, 0, step=400, step_seconds=0.1, time=h.now))
+    assert h.send(h.offer(step=400 + 4 * 64))  # within the lead of its reported step
+    assert h.send(h.offer(step=400 + 4 * 64 + 4 * 65)) == []
+    assert "from the future" in h.rejections()[-1]["reason"]
+
+
+def test_offers_of_a_lost_syncer_life_are_dropped_not_rejected():
+    """After a restore, versions are re-created: an offer anchored on the lost life's
+    version (other epoch) is dropped and logged, and does not count as a bad offer."""
+    h = Harness()
+    h.syncer.epoch = 7  # this life's epoch; learners learn it from the snapshot
+    before = h.global_copy()
+    assert h.send(h.offer(epoch=3)) == []
+    drop = [r for r in h.log if r.get("event") == "drop_offer"][-1]
+    assert "before the syncer restore" in drop["reason"]
+    assert h.syncer.stats["rejected_offers"] == 0
+    assert_same(h.syncer.global_params(), before)
+    out = h.send(h.offer(epoch=7))
+    assert out and all(msg.epoch == 7 for _, msg in out)
+    assert h.syncer.snapshot(h.now).epoch == 7
+
+
+def test_a_delayed_join_of_an_older_life_does_not_roll_the_registry_back():
+    h = Harness()
+    h.send(Join(1, 2, h.now))  # learner 1 restarted twice
+    assert h.send(Join(1, 1, h.now)) == []  # its second life's Join, delivered late
+    assert h.syncer.learners[1].incarnation == 2
+    assert "old incarnation" in h.rejections()[-1]["reason"]
+    assert h.syncer.stats["rejected_offers"] == 0  # a join is not an offer
+    assert h.send(h.offer(learner=1, incarnation=2))

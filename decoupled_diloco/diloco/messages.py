@@ -16,6 +16,7 @@ class Join:
     learner: int
     incarnation: int  # restart count; offers from an older incarnation are rejected
     time: float
+    step: int = 0  # the learner's step (a resumed or restarted learner does not start at 0)
 
 
 @dataclasses.dataclass
@@ -51,6 +52,7 @@ class Offer:
     work_steps: int = 0  # steps since this learner's previous offer of p (goodput accounting)
     payload: Any = None  # learner side: dict of device arrays; on the wire: compression.Encoded
     nbytes: int = 0  # wire bytes of the payload, set by the transport
+    epoch: int = 0  # the syncer life `base_version` belongs to (see Snapshot.epoch)
 
 
 @dataclasses.dataclass
@@ -65,12 +67,17 @@ class Merged:
     nbytes: int = 0
     steps: tuple[int, ...] = ()  # the step of each contributor's merged offer
     incarnations: tuple[int, ...] = ()  # and the contributor's incarnation
+    epoch: int = 0  # the syncer life that made this version (see Snapshot.epoch)
 
 
 @dataclasses.dataclass
 class Snapshot:
     """All global fragments with their versions: a (re)joining learner's starting point."""
 
-    versions: tuple[int, ...]
+    versions: dict  # fragment -> version (the sending syncer shard's fragments only)
     params: dict  # flat name -> float32 numpy array
     time: float
+    # A syncer restored from a checkpoint re-creates version numbers its lost life had
+    # already used for other parameters; the epoch (new for every life) tells them apart,
+    # so an offer anchored on a lost version is never merged against a re-created one.
+    epoch: int = 0

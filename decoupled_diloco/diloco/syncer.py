@@ -17,7 +17,15 @@ closes when K offers of a slot not merged yet are in and the grace window has pa
 when every live learner has an offer in); it merges every pending offer, including late
 ones of older slots (a learner that is behind, restarted or slower). So out-of-step learners
 ride along with the next round instead of each triggering an outer step of its own, and
-the outer step keeps the rate of synchronous DiLoCo: one per fragment per H steps.
+the outer step keeps the rate of synchronous DiLoCo: one per fragment per H steps. So K
+counts learners that reached a slot the last round did not cover: with 1 < K < M rounds go
+at the pace of the K-th fastest learner (K = 1: the fastest; K = M: the slowest, or every
+live learner), and the learners behind join the next round with their late offers.
+
+Every life of a syncer has an `epoch` (a restored syncer gets a new one): it re-creates
+version numbers its lost life had used for other parameters, so offers are matched to the
+life they were anchored in; those of a lost life are dropped (the learner re-anchors on the
+new life's snapshot and its next offer carries the same work).
 
 An offer made before its learner applied a merge of its own earlier offer repeats work that
 merge already holds; it is dropped ("superseded"), and the learner carries the newer work
@@ -35,6 +43,15 @@ from decoupled_diloco.diloco import compression, merge
 from decoupled_diloco.diloco.fragments import FragmentPlan
 from decoupled_diloco.diloco.messages import Heartbeat, Join, Leave, Merged, Offer, Snapshot
 from decoupled_diloco.diloco.syncer_config import SyncerConfig
+
+_INTEGER_FIELDS = (
+    "learner", "incarnation", "fragment", "step", "c_steps", "c_tokens", "base_version",
+    "work_steps", "epoch",
+)  # fmt: skip
+_MAX_TOKENS = 2**53  # c_tokens² must stay a finite float64
+# Schedule slots an offer may be ahead of the last step its learner reported (join,
+# heartbeats every ~0.5 s, offers): far more than a healthy learner gets ahead.
+MAX_SLOT_LEAD = 64
 
 
 @dataclasses.dataclass
@@ -67,10 +84,13 @@ class Syncer:
         num_learners: int,
         fragments: list[int] | None = None,
         record: Callable[[dict], None] | None = None,
+        epoch: int = 0,
     ):
         self.cfg, self.plan, self.num_learners = cfg, plan, num_learners
+        self.epoch = epoch  # this life of the syncer (a restored syncer gets a new one)
         self.owned = list(range(plan.num_fragments)) if fragments is None else list(fragments)
-        self.record = record or (lambda r: None)
+        self._emit = record or (lambda r: None)
+        self.log_position = 0  # records emitted (merges and events), across restores
         parts = plan.split({k: np.asarray(v, np.float32) for k, v in params.items()})
         self.theta = {p: {k: v.copy() for k, v in parts[p].items()} for p in self.owned}
         self.outer = {
@@ -93,6 +113,11 @@ class Syncer:
         self._sizes = {p: sum(v.size for v in self.theta[p].values()) for p in self.owned}
         self._total = sum(int(np.size(v)) for v in params.values())
 
+    def record(self, rec: dict) -> None:
+        """Emits one merge / event record (the runtime writes it to merges or events.jsonl)."""
+        self.log_position += 1
+        self._emit(rec)
+
     # --- liveness --------------------------------------------------------------------
     def live(self, now: float) -> list[int]:
         return sorted(
@@ -101,9 +126,11 @@ class Syncer:
             if info.joined and now - info.last_seen <= self.cfg.heartbeat_timeout
         )
 
-    def register(self, m: int, incarnation: int, joined: bool, now: float) -> None:
+    def register(self, m: int, incarnation: int, joined: bool, now: float, step: int = 0) -> None:
         """Restores a registry entry (after the syncer itself was restored)."""
-        self.learners[m] = LearnerInfo(incarnation=incarnation, last_seen=now, joined=joined)
+        self.learners[m] = LearnerInfo(
+            incarnation=incarnation, last_seen=now, joined=joined, step=step
+        )
 
     def _touch(self, m: int, incarnation: int, now: float) -> LearnerInfo:
         info = self.learners.setdefault(m, LearnerInfo())
@@ -117,8 +144,14 @@ class Syncer:
             if not 0 <= msg.learner < self.num_learners:
                 self._reject(None, f"join from unknown learner {msg.learner}", now, msg.learner)
                 return []
+            known = self.learners.get(msg.learner)
+            if known is not None and msg.incarnation < known.incarnation:
+                # A delayed Join of an earlier life must not roll the registry back.
+                self._reject(None, f"join from old incarnation {msg.incarnation}", now, msg.learner)
+                return []
             info = self._touch(msg.learner, msg.incarnation, now)
             info.incarnation, info.joined = msg.incarnation, True
+            info.step = max(info.step, int(msg.step))
             for p in self.owned:  # offers of an earlier life are void
                 self.pending[p].pop(msg.learner, None)
                 self.merged_into[p].pop(msg.learner, None)
@@ -143,10 +176,10 @@ class Syncer:
             if stale_registry and 0 <= msg.learner < self.num_learners:
                 # A live learner in a life this syncer never saw: its registry comes from a
                 # checkpoint older than the learner's (re)join, so treat it as that join.
-                return self.handle(Join(msg.learner, msg.incarnation, msg.time), now)
+                return self.handle(Join(msg.learner, msg.incarnation, msg.time, msg.step), now)
             if info is not None and info.incarnation == msg.incarnation:
                 self._touch(msg.learner, msg.incarnation, now)
-                info.step = msg.step
+                info.step = max(info.step, int(msg.step))
                 if msg.step_seconds > 0:
                     self.xi_step.update(msg.step_seconds)
             return []
@@ -170,12 +203,32 @@ class Syncer:
     def _accept(self, offer: Offer, now: float) -> None:
         self.stats["offers"] += 1
         self.stats["bytes_in"] += offer.nbytes
-        reason, decoded = self._validate(offer)
+        reason = self._check_sender(offer)
         if reason:
             self._reject(offer, reason, now)
             return
-        self._touch(offer.learner, offer.incarnation, now)
         p = offer.fragment
+        if offer.epoch != self.epoch:
+            # Made before this syncer life's snapshot reached the learner: its base version
+            # belongs to a lost life. Not a bad offer; the learner re-anchored on the
+            # snapshot and its next offer carries the same work.
+            self.record(
+                {
+                    "event": "drop_offer",
+                    "learner": offer.learner,
+                    "fragment": p,
+                    "reason": f"epoch {offer.epoch}: made before the syncer restore",
+                    "step": offer.step,
+                    "time": now,
+                }
+            )
+            return
+        reason, decoded = self._check_content(offer)
+        if reason:
+            self._reject(offer, reason, now)
+            return
+        info = self._touch(offer.learner, offer.incarnation, now)
+        info.step = max(info.step, offer.step)
         done = self.merged_into[p].get(offer.learner) if self.cfg.drop_superseded else None
         if done is not None and done[0] == offer.incarnation and offer.base_version < done[1]:
             self.record(
@@ -199,22 +252,43 @@ class Syncer:
             offer.work_steps += old[0].work_steps
         self.pending[p][offer.learner] = (offer, *decoded)  # newer replaces older
 
-    def _validate(self, offer: Offer) -> tuple[str, tuple[dict, dict] | None]:
-        """Returns (reason, (decoded outer gradient, its per-leaf ‖v‖²)); reason "" if good."""
+    def _check_sender(self, offer: Offer) -> str:
+        """Why an offer's envelope is bad (its learner, life and fragment); "" if good."""
+        for field in _INTEGER_FIELDS:
+            v = getattr(offer, field, None)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                return f"{field} must be an integer, got {v!r}"
         info = self.learners.get(offer.learner)
         if not 0 <= offer.learner < self.num_learners or info is None or not info.joined:
-            return f"unknown learner {offer.learner}", None
+            return f"unknown learner {offer.learner}"
         if offer.incarnation != info.incarnation:
-            return f"incarnation {offer.incarnation} != current {info.incarnation}", None
+            return f"incarnation {offer.incarnation} != current {info.incarnation}"
         if offer.fragment not in self.version:
-            return f"fragment {offer.fragment} is not owned by this syncer", None
+            return f"fragment {offer.fragment} is not owned by this syncer"
+        return ""
+
+    def _check_content(self, offer: Offer) -> tuple[str, tuple[dict, dict] | None]:
+        """Returns (reason, (decoded outer gradient, its per-leaf ‖v‖²)); reason "" if good.
+
+        Versions, counters, step and payload of an offer whose sender checks passed.
+        """
+        info = self.learners[offer.learner]
         version = self.version[offer.fragment]
         if offer.base_version > version:
             return f"base version {offer.base_version} is from the future (now {version})", None
         if version - offer.base_version > self.cfg.max_staleness:
             return f"stale: base {offer.base_version}, now {version}", None
-        if offer.c_steps < 0 or offer.c_tokens < 0:
-            return "negative counters", None
+        if not 0 <= offer.c_steps <= offer.step or not 0 <= offer.c_tokens <= _MAX_TOKENS:
+            return (
+                f"counters out of range: c_steps={offer.c_steps} (step {offer.step}), "
+                f"c_tokens={offer.c_tokens}"
+            ), None
+        if offer.work_steps < 0:
+            return f"negative work_steps {offer.work_steps}", None
+        # A step far beyond what the learner last reported would push the fragment's
+        # schedule slot ahead and starve later rounds of fresh offers.
+        if offer.step > info.step + self.plan.sync_every * MAX_SLOT_LEAD:
+            return f"step {offer.step} is from the future (learner reported {info.step})", None
         try:
             arrays = compression.decode(offer.payload)
         except Exception as e:  # a malformed payload is a rejection, never a crash
@@ -355,6 +429,7 @@ class Syncer:
             payload.nbytes(),
             steps=tuple(o.step for o, _ in kept),
             incarnations=tuple(o.incarnation for o, _ in kept),
+            epoch=self.epoch,
         )
         for o, _ in kept:
             self.merged_into[p][o.learner] = (o.incarnation, version + 1)
@@ -375,6 +450,7 @@ class Syncer:
                 "event": "merge",
                 "fragment": p,
                 "version": version + 1,
+                "epoch": self.epoch,
                 "learners": list(learners),
                 "weights": [float(x) for x in w / w.sum()],
                 "base_versions": [o.base_version for o, _ in kept],
@@ -402,7 +478,7 @@ class Syncer:
 
     def snapshot(self, now: float) -> Snapshot:
         params = {k: v.copy() for p in self.owned for k, v in self.theta[p].items()}
-        return Snapshot(dict(self.version), params, now)
+        return Snapshot(dict(self.version), params, now, epoch=self.epoch)
 
     def global_params(self) -> dict[str, np.ndarray]:
         """The live Θ arrays (merges update them in place): copy to keep a version."""

@@ -6,6 +6,7 @@ same orbax layout: Θ, outer momenta and versions as arrays; the fragment plan, 
 registry and the counters as JSON.
 """
 
+import secrets
 import threading
 from collections.abc import Callable
 
@@ -65,6 +66,12 @@ def serve_turn(
         link.send(m, msg)
 
 
+def _saved_key(syncer: Syncer) -> tuple:
+    """What a checkpoint must hold; a save is skipped while it has not changed."""
+    registry = tuple(sorted((m, i.incarnation, i.joined) for m, i in syncer.learners.items()))
+    return tuple(sorted(syncer.version.items())), registry
+
+
 def save_syncer(
     syncer: Syncer,
     ckpt: Checkpointer,
@@ -72,29 +79,46 @@ def save_syncer(
     lock: threading.Lock,
     wait: bool = False,
 ) -> None:
-    """Saves Θ, momenta, versions and the registry, unless this version set is saved already.
+    """Saves Θ, momenta, versions, the registry and the event-log position, unless neither
+    the versions nor the registry changed since the last save.
 
     The arrays are copied under `lock` (merges update them in place), then written outside it.
     """
     with lock:
+        key = _saved_key(syncer)
+        if key == getattr(ckpt, "syncer_key", None):
+            return
         state = jax.tree.map(np.copy, syncer.state_dict())
         meta = {
             "plan": plan.to_json(),
-            "learners": {str(m): [i.incarnation, i.joined] for m, i in syncer.learners.items()},
+            "learners": {
+                str(m): [i.incarnation, i.joined, i.step] for m, i in syncer.learners.items()
+            },
             "stats": dict(syncer.stats),
+            # Records (merges.jsonl / events.jsonl lines) this shard had emitted: those
+            # after it belong to merges a restore rolls back.
+            "log_position": syncer.log_position,
         }
-        step = sum(syncer.version.values())
-    if ckpt.latest_step() != step:
-        ckpt.save(step, state, meta, wait=wait)
+    ckpt.save((ckpt.latest_step() or 0) + 1, state, meta, wait=wait)
+    ckpt.syncer_key = key
+
+
+def new_epoch() -> int:
+    """A fresh syncer life's epoch: unique with overwhelming probability, never 0."""
+    return 1 + secrets.randbelow(2**62)
 
 
 def restore_syncer(syncer: Syncer, ckpt: Checkpointer, now: float) -> bool:
-    """Loads the latest checkpoint into a freshly built `syncer` (Θ, momenta, versions and
-    the learner registry, every entry seen at `now`). False when there is none."""
+    """Starts a new life of a freshly built `syncer`: a new epoch, then the latest
+    checkpoint (Θ, momenta, versions, the learner registry with every entry seen at `now`,
+    and the event-log position). False when there is no checkpoint."""
+    syncer.epoch = new_epoch()
     if ckpt.latest_step() is None:
         return False
     state, meta = ckpt.restore(jax.tree.map(np.asarray, syncer.state_dict()))
     syncer.load_state_dict(state)
-    for m, (inc, joined) in meta["learners"].items():
-        syncer.register(int(m), inc, joined, now)
+    for m, (inc, joined, *step) in meta["learners"].items():
+        syncer.register(int(m), inc, joined, now, *step)
+    syncer.log_position = int(meta.get("log_position", 0))
+    ckpt.syncer_key = _saved_key(syncer)
     return True
