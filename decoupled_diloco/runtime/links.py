@@ -1,11 +1,14 @@
 """In-process transport: queues between learner threads and syncer threads.
 
 Every learner has one sender thread that turns offers into wire payloads (device→host,
-outer gradient, compression) in FIFO order with its other messages, and sleeps for the
-fault schedule's link latency and bandwidth, so a slow link delays that learner's offers
-but never its training.
+outer gradient, compression) in FIFO order with its other messages. Links follow the fault
+schedule: a message occupies its link for bytes / bandwidth (messages queue behind each
+other) and then arrives one latency later (messages in flight overlap, as on a real
+network), so a slow link delays that learner's offers but never its training.
 """
 
+import heapq
+import itertools
 import queue
 import threading
 import time
@@ -26,6 +29,61 @@ def _drain(q: queue.Queue, timeout: float) -> list:
     return out
 
 
+class _InFlight:
+    """Messages on the wire: each is put into its destination queue at its arrival time.
+
+    One daemon thread; arrivals in time order, ties in send order. Per link, arrival times
+    never decrease (`Link.send`), so a link delivers in order.
+    """
+
+    def __init__(self):
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def put(self, at: float, dest: queue.Queue | threading.Event, msg=None) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (at, next(self._seq), dest, msg))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="in-flight")
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cv.wait(wait)
+                _, _, dest, msg = heapq.heappop(self._heap)
+            if isinstance(dest, threading.Event):
+                dest.set()
+            else:
+                dest.put(msg)
+
+
+class Link:
+    """One direction of one learner's link: serialisation at the bandwidth, then latency.
+
+    `seconds(nbytes)` is the fault schedule's latency + 8·nbytes / bandwidth; the latency is
+    its value at 0 bytes.
+    """
+
+    def __init__(self, seconds: Callable[[int], float]):
+        self._seconds = seconds
+        self._free_at = 0.0  # when the link has finished serialising what it was given
+        self._last_arrival = 0.0
+
+    def send(self, nbytes: int, now: float) -> tuple[float, float]:
+        """(when the link has sent it, when it arrives) for `nbytes` handed over at `now`."""
+        latency = self._seconds(0)
+        start = max(now, self._free_at)
+        self._free_at = start + max(self._seconds(nbytes) - latency, 0.0)
+        self._last_arrival = max(self._free_at + latency, self._last_arrival)
+        return self._free_at, self._last_arrival
+
+
 class LocalLearnerLink(LearnerLink):
     def __init__(
         self,
@@ -38,7 +96,10 @@ class LocalLearnerLink(LearnerLink):
     ):
         self.learner, self.inbox = learner, queue.Queue()
         self._syncers, self._shard_of = syncer_inboxes, shard_of_fragment
-        self._compression, self._link_seconds, self._on_sent = compression, link_seconds, on_sent
+        self._compression, self._on_sent = compression, on_sent
+        self._link = Link(link_seconds)
+        self._slow = link_seconds(0) > 0 or link_seconds(1 << 20) > 0
+        self._in_flight = _InFlight()
         self._outbox: queue.Queue = queue.Queue()
         self._thread = threading.Thread(
             target=self._send_loop, daemon=True, name=f"learner{learner}-sender"
@@ -64,20 +125,26 @@ class LocalLearnerLink(LearnerLink):
     def _send_loop(self) -> None:
         while True:
             msg = self._outbox.get()
-            if isinstance(msg, threading.Event):
-                msg.set()
+            if isinstance(msg, threading.Event):  # flush: set once all before it arrived
+                self._deliver(msg, None, 0)
                 continue
             if isinstance(msg, Offer):
                 msg.payload = msg.payload.materialize(self._compression)
                 msg.nbytes = msg.payload.nbytes()
-                delay = self._link_seconds(msg.nbytes)
-                if delay > 0:
-                    time.sleep(delay)
-                self._syncers[self._shard_of(msg.fragment)].put(msg)
+                self._deliver(self._syncers[self._shard_of(msg.fragment)], msg, msg.nbytes)
                 self._on_sent(msg)
             else:  # joins, leaves and heartbeats go to every syncer shard
                 for q in self._syncers:
-                    q.put(msg)
+                    self._deliver(q, msg, 0)
+
+    def _deliver(self, dest, msg, nbytes: int) -> None:
+        if not self._slow:
+            dest.set() if isinstance(dest, threading.Event) else dest.put(msg)
+            return
+        now = time.monotonic()
+        sent, arrives = self._link.send(nbytes, now)
+        time.sleep(max(sent - now, 0.0))  # the uplink is busy until the bytes are out
+        self._in_flight.put(arrives, dest, msg)
 
 
 class LocalSyncerLink(SyncerLink):
@@ -88,6 +155,8 @@ class LocalSyncerLink(SyncerLink):
         reply_seconds: Callable[[int, int], float] = lambda m, nbytes: 0.0,
     ):
         self.inbox, self._learners, self._reply_seconds = inbox, learner_inboxes, reply_seconds
+        self._links: dict[int, Link] = {}  # per learner: the syncer's downlink to it
+        self._in_flight = _InFlight()
 
     def receive(self, timeout: float) -> list:
         return _drain(self.inbox, timeout)
@@ -96,8 +165,11 @@ class LocalSyncerLink(SyncerLink):
         q = self._learners.get(learner)
         if q is None:
             return
-        delay = self._reply_seconds(learner, getattr(msg, "nbytes", 0))
-        if delay > 0:
-            threading.Timer(delay, q.put, (msg,)).start()
-        else:
+        nbytes = getattr(msg, "nbytes", 0)
+        if self._reply_seconds(learner, nbytes) <= 0:
             q.put(msg)
+            return
+        link = self._links.get(learner)
+        if link is None:
+            link = self._links[learner] = Link(lambda n, m=learner: self._reply_seconds(m, n))
+        self._in_flight.put(link.send(nbytes, time.monotonic())[1], q, msg)

@@ -1,0 +1,60 @@
+"""The in-process links: in-order delivery, pipelined latency, serialised bandwidth."""
+
+import queue
+import time
+
+from decoupled_diloco.diloco.messages import Heartbeat, Merged
+from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
+
+
+class _Stamped(queue.Queue):
+    """A queue that remembers when each item was put."""
+
+    def put(self, item, block=True, timeout=None):
+        super().put((item, time.monotonic()), block, timeout)
+
+
+def _arrivals(q: _Stamped, n: int, t0: float, timeout: float = 5.0) -> list:
+    out = []
+    for _ in range(n):
+        msg, at = q.get(timeout=timeout)
+        out.append((msg, at - t0))
+    return out
+
+
+def test_latency_overlaps_messages_in_flight_and_keeps_their_order():
+    syncer_q = _Stamped()
+    link = LocalLearnerLink(0, [syncer_q], lambda p: 0, "none", link_seconds=lambda n: 0.3)
+    t0 = time.monotonic()
+    for step in range(5):
+        link.send(Heartbeat(0, 0, step, 0.1, 0.0))
+    got = _arrivals(syncer_q, 5, t0)
+    assert [m.step for m, _ in got] == list(range(5))
+    # One latency for all of them (a serial link would take 5 x 0.3 s).
+    assert all(0.25 <= t < 0.9 for _, t in got), got
+    link.flush()  # returns once everything sent before it has arrived
+    assert syncer_q.empty()
+
+
+def test_bandwidth_serialises_replies_per_learner_and_latency_adds_once():
+    inboxes = {0: _Stamped(), 1: _Stamped()}
+    # 0.1 s latency; 10 kB/s, so a 2 kB reply occupies the downlink for 0.2 s.
+    link = LocalSyncerLink(queue.Queue(), inboxes, lambda m, n: 0.1 + n / 10_000)
+    t0 = time.monotonic()
+    for v in range(3):
+        link.send(0, Merged(0, v, None, (0,), 0.0, nbytes=2_000))
+    link.send(1, Merged(0, 0, None, (0,), 0.0, nbytes=2_000))  # its own downlink
+    got = _arrivals(inboxes[0], 3, t0)
+    assert [m.version for m, _ in got] == [0, 1, 2]
+    for (_, t), expected in zip(got, (0.3, 0.5, 0.7), strict=True):
+        assert expected - 0.05 <= t <= expected + 0.3, got
+    ((_, t1),) = _arrivals(inboxes[1], 1, t0)
+    assert t1 < 0.45  # not queued behind learner 0's replies
+
+
+def test_unlimited_links_deliver_at_once():
+    inboxes = {0: queue.Queue()}
+    link = LocalSyncerLink(queue.Queue(), inboxes)
+    link.send(0, Merged(0, 1, None, (0,), 0.0, nbytes=10**9))
+    assert inboxes[0].get_nowait().version == 1
+    link.send(5, Merged(0, 1, None, (0,), 0.0))  # a learner without an inbox: dropped
