@@ -26,5 +26,7 @@ setuptools.setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "ray[default]>=2.30"],
         "ray": ["ray[default]>=2.30"],
+        # data.tokenizer = "sentencepiece" (trained locally on the corpus; TPU configs use it)
+        "spm": ["sentencepiece>=0.2"],
     },
 )

@@ -1,28 +1,32 @@
 """orbax checkpoints of learners and the syncer.
 
-Layout under `<workdir>/checkpoints/`: `learner_<m>/<step>/` holds a learner's TrainState,
-its host-side DiLoCo bookkeeping (counters, base versions, anchors) and its data-iterator
-position; `syncer/<n>/` holds Θ, outer momenta, versions, the fragment plan and the
-syncer's counters. Restores go straight onto the target shardings.
+Layout under `<workdir>/checkpoints/`: `learner_<m>/<step>/` holds a learner's TrainState
+(parameters, AdamW state, step), its data-iterator position and incarnation; its DiLoCo
+bookkeeping is not saved, because a learner restarting against a syncer re-anchors on the
+syncer's snapshot (its counters restart). `syncer_<s>/<n>/` holds shard s's Θ, outer
+momenta, versions and schedule slots, plus the fragment plan, the learner registry, its
+counters and its event-log position. Restores go straight onto the target shardings.
 """
 
 import os
 import threading
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
-# orbax's save machinery is not safe when several managers in one process save from
-# different threads at once (seen as missing tmp-dir metadata), so saves are synchronous
-# and serialised in-process. Learners in separate processes (Ray) do not share this lock.
-_SAVE_LOCK = threading.Lock()
+# Saves are synchronous: orbax's asynchronous saves from several threads of one process
+# (learners of the local runtime) fail or deadlock (measured with orbax-checkpoint 0.12.8:
+# "Directory not empty", timeouts waiting for step-directory signals), while synchronous
+# saves of separate managers from separate threads are safe, so they need no shared lock
+# and one learner's save never stalls another learner or the syncer. A manager is used by
+# one thread at a time (its owner), guarded by its own lock.
 
 
 class Checkpointer:
     """One orbax CheckpointManager: an array tree plus a JSON side-car per step."""
 
     def __init__(self, directory: str, max_to_keep: int = 2):
+        self._lock = threading.Lock()
         # Remote paths (gs://..., for multi-node Ray runs) go to orbax as they are.
         self.manager = ocp.CheckpointManager(
             directory if "://" in directory else os.path.abspath(directory),
@@ -35,8 +39,8 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, arrays: Any, meta: dict, wait: bool = True) -> None:
-        del wait  # saves are synchronous (see _SAVE_LOCK)
-        with _SAVE_LOCK:
+        del wait  # saves are synchronous (see the note at the top of this module)
+        with self._lock:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -49,7 +53,7 @@ class Checkpointer:
     def restore(self, abstract_arrays: Any, step: int | None = None) -> tuple[Any, dict]:
         """`abstract_arrays`: a tree of ShapeDtypeStruct (with .sharding) or numpy arrays."""
         step = self.latest_step() if step is None else step
-        with _SAVE_LOCK:
+        with self._lock:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
@@ -61,13 +65,3 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def abstract_like(tree: Any) -> Any:
-    """ShapeDtypeStructs (keeping shardings of jax arrays) for restoring `tree`'s structure."""
-
-    def one(x):
-        sharding = getattr(x, "sharding", None)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree.map(one, tree)

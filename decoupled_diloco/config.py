@@ -259,6 +259,11 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     if m < 1:
         raise ValueError(f"diloco.learners must be >= 1, got {m}")
     n_dev = jax.device_count()
+    if not 0 <= c.devices_per_learner <= n_dev:
+        raise ValueError(
+            f"devices_per_learner must be in [0, {n_dev}] (0 = all devices / learners), "
+            f"got {c.devices_per_learner}"
+        )
     per = c.devices_per_learner or n_dev // m
     if per < 1:
         raise ValueError(

@@ -30,6 +30,22 @@ class JsonlWriter:
             self._f.write(line + "\n")
             self._f.flush()
 
+    def retain(self, keep) -> int:
+        """Drops the lines whose record fails `keep(record)` (e.g. steps a resumed run will
+        redo); returns how many were dropped."""
+        with self._lock:
+            self._f.close()
+            path = self._f.name
+            with open(path, encoding="utf-8") as f:
+                lines = [line for line in f if line.strip()]
+            kept = [line for line in lines if keep(json.loads(line))]
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, path)
+            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        return len(lines) - len(kept)
+
     def close(self) -> None:
         with self._lock:
             self._f.close()

@@ -184,6 +184,7 @@ def test_decoupled_goodput_beats_data_parallel_under_the_same_crash(learner_cras
 
 def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path):
     c = tiny_config(syncer_crashes=[SYNCER_CRASH_AT], syncer_restart_delay_s=SYNCER_DELAY)
+    c.train.eval_every = 5  # Θ is evaluated while the syncer is down too: deferred, no crash
     out = run(c, tmp_path, until=at(26.0))
     assert_training_before(out, SYNCER_CRASH_AT - 5.0)  # a checkpoint after training began
     events, merges = out["events"], out["merges"]
@@ -215,8 +216,25 @@ def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path
         expected = len(t) / (t[-1] - t[0]) * (restore["time"] - crash["time"])
         assert down.sum() >= max(2, 0.3 * expected), f"learner {m} stalled without the syncer"
 
+    # The restored syncer is a new life: its versions re-use numbers of the lost one, so its
+    # merges carry a new epoch, and offers anchored on the lost life are dropped, not
+    # merged and not counted as bad offers.
+    assert restore["epoch"] not in {r["epoch"] for r in before}
+    assert all(r["epoch"] == restore["epoch"] for r in merges if r["time"] > restore["time"])
+    # Its log position counts the records the syncer had emitted by its checkpoint.
+    syncer_events = [
+        e
+        for e in events
+        if e["event"] in ("join", "leave", "reject", "drop_offer") and e["time"] < crash["time"]
+    ]
+    assert len(only(events, "join")) < restore["log_position"] <= len(before) + len(syncer_events)
+    # Evaluations of Θ went on around the outage (none while Θ was partly gone).
+    evals = [r["time"] for r in out["metrics"] if r["learner"] == "global"]
+    assert any(t < crash["time"] for t in evals) and any(t > restore["time"] for t in evals)
+
     s = out["summary"]
     assert s["failures"] == 1 and s["restarts"] == 1
+    assert s["rejected_offers"] == 0
     assert os.path.isdir(os.path.join(tmp_path, "checkpoints", "syncer_0"))
     assert np.isfinite(s["final_eval_loss"])
 

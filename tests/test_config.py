@@ -54,6 +54,8 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"runtime": "slurm"}, "runtime"),
         ({"data.source": "nowhere"}, "data.source"),
         ({"train.steps": 0}, "train.steps"),
+        ({"devices_per_learner": 9}, "devices_per_learner"),
+        ({"devices_per_learner": -1}, "devices_per_learner"),
     ],
 )
 def test_bad_configs_fail_at_start_up_naming_the_key(small_config, overrides, key):

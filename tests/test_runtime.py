@@ -58,6 +58,10 @@ def test_kill_and_resume_matches_an_uninterrupted_run(small_config, tmp_path):
     assert meta_a["data"] == meta_b["data"]
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # The redone steps 5-6 are logged once: metrics.jsonl reads like the uninterrupted run's.
+    with open(tmp_path / "killed" / "metrics.jsonl", encoding="utf-8") as f:
+        steps = [r["step"] for r in map(json.loads, f) if r["learner"] == 0]
+    assert steps == list(range(1, 11))
 
 
 def test_diloco_with_one_learner_h1_lr1_matches_plain_training(small_config, tmp_path):

@@ -133,7 +133,7 @@ class Learner:
             sharding.replicated(mesh), self.param_shardings, self.opt_shardings
         )
         self._train_step = jax.jit(
-            make_train_step(model_cfg, self.optimizer, schedule),
+            make_train_step(model_cfg, self.optimizer, schedule, mesh),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, sharding.replicated(mesh)),
             donate_argnums=0,
@@ -153,6 +153,7 @@ class Learner:
         self.c_tokens = [0] * nfrag
         self.w_steps = [0] * nfrag  # steps since the last offer of p (counted once each)
         self.base_version = [0] * nfrag
+        self.epoch = [0] * nfrag  # the syncer life of base_version (Snapshot.epoch)
         self.anchor: list[dict[str, np.ndarray]] = [{} for _ in range(nfrag)]
         self.offer_step: list[int | None] = [None] * nfrag
         self.arrived: list[Merged | None] = [None] * nfrag
@@ -190,6 +191,19 @@ class Learner:
             host = self.host_params()
             self.anchor = [{k: host[k] for k in names} for names in self.plan.names]
 
+    def abstract_state(self) -> TrainState:
+        """The TrainState's shapes, dtypes and shardings (what a checkpoint restores onto),
+        without allocating it."""
+        params = jax.eval_shape(lambda: models.init_params(self.model_cfg, jax.random.key(0)))
+        state = TrainState(
+            jax.ShapeDtypeStruct((), np.int32), params, jax.eval_shape(self.optimizer.init, params)
+        )
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            state,
+            self.state_shardings,
+        )
+
     def host_params(self) -> dict[str, np.ndarray]:
         return transfer.to_host(flatten_params(self.state.params))
 
@@ -206,22 +220,26 @@ class Learner:
             else:
                 self.init_from_rng(rng if rng is not None else jax.random.key(self.train_cfg.seed))
             return
-        self.link.send(Join(self.id, self.incarnation, self.clock()))
+        self.link.send(Join(self.id, self.incarnation, self.clock(), self.step))
         deadline = self.clock() + self.cfg.join_timeout
-        params, versions = {}, {}
-        while len(versions) < self.plan.num_fragments:
+        snapshots, merged, covered = [], [], set()
+        while len(covered) < self.plan.num_fragments:
             if self.clock() > deadline:
                 raise TimeoutError(f"learner {self.id}: no snapshot from the syncer")
             for msg in self.link.receive(timeout=0.5):
                 if isinstance(msg, Snapshot):
-                    params.update(msg.params)
-                    versions.update(msg.versions)
-        snap = Snapshot(versions, params, self.clock())
+                    snapshots.append(msg)
+                    covered.update(msg.versions)
+                elif isinstance(msg, Merged):  # a merge that overtook a shard's snapshot
+                    merged.append(msg)
         if restored is not None:
             self.state = restored
         else:
+            params = {}
+            for snap in snapshots:  # one per syncer shard
+                params.update(snap.params)
             self.init_from_host(params)
-        self._resync(snap)
+        self._handle(snapshots + merged)
 
     def run_step(self) -> dict[str, float]:
         """One inner step and its step boundary. Returns host metrics of the step."""
@@ -256,10 +274,17 @@ class Learner:
             self.link.send(Heartbeat(self.id, self.incarnation, self.step, self.step_seconds, now))
 
     def _receive(self, timeout: float) -> None:
-        for msg in self.link.receive(timeout=timeout):
+        self._handle(self.link.receive(timeout=timeout))
+
+    def _handle(self, msgs: list) -> None:
+        for msg in msgs:
             if isinstance(msg, Snapshot):
                 self._resync(msg)
-            if isinstance(msg, Merged) and msg.version > self.base_version[msg.fragment]:
+            if (
+                isinstance(msg, Merged)
+                and msg.epoch == self.epoch[msg.fragment]  # not from a lost syncer life
+                and msg.version > self.base_version[msg.fragment]
+            ):
                 p = msg.fragment
                 old = self.arrived[p]
                 if old is None or msg.version > old.version:
@@ -284,9 +309,12 @@ class Learner:
         """
         for p, version in snap.versions.items():
             self.base_version[p] = int(version)
+            self.epoch[p] = snap.epoch
             self.anchor[p] = {k: snap.params[k] for k in self.plan.names[p]}
             self.arrived[p] = self.merged_in[p] = self.offer_step[p] = None
             self.sent[p] = {}  # a restored syncer holds no offers of ours
+        # Tell the syncer our step at once: it bounds how far ahead our next offer may be.
+        self._last_heartbeat = -math.inf
 
     def crash(self) -> None:
         """Loses everything the failed slice held: device state and unsent messages."""
@@ -412,6 +440,7 @@ class Learner:
                 time=self.clock(),
                 work_steps=self.w_steps[p],
                 payload=payload,
+                epoch=self.epoch[p],
             )
         )
         self.w_steps[p] = 0

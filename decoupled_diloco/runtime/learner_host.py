@@ -7,10 +7,8 @@ same metrics.jsonl rows.
 
 import time
 
-import jax
-
 from decoupled_diloco import faults
-from decoupled_diloco.checkpoint import Checkpointer, abstract_like
+from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.diloco.learner import Learner
 
 _MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
@@ -36,10 +34,8 @@ def restore_learner(learner: Learner, ckpt: Checkpointer, initial_data_state: di
         learner.step = 0
         learner.data.set_state(initial_data_state)
         return None
-    learner.init_from_rng(jax.random.key(0))  # shapes + shardings to restore onto
-    state, meta = ckpt.restore(abstract_like(learner.state))
+    state, meta = ckpt.restore(learner.abstract_state())
     _set_position(learner, meta)
-    learner.state = None
     return state
 
 

@@ -188,6 +188,10 @@ class LocalRuntime:
                     "event": "syncer_restore",
                     "shard": shard,
                     "versions": syncer.version,
+                    "epoch": syncer.epoch,
+                    # merges.jsonl / events.jsonl records of this shard after this many
+                    # were rolled back (merges the lost life made after its checkpoint)
+                    "log_position": syncer.log_position,
                     "time": self.now(),
                 }
             )
@@ -298,15 +302,15 @@ class LocalRuntime:
 
     def _log_step(self, m: int, learner: Learner, metrics: dict) -> None:
         run = self.run_cfg
-        if learner.step % run.train.log_every and learner.step != run.train.steps:
+        every = run.train.eval_every
+        # A learner without a syncer is the model: it is evaluated here (otherwise the main
+        # thread evaluates Θ), on its own schedule, whatever log_every is.
+        evaluate = not run.uses_syncer and every and learner.step % every == 0
+        if learner.step % run.train.log_every and learner.step != run.train.steps and not evaluate:
             return
         now = self.now()
         rec = learner_host.step_record(m, learner, metrics, self._rate(m, learner, now), now)
-        if (
-            not run.uses_syncer
-            and run.train.eval_every
-            and (learner.step % run.train.eval_every == 0)
-        ):
+        if evaluate:
             t0 = time.perf_counter()
             rec["eval_loss"] = self.evaluator(learner.state.params)
             # Evaluation is not training (Decoupled runs evaluate Θ off the learners).
@@ -343,9 +347,17 @@ class LocalRuntime:
         ]
         restored = self._restore_learners()
         resumed = any(r is not None for r in restored)
-        if resumed and self.verbose:
+        if resumed:
             steps = [lr.step for lr in self.learners]
-            print(f"resuming from checkpoints at learner steps {steps}", flush=True)
+            # Rows of steps after the checkpoints are redone (and logged again) now.
+            self.metrics.retain(
+                lambda r: (
+                    r.get("step", 0)
+                    <= (max(steps) if r["learner"] == "global" else steps[r["learner"]])
+                )
+            )
+            if self.verbose:
+                print(f"resuming from checkpoints at learner steps {steps}", flush=True)
         self.progress = Progress(run.train.steps)
         self.t0 = time.monotonic()
         threads = []
@@ -406,8 +418,11 @@ class LocalRuntime:
                 continue
             lead = max(lr.step for lr in self.learners)
             if lead >= next_eval and lead < run.train.steps:
+                params = self.global_params()
+                if params is None:  # a syncer shard is down: evaluate Θ once it is back
+                    continue
                 next_eval += run.train.eval_every
-                loss = self.evaluator(self.global_params())
+                loss = self.evaluator(params)
                 self.metrics.write(
                     {
                         "learner": "global",
@@ -419,14 +434,16 @@ class LocalRuntime:
                     }
                 )
 
-    def global_params(self) -> dict:
+    def global_params(self) -> dict | None:
+        """A copy of Θ (all fragments); None while a syncer shard is down (Θ is partial)."""
         if not self.run_cfg.uses_syncer:
             return self.learners[0].host_params()
         out = {}
         with self.syncer_lock:
             for s in self.syncers:
-                if s is not None:
-                    out.update({k: v.copy() for k, v in s.global_params().items()})
+                if s is None:
+                    return None
+                out.update({k: v.copy() for k, v in s.global_params().items()})
         return out
 
     def total_tokens(self) -> int:
