@@ -1,10 +1,11 @@
 r"""Experiment 9 — cross-region: learners behind slow, high-latency links; wall time, bandwidth.
 
-    python experiments/cross_region.py                # 300 steps, seeds 0,1: ~40 min
-    python experiments/cross_region.py --quick        # 48 steps x batch 8, 1 seed: ~5 min
+    python experiments/cross_region.py                # 4 arms x seeds 0,1, 200 steps: ~12 min
+    python experiments/cross_region.py --quick        # 4 arms, 48 steps x batch 8, 1 seed: ~1.5 min
     python experiments/cross_region.py --step_s=1.0   # the step time of the bandwidth table
     python experiments/cross_region.py --scale=tpu    # TPU slices via Ray (not runnable here)
 
+Runtimes are for an idle 2-core machine (flags: experiments/harness.py).
 Measured arms: data-parallel (configs/tiny_dense_4x.py, M x the learners' batch per step),
 Decoupled DiLoCo with every learner next to the syncer, and configs/cross_region.py (2
 learners 150 ms / 10 Mbit/s away) in fp32 and int4. DP itself is run on one machine; its
@@ -24,32 +25,23 @@ from absl import app, flags
 
 harness.define_flags("experiments/results/cross_region", "0,1")
 flags.DEFINE_float("step_s", 1.0, "Step time (s) at which the bandwidth table is computed.")
-QUICK = harness.QUICK  # 48 steps, batch 8 per learner
 M = 4
 FAR_LATENCY_S, FAR_BPS = 0.15, 10e6  # configs/cross_region.py FAR
 PARAMS = {"tiny": (139_840, 12), "gemma_2b": (2_614_636_800, 24)}  # (N, H)
 WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int4": 0.5}
 
-FULL = {"train.eval_every": 50}
-
 
 def arms() -> list[harness.Arm]:
-    ev = {}
-    dp_batch = M * (16 if harness.is_full() else 8)  # M learners x their batch
+    learner_batch = (harness.FULL if harness.is_full() else harness.QUICK)["train.batch_size"]
+    near = {"faults.link_latency_s": [], "faults.link_bandwidth_bps": []}
     return [
-        harness.Arm("dp", "tiny_dense_4x", ev | {"train.batch_size": dp_batch}, "data-parallel"),
         harness.Arm(
-            "near",
-            "cross_region",
-            ev | {"faults.link_latency_s": [], "faults.link_bandwidth_bps": []},
-            "Decoupled, all near",
+            "dp", "tiny_dense_4x", {"train.batch_size": M * learner_batch}, "data-parallel"
         ),  # fmt: skip
-        harness.Arm("far", "cross_region", ev, "Decoupled, 2 far (fp32)"),
+        harness.Arm("near", "cross_region", near, "Decoupled, all near"),
+        harness.Arm("far", "cross_region", {}, "Decoupled, 2 far (fp32)"),
         harness.Arm(
-            "far_int4",
-            "cross_region",
-            ev | {"diloco.compression": "int4"},
-            "Decoupled, 2 far (int4)",
+            "far_int4", "cross_region", {"diloco.compression": "int4"}, "Decoupled, 2 far (int4)"
         ),  # fmt: skip
     ]
 
@@ -110,7 +102,7 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     out = harness.setup()
-    results = harness.run_arms(arms(), out, QUICK, FULL)
+    results = harness.run_arms(arms, out)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     harness.plot_curves(a, results, x="time")
     labels = ["DP fp32"] + [f"Decoupled {w}" for w in WIRE_BYTES]

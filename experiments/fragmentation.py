@@ -1,12 +1,14 @@
 r"""Experiment 7 — fragmentation: layer vs tensor vs balanced and P; quality and per-step bandwidth.
 
-    python experiments/fragmentation.py            # 6 arms, 300 steps, seeds 0,1: ~1 h
-    python experiments/fragmentation.py --quick    # 3 arms (P = 5), 48 steps, 1 seed: ~6 min
+    python experiments/fragmentation.py            # 4 arms x seeds 0,1, 200 steps: ~17 min
+    python experiments/fragmentation.py --quick    # 3 arms (P = 5), 48 steps, 1 seed: ~2 min
     python experiments/fragmentation.py --scale=tpu   # TPU slices via Ray (not runnable here)
 
+Runtimes are for an idle 2-core machine (flags: experiments/harness.py).
 configs/tiny_decoupled.py (M = 4, K = 1, H = 12) with a 4-block model (so that strided
-layer groups exist) and `diloco.fragment_strategy` in layer | tensor | balanced, P in
-{3, 5} (the embedding is always its own fragment). Bandwidth per learner step:
+layer groups exist) and `diloco.fragment_strategy` in layer | tensor | balanced at P = 5,
+plus (full mode) balanced at P = 10: the P axis (the embedding is always its own fragment).
+Bandwidth per learner step:
   plan      from the fragment plan: the fp32 bytes of the fragments due at each of the
             H step offsets (offer + reply, one learner); peak and mean over a period.
   measured  merges.jsonl bytes_in + bytes_out binned by wall time into windows of one
@@ -23,20 +25,15 @@ import numpy as np
 from absl import app
 
 harness.define_flags("experiments/results/fragmentation", "0,1")
-QUICK = harness.QUICK  # 48 steps, batch 8 per learner
 STRATEGIES = ("layer", "tensor", "balanced")
-
-FULL = {"train.eval_every": 50}
 
 
 def arms() -> list[harness.Arm]:
-    full = harness.is_full()
+    settings = [(s, 5) for s in STRATEGIES] + ([("balanced", 10)] if harness.is_full() else [])
     out = []
-    for p in (3, 5) if full else (5,):
-        for s in STRATEGIES:
-            over = {"model.num_layers": 4, "diloco.fragments": p}
-            over["diloco.fragment_strategy"] = s
-            out.append(harness.Arm(f"{s}_P{p}", "tiny_decoupled", over, f"{s}, P={p}"))
+    for s, p in settings:
+        over = {"model.num_layers": 4, "diloco.fragments": p, "diloco.fragment_strategy": s}
+        out.append(harness.Arm(f"{s}_P{p}", "tiny_decoupled", over, f"{s}, P={p}"))
     return out
 
 
@@ -48,8 +45,7 @@ def plan_bandwidth(r) -> tuple[float, float, list[float]]:
     from decoupled_diloco import models
     from decoupled_diloco.diloco.fragments import flatten_params, make_fragment_plan
 
-    c = harness.build_config(r.arm, r.seed, "cpu", harness.length_overrides(QUICK, FULL))
-    run = config_lib.validate(c)
+    run = config_lib.validate(r.config)  # the config the (possibly cached) run used
     shapes = flatten_params(
         jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
     )
@@ -118,7 +114,7 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     out = harness.setup()
-    results = harness.run_arms(arms(), out, QUICK, FULL)
+    results = harness.run_arms(arms, out)
     table, plans = markdown(results)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (name, per_step) in enumerate(plans.items()):

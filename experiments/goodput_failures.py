@@ -1,19 +1,26 @@
 r"""Experiment 10 — goodput under failures: simulator table beside CPU runs under chaos.
 
-    python experiments/goodput_failures.py            # simulator 5 seeds + 300-step runs: ~20 min
-    python experiments/goodput_failures.py --quick    # simulator --quick + 140-step runs: ~6 min
+    python experiments/goodput_failures.py            # simulator + 2 arms x seeds 0,1: ~14 min
+    python experiments/goodput_failures.py --quick    # simulator --quick + 2 runs: ~5 min
     python experiments/goodput_failures.py --scale=tpu   # TPU slices via Ray (not runnable here)
 
-Part 1 runs experiments/goodput_table.py (the simulator at 150k-2.4M chips) into
-<out>/simulator and includes its table. Part 2 runs configs/chaos_crashes.py (Decoupled
-DiLoCo M = 4, K = 1 and data-parallel; 64 chips of 20 min MTBF, the same seeded crashes)
-and sets each run's measured goodput beside the simulator's prediction for the very same
-FaultSpec (`simulate(..., fault_spec=spec)`), with the run's own step time, H, P, K,
-checkpoint interval and wall time as the simulator's timings. --quick uses the shorter,
-crashier settings of experiments/chaos_crashes.py --quick.
+Runtimes are for an idle 2-core machine (flags: experiments/harness.py).
+Part 1 runs experiments/goodput_table.py (the simulator at 150k-2.4M chips; --quick: its
+--quick) into <out>/simulator and includes its table. Part 2 runs configs/chaos_crashes.py
+(Decoupled DiLoCo M = 4 x batch 16, K = 1, and data-parallel at batch 64; the same seeded
+crashes hit both) and sets each run's measured goodput beside the simulator's prediction for
+the very same FaultSpec (`simulate(..., fault_spec=spec)`), with the run's own step time, H,
+P, K, checkpoint interval and wall time as the simulator's timings.
+  full     200 steps; 64 chips of 20 min MTBF (a crash every ~19 s), restarts after 6 s,
+           DP checkpoints every 50 steps; at most 300 s of wall time per run
+  --quick  140 steps; 64 chips of 8 min MTBF (a crash every ~7.5 s), restarts after 4 s,
+           DP checkpoints every 40 steps; at most 200 s per run
+The wall-clock cap (--budget_s overrides it) matters for DP: when crashes come faster than
+it gets from one checkpoint to the next, it redoes the same steps without end.
 Writes goodput_failures.{md,png,json} into --out.
 """
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -23,7 +30,8 @@ import numpy as np
 from absl import app
 
 harness.define_flags("experiments/results/goodput_failures", "0,1")
-# As experiments/chaos_crashes.py --quick: 64 chips of 8 min MTBF fail every ~7.5 s.
+# Lengths keep configs/chaos_crashes.py's batches (DP: 4x a learner's) and eval set.
+FULL = {"train.steps": 200, "train.warmup_steps": 20, "train.eval_every": 25}
 QUICK = {
     "train.steps": 140,
     "train.eval_every": 20,
@@ -31,7 +39,12 @@ QUICK = {
     "faults.chip_mtbf_hours": 8 / 60,
     "faults.restart_delay_s": 4.0,
 }
+BUDGET_S = {"full": 300.0, "quick": 200.0, "smoke": 60.0}  # wall-clock cap per run
 REJOIN_S = 2.0  # restore + first step of a restarted learner (s), taken as the sim's restore_s
+
+
+def budget_s() -> float:
+    return harness.flags.FLAGS.budget_s or BUDGET_S[harness.mode()]
 
 
 def arms() -> list[harness.Arm]:
@@ -52,7 +65,7 @@ def predicted(r) -> dict:
     from decoupled_diloco import faults
     from decoupled_diloco.simulator import SimParams, simulate
 
-    c = harness.build_config(r.arm, r.seed, "cpu", harness.length_overrides(QUICK))
+    c = r.config  # the config the (possibly cached) run used
     spec = faults.fault_spec_from_dict(c.faults.to_dict())
     step_s = step_seconds(r)
     m = c.diloco.learners
@@ -78,12 +91,16 @@ def simulator_table(out: pathlib.Path) -> str:
     cmd = [sys.executable, str(pathlib.Path(__file__).parent / "goodput_table.py"),
            f"--out={sim_out}"]  # fmt: skip
     FLAGS = harness.flags.FLAGS
-    if FLAGS.quick or FLAGS.smoke:
+    if not harness.is_full():
         cmd.append("--quick")
-    if not (sim_out / "goodput.md").exists() or FLAGS.fresh:
+    # Reuse the simulator's table only if it was made with these very arguments.
+    stamp, done = sim_out / "command.json", sim_out / "goodput.md"
+    same = stamp.exists() and json.loads(stamp.read_text()) == cmd[2:]
+    if not (done.exists() and same) or FLAGS.fresh:
         print("simulator:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return (sim_out / "goodput.md").read_text()
+        stamp.write_text(json.dumps(cmd[2:]))
+    return done.read_text()
 
 
 def markdown(results, sim_md: str) -> tuple[str, dict]:
@@ -102,15 +119,17 @@ def markdown(results, sim_md: str) -> tuple[str, dict]:
                 harness.fmt([x["failures"] for x in s], 0),
                 harness.fmt([x["failures"] for x in p], 0),
                 harness.fmt([x["final_eval_loss"] for x in s]),
+                harness.fmt([x["steps"] for x in s], 0) + f" / {runs[0].config.train.steps}",
                 harness.fmt([x["wall_seconds"] for x in s], 0),
             ]
         )
     header = ["arm", "goodput (%) measured", "goodput (%) simulator", "uptime (%) measured",
               "uptime (%) simulator", "failures", "failures (sim)", "final eval loss",
-              "wall (s)"]  # fmt: skip
+              "steps done / budget", "wall (s)"]  # fmt: skip
     md = (
         "## Simulator (experiments/goodput_table.py)\n\n" + sim_md
-        + f"\n## CPU runs under the chaos schedule ({harness.mode_note()})\n\n"
+        + f"\n## CPU runs under the chaos schedule ({harness.mode_note()}); a run stops at "
+        f"its step budget or after {budget_s():.0f} s of wall time, whichever comes first\n\n"
         + harness.table(header, body)
     )  # fmt: skip
     return md, preds
@@ -121,8 +140,8 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     out = harness.setup()
+    results = harness.run_arms(arms, out, QUICK, FULL, budget_s=BUDGET_S)
     sim_md = simulator_table(out)
-    results = harness.run_arms(arms(), out, QUICK)
     md, preds = markdown(results, sim_md)
     groups = harness.by_arm(results)
     names = [g[0].arm.label for g in groups.values()]

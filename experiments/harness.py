@@ -1,24 +1,40 @@
-"""Shared plumbing of the ablation scripts: flags, arms x seeds runs, tables and plots.
+"""Shared plumbing of the ablation scripts: flags, arms x seeds runs, progress and caching.
 
-An experiment is a list of *arms* (a label, a base config and dotted-key overrides) run over
+An experiment is a list of *arms* (a label, a configs/ file and dotted-key overrides) run over
 seeds. `run_arms` runs each (arm, seed) in this process, one after the other (each gets the
-whole machine), writing <out>/runs/<arm>_s<seed>/ and skipping runs whose summary.json is
-already there, so an interrupted experiment resumes where it stopped (--fresh reruns).
+whole machine), into <out>/runs/<arm>_s<seed>/, with a progress line per 10% of a run's steps
+(at most one per 3 s, at least one a minute). A finished run is reused only if its resolved
+config (and wall-clock budget) is the one the current flags would build: experiment.json in
+the run directory holds it and its hash, so --quick results never stand in for full ones and
+an edited arm reruns; --fresh reruns everything. An interrupted experiment resumes where it
+stopped.
 
-Scales: --scale=cpu (default) uses the tiny configs here; --scale=tpu swaps in the arm's TPU
-base config (configs/tpu_*.py, the Ray runtime, a slice per learner) and drops CPU-only
-overrides. TPU scale is wired but cannot run on this machine.
-Lengths: full (the script's own), --quick (minutes), --smoke (~6 steps, 1 seed, every arm
-validated but only the first and last run; for tests).
+Flags every script shares (define_flags); without --quick/--smoke a script runs its full
+mode (200 steps x batch 16 per learner unless it says otherwise, >= 2 seeds):
+  --quick       short runs (48 steps x batch 8 per learner), 1 seed unless --seeds: minutes
+  --smoke       ~6 steps, 1 seed; every arm validated, only the first and last run (all arms
+                named by --arms run): checks the plumbing, used by the tests
+  --seeds       full mode's seeds (>= 2 where noise matters); tables give mean ± sample std
+                (ddof = 1) over seeds
+  --scale=tpu   the family's TPU config plus each arm's ablation settings (arm_config.py);
+                wired, but cannot run on this machine; needs a checkpoint folder every VM
+                reaches: --set=ray.checkpoint_dir=gs://BUCKET/ckpt (<experiment>/<run> below)
+  --arms        run only these arms;  --set=key=value  an extra override for every arm
+  --budget_s    wall-clock cap per run (0: the script's default, if any)
+  --check_configs  build and validate every arm's config in every mode and scale (writes
+                <out>/configs.json), run nothing
+Config building (lengths per mode, equal eval sets, TPU scaling) lives in arm_config.py.
 """
 
+import ast
 import dataclasses
-import importlib.util
+import hashlib
 import json
 import os
 import pathlib
 import shutil
 import statistics
+import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -27,29 +43,11 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 from absl import flags, logging  # noqa: E402
+from arm_config import FULL, QUICK, SMOKE, Arm, build_config, for_cpu_validation  # noqa: E402
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
-TPU_BASE = {"moe": "tpu_moe_v5p", "dense": "tpu_dense_multislice"}
-# Keys that only make sense on 8 fake CPU devices; TPU scale keeps the slice layout.
-CPU_ONLY = ("devices_per_learner", "model.preset", "model.num_layers", "data.", "train.")
-# --quick default: short runs at batch 8 per learner (2 busy cores manage ~1-2k tokens/s).
-QUICK = {
-    "train.steps": 48,
-    "train.warmup_steps": 5,
-    "train.eval_every": 16,
-    "train.batch_size": 8,
-    "train.eval_batches": 4,
-}
-SMOKE = {
-    "train.steps": 6,
-    "train.batch_size": 8,
-    "train.warmup_steps": 1,
-    "train.eval_every": 3,
-    "train.eval_batches": 2,
-    "train.log_every": 1,
-    "data.seq_len": 64,
-    "data.max_corpus_bytes": 400_000,
-}
+__all__ = ["FULL", "QUICK", "SMOKE", "Arm"]
+PROGRESS_EVERY_S = 60.0  # a progress line at least this often, even when steps stall
+PROGRESS_MIN_S = 3.0  # ...and at most this often (a 10% tick of a short run is a blink)
 
 
 def define_flags(default_out: str, default_seeds: str) -> None:
@@ -60,17 +58,10 @@ def define_flags(default_out: str, default_seeds: str) -> None:
     flags.DEFINE_bool("smoke", False, "~6 steps, 1 seed, tiny batches: only checks the plumbing.")
     flags.DEFINE_enum("scale", "cpu", ["cpu", "tpu"], "cpu: tiny configs; tpu: configs/tpu_*.")
     flags.DEFINE_bool("fresh", False, "Rerun runs whose summary.json already exists.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    """One setting of an experiment: `config` is a configs/ file (optionally `file:arg`)."""
-
-    name: str
-    config: str
-    overrides: dict = dataclasses.field(default_factory=dict)
-    label: str = ""
-    model: str = "dense"  # which TPU base config stands in at --scale=tpu
+    flags.DEFINE_list("arms", [], "Run only these arms (default: all).")
+    flags.DEFINE_multi_string("set", [], "key=value override for every arm, e.g. diloco.alpha=0.5")
+    flags.DEFINE_float("budget_s", 0.0, "Wall-clock cap per run (s); 0 = the script's default.")
+    flags.DEFINE_bool("check_configs", False, "Build + validate every arm's config; run nothing.")
 
 
 @dataclasses.dataclass
@@ -79,64 +70,16 @@ class Result:
     seed: int
     summary: dict
     rundir: pathlib.Path
+    config: object  # the ConfigDict the run used (ml_collections)
 
 
-def load_config(spec: str):
-    """`tiny_decoupled` or `heterogeneous:sync` -> that file's get_config(arg)."""
-    name, _, arg = spec.partition(":")
-    path = CONFIG_DIR / f"{name}.py"
-    module_spec = importlib.util.spec_from_file_location(f"dd_config_{name}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
-
-
-def set_key(c, key: str, value) -> None:
-    *path, last = key.split(".")
-    node = c
-    for p in path:
-        node = node[p]
-    node[last] = value
-
-
-def build_config(arm: Arm, seed: int, scale: str, length: dict):
-    """The arm's validated-ready ConfigDict for one seed; `length` = quick/smoke overrides."""
-    if scale == "tpu":
-        c = load_config(TPU_BASE[arm.model])
-        overrides = {k: v for k, v in arm.overrides.items() if not k.startswith(CPU_ONLY)}
-        from_file = load_config(arm.config)  # the arm's algorithm settings, not its sizes
-        for key in ("diloco", "faults"):
-            c[key] = from_file[key]
-        c.diloco.heartbeat_timeout = 600.0
-    else:
-        c = load_config(arm.config)
-        # Quick lengths yield to an arm's own sizes; smoke shrinks everything.
-        smoke = length is SMOKE
-        overrides = ({} if smoke else length) | arm.overrides | (length if smoke else {})
-    for key, value in overrides.items():
-        set_key(c, key, value)
-    c.seed = seed
-    c.data.seed = seed
-    c.faults.seed = seed
-    c.train.checkpoint_every = 0 if c.diloco.sync_every else c.train.checkpoint_every
-    if c.diloco.sync_every:  # a sync period longer than the run would never merge mid-run
-        h = min(c.diloco.sync_every, c.train.steps)
-        c.diloco.sync_every = h
-        c.diloco.fragments = min(c.diloco.fragments, h)
-        c.diloco.overlap = min(c.diloco.overlap, h - 1)
-    return c
-
-
-def length_overrides(quick: dict, full: dict | None = None) -> dict:
-    """The length overrides the flags select (smoke wins over quick; full mode: `full`)."""
+def mode() -> str:
     FLAGS = flags.FLAGS
-    if FLAGS.smoke:
-        return SMOKE
-    return quick if FLAGS.quick else (full or {})
+    return "smoke" if FLAGS.smoke else "quick" if FLAGS.quick else "full"
 
 
 def is_full() -> bool:
-    return not (flags.FLAGS.quick or flags.FLAGS.smoke)
+    return mode() == "full"
 
 
 def seeds() -> list[int]:
@@ -145,6 +88,38 @@ def seeds() -> list[int]:
     if FLAGS.smoke or (FLAGS.quick and not FLAGS["seeds"].present):
         return [0]
     return [int(s) for s in FLAGS.seeds]
+
+
+def extra_overrides() -> dict:
+    """--set key=value pairs; values parsed as Python literals where possible."""
+    out = {}
+    for item in flags.FLAGS.set:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set={item!r}: expected key=value")
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
+
+
+def selected(arms: list[Arm]) -> list[Arm]:
+    names = flags.FLAGS.arms
+    unknown = sorted(set(names) - {a.name for a in arms})
+    if unknown:
+        raise ValueError(f"--arms: unknown {unknown}; choose from {[a.name for a in arms]}")
+    return [a for a in arms if a.name in names] if names else arms
+
+
+def config_for(arm: Arm, seed: int, quick: dict, full: dict):
+    FLAGS, m = flags.FLAGS, mode()
+    length = {"smoke": SMOKE, "quick": quick, "full": full}[m]
+    c = build_config(arm, seed, FLAGS.scale, m, length, extra_overrides())
+    if FLAGS.scale == "tpu" and c.ray.checkpoint_dir:  # one folder per experiment and run
+        root = c.ray.checkpoint_dir.rstrip("/")
+        c.ray.checkpoint_dir = f"{root}/{pathlib.Path(FLAGS.out).name}/{c.name}"
+    return c
 
 
 def setup() -> pathlib.Path:
@@ -163,43 +138,145 @@ def setup() -> pathlib.Path:
     return out
 
 
-def run_arms(
-    arms: list[Arm], out: pathlib.Path, quick: dict, full: dict | None = None
-) -> list[Result]:
-    """Runs every (arm, seed) not already done, with a progress line per run."""
+def check_configs(arms_fn, out: pathlib.Path, quick: dict, full: dict) -> None:
+    """Builds and validates every arm's config in every mode and scale; <out>/configs.json.
+
+    TPU-scale configs are validated with their mesh shrunk to this machine's devices
+    (arm_config.for_cpu_validation): everything but the device layout is checked.
+    """
+    import jax
+
+    from decoupled_diloco import config as config_lib
+
+    FLAGS = flags.FLAGS
+    saved = FLAGS.quick, FLAGS.smoke, FLAGS.scale
+    dump = {}
+    try:
+        for scale in ("cpu", "tpu"):
+            for m in ("smoke", "quick", "full"):
+                FLAGS.quick, FLAGS.smoke, FLAGS.scale = m == "quick", m == "smoke", scale
+                arms = selected(arms_fn())
+                for arm in arms:
+                    for seed in seeds():
+                        c = config_for(arm, seed, quick, full)
+                        check = c if scale == "cpu" else for_cpu_validation(c, jax.device_count())
+                        config_lib.validate(check)
+                        dump[f"{scale}/{m}/{arm.name}/{seed}"] = json.loads(c.to_json_best_effort())
+                print(f"{scale} {m}: {len(arms)} arms x seeds {seeds()} valid", flush=True)
+    finally:
+        FLAGS.quick, FLAGS.smoke, FLAGS.scale = saved
+    (out / "configs.json").write_text(json.dumps(dump, indent=1, sort_keys=True))
+    print(f"wrote {out}/configs.json ({len(dump)} configs)", flush=True)
+
+
+def _stamp(c, budget_s: float) -> dict:
+    text = c.to_json_best_effort(sort_keys=True)
+    digest = hashlib.sha256(f"{text}|budget_s={budget_s:g}".encode()).hexdigest()[:16]
+    return {"hash": digest, "budget_s": budget_s, "config": json.loads(text)}
+
+
+def _cached_hash(rundir: pathlib.Path) -> str | None:
+    path = rundir / "experiment.json"
+    if not (rundir / "summary.json").exists() or not path.exists():
+        return None
+    return json.loads(path.read_text()).get("hash")
+
+
+def _run_local(run, rundir: pathlib.Path, label: str, budget_s: float) -> dict:
+    """A local-runtime run with a progress line per 10% of its steps, stopped at budget_s."""
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    rt = LocalRuntime(run, str(rundir), verbose=False)
+    done = threading.Event()
+    total = run.train.steps
+    tick = max(total // 10, 1)
+
+    def monitor():
+        while rt.t0 == 0.0:  # run() starts the clock once learners and syncer are built
+            if done.wait(0.1):
+                return
+        next_step, last = tick, -PROGRESS_EVERY_S  # the first tick prints at once
+        while not done.wait(0.5):
+            now = rt.now()
+            if budget_s and now >= budget_s and not rt.stop.is_set():
+                print(f"    {label}: budget of {budget_s:.0f} s reached, stopping", flush=True)
+                rt.stop.set()
+            step, quiet = max(lr.step for lr in rt.learners), time.monotonic() - last
+            if (step >= next_step and quiet >= PROGRESS_MIN_S) or quiet >= PROGRESS_EVERY_S:
+                merges = f", merges {rt.ledger.merges}" if run.uses_syncer else ""
+                print(
+                    f"    {label}: step {step}/{total} ({100 * step // total}%) {now:.0f} s, "
+                    f"{rt.total_tokens() / max(now, 1e-9) / 1e3:.1f}k tok/s{merges}",
+                    flush=True,
+                )
+                next_step, last = (step // tick + 1) * tick, time.monotonic()
+
+    thread = threading.Thread(target=monitor, daemon=True)
+    thread.start()
+    try:
+        return rt.run()
+    finally:
+        done.set()
+        thread.join()
+
+
+def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
+             budget_s: dict | None = None) -> list[Result]:  # fmt: skip
+    """Runs every (arm, seed) not already done; `arms` is a list or a function returning one
+    (called after the flags are parsed). `budget_s`: wall-clock cap per run by mode."""
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.runtime import launch
 
     FLAGS = flags.FLAGS
-    if FLAGS.smoke:  # validate every arm, run only the first and the last
-        for arm in arms:
-            config_lib.validate(build_config(arm, 0, FLAGS.scale, SMOKE))
-        arms = arms if len(arms) <= 2 else [arms[0], arms[-1]]
+    arms_fn = arms if callable(arms) else lambda: arms
+    if FLAGS.check_configs:
+        check_configs(arms_fn, out, quick, full)
+        raise SystemExit(0)
+    arms = selected(arms_fn())
+    for arm in arms:  # fail fast: a typo in the last arm must not cost the first hour
+        config_lib.validate(config_for(arm, seeds()[0], quick, full))
+    if FLAGS.smoke and not FLAGS.arms and len(arms) > 2:
+        arms = [arms[0], arms[-1]]
+    budget = FLAGS.budget_s or (budget_s or {}).get(mode(), 0.0)
     todo = [(a, s) for s in seeds() for a in arms]
+    print(f"{len(todo)} runs: {len(arms)} arms x seeds {seeds()}, {mode_note()}", flush=True)
     results, t0 = [], time.time()
     for i, (arm, seed) in enumerate(todo, 1):
+        c = config_for(arm, seed, quick, full)
+        stamp = _stamp(c, budget)
         rundir = out / "runs" / f"{arm.name}_s{seed}"
-        done = (rundir / "summary.json").exists() and not FLAGS.fresh
-        if not done:
+        cached = not FLAGS.fresh and _cached_hash(rundir) == stamp["hash"]
+        if not cached:
+            if (rundir / "summary.json").exists() and not FLAGS.fresh:
+                print(f"  {rundir.name}: cached run has another config, rerunning", flush=True)
             if rundir.exists():
                 shutil.rmtree(rundir)  # a partial run would resume from its checkpoints
-            c = build_config(arm, seed, FLAGS.scale, length_overrides(quick, full))
-            c.name = f"{arm.name}_s{seed}"
-            launch.run(config_lib.validate(c), str(rundir), verbose=False)
+            run = config_lib.validate(c)
+            print(f"  {arm.name} seed {seed}: {run.train.steps} steps x {run.num_learners} "
+                  f"learner(s) x batch {run.train.batch_size}", flush=True)  # fmt: skip
+            if run.runtime == "local":
+                _run_local(run, rundir, f"{arm.name} s{seed}", budget)
+            else:
+                launch.run(run, str(rundir), verbose=True)
             # The tables need only the logs; orbax checkpoints are MBs per run.
             shutil.rmtree(rundir / "checkpoints", ignore_errors=True)
+            (rundir / "experiment.json").write_text(json.dumps(stamp, indent=1))
         summary = json.loads((rundir / "summary.json").read_text())
-        results.append(Result(arm, seed, summary, rundir))
+        results.append(Result(arm, seed, summary, rundir, c))
+        elapsed = time.time() - t0
+        eta = elapsed / i * (len(todo) - i)
         print(
-            f"[{i}/{len(todo)} {time.time() - t0:6.0f} s] {arm.name} seed {seed}"
-            f"{' (cached)' if done else ''}: eval {summary['final_eval_loss']:.4f} "
+            f"[{i}/{len(todo)} {elapsed:6.0f} s, eta {eta / 60:.0f} min] {arm.name} seed {seed}"
+            f"{' (cached)' if cached else ''}: eval {summary['final_eval_loss']:.4f} "
             f"goodput {summary.get('goodput', float('nan')):.3f} "
-            f"merges {summary.get('merges', 0)} wall {summary['wall_seconds']:.0f} s",
+            f"merges {summary.get('merges', 0)} steps {summary['steps']} "
+            f"wall {summary['wall_seconds']:.0f} s",
             flush=True,
         )
     return results
 
 
+# --- tables and plots -------------------------------------------------------------------
 def rows(rundir: pathlib.Path, name: str) -> list[dict]:
     path = rundir / name
     if not path.exists():
@@ -226,8 +303,20 @@ def by_arm(results: list[Result]) -> dict[str, list[Result]]:
     return out
 
 
+def paired(runs: list[Result], refs: list[Result], fn) -> list[float]:
+    """fn(run, ref) for every seed both arms ran (pairs by seed, never by position)."""
+    ref_by_seed = {r.seed: r for r in refs}
+    return [fn(r, ref_by_seed[r.seed]) for r in runs if r.seed in ref_by_seed]
+
+
+def loss_ratio(runs: list[Result], refs: list[Result]) -> list[float]:
+    """Per-seed final eval loss of `runs` over that of `refs`."""
+    loss = "final_eval_loss"
+    return paired(runs, refs, lambda a, b: a.summary[loss] / b.summary[loss])
+
+
 def stat(values: list[float]) -> tuple[float, float]:
-    """(mean, sample std; 0 for a single value)."""
+    """(mean, sample std with ddof = 1; 0 for a single value)."""
     values = [float(v) for v in values]
     if not values:
         return float("nan"), float("nan")
@@ -235,7 +324,9 @@ def stat(values: list[float]) -> tuple[float, float]:
 
 
 def fmt(values: list[float], digits: int = 4, scale: float = 1.0) -> str:
-    """'mean ± std' (just the value for one seed)."""
+    """'mean ± sample std' (just the value for one seed; '-' for none)."""
+    if not values:
+        return "-"
     mean, std = stat([scale * v for v in values])
     return f"{mean:.{digits}f}" if len(values) < 2 else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
@@ -248,8 +339,12 @@ def table(header: list[str], body: list[list[str]]) -> str:
 
 def mode_note() -> str:
     FLAGS = flags.FLAGS
-    mode = "--smoke" if FLAGS.smoke else "--quick" if FLAGS.quick else "full"
-    return f"mode {mode}, scale {FLAGS.scale}, seeds {seeds()}"
+    note = f"mode {mode()}, scale {FLAGS.scale}, seeds {seeds()}"
+    if len(seeds()) > 1:
+        note += ", mean ± sample std (ddof = 1) over seeds"
+    if FLAGS.set:
+        note += ", --set " + " ".join(FLAGS.set)
+    return note
 
 
 def write(out: pathlib.Path, name: str, markdown: str, fig, results: list[Result]) -> None:
@@ -276,7 +371,7 @@ def plot_curves(ax, results: list[Result], x: str = "tokens") -> None:
             t, tok, loss = zip(*curve, strict=True)
             xs = [v / 1e6 for v in tok] if x == "tokens" else t
             label = (r.arm.label or name) if k == 0 else None
-            ax.plot(xs, loss, marker="o", ms=3, color=f"C{i}", alpha=1 if k == 0 else 0.5,
+            ax.plot(xs, loss, marker="o", ms=3, color=f"C{i % 10}", alpha=1 if k == 0 else 0.5,
                     label=label)  # fmt: skip
     ax.set_xlabel("tokens (millions, all learners)" if x == "tokens" else "wall time (s)")
     ax.set_ylabel("eval loss (nats / byte)")
@@ -285,10 +380,10 @@ def plot_curves(ax, results: list[Result], x: str = "tokens") -> None:
 
 
 def plot_bars(ax, names: list[str], values: list[list[float]], ylabel: str) -> None:
-    """Mean bars with std error bars (one bar per arm, seeds as the spread)."""
+    """Mean bars with sample-std error bars (one bar per arm, seeds as the spread)."""
     stats = [stat(v) for v in values]
     ax.bar(range(len(names)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3,
-           color=[f"C{i}" for i in range(len(names))])  # fmt: skip
+           color=[f"C{i % 10}" for i in range(len(names))])  # fmt: skip
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, axis="y")

@@ -1,11 +1,13 @@
 r"""Experiment 2 — number of learners M in {2, 4, 8, 16}: quality and goodput at equal tokens.
 
-    python experiments/learners_sweep.py            # 300 steps, seeds 0,1: ~40 min on 2 busy cores
-    python experiments/learners_sweep.py --quick    # 48 steps x batch 8, 1 seed: ~6 min
+    python experiments/learners_sweep.py            # 5 arms x seeds 0,1, 200 steps: ~18 min
+    python experiments/learners_sweep.py --quick    # 5 arms, 48 steps, 1 seed: ~2.5 min
     python experiments/learners_sweep.py --scale=tpu   # TPU slices via Ray (not runnable here)
 
-Every arm processes 64 (--quick: 32) sequences x 128 tokens per step in total (DP: one
-learner; M learners: 64 / M each), so at equal steps all see equal tokens. Decoupled arms are
+Runtimes are for an idle 2-core machine (flags: experiments/harness.py). Every arm processes
+64 (--quick: 32) sequences x 128 tokens per step in total (DP: one learner; M learners:
+64 / M each), so at equal steps all see equal tokens, and all are scored on the same held-out
+sequences (256; --quick 64). Decoupled arms are
 configs/tiny_decoupled.py (K = 1, grace, token weights, RDA) with M learners; M <= 8 get
 8 / M fake devices each, M = 16 shares the 8 devices round-robin (devices_per_learner=1).
 Writes learners_sweep.{md,png,json} into --out (default experiments/results/learners_sweep).
@@ -15,11 +17,8 @@ import harness
 from absl import app
 
 harness.define_flags("experiments/results/learners_sweep", "0,1")
-QUICK = harness.QUICK  # 48 steps, batch 8 per learner
 # The simulator's goodput at 1.2M chips, chip MTBF 1 year (design.md §4), for reference.
 PAPER_GOODPUT = {2: 0.70, 4: 0.82, 8: 0.88, 16: 0.93}
-
-FULL = {"train.eval_every": 50}
 
 
 def total_batch() -> int:
@@ -48,12 +47,11 @@ def arms() -> list[harness.Arm]:
 
 def markdown(results) -> str:
     groups = harness.by_arm(results)
-    dp = [r.summary["final_eval_loss"] for r in groups.get("dp", [])]
     body = []
     for name, runs in groups.items():
         s = [r.summary for r in runs]
         losses = [x["final_eval_loss"] for x in s]
-        ratio = [a / b for a, b in zip(losses, dp, strict=False)] if dp else []
+        ratio = harness.loss_ratio(runs, groups.get("dp", []))
         m = runs[0].arm.overrides.get("diloco.learners", 1)
         body.append(
             [
@@ -81,7 +79,7 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     out = harness.setup()
-    results = harness.run_arms(arms(), out, QUICK, FULL)
+    results = harness.run_arms(arms, out)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     harness.plot_curves(a, results)
     groups = harness.by_arm(results)

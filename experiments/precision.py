@@ -1,27 +1,25 @@
 r"""Experiment 6 — wire precision of offers and replies: fp32, bf16, int8, int4, 2-bit, 1-bit.
 
-    python experiments/precision.py            # 300 steps, seeds 0,1: ~50 min on 2 busy cores
-    python experiments/precision.py --quick    # 48 steps x batch 8, 1 seed: ~7 min
+    python experiments/precision.py            # 8 arms x seeds 0,1, 200 steps: ~24 min
+    python experiments/precision.py --quick    # 8 arms, 48 steps x batch 8, 1 seed: ~2.5 min
     python experiments/precision.py --scale=tpu   # TPU slices via Ray (not runnable here)
 
+Runtimes are for an idle 2-core machine (flags: experiments/harness.py).
 configs/tiny_decoupled.py (M = 4, K = 1, grace, RDA) with `diloco.compression` in
 none | bf16 | int8 | int4 | int2 | int1 for offers (replies lossless), plus int4 and int1
 in both directions (`diloco.reply_compression` too). The paper: int4 ≈ lossless; 2-bit and
-1-bit degrade badly. Writes precision.{md,png,json} into --out. --quick: ~3 min idle.
+1-bit degrade badly. Writes precision.{md,png,json} into --out.
 """
 
 import harness
 from absl import app
 
 harness.define_flags("experiments/results/precision", "0,1")
-QUICK = harness.QUICK  # 48 steps, batch 8 per learner
 LABEL = {"none": "fp32"}
 FORMATS = ("none", "bf16", "int8", "int4", "int2", "int1")
 BOTH_WAYS = ("int4", "int1")  # offers and merged replies in the same format
 PAPER = {"none": "reference", "bf16": "-", "int8": "-", "int4": "≈ lossless"}
 PAPER |= {"int2": "degrades badly", "int1": "degrades badly"}
-
-FULL = {"train.eval_every": 50}
 
 
 def arms() -> list[harness.Arm]:
@@ -44,8 +42,7 @@ def arms() -> list[harness.Arm]:
 
 def markdown(results) -> str:
     groups = harness.by_arm(results)
-    ref = [r.summary["final_eval_loss"] for r in groups.get("none", [])]
-    ref_bytes = [r.summary["bytes_per_token"] for r in groups.get("none", [])]
+    ref = groups.get("none", [])
     body = []
     for name, runs in groups.items():
         s = [r.summary for r in runs]
@@ -55,9 +52,16 @@ def markdown(results) -> str:
             [
                 runs[0].arm.label,
                 harness.fmt(losses),
-                harness.fmt([a / b for a, b in zip(losses, ref, strict=False)], 3),
+                harness.fmt(harness.loss_ratio(runs, ref), 3),
                 harness.fmt(bpt, 1),
-                harness.fmt([a / b for a, b in zip(bpt, ref_bytes, strict=False)], 3),
+                harness.fmt(
+                    harness.paired(
+                        runs,
+                        ref,
+                        lambda a, b: a.summary["bytes_per_token"] / b.summary["bytes_per_token"],
+                    ),
+                    3,
+                ),  # fmt: skip
                 PAPER.get(name, PAPER.get(name.removesuffix("_both"), "-")),
             ]
         )
@@ -71,7 +75,7 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     out = harness.setup()
-    results = harness.run_arms(arms(), out, QUICK, FULL)
+    results = harness.run_arms(arms, out)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     harness.plot_curves(a, results)
     groups = list(harness.by_arm(results).values())

@@ -1,16 +1,19 @@
 r"""Experiment 8 — scavenging: base M = 4, temporarily 8 or 16 learners; wall time to a target loss.
 
-    python experiments/scavenging.py            # 300 steps, seeds 0,1: ~40 min on 2 busy cores
-    python experiments/scavenging.py --quick    # 90 steps, 1 seed: ~6 min
+    python experiments/scavenging.py            # 3 arms x seeds 0,1, 200 steps: ~11 min
+    python experiments/scavenging.py --quick    # 3 arms, 72 steps, 1 seed: ~2.5 min
     python experiments/scavenging.py --scale=tpu   # TPU slices via Ray (not runnable here)
 
+Runtimes are for an idle 2-core machine (flags: experiments/harness.py).
 configs/scavenging.py: learners 0-3 are members throughout; in the "+4" arm learners 4-7
-join at JOIN_S and leave at LEAVE_S of wall time, in the "+12" arm learners 4-15 (16
-learners share the 8 fake devices). "base" is the same config with M = 4 and no extra
-learners. Target loss = the base arm's final eval loss (mean over seeds); the table gives
-each arm's wall time until the global model's eval loss first reached it (linear
-interpolation between evaluations). Caveat at CPU scale: extra learners here share the
-same 2 cores instead of adding chips, so they cannot add compute; on TPU they do.
+join at 20 s and leave at 60 s of wall time (--quick: 15 s and 45 s), in the "+12" arm
+learners 4-15 (16 learners share the 8 fake devices); batch 8 per learner. "base" is the
+same config with M = 4 and no extra learners. The global model is evaluated every 10 steps
+(--quick: 8) so that the time to the target is read off a dense curve. Target loss = the
+base arm's final eval loss (mean over seeds); the table gives each arm's wall time until the
+global model's eval loss first reached it (linear interpolation between evaluations).
+Caveat at CPU scale: extra learners here share the same 2 cores instead of adding chips,
+so they cannot add compute; on TPU they do.
 Writes scavenging.{md,png,json} into --out.
 """
 
@@ -20,26 +23,20 @@ import harness
 from absl import app
 
 harness.define_flags("experiments/results/scavenging", "0,1")
-QUICK = {"train.steps": 72, "train.warmup_steps": 7, "train.eval_every": 8, "train.eval_batches": 4}
+BATCH = {"train.batch_size": 8}  # per learner, as configs/scavenging.py
+FULL = harness.FULL | BATCH | {"train.eval_every": 10}
+QUICK = harness.QUICK | BATCH | {"train.steps": 72, "train.warmup_steps": 7, "train.eval_every": 8}
 WINDOWS = {"full": (20.0, 60.0), "quick": (15.0, 45.0), "smoke": (1.0, 600.0)}  # join, leave s
 
 
 def arms() -> list[harness.Arm]:
-    FLAGS = harness.flags.FLAGS
-    join, leave = WINDOWS["smoke" if FLAGS.smoke else "quick" if FLAGS.quick else "full"]
-    common = {"train.eval_every": 25}
-    out = [
-        harness.Arm(
-            "base",
-            "scavenging",
-            common | {"diloco.learners": 4, "faults.membership": []},
-            "base M=4",
-        ),  # fmt: skip
-    ]
+    join, leave = WINDOWS[harness.mode()]
+    base = {"diloco.learners": 4, "faults.membership": []}
+    out = [harness.Arm("base", "scavenging", base, "base M=4")]
     for extra in (4, 12):
         m = 4 + extra
         member = [(i, join, leave) for i in range(4, m)]
-        over = common | {"diloco.learners": m, "faults.membership": member}
+        over = {"diloco.learners": m, "faults.membership": member}
         out.append(harness.Arm(f"plus{extra}", "scavenging", over, f"M=4 + {extra} scavenged"))
     return out
 
@@ -92,7 +89,7 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     out = harness.setup()
-    results = harness.run_arms(arms(), out, QUICK)
+    results = harness.run_arms(arms, out, QUICK, FULL)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     harness.plot_curves(ax, results, x="time")
     target = harness.stat([r.summary["final_eval_loss"] for r in results if r.arm.name == "base"])

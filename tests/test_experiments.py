@@ -1,20 +1,23 @@
-"""Every ablation script under experiments/ runs end to end (--smoke) and writes its outputs.
+"""The ablation scripts under experiments/: their configs (cheap) and end-to-end runs (slow).
 
-Each script runs in its own process (absl flags are process-global), with ~6 steps and only
-its first and last arm (every arm's config is still validated). Minutes in all: `slow`.
+Each script runs in its own process (absl flags are process-global).
+- Cheap: `--check_configs` builds and validates every arm's config for --smoke, --quick and
+  full mode at CPU scale and for TPU scale (TPU meshes shrunk to the fake CPU devices), runs
+  nothing, and dumps them; the tests check the invariants the tables rely on.
+- `slow`: `--smoke` runs (~6 steps, first and last arm, every arm validated), minutes in all.
 """
 
 import json
 import pathlib
 import subprocess
 import sys
+from collections import defaultdict
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = (
+    "quality_equal_tokens",
     "learners_sweep",
     "quorum_grace",
     "heterogeneous",
@@ -27,34 +30,129 @@ SCRIPTS = (
 )
 
 
+def _run(name: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "experiments" / f"{name}.py"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def configs_of(tmp_path_factory):
+    """name -> {(scale, mode): {(arm, seed): config dict}} from --check_configs (cached)."""
+    cache = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            tmp = tmp_path_factory.mktemp(name)
+            _run(name, "--check_configs", f"--out={tmp}", timeout=300)
+            out = defaultdict(dict)
+            for key, c in json.loads((tmp / "configs.json").read_text()).items():
+                scale, mode, arm, seed = key.split("/")
+                out[scale, mode][arm, int(seed)] = c
+            cache[name] = out
+        return cache[name]
+
+    return get
+
+
+def _synchronous(c: dict) -> bool:
+    d = c["diloco"]
+    return d["sync_every"] > 0 and d["learners"] > 1 and d["quorum"] == d["learners"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_arm_config_builds_and_validates(name, configs_of):
+    configs = configs_of(name)
+    for scale in ("cpu", "tpu"):
+        for mode in ("smoke", "quick", "full"):
+            runs = configs[scale, mode]
+            assert runs, (scale, mode)
+            seeds = {seed for _, seed in runs}
+            assert len(seeds) >= (2 if mode == "full" else 1), (scale, mode, seeds)
+            # Every arm is scored on the same held-out sequences.
+            evals = {c["train"]["eval_batches"] * c["train"]["batch_size"] for c in runs.values()}
+            assert len(evals) == 1, (scale, mode, evals)
+            for (arm, _), c in runs.items():
+                # Synchronous baselines wait for the merge at t + tau (design brief).
+                if _synchronous(c):
+                    assert c["diloco"]["max_wait"] == -1, (scale, mode, arm)
+    for (arm, seed), c in configs["cpu", "quick"].items():
+        full = configs["cpu", "full"].get((arm, seed))
+        if full is not None:
+            assert c["train"]["steps"] < full["train"]["steps"], arm
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_tpu_scale_keeps_tpu_settings_and_the_ablation(name, configs_of):
+    configs = configs_of(name)
+    cpu, tpu = configs["cpu", "full"], configs["tpu", "full"]
+    assert cpu.keys() == tpu.keys()
+    scale = set()
+    for key, t in tpu.items():
+        c = cpu[key]
+        assert t["model"]["preset"].startswith(("gemma", "moe_")), key
+        assert t["data"]["source"] == "tfds" and t["train"]["learning_rate"] == 4e-4, key
+        if c["diloco"]["sync_every"]:
+            assert t["runtime"] == "ray" and t["diloco"]["sync_every"] == 24, key
+            assert t["diloco"]["outer_lr"] == 0.7 and t["diloco"]["heartbeat_timeout"] == 600
+        else:
+            assert t["runtime"] == "local" and t["diloco"]["sync_every"] == 0, key
+        for k in ("learners", "quorum", "max_wait", "merge", "weights", "compression",
+                  "reply_compression", "alpha", "apply", "overlap"):  # fmt: skip
+            assert t["diloco"][k] == c["diloco"][k], (key, k)
+        assert t["faults"] == c["faults"], key
+        total = t["train"]["batch_size"] * t["diloco"]["learners"]
+        scale.add(total / (c["train"]["batch_size"] * c["diloco"]["learners"]))
+    assert len(scale) == 1, scale  # every arm's share of the total batch carries over
+
+
+def test_quality_covers_dense_and_moe_families(configs_of):
+    arms = {arm for arm, _ in configs_of("quality_equal_tokens")["cpu", "full"]}
+    assert {"dp", "diloco", "streaming", "decoupled_m2", "decoupled_m4", "decoupled_m8"} <= arms
+    assert {"dp_moe", "diloco_moe", "streaming_moe", "decoupled_moe_m4"} <= arms
+
+
+def test_run_all_lists_every_experiment():
+    cmd = [sys.executable, str(ROOT / "experiments" / "run_all.py"), "--dry_run", "--quick"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in SCRIPTS:
+        assert f"experiments/{name}.py" in proc.stdout and "--quick" in proc.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_smoke_writes_table_plot_and_runs(name, tmp_path):
     out = tmp_path / name
-    cmd = [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--smoke",
-           f"--out={out}"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ("--quick", "--smoke", f"--out={out}")
+    proc = _run(name, *args)
+    assert "step " in proc.stdout  # progress lines while a run trains
     table = (out / f"{name}.md").read_text()
     assert table.count("|---") >= 1 and "nan ±" not in table
     assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     runs = json.loads((out / f"{name}.json").read_text())
     assert runs and all(r["summary"]["steps"] > 0 for r in runs)
     # Resumable: a second invocation finds every summary and runs nothing.
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = _run(name, *args, timeout=300)
     assert again.stdout.count("(cached)") == len(runs)
 
 
-def test_quality_equal_tokens_dense_and_moe_arms(tmp_path):
-    out = tmp_path / "quality"
-    arms = "dp,decoupled_m2,dp_moe,decoupled_moe"
-    cmd = [sys.executable, str(ROOT / "experiments" / "quality_equal_tokens.py"), "--steps=4",
-           f"--arms={arms}", f"--out={out}", f"--workdir={tmp_path / 'runs'}"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    table = (out / "quality_equal_tokens.md").read_text()
+@pytest.mark.slow
+def test_cached_run_reruns_when_its_config_changes(tmp_path):
+    args = ("--smoke", "--arms=none", f"--out={tmp_path}")
+    _run("precision", *args)
+    assert "(cached)" in _run("precision", *args).stdout
+    changed = _run("precision", *args, "--set=train.learning_rate=0.002").stdout
+    assert "another config, rerunning" in changed and "(cached)" not in changed
+
+
+@pytest.mark.slow
+def test_quality_ratios_are_to_each_familys_own_dp(tmp_path):
+    arms = "dp,decoupled_m2,dp_moe,decoupled_moe_m4"
+    _run("quality_equal_tokens", "--smoke", f"--arms={arms}", f"--out={tmp_path}")
+    table = (tmp_path / "quality_equal_tokens.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "arm" not in line]
     assert len(rows) == 4
-    # Each arm is compared with its own data-parallel reference: both references read 1.0000.
+    # Both references read 1.0000 (each family compared with its own data-parallel run).
     assert sum("| 1.0000 |" in row for row in rows) == 2
-    assert (out / "quality_equal_tokens.png").read_bytes()[:4] == b"\x89PNG"
