@@ -9,14 +9,19 @@ chips of its slice (bf16 compute, fp32 params); the syncer runs on the CPU head 
 scripts/tpu/launch.py sets the learner count and chips per learner from the slices it created:
 
   python scripts/tpu/launch.py launch --project=P --zone=us-west4-a \
-      --accelerator=v5litepod-32 --slices=4 -- \
+      --accelerator=v5litepod-32 --slices=4 --checkpoint-dir=gs://BUCKET/checkpoints/run1 -- \
       --config.data.tfds_data_dir=gs://BUCKET/tensorflow_datasets
 
 which runs, on the head VM:
 
   python -m decoupled_diloco.main --config=configs/tpu_dense_multislice.py --workdir=runs/dd \
-      --config.runtime=ray --config.diloco.learners=4 --config.devices_per_learner=32 \
-      --config.ray.address=HEAD_IP:6379 --config.data.tfds_data_dir=gs://BUCKET/tensorflow_datasets
+      --config.runtime=ray --config.ray.accelerator=tpu --config.diloco.learners=4 \
+      --config.devices_per_learner=32 --config.ray.address=HEAD_IP:6379 \
+      --config.ray.checkpoint_dir=gs://BUCKET/checkpoints/run1 \
+      --config.data.tfds_data_dir=gs://BUCKET/tensorflow_datasets
+
+Evaluation runs on learner 0's slice (`ray.evaluate = "learner"`, runtime/ray_eval.py);
+learner processes restart without limit (Spot preemptions).
 
 Data: TFDS "c4/en:3.1.0" read through tfds.data_source, which needs the array_record file
 format (the public gs://tensorflow-datasets copy is TFRecord; see scripts/tpu/README.md).
@@ -40,6 +45,15 @@ def get_config(arg=None):
     c = default_config()
     c.name = f"tpu_dense_multislice_{size}"
     c.runtime = "ray"  # one learner actor per slice, the syncer on the CPU head VM
+    c.ray.accelerator = "tpu"  # each learner on its slice's TPU chips (the launcher sets it too)
+    # Spot slices are preempted again and again over a long run, and every preemption costs a
+    # learner process one restart: never give up on a learner (-1 = unlimited restarts).
+    c.ray.max_restarts = -1
+    # Θ is evaluated on learner 0's slice between two of its steps, not on the head VM's CPU.
+    c.ray.evaluate = "learner"
+    # Required: a path every VM reaches, e.g. gs://BUCKET/checkpoints/RUN (the launcher's
+    # --checkpoint-dir passes --config.ray.checkpoint_dir).
+    c.ray.checkpoint_dir = ""
 
     c.model.preset = SIZES[size]  # gemma_2b: d 2304, 26 layers, 8 heads / 4 kv heads, ffw 9216
     c.model.dtype = "bfloat16"  # compute dtype; params and optimizer state stay fp32

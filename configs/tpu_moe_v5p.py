@@ -8,11 +8,13 @@ expert 8) leaves most HBM to activations; v5p-16 (8 chips, fsdp 1 x expert 8) is
 slice this mesh fits on. The syncer's fp32 Θ and outer momentum need ~125 GB of head-VM RAM.
 
   python scripts/tpu/launch.py launch --project=P --zone=us-east5-a \
-      --accelerator=v5p-32 --slices=4 --config=configs/tpu_moe_v5p.py -- \
+      --accelerator=v5p-32 --slices=4 --config=configs/tpu_moe_v5p.py \
+      --checkpoint-dir=gs://BUCKET/checkpoints/moe1 -- \
       --config.data.tfds_data_dir=gs://BUCKET/tensorflow_datasets
 
-Same algorithm settings and data as configs/tpu_dense_multislice.py (P = 24, H = 24, tau = 2,
-K = 1). Sizes are a starting point, not tuned or measured on TPU.
+Same algorithm settings, data and Ray settings (TPU learners, evaluation on learner 0's slice,
+unlimited restarts, a shared checkpoint dir) as configs/tpu_dense_multislice.py (P = 24, H = 24,
+tau = 2, K = 1). Sizes are a starting point, not tuned or measured on TPU.
 """
 
 from decoupled_diloco.config import default_config
@@ -23,6 +25,15 @@ def get_config(arg=None):
     c = default_config()
     c.name = "tpu_moe_v5p"
     c.runtime = "ray"  # one learner actor per slice, the syncer on the CPU head VM
+    c.ray.accelerator = "tpu"  # each learner on its slice's TPU chips (the launcher sets it too)
+    # Spot slices are preempted again and again over a long run, and every preemption costs a
+    # learner process one restart: never give up on a learner (-1 = unlimited restarts).
+    c.ray.max_restarts = -1
+    # Θ is evaluated on learner 0's slice between two of its steps, not on the head VM's CPU.
+    c.ray.evaluate = "learner"
+    # Required: a path every VM reaches, e.g. gs://BUCKET/checkpoints/RUN (the launcher's
+    # --checkpoint-dir passes --config.ray.checkpoint_dir).
+    c.ray.checkpoint_dir = ""
 
     c.model.preset = "moe_2p8b_active"
     c.model.dtype = "bfloat16"  # compute dtype; params and optimizer state stay fp32

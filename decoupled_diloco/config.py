@@ -157,6 +157,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.ray.temp_dir = "/tmp/ray_dd"  # local cluster's session dir (short: Ray's socket paths)
     c.ray.checkpoint_dir = ""  # "" = <workdir>/checkpoints; multi-node: reachable by every node
     c.ray.poll_seconds = 0.5  # seconds between the driver's collections of rows and records
+    # Who evaluates Θ: "driver" (its own devices; fine on CPU) | "learner" (the lowest live
+    # learner, on its slice, between two of its steps: for TPU) | "off".
+    c.ray.evaluate = "driver"
     return c
 
 
@@ -259,7 +262,8 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     if m < 1:
         raise ValueError(f"diloco.learners must be >= 1, got {m}")
     n_dev = jax.device_count()
-    if not 0 <= c.devices_per_learner <= n_dev:
+    # Ray learners own devices in their own processes (a TPU slice each), not the driver's.
+    if c.devices_per_learner < 0 or (c.runtime == "local" and c.devices_per_learner > n_dev):
         raise ValueError(
             f"devices_per_learner must be in [0, {n_dev}] (0 = all devices / learners), "
             f"got {c.devices_per_learner}"

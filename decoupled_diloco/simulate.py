@@ -17,7 +17,11 @@ object) holding `FaultSpec` fields, e.g.
 
 Then each learner is one unit of faults.chips_per_learner chips and crashes, restarts,
 joins, leaves and syncer crashes come from the same `FaultSchedule` the run replays; set
-the timing flags to the CPU run's measured step, rejoin and restore times.
+the timing flags to the CPU run's measured step, rejoin and restore times. The schedule
+also brings its own seed ("seed" in the spec) and speeds, so the flags of the chip-MTBF
+failure model (`CHIP_MTBF_ONLY`: --seed, --chip_mtbf_years, --slice_chips, ...) have no
+effect with --fault_spec; giving one of them explicitly is an error rather than silently
+ignored.
 """
 
 import dataclasses
@@ -51,6 +55,30 @@ for _f in dataclasses.fields(SimParams):
 
 FLAGS = flags.FLAGS
 
+# SimParams fields only the chip-MTBF failure model reads; a FaultSpec replaces them.
+CHIP_MTBF_ONLY = (
+    "seed",
+    "chip_mtbf_years",
+    "slice_chips",
+    "chip_return_s",
+    "hot_spares",
+    "chip_speed_std",
+    "step_noise_std",
+    "slow_fraction",
+    "slow_factor",
+)
+
+
+def check_fault_spec_flags(given: list[str]) -> None:
+    """With --fault_spec, the explicitly `given` flags must not include CHIP_MTBF_ONLY ones."""
+    ignored = [name for name in CHIP_MTBF_ONLY if name in given]
+    if ignored:
+        flags_ = ", ".join(f"--{n}" for n in ignored)
+        raise ValueError(
+            f"{flags_} would be ignored with --fault_spec: the fault schedule replaces the "
+            'chip-MTBF model (set "seed", speeds and crashes in the spec instead)'
+        )
+
 
 def load_fault_spec(text: str) -> faults.FaultSpec:
     """A FaultSpec from an inline JSON object or a JSON file path."""
@@ -69,7 +97,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     params = SimParams(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(SimParams)})
     try:
-        spec = load_fault_spec(FLAGS.fault_spec) if FLAGS.fault_spec else None
+        spec = None
+        if FLAGS.fault_spec:
+            check_fault_spec_flags([n for n in CHIP_MTBF_ONLY if FLAGS[n].present])
+            spec = load_fault_spec(FLAGS.fault_spec)
         result = simulate(FLAGS.method, FLAGS.chips, FLAGS.learners, params, spec)
     except ValueError as e:
         raise app.UsageError(str(e)) from e

@@ -9,8 +9,12 @@ model's plan; one syncer (K = 1, no grace window, RDA + outer Nesterov) merges e
 once and replies to the learner. Measured on the learner's side:
   latency     one offer in flight: offer handed to the link -> Merged reply in its inbox
               (includes the syncer's merge, shown separately as "merge")
-  throughput  P fragments x R rounds offered back to back: offer bytes per second until
-              the last reply arrived (every reply carries as many bytes back)
+  throughput  R rounds of all P fragments, the P fragments in flight at once, each next
+              offer of a fragment sent when its reply is in (as a learner's next offer
+              carries the last reply's version): offer bytes per second until the last
+              reply arrived (every reply carries as many bytes back), and merges/s
+  offers      made at the learner's schedule steps (each one a new slot of its fragment)
+              with the last reply's version and syncer epoch
   local       LocalLearnerLink -> queue -> syncer thread -> queue (one process, no copies)
   ray         a learner actor (own process) with RayLearnerLink -> SyncerActor (own
               process) -> the learner's mailbox: pickling, object store, two processes
@@ -107,10 +111,17 @@ def transport_run(model: str):
 
 # --- part 1: round trips -------------------------------------------------------------------
 class Prober:
-    """The learner's side of the round trips, over any LearnerLink whose inbox is `inbox`."""
+    """The learner's side of the round trips, over any LearnerLink whose inbox is `inbox`.
 
-    def __init__(self, link, inbox: queue.Queue, names: list, shapes: dict):
+    Offers follow the learner's schedule: fragment p's r-th offer is made at step
+    offset_p + r * H, so each belongs to a new schedule slot and opens a round of its own,
+    and it carries the version and syncer epoch of the last reply for p, as a learner's
+    would (the syncer rejects offers anchored on another syncer life).
+    """
+
+    def __init__(self, link, inbox: queue.Queue, names: list, shapes: dict, offsets, H: int):
         self.link, self.inbox, self.names = link, inbox, names
+        self.offsets, self.H = list(offsets), H
         rng = np.random.default_rng(0)
         self.payloads = [
             compression.encode(
@@ -120,10 +131,29 @@ class Prober:
             for group in names
         ]
         self.version = [0] * len(names)
+        self.epoch = [0] * len(names)
+        self.rounds = [0] * len(names)
 
     def _offer(self, p: int) -> Offer:
-        payload = ray_links.EncodedPayload(self.payloads[p])
-        return Offer(0, 0, p, 1, 1, 1, self.version[p], time.monotonic(), 1, payload)
+        self.rounds[p] += 1
+        return Offer(
+            learner=0,
+            incarnation=0,
+            fragment=p,
+            step=self.offsets[p] + self.rounds[p] * self.H,
+            c_steps=self.H,
+            c_tokens=self.H,
+            base_version=self.version[p],
+            time=time.monotonic(),
+            work_steps=self.H,
+            payload=ray_links.EncodedPayload(self.payloads[p]),
+            epoch=self.epoch[p],
+        )
+
+    def _take(self, reply: Merged) -> None:
+        if reply.version >= self.version[reply.fragment]:
+            self.version[reply.fragment] = reply.version
+            self.epoch[reply.fragment] = reply.epoch
 
     def _next(self, kind) -> object:
         while True:
@@ -133,7 +163,12 @@ class Prober:
 
     def join(self) -> None:
         self.link.send(Join(0, 0, 0.0))
-        self._next(Snapshot)
+        snap = self._next(Snapshot)
+        versions = snap.versions
+        if not isinstance(versions, dict):
+            versions = dict(enumerate(versions))
+        for p, v in versions.items():
+            self.version[int(p)], self.epoch[int(p)] = v, snap.epoch
 
     def latency(self, rounds: int) -> list[tuple[int, float]]:
         """(fragment, seconds) per sequential round trip."""
@@ -144,19 +179,26 @@ class Prober:
                 self.link.send(self._offer(p))
                 reply = self._next(Merged)
                 out.append((p, time.perf_counter() - t))
-                self.version[p] = reply.version
+                self._take(reply)
         return out
 
     def throughput(self, rounds: int) -> tuple[float, int]:
-        """(seconds, offer bytes) for P x rounds offers sent back to back."""
-        n = rounds * len(self.names)
+        """(seconds, offer bytes) for `rounds` offers of every fragment, all P fragments in
+        flight at once, each next offer of p sent as soon as p's reply is in. (Not more per
+        fragment: an offer carries the version of the last reply, and the syncer drops a
+        second offer anchored on a version it has merged an offer on already.)"""
+        P = len(self.names)
+        left = [rounds] * P
         t = time.perf_counter()
-        for _ in range(rounds):
-            for p in range(len(self.names)):
-                self.link.send(self._offer(p))
-        for _ in range(n):
+        for p in range(P):
+            self.link.send(self._offer(p))
+            left[p] -= 1
+        for _ in range(rounds * P):
             reply = self._next(Merged)
-            self.version[reply.fragment] = max(self.version[reply.fragment], reply.version)
+            self._take(reply)
+            if left[reply.fragment]:
+                self.link.send(self._offer(reply.fragment))
+                left[reply.fragment] -= 1
         seconds = time.perf_counter() - t
         return seconds, rounds * sum(x.nbytes() for x in self.payloads)
 
@@ -165,11 +207,11 @@ class Prober:
 class RayProber:
     """A learner process holding the prober; the syncer delivers into its inbox."""
 
-    def __init__(self, syncer_name: str, names: list, shapes: dict):
+    def __init__(self, syncer_name: str, names: list, shapes: dict, offsets, H: int):
         self.inbox: queue.Queue = queue.Queue()
         link = ray_links.RayLearnerLink(0, [syncer_name], "none", lambda n: 0.0)
         link.inbox = self.inbox
-        self.prober = Prober(link, self.inbox, names, shapes)
+        self.prober = Prober(link, self.inbox, names, shapes, offsets, H)
 
     def deliver(self, msg) -> None:
         self.inbox.put(msg)
@@ -202,7 +244,7 @@ def roundtrip_local(run, rounds: int, names, shapes):
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    prober = Prober(link, link.inbox, names, shapes)
+    prober = Prober(link, link.inbox, names, shapes, plan.offsets, plan.sync_every)
     prober.join()
     out = prober.latency(rounds), prober.throughput(rounds)
     stop.set()
@@ -220,8 +262,9 @@ def roundtrip_ray(run, rounds: int, names, shapes):
     syncer = (
         ray.remote(SyncerActor).options(name=name, **opts).remote(0, run, ckpt, run_id, time.time())
     )
+    plan = syncer_host.fragment_plan(run)
     prober = RayProber.options(name=ray_links.actor_name(run_id, "learner", 0)).remote(
-        name, names, shapes
+        name, names, shapes, plan.offsets, plan.sync_every
     )
     latency, throughput = ray.get(prober.run.remote(rounds))
     records = ray.get(syncer.poll.remote())["records"]

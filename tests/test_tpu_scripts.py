@@ -33,6 +33,7 @@ launch = _load(ROOT / "scripts" / "tpu" / "launch.py", "tpu_launch")
 
 V5E = provision.Cloud("my-proj", "us-west4-a")
 V5P = provision.Cloud("my-proj", "us-east5-a")
+CKPT = "gs://my-bucket/checkpoints/run1"
 TPU_SSH = ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
 
 
@@ -93,7 +94,16 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="--wheel"):
         cluster.Source(wheel="dist/decoupled_diloco.tar.gz")
     with pytest.raises(ValueError, match="--config.<key>=<value>"):
-        cluster.main_command("c.py", "w", 2, spec, "h:1", overrides=("--train.steps=3",))
+        cluster.main_command("c.py", "w", 2, spec, "h:1", CKPT, overrides=("--train.steps=3",))
+    for relative in ("", "ckpt", "runs/dd/checkpoints"):  # each VM would write its own
+        with pytest.raises(ValueError, match="--checkpoint-dir"):
+            cluster.main_command("c.py", "w", 2, spec, "h:1", relative)
+    with pytest.raises(ValueError, match="--slice=2"):
+        cluster.join_commands(spec, "dd", 2, 2, "10.0.0.2", V5P)
+    with pytest.raises(ValueError, match="--multislice"):
+        provision.queued_resource_commands(spec, "dd", 2, V5P, multislice=True, only=1)
+    with pytest.raises(ValueError, match="--multislice"):
+        provision.delete_commands("dd", 2, V5P, multislice=True, only=0)
 
 
 def test_v5e_commands():
@@ -125,14 +135,18 @@ def test_v5e_commands():
     assert json.loads(resources[0].removeprefix("--resources=")) == {"TPU": 4, "dd-1": 1}
 
     main = cluster.main_command(
-        "configs/tpu_dense_multislice.py", "runs/dd", 2, spec, "10.0.0.2:6379"
+        "configs/tpu_dense_multislice.py", "runs/dd", 2, spec, "10.0.0.2:6379", CKPT
     )
     assert main == [
         "python", "-m", "decoupled_diloco.main",
         "--config=configs/tpu_dense_multislice.py", "--workdir=runs/dd",
-        "--config.runtime=ray", "--config.diloco.learners=2",
+        "--config.runtime=ray", "--config.ray.accelerator=tpu", "--config.diloco.learners=2",
         "--config.devices_per_learner=16", "--config.ray.address=10.0.0.2:6379",
+        "--config.ray.checkpoint_dir=gs://my-bucket/checkpoints/run1",
     ]  # fmt: skip
+    # A TPU run must not fall back to the CPU default, and every actor writes to one bucket.
+    assert "--config.ray.accelerator=tpu" in main
+    assert f"--config.ray.checkpoint_dir={CKPT}" in main
 
 
 def test_v5p_multislice_commands():
@@ -166,14 +180,36 @@ def test_v5p_multislice_commands():
         assert f'--resources={{"TPU": 4, "dd-{i}": 1}}' in words
 
     main = cluster.main_command(
-        "configs/tpu_moe_v5p.py", "runs/dd", 3, spec, "10.0.0.9:6379", ("--config.seed=3",)
-    )
-    assert main[-4:] == [
+        "configs/tpu_moe_v5p.py", "runs/dd", 3, spec, "10.0.0.9:6379", "/mnt/shared/ckpt",
+        ("--config.seed=3",),
+    )  # fmt: skip
+    assert main[-6:] == [
+        "--config.ray.accelerator=tpu",
         "--config.diloco.learners=3",
         "--config.devices_per_learner=16",
         "--config.ray.address=10.0.0.9:6379",
+        "--config.ray.checkpoint_dir=/mnt/shared/ckpt",
         "--config.seed=3",
     ]
+
+
+def test_one_slice_is_replaced_without_touching_the_head():
+    """create / setup / delete --slice=I and join act on slice I alone; ray-up restarts all."""
+    spec = parse_accelerator("v5p-32")
+    source = cluster.Source(git_url="https://example.com/dd.git")
+    (create,) = provision.queued_resource_commands(spec, "dd", 4, V5P, spot=True, only=2)
+    assert create[5:7] == ["dd-2-qr", "--node-id=dd-2"] and "--spot" in create
+    assert provision.delete_commands("dd", 4, V5P, only=2) == [
+        ["gcloud", "compute", "tpus", "queued-resources", "delete", "dd-2-qr",
+         "--zone=us-east5-a", "--project=my-proj", "--force"],
+    ]  # fmt: skip
+    setup = cluster.setup_commands("dd", 4, V5P, source, only=2)
+    assert setup == [cluster.setup_commands("dd", 4, V5P, source)[3]]  # head, dd-0, dd-1, dd-2
+    (join,) = cluster.join_commands(spec, "dd", 4, 2, "10.0.0.9", V5P)
+    assert join == cluster.ray_up_commands(spec, "dd", 4, "10.0.0.9", V5P)[3]
+    assert join[:7] == [*TPU_SSH, "dd-2", "--worker=all"]
+    for cmd in [create, *setup, join]:
+        assert not any("dd-head" in word for word in cmd)
 
 
 @pytest.mark.parametrize("wheel", ["", "dist/decoupled_diloco-0.1.0-py3-none-any.whl"])
@@ -206,7 +242,19 @@ STEPS = [
     ["create", *COMMON, "--accelerator=v5litepod-16", "--slices=2", "--spot"],
     ["setup", *COMMON, "--slices=2", "--git-url=https://example.com/dd.git"],
     ["ray-up", *COMMON, "--accelerator=v5litepod-16", "--slices=2"],
-    ["launch", *COMMON, "--accelerator=v5litepod-16", "--slices=2", "--", "--config.seed=1"],
+    [
+        "launch",
+        *COMMON,
+        "--accelerator=v5litepod-16",
+        "--slices=2",
+        f"--checkpoint-dir={CKPT}",
+        "--",
+        "--config.seed=1",
+    ],
+    ["join", *COMMON, "--accelerator=v5litepod-16", "--slices=2", "--slice=1"],
+    ["create", *COMMON, "--accelerator=v5litepod-16", "--slices=2", "--slice=1", "--spot"],
+    ["setup", *COMMON, "--slices=2", "--slice=0", "--wheel=dist/dd-0.1-py3-none-any.whl"],
+    ["delete", *COMMON, "--slices=2", "--slice=1"],
     ["status", *COMMON],
     ["delete", *COMMON, "--slices=2"],
 ]
@@ -216,7 +264,7 @@ def _no_subprocess(*args, **kwargs):
     raise AssertionError(f"a dry run must not run anything: {args}")
 
 
-@pytest.mark.parametrize("argv", STEPS, ids=[s[0] for s in STEPS])
+@pytest.mark.parametrize("argv", STEPS, ids=[f"{s[0]}{i}" for i, s in enumerate(STEPS)])
 def test_dry_run_prints_exact_commands_and_runs_nothing(argv, monkeypatch, capsys):
     monkeypatch.setattr(subprocess, "run", _no_subprocess)
     assert launch.main(argv) == 0
@@ -263,7 +311,25 @@ def test_execute_stops_at_the_first_failure(monkeypatch):
         (["create", *COMMON, "--accelerator=v6e-8", "--slices=1"], "--accelerator"),
         (["create", *COMMON, "--accelerator=v5p-8", "--slices=0"], "--slices"),
         (["setup", *COMMON, "--slices=1"], "--git-url or --wheel"),
-        (["launch", *COMMON, "--accelerator=v5p-8", "--slices=1", "--", "-x"], "--config."),
+        (
+            [
+                "launch",
+                *COMMON,
+                "--accelerator=v5p-8",
+                "--slices=1",
+                f"--checkpoint-dir={CKPT}",
+                "--",
+                "-x",
+            ],
+            "--config.",
+        ),
+        (["launch", *COMMON, "--accelerator=v5p-8", "--slices=1"], "--checkpoint-dir"),
+        (
+            ["launch", *COMMON, "--accelerator=v5p-8", "--slices=1", "--checkpoint-dir=ck"],
+            "--checkpoint-dir",
+        ),
+        (["join", *COMMON, "--accelerator=v5p-8", "--slices=2"], "--slice"),
+        (["join", *COMMON, "--accelerator=v5p-8", "--slices=2", "--slice=2"], "--slice=2"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message, monkeypatch, capsys):
@@ -302,15 +368,23 @@ def test_tpu_configs(file, preset, accelerator, mesh):
     assert c.data.source == "tfds" and c.data.tfds_name.startswith("c4/")
     assert c.model.vocab_size == c.data.spm_vocab_size
 
+    # Ray on TPU: learners on their chips, restarted however often Spot preempts them, Θ
+    # evaluated on a learner's slice rather than on the head VM's CPU.
+    assert (c.ray.accelerator, c.ray.max_restarts, c.ray.evaluate) == ("tpu", -1, "learner")
+
     # What the launcher passes: every key it overrides exists in the config file.
     spec = parse_accelerator(accelerator)
-    main = cluster.main_command(file, "w", 4, spec, "10.0.0.2:6379")
+    main = cluster.main_command(file, "w", 4, spec, "10.0.0.2:6379", CKPT)
     for flag in main:
         key = flag.removeprefix("--config.").split("=")[0]
         if flag.startswith("--config.") and key != cluster.RAY_ADDRESS_KEY:
             assert _has_key(c, key), key
     c.diloco.learners, c.devices_per_learner = 4, spec.chips
+    with pytest.raises(ValueError, match="ray.checkpoint_dir"):  # no shared path, no TPU run
+        config_lib.validate(c)
+    c.ray.checkpoint_dir = CKPT
     run = config_lib.validate(c)  # no TPU needed: the slice only enters through the mesh shape
+    assert run.ray.checkpoint_dir == CKPT
     assert sharding.mesh_shape(run.mesh, run.devices_per_learner) == mesh
 
     params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
@@ -323,6 +397,7 @@ def test_tpu_configs(file, preset, accelerator, mesh):
 
 def test_moe_config_needs_a_slice_of_at_least_8_chips():
     c = _tpu_config("tpu_moe_v5p.py")
+    c.ray.checkpoint_dir = CKPT
     c.devices_per_learner = parse_accelerator("v5p-8").chips  # 4 chips < expert axis 8
     with pytest.raises(ValueError, match="mesh"):
         config_lib.validate(c)

@@ -7,7 +7,11 @@ Placement (pure functions, testable without a cluster):
   m-th slice id (scripts/tpu registers `{"TPU": chips per host, "<node-id>": 1}` on every
   host); a slice of h hosts is h processes running the same program (multi-controller JAX,
   `jax.distributed.initialize()` inside the slice only when h > 1), each asking for one
-  host's `{"TPU": chips, "<node-id>": 1}`.
+  host's `{"TPU": chips, "<node-id>": 1}`. Process `host` of a multi-host learner is pinned
+  to TPU worker `host` with the node label `ray.io/tpu-worker-id` (Ray sets it from the TPU
+  VM metadata), because JAX numbers a slice's processes by TPU worker id too: host 0, the
+  one that owns the learner's link to the syncer, is then JAX process 0, the one
+  `SliceLink` broadcasts from.
 - The syncer goes where the custom resource `syncer` is (the head CPU VM) when the cluster
   has it; anywhere otherwise.
 
@@ -19,6 +23,8 @@ import os
 import warnings
 
 ACCELERATORS = ("cpu", "tpu")
+EVALUATE = ("driver", "learner", "off")  # where Θ is evaluated (runtime/ray_eval.py)
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"  # Ray's node label: a TPU VM's worker index
 SYNCER_RESOURCE = "syncer"  # the custom resource scripts/tpu puts on the head VM
 _STANDARD = {"CPU", "GPU", "TPU", "memory", "object_store_memory", SYNCER_RESOURCE}
 
@@ -27,12 +33,16 @@ _STANDARD = {"CPU", "GPU", "TPU", "memory", "object_store_memory", SYNCER_RESOUR
 class RayConfig:
     address: str = ""  # "" = start a local cluster for the run; "auto" / "host:port" joins one
     max_restarts: int = 3  # Ray restarts of each learner and syncer process; -1 = unlimited
+    # (a learner whose restarts are exhausted is lost: the run goes on without it)
     accelerator: str = "cpu"  # "cpu" (fake CPU devices per process) | "tpu" (a slice each)
     num_cpus: int = 0  # CPUs a local cluster advertises; 0 = os.cpu_count()
     temp_dir: str = "/tmp/ray_dd"  # a local cluster's session files (Ray's socket paths are
     # limited to ~100 characters, so not under a deep workdir)
     checkpoint_dir: str = ""  # "" = <workdir>/checkpoints; multi-node: a path all nodes reach
+    # (gs://BUCKET/run or a shared mount); required with accelerator "tpu"
     poll_seconds: float = 0.5  # how often the driver collects rows, records and progress
+    evaluate: str = "driver"  # where Θ is evaluated: "driver" (its own devices) | "learner"
+    # (the lowest live learner's devices, between its steps) | "off" (runtime/ray_eval.py)
 
     def validate(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -45,6 +55,15 @@ class RayConfig:
             raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
         if not self.poll_seconds > 0:
             raise ValueError(f"ray.poll_seconds must be > 0, got {self.poll_seconds}")
+        if self.evaluate not in EVALUATE:
+            raise ValueError(f"ray.evaluate must be one of {EVALUATE}, got {self.evaluate!r}")
+        shared = "://" in self.checkpoint_dir or os.path.isabs(self.checkpoint_dir)
+        if self.accelerator == "tpu" and not shared:
+            raise ValueError(
+                "ray.accelerator='tpu' needs ray.checkpoint_dir: a path every node of the "
+                "cluster reaches, e.g. gs://BUCKET/checkpoints/RUN (got "
+                f"{self.checkpoint_dir!r}); checkpoints are written by the actors on their hosts"
+            )
 
 
 def connect(cfg: RayConfig, verbose: bool) -> bool:
@@ -99,18 +118,25 @@ def syncer_options(cluster_resources: dict, shards: int, max_restarts: int) -> d
 
 
 def learner_options(
-    accelerator: str, devices_per_learner: int, max_restarts: int, host: dict | None = None
+    accelerator: str,
+    devices_per_learner: int,
+    max_restarts: int,
+    layout: dict | None = None,
+    host: int = 0,
 ) -> dict:
-    """Actor options of one learner process; `host` = {"slice": id, "chips": n} on TPU."""
+    """Actor options of process `host` of one learner; `layout` = {"slice": id, "hosts": h,
+    "chips": per host} on TPU (`learner_hosts`)."""
     opts = dict(max_restarts=max_restarts, max_task_retries=0, max_concurrency=8)
     if accelerator == "cpu":
         opts.update(num_cpus=0, runtime_env={"env_vars": cpu_env(devices_per_learner)})
     else:
         opts.update(
             num_cpus=0,
-            resources={"TPU": host["chips"], host["slice"]: 1},
+            resources={"TPU": layout["chips"], layout["slice"]: 1},
             runtime_env={"env_vars": _cache_env()},
         )
+        if layout["hosts"] > 1:  # host h on TPU worker h = JAX process h (also on a restart)
+            opts["label_selector"] = {WORKER_ID_LABEL: str(host)}
     return opts
 
 
@@ -119,9 +145,11 @@ def tpu_slices(nodes: list[dict]) -> dict[str, dict]:
 
     A TPU host's slice id is its one custom resource besides the standard ones, Ray's
     per-node `node:<ip>` / `accelerator_type:*` and the `TPU-*-head` marker. Sorted by id,
-    so learner m gets the m-th slice.
+    so learner m gets the m-th slice. The hosts of a multi-host slice must carry the worker
+    ids 0..h-1 (`WORKER_ID_LABEL`): learner processes are pinned to them.
     """
     out: dict[str, dict] = {}
+    workers: dict[str, list] = {}
     for node in nodes:
         res = node.get("Resources", {})
         if not node.get("Alive", True) or res.get("TPU", 0) <= 0:
@@ -137,15 +165,32 @@ def tpu_slices(nodes: list[dict]) -> dict[str, dict]:
             raise ValueError(f"TPU host {node.get('NodeManagerAddress')} has slice ids {ids}")
         entry = out.setdefault(ids[0], {"hosts": 0, "chips": int(res["TPU"])})
         entry["hosts"] += 1
+        workers.setdefault(ids[0], []).append(node.get("Labels", {}).get(WORKER_ID_LABEL))
+    for slice_id, entry in out.items():
+        found = sorted(map(str, workers[slice_id]))
+        if entry["hosts"] > 1 and found != sorted(map(str, range(entry["hosts"]))):
+            raise ValueError(
+                f"TPU slice {slice_id}: its {entry['hosts']} hosts have {WORKER_ID_LABEL} "
+                f"labels {found}, expected 0..{entry['hosts'] - 1} (Ray reads them from the "
+                "TPU VM metadata; a slice whose hosts have not all joined is incomplete)"
+            )
     return dict(sorted(out.items()))
 
 
-def learner_hosts(slices: dict[str, dict], num_learners: int) -> list[dict]:
-    """Learner m's slice and host layout; ValueError when the cluster has too few slices."""
+def learner_hosts(slices: dict[str, dict], num_learners: int, chips: int) -> list[dict]:
+    """Learner m's slice and host layout; ValueError when the cluster has too few slices or
+    the first M slices do not have `chips` chips each (devices_per_learner)."""
     if len(slices) < num_learners:
         raise ValueError(
             f"diloco.learners={num_learners} but the Ray cluster has {len(slices)} TPU slices "
             f"({sorted(slices)}): one learner per slice"
         )
-    names = list(slices)[:num_learners]
-    return [{"slice": s, **slices[s]} for s in names]
+    out = [{"slice": s, **slices[s]} for s in list(slices)[:num_learners]]
+    for layout in out:
+        if layout["hosts"] * layout["chips"] != chips:
+            raise ValueError(
+                f"TPU slice {layout['slice']} has {layout['hosts']} hosts x {layout['chips']} "
+                f"chips in the Ray cluster, devices_per_learner is {chips}: have all its "
+                "hosts joined?"
+            )
+    return out

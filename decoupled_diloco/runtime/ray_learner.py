@@ -5,7 +5,8 @@ after a crash resumes by itself: it takes its step count and data position from 
 checkpoint, its parameters from the syncer (Join -> Snapshot, a new incarnation) and goes
 on. A learner that raises exits its process the same way, so Ray restarts it too (up to
 `ray.max_restarts`). Actor methods run on other threads of the actor (`max_concurrency`):
-`deliver` (the syncer's replies) and `poll` (the driver collects rows, events and status).
+`deliver` (the syncer's replies), `poll` (the driver collects rows, events and status) and
+`evaluate` (Θ to evaluate between two steps, `ray.evaluate = "learner"`: runtime/ray_eval.py).
 
 Crashes from the fault schedule are real: the driver kills this process at the scheduled
 time; the restarted process waits for the scheduled restart time before it rejoins.
@@ -20,6 +21,7 @@ import time
 import traceback
 
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.runtime.ray_eval import LearnerEvals
 
 
 def configure_jax() -> None:
@@ -61,6 +63,10 @@ def _count_life(run_id: str, m: int, host: int) -> int:
     return n
 
 
+def _empty_out() -> dict:
+    return {"rows": [], "events": [], "steps": [], "evals": []}
+
+
 class LearnerActor:
     """Learner m (host `host` of its slice's `hosts`); wrap with `ray.remote(...)` to use."""
 
@@ -79,7 +85,10 @@ class LearnerActor:
         self.restarted = was_restarted()
         self.inbox: queue.Queue = queue.Queue()  # the link's inbox, exists before the link
         self._lock = threading.Lock()
-        self._out = {"rows": [], "events": [], "steps": []}
+        self._out = _empty_out()
+        self.evals = LearnerEvals(
+            host, hosts, self._make_evaluator, lambda r: self._emit("evals", r)
+        )
         self._status = {"step": 0, "incarnation": 0, "done": False, "error": None}
         self._thread = threading.Thread(target=self._main, name=f"learner{m}", daemon=True)
         self._thread.start()
@@ -94,12 +103,16 @@ class LearnerActor:
     def deliver(self, msg) -> None:
         self.inbox.put(msg)
 
+    def evaluate(self, tag: int, *theta_shards: dict) -> None:
+        """Queues Θ (the syncer shards' flat numpy dicts) for evaluation on this learner."""
+        self.evals.put(tag, theta_shards)
+
     def poll(self) -> dict:
         """What happened since the last poll, and the current status."""
         import ray
 
         with self._lock:
-            out, self._out = self._out, {"rows": [], "events": [], "steps": []}
+            out, self._out = self._out, _empty_out()
             return {
                 **out,
                 **self._status,
@@ -135,6 +148,11 @@ class LearnerActor:
 
         if self.hosts > 1:
             jax.distributed.initialize()  # within this slice only (TPU metadata)
+            if jax.process_index() != self.host:  # ray_cluster pins host h to TPU worker h
+                raise RuntimeError(
+                    f"learner {self.m}: host {self.host} runs as JAX process "
+                    f"{jax.process_index()}; host 0 owns the link and must be process 0"
+                )
 
         from decoupled_diloco import faults
         from decoupled_diloco.checkpoint import Checkpointer
@@ -151,7 +169,7 @@ class LearnerActor:
                 f"learner {m} sees {len(devices)} devices, devices_per_learner is "
                 f"{run.devices_per_learner}"
             )
-        mesh = make_mesh(devices[: run.devices_per_learner], run.mesh)
+        self.mesh = mesh = make_mesh(devices[: run.devices_per_learner], run.mesh)
         self.schedule = faults.FaultSchedule(run.faults, M, SCHEDULE_HORIZON_S)
         plan = syncer_host.fragment_plan(run)
         data = make_iterator(run.data, "train", run.train.batch_size, m, M)
@@ -243,6 +261,8 @@ class LearnerActor:
             if every and learner.step % every == 0:
                 learner_host.save_learner(learner, self.ckpt)
             self._set_status()
+            if run.ray.evaluate == "learner":
+                self.evals.serve()
         finished_at = self.now()  # training ends; final offers and checkpoint are the tail
         if learner.state is not None:
             learner.finish()
@@ -252,6 +272,17 @@ class LearnerActor:
         self.ckpt.close()
         self._set_status(done=True, finished_at=finished_at)
         self._event("learner_done", step=learner.step)
+        while run.ray.evaluate == "learner":  # devices free now: evaluate when asked
+            self.evals.serve()
+            time.sleep(0.05)
+
+    def _make_evaluator(self):
+        from decoupled_diloco.train.evaluate import Evaluator
+
+        run = self.run
+        return Evaluator(
+            run.model, run.data, self.mesh, run.train.batch_size, run.train.eval_batches
+        )
 
     def _down(self, t: float) -> bool:
         """Not up at t. A scheduled crash: the driver kills this process; wait for that (or,

@@ -7,17 +7,18 @@ Payloads are `compression.Encoded` numpy arrays (never device arrays): Ray pickl
 out-of-band into its shared-memory object store, and a reply sent to M learners is put
 there once.
 
-Failures: Ray queues calls to an actor it is restarting; a call that fails anyway (in
-flight when the process died, or the actor unavailable) is held by the poster and retried
-with the next message: joins and leaves in order, only the latest offer per fragment (a
-newer offer's parameters contain the older one's work) and the latest heartbeat. Either
-way the sender thread, not the learner, waits, and the restored syncer gets the offers
-(offers based on versions newer than its checkpoint are rejected as "from the future"
-until the learner has taken the restored syncer's snapshot). Meanwhile the learner's later
-offers wait in its link's outbox as device copies, about one fragment per step of the
-outage (not coalesced). ActorDiedError means the shard's restarts are exhausted: the
-poster drops everything from then on. Replies to a learner that is down are dropped, as in
-process.
+Failures: actors are created with `max_task_retries=0`, so a call to a shard that Ray is
+restarting fails at once with ActorUnavailableError (Ray does not queue it), as does a call
+in flight when the process died. The poster holds such a message and retries it with the
+next message (a heartbeat at the latest) or in `flush`: joins and leaves in order, only the
+latest offer per fragment (a newer offer's parameters contain the older one's work) and the
+latest heartbeat. The sender thread, not the learner, waits, and the restored syncer gets
+the offers (offers anchored on versions of the syncer's lost life are rejected, see
+`Offer.epoch`, until the learner has taken the restored syncer's snapshot). Meanwhile the
+learner's later offers wait in its link's outbox as device copies, about one fragment per
+step of the outage (not coalesced). ActorDiedError means the shard's restarts are
+exhausted: the poster drops everything from then on. Replies to a learner that is down are
+dropped, as in process.
 """
 
 import contextlib
@@ -32,7 +33,7 @@ from decoupled_diloco.diloco.messages import Heartbeat, Offer
 from decoupled_diloco.diloco.transport import LearnerLink
 from decoupled_diloco.runtime.links import LocalLearnerLink
 
-_CALL_TIMEOUT_S = 10.0  # between checks on a call queued at a restarting shard
+_CALL_TIMEOUT_S = 10.0  # between checks on a call a busy shard has not answered yet
 
 
 def actor_name(run_id: str, role: str, index: int, host: int = 0) -> str:
@@ -100,7 +101,7 @@ class SyncerPoster:
                         ray.get(ref, timeout=_CALL_TIMEOUT_S)
                         break
                     except ray.exceptions.GetTimeoutError:
-                        pass  # queued at a restarting shard: wait, never post it twice
+                        pass  # accepted by a busy shard: wait, never post it twice
             except ray.exceptions.ActorUnavailableError:
                 return  # the call failed: keep the message for the next attempt
             except ray.exceptions.ActorDiedError:

@@ -12,11 +12,16 @@ watches and reports:
 - watch: every `ray.poll_seconds` it collects learner rows and events, the syncer's merge
   records and every process's pid; it applies the fault schedule's crashes by killing the
   real processes (SIGKILL by pid on this node, `ray.kill` elsewhere); at `train.eval_every`
-  it fetches Θ from the syncer shards as numpy and evaluates it on its own devices;
+  it has Θ evaluated where `ray.evaluate` says: on its own devices (fetched from the syncer
+  shards as numpy), on a learner's devices (TPU), or not at all (runtime/ray_eval.py);
 - report: the driver is the only writer of metrics.jsonl, merges.jsonl, events.jsonl and
   summary.json (same keys as the local runtime), so actors need no shared filesystem for
   them. Checkpoints are written by the actors themselves under `ray.checkpoint_dir`, which
   must be reachable from every node of a multi-node cluster.
+
+A learner whose process dies more than `ray.max_restarts` times is lost: the run goes on
+with the others (an event `learner_lost` in events.jsonl, a warning on stderr) and fails
+only when every learner is lost.
 
 Differences from the local runtime, all from real process boundaries: a killed learner
 redoes the steps since its last checkpoint (`train.checkpoint_every`), so metrics.jsonl can
@@ -24,8 +29,10 @@ hold a step twice; rows and records buffered in a process when it dies are lost;
 scheduled crash lasts at least as long as Ray needs to restart the process (seconds).
 """
 
+import math
 import os
 import signal
+import sys
 import time
 import types
 import uuid
@@ -36,7 +43,7 @@ import ray
 from decoupled_diloco import faults, sharding
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import JsonlWriter, Progress, write_json
-from decoupled_diloco.runtime import accounting, ray_cluster, ray_links, report
+from decoupled_diloco.runtime import accounting, ray_cluster, ray_eval, ray_links, report
 from decoupled_diloco.runtime.local import SCHEDULE_HORIZON_S, learner_devices
 from decoupled_diloco.runtime.ray_learner import LearnerActor
 from decoupled_diloco.runtime.ray_syncer import SyncerActor
@@ -52,7 +59,10 @@ class RayRuntime:
         self.events = JsonlWriter(os.path.join(workdir, "events.jsonl"))
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, SCHEDULE_HORIZON_S)
         self.ledger = accounting.Ledger(run.num_learners, run.train.uptime_window)
-        self.ckpt_dir = run.ray.checkpoint_dir or os.path.join(workdir, "checkpoints")
+        ckpt_dir = run.ray.checkpoint_dir or os.path.join(workdir, "checkpoints")
+        # Actors resolve paths from their own working directory: give them an absolute one.
+        self.ckpt_dir = ckpt_dir if "://" in ckpt_dir else os.path.abspath(ckpt_dir)
+        self.evals = ray_eval.DriverEvals()
         self.t0 = time.time()
         M = run.num_learners
         self.learners: dict[tuple[int, int], object] = {}  # (m, host) -> actor handle
@@ -100,14 +110,15 @@ class RayRuntime:
             actor = ray.remote(SyncerActor).options(name=name, **opts)
             self.syncers.append(actor.remote(s, run, self.ckpt_dir, self.run_id, self.t0))
         if rc.accelerator == "tpu":
-            hosts = ray_cluster.learner_hosts(ray_cluster.tpu_slices(ray.nodes()), run.num_learners)
+            slices = ray_cluster.tpu_slices(ray.nodes())
+            layouts = ray_cluster.learner_hosts(slices, run.num_learners, run.devices_per_learner)
         else:
-            hosts = [None] * run.num_learners
-        self.hosts = [1 if h is None else h["hosts"] for h in hosts]
-        for m, layout in enumerate(hosts):
+            layouts = [None] * run.num_learners
+        self.hosts = [1 if h is None else h["hosts"] for h in layouts]
+        for m, layout in enumerate(layouts):
             for host in range(self.hosts[m]):
                 o = ray_cluster.learner_options(
-                    rc.accelerator, run.devices_per_learner, rc.max_restarts, layout
+                    rc.accelerator, run.devices_per_learner, rc.max_restarts, layout, host
                 )
                 name = ray_links.actor_name(self.run_id, "learner", m, host)
                 actor = ray.remote(LearnerActor).options(name=name, **o)
@@ -116,9 +127,13 @@ class RayRuntime:
                 )
 
     def _build_evaluator(self) -> None:
-        """Evaluates Θ on the driver's devices: learner 0's device group when the driver
-        has that many (the local runtime's choice), else one device."""
+        """With `ray.evaluate = "driver"`, evaluates Θ on the driver's devices: learner 0's
+        device group when the driver has that many (the local runtime's choice), else one."""
         run = self.run_cfg
+        self.progress = Progress(run.train.steps)
+        self.evaluator = None
+        if run.ray.evaluate != "driver":
+            return
         if jax.device_count() >= run.devices_per_learner:
             mesh = sharding.make_mesh(learner_devices(run, 0), run.mesh)
         else:
@@ -126,7 +141,6 @@ class RayRuntime:
         self.evaluator = Evaluator(
             run.model, run.data, mesh, run.train.batch_size, run.train.eval_batches
         )
-        self.progress = Progress(run.train.steps)
 
     # --- watch ------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -139,16 +153,17 @@ class RayRuntime:
             lead = max(s["step"] for s in self.status)
             if next_eval and lead >= next_eval and lead < run.train.steps:
                 next_eval += run.train.eval_every
-                self.metrics.write(
-                    {
-                        "learner": "global",
-                        "step": lead,
-                        "tokens": self._tokens(),
-                        "eval_loss": self.evaluator(self._global_params()),
-                        "merges": self.ledger.merges,
-                        "time": self.now(),
-                    }
-                )
+                row = {
+                    "learner": "global",
+                    "step": lead,
+                    "tokens": self._tokens(),
+                    "merges": self.ledger.merges,
+                    "time": self.now(),
+                }
+                if run.ray.evaluate == "driver":
+                    self.metrics.write({**row, "eval_loss": self.evaluator(self._global_params())})
+                elif run.ray.evaluate == "learner" and (m := self._eval_learner()) is not None:
+                    self.evals.request(self._processes(m), self.syncers, row)
         if len(self.lost) == run.num_learners:
             raise RuntimeError(
                 f"every learner died for good (ray.max_restarts={run.ray.max_restarts}); "
@@ -192,6 +207,12 @@ class RayRuntime:
             self.ledger.step(m, seconds, t)
         for ev in out["events"]:
             self._learner_event(m, ev)
+        for result in out["evals"]:
+            if "error" in result:
+                self.events.write({"event": "eval_error", "learner": m, **result})
+            row = self.evals.result(result)
+            if row is not None:
+                self.metrics.write(row)
         for row in out["rows"]:
             self.metrics.write(row)
             if m == 0 and self.verbose:
@@ -246,10 +267,34 @@ class RayRuntime:
 
     def _learner_lost(self, m: int, err: BaseException) -> None:
         self.lost.add(m)
+        if m not in self._counted_failure:  # died by itself: its last death is a failure too
+            self.ledger.failure(m, self.now())
         self.ledger.finish(m, self.now())
+        last = self.errors.get(m, str(err).strip().splitlines()[0][:300])
         self.events.write(
-            {"event": "learner_lost", "learner": m, "error": str(err)[:300], "time": self.now()}
+            {
+                "event": "learner_lost",
+                "learner": m,
+                "step": self.status[m]["step"],
+                "error": last,
+                "time": self.now(),
+            }
         )
+        print(
+            f"learner {m} is lost for good at step {self.status[m]['step']} "
+            f"(ray.max_restarts={self.run_cfg.ray.max_restarts} exhausted; last error: {last}); "
+            f"the run goes on with {self.run_cfg.num_learners - len(self.lost)} learners",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _eval_learner(self) -> int | None:
+        """The learner that evaluates Θ with `ray.evaluate = "learner"`: the lowest-numbered
+        one still in the run (None: none is)."""
+        return next((m for m in range(self.run_cfg.num_learners) if m not in self.lost), None)
+
+    def _processes(self, m: int) -> list:
+        return [self.learners[(m, h)] for h in range(self.hosts[m])]
 
     # --- faults -----------------------------------------------------------------------
     def _apply_faults(self) -> None:
@@ -310,7 +355,7 @@ class RayRuntime:
             stats.append(out["stats"])
             for rec in out["records"]:
                 self._record(rec)
-        final = self.evaluator(self._global_params())
+        final = self._final_eval()
         steps = max(s["step"] for s in self.status)
         self.metrics.write(
             {
@@ -334,6 +379,23 @@ class RayRuntime:
         write_json(os.path.join(self.workdir, "summary.json"), summary)
         self.progress.close()
         return summary
+
+    def _final_eval(self) -> float:
+        """Θ's final eval loss, evaluated where `ray.evaluate` says (NaN: "off" or failed)."""
+        mode = self.run_cfg.ray.evaluate
+        if mode == "driver":
+            return self.evaluator(self._global_params())
+        m = self._eval_learner()
+        if mode == "off" or m is None:
+            return math.nan
+        tag = self.evals.request(self._processes(m), self.syncers, None)
+        deadline = time.monotonic() + ray_eval.FINAL_EVAL_TIMEOUT_S
+        while tag not in self.evals.results and m not in self.lost:
+            self.evals.reap()
+            if tag in self.evals.failed or time.monotonic() > deadline:
+                break
+            self._collect()
+        return self.evals.results.get(tag, math.nan)
 
 
 def _call(method, *args, timeout: float = 600.0):

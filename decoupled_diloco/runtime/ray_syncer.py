@@ -67,6 +67,9 @@ class SyncerActor:
                     "event": "syncer_restore",
                     "shard": shard,
                     "versions": dict(self.syncer.version),
+                    "epoch": self.syncer.epoch,
+                    # records of this shard after this many were rolled back (as in process)
+                    "log_position": self.syncer.log_position,
                     "time": self.now(),
                 }
             )

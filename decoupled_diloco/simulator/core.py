@@ -179,7 +179,9 @@ def simulate(
 ) -> SimResult:
     """Simulates one run. Without `fault_spec`, failures come from params.chip_mtbf_years
     on N chips in slices; with it, from `FaultSchedule(fault_spec, learners, horizon)`, each
-    learner one unit of chips_per_learner chips (the comparison with real runs)."""
+    learner one unit of chips_per_learner chips (the comparison with real runs). The
+    schedule then has its own seed (`fault_spec.seed`, also the result's `seed`) and speeds:
+    params.seed and the other chip-MTBF fields (simulate.CHIP_MTBF_ONLY) are not used."""
     p = SimParams() if params is None else params
     _check(method, chips, learners, p, fault_spec)
     horizon = p.horizon_s

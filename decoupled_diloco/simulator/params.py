@@ -37,7 +37,11 @@ def _p(default, help_text: str):
 class SimParams:
     """Hardware, recovery and algorithm timings of one simulated run (seconds unless named)."""
 
-    seed: int = _p(0, "Seed of the chip-failure trace and the speed-noise samples.")
+    seed: int = _p(
+        0,
+        "Seed of the chip-failure trace and the speed-noise samples. Not used with "
+        "--fault_spec, whose schedule has its own seed (an error if given with it).",
+    )
     horizon_days: float = _p(
         14.0,
         "Simulated wall time in days. Two weeks gives ~46k failures at 1.2M chips, so the "

@@ -3,6 +3,9 @@
 
 Dry run by default: prints the exact commands (copy-pasteable); `--execute` runs them one by
 one and stops at the first failure. Step by step, with costs: scripts/tpu/README.md.
+`--slice=I` makes create, setup and delete act on slice I alone (never on the head), and
+`join` (re)joins slice I to the running Ray cluster: how a preempted slice is replaced while
+the run goes on (`ray-up` restarts the head and would kill the run).
 
   python scripts/tpu/launch.py create --project=P --zone=us-west4-a \
       --accelerator=v5litepod-16 --slices=4 --spot
@@ -10,7 +13,10 @@ one and stops at the first failure. Step by step, with costs: scripts/tpu/README
   python scripts/tpu/launch.py ray-up --project=P --zone=us-west4-a \
       --accelerator=v5litepod-16 --slices=4
   python scripts/tpu/launch.py launch --project=P --zone=us-west4-a \
-      --accelerator=v5litepod-16 --slices=4 -- --config.train.steps=1000
+      --accelerator=v5litepod-16 --slices=4 --checkpoint-dir=gs://BUCKET/ckpt/run1 \
+      -- --config.train.steps=1000
+  python scripts/tpu/launch.py join --project=P --zone=us-west4-a \
+      --accelerator=v5litepod-16 --slices=4 --slice=2
   python scripts/tpu/launch.py status --project=P --zone=us-west4-a
   python scripts/tpu/launch.py delete --project=P --zone=us-west4-a --slices=4
 """
@@ -36,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--execute", action="store_true", help="run the commands (default: print)")
     slices = argparse.ArgumentParser(add_help=False)
     slices.add_argument("--slices", type=int, required=True, help="M: slices = learners")
+    one = argparse.ArgumentParser(add_help=False)
+    one.add_argument("--slice", type=int, default=None, help="slice I alone; not the head")
     accel = argparse.ArgumentParser(add_help=False)
     accel.add_argument("--accelerator", required=True, help="v5litepod-N or v5p-N, per slice")
     ray = argparse.ArgumentParser(add_help=False)
@@ -44,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="step", required=True)
-    c = sub.add_parser("create", parents=[common, slices, accel], help="queued resources + head")
+    c = sub.add_parser("create", parents=[common, slices, one, accel], help="slices + head")
     c.add_argument("--runtime-version", default="", help="default: the generation's JAX image")
     c.add_argument("--spot", action="store_true", help="Spot TPUs: cheaper, preemptible")
     c.add_argument("--reserved", action="store_true", help="use the project's TPU reservation")
@@ -53,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--head-machine-type", default="n2-highmem-32", help="CPU VM of the syncer")
     c.add_argument("--head-disk-size", default="200GB")
     c.add_argument("--no-head", action="store_true", help="the head VM exists already")
-    s = sub.add_parser("setup", parents=[common, slices], help="install on head and TPU hosts")
+    s = sub.add_parser("setup", parents=[common, slices, one], help="install on head, TPU hosts")
     s.add_argument("--git-url", default="", help="repository to install from")
     s.add_argument("--git-ref", default="main", help="branch, tag or commit")
     s.add_argument("--wheel", default="", help="local wheel instead of --git-url")
@@ -61,20 +69,27 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--python-version", default=cluster.Versions.python)
     s.add_argument("--jax-version", default=cluster.Versions.jax)
     s.add_argument("--ray-version", default=cluster.Versions.ray)
-    sub.add_parser("ray-up", parents=[common, slices, accel, ray], help="start the Ray cluster")
+    sub.add_parser("ray-up", parents=[common, slices, accel, ray], help="(re)start Ray: all")
+    j = sub.add_parser("join", parents=[common, slices, accel, ray], help="(re)join one slice")
+    j.add_argument("--slice", type=int, required=True, help="the slice I to (re)join")
     la = sub.add_parser("launch", parents=[common, slices, accel, ray], help="start the driver")
     la.add_argument("--config", default="configs/tpu_dense_multislice.py")
     la.add_argument("--workdir", default="", help="default: runs/<name> in the head's checkout")
+    la.add_argument(
+        "--checkpoint-dir",
+        required=True,
+        help="where learners and syncer checkpoint, reachable from every VM: gs://BUCKET/...",
+    )
     la.add_argument("overrides", nargs="*", help="after --: --config.<key>=<value> overrides")
     sub.add_parser("status", parents=[common], help="queued resources, Ray status, driver log")
-    d = sub.add_parser("delete", parents=[common, slices], help="delete slices and head VM")
+    d = sub.add_parser("delete", parents=[common, slices, one], help="delete slices, head VM")
     d.add_argument("--multislice", action="store_true", help="slices were created --multislice")
     d.add_argument("--keep-head", action="store_true", help="delete only the TPU slices")
     return p
 
 
 def _needs_head_ip_lookup(args) -> bool:
-    return args.step in ("ray-up", "launch") and not args.head_ip
+    return args.step in ("ray-up", "join", "launch") and not args.head_ip
 
 
 def _head_ip(args, cloud: provision.Cloud) -> str:
@@ -106,8 +121,9 @@ def plan(args) -> list[list[str]]:
             reserved=args.reserved,
             multislice=args.multislice,
             valid_until_duration=args.valid_until_duration,
+            only=args.slice,
         )
-        if not args.no_head:
+        if not args.no_head and args.slice is None:
             cmds.append(
                 provision.head_vm_command(name, cloud, args.head_machine_type, args.head_disk_size)
             )
@@ -115,22 +131,29 @@ def plan(args) -> list[list[str]]:
     if args.step == "setup":
         source = cluster.Source(args.git_url, args.git_ref, args.wheel, args.configs_dir)
         versions = cluster.Versions(args.python_version, args.jax_version, args.ray_version)
-        return cluster.setup_commands(name, args.slices, cloud, source, versions)
+        return cluster.setup_commands(name, args.slices, cloud, source, versions, args.slice)
     if args.step == "ray-up":
         ip = _head_ip(args, cloud)
         return cluster.ray_up_commands(spec, name, args.slices, ip, cloud, args.ray_port)
+    if args.step == "join":
+        ip = _head_ip(args, cloud)
+        return cluster.join_commands(spec, name, args.slices, args.slice, ip, cloud, args.ray_port)
     if args.step == "launch":
         cluster.check_overrides(args.overrides)  # before any look-up
+        cluster.check_checkpoint_dir(args.checkpoint_dir)
         address = f"{_head_ip(args, cloud)}:{args.ray_port}"
         workdir = args.workdir or f"runs/{name}"
         python = f"../{cluster.VENV}/bin/python"
+        overrides = tuple(args.overrides)
         main = cluster.main_command(
-            args.config, workdir, args.slices, spec, address, tuple(args.overrides), python
+            args.config, workdir, args.slices, spec, address, args.checkpoint_dir, overrides, python
         )
         return [cluster.launch_command(name, cloud, main)]
     if args.step == "status":
         return cluster.status_commands(name, cloud)
-    return provision.delete_commands(name, args.slices, cloud, args.multislice, args.keep_head)
+    return provision.delete_commands(
+        name, args.slices, cloud, args.multislice, args.keep_head, args.slice
+    )
 
 
 def run(commands: list[list[str]], execute: bool) -> None:

@@ -1,6 +1,8 @@
 """Pure builders of the commands that install the package, start the Ray cluster and launch a
 run: the head VM gets a checkout (for configs/) and CPU jax, every TPU VM gets jax[tpu]; Ray's
-head runs on the CPU VM and every host of every slice joins it. Nothing runs here.
+head runs on the CPU VM and every host of every slice joins it. A single slice can be
+installed and (re)joined on its own, without touching the head (and so a running run).
+Nothing runs here.
 """
 
 import dataclasses
@@ -9,13 +11,16 @@ import posixpath
 import shlex
 
 from tpu_provision import Cloud, head_ssh, tpu_ssh
-from tpu_slices import SliceSpec, head_vm_name, node_ids
+from tpu_slices import SliceSpec, head_vm_name, node_ids, one_slice
 
 VENV = "dd-venv"  # virtualenv in the remote home directory, on the head and every TPU VM
 REPO_DIR = "decoupled_diloco"  # checkout on the head VM: the driver's working directory
 RAY_PORT = 6379  # Ray's default GCS port
 SYNCER_RESOURCE = "syncer"  # custom Ray resource only the head VM has: pins the syncer there
 RAY_ADDRESS_KEY = "ray.address"  # config key with which the Ray runtime joins a cluster
+# What the launcher sets for a TPU run besides the learner count and the chips per learner.
+RAY_ACCELERATOR = "--config.ray.accelerator=tpu"  # one learner per slice, on its TPU chips
+CHECKPOINT_KEY = "ray.checkpoint_dir"  # where every actor writes (a path all hosts reach)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +60,23 @@ def install_script(packages: list[str], versions: Versions) -> str:
 
 
 def setup_commands(
-    name: str, num_slices: int, cloud: Cloud, source: Source, versions: Versions = Versions()
+    name: str,
+    num_slices: int,
+    cloud: Cloud,
+    source: Source,
+    versions: Versions = Versions(),
+    only: int | None = None,
 ) -> list[list[str]]:
-    """Install on the head VM (first), then on every host of every slice."""
+    """Install on the head VM (first), then on every host of every slice; `only` = i: on
+    every host of slice i alone (a replaced slice), never on the head."""
+    nodes = node_ids(name, num_slices) if only is None else [one_slice(name, num_slices, only)]
     ray = f"ray[default]=={versions.ray}"
-    out: list[list[str]] = []
+    head: list[list[str]] = []
     if source.wheel:
         wheel = f"./{posixpath.basename(source.wheel)}"
         tpu_pkg = head_pkg = wheel
         scp = ["gcloud", "compute", "scp", "--recurse", source.wheel, source.configs_dir]
-        out.append([*scp, f"{head_vm_name(name)}:", *cloud.flags])
+        head.append([*scp, f"{head_vm_name(name)}:", *cloud.flags])
         head_prep = f"mkdir -p {REPO_DIR} && rm -rf {REPO_DIR}/configs && mv configs {REPO_DIR}/"
     else:
         tpu_pkg = f"decoupled_diloco @ git+{source.git_url}@{source.git_ref}"
@@ -79,9 +91,10 @@ def setup_commands(
     apt_get = "sudo apt-get -o DPkg::Lock::Timeout=600"
     apt = f"{apt_get} update -q && {apt_get} install -yq git python3-pip"
     head_install = install_script([f"jax=={versions.jax}", ray, head_pkg], versions)
-    out.append(head_ssh(name, cloud, f"{apt} && {head_prep} && {head_install}"))
+    head.append(head_ssh(name, cloud, f"{apt} && {head_prep} && {head_install}"))
+    out = head if only is None else []
     tpu_install = install_script([f"jax[tpu]=={versions.jax}", ray, tpu_pkg], versions)
-    for node in node_ids(name, num_slices):
+    for node in nodes:
         if source.wheel:
             scp = ["gcloud", "compute", "tpus", "tpu-vm", "scp", source.wheel, f"{node}:"]
             out.append([*scp, "--worker=all", *cloud.flags])
@@ -96,7 +109,8 @@ def _ray_start(flags: str, resources: dict) -> str:
 
 
 def ray_head_command(name: str, cloud: Cloud, port: int = RAY_PORT) -> list[str]:
-    """(Re)starts the Ray head on the CPU VM, with the resource that pins the syncer there."""
+    """(Re)starts the Ray head on the CPU VM, with the resource that pins the syncer there.
+    `ray stop` first: on a cluster with a run going, that kills the run."""
     return head_ssh(name, cloud, _ray_start(f"--head --port={port}", {SYNCER_RESOURCE: 1}))
 
 
@@ -105,7 +119,9 @@ def ray_worker_command(
 ) -> list[str]:
     """(Re)joins every host of slice `node` as {"TPU": chips per host, "<node>": 1}: the names
     Ray also auto-detects on TPU VMs, stated so they need no metadata server. A learner asks for
-    its slice by `<node>`; Ray adds "TPU-<type>-head" on the slice's worker 0 by itself."""
+    its slice by `<node>`; Ray adds "TPU-<type>-head" on the slice's worker 0 and the label
+    `ray.io/tpu-worker-id` on every host (from the VM metadata) by itself. Touches only this
+    slice: its learner's processes die and Ray restarts them there once it has rejoined."""
     resources = {"TPU": spec.chips_per_host, node: 1}
     return tpu_ssh(node, cloud, _ray_start(f"--address={head_ip}:{port}", resources))
 
@@ -113,9 +129,23 @@ def ray_worker_command(
 def ray_up_commands(
     spec: SliceSpec, name: str, num_slices: int, head_ip: str, cloud: Cloud, port: int = RAY_PORT
 ) -> list[list[str]]:
+    """A fresh cluster: the head, then every slice. Never while a run is going (`join`)."""
     nodes = node_ids(name, num_slices)
     workers = [ray_worker_command(node, spec, head_ip, cloud, port) for node in nodes]
     return [ray_head_command(name, cloud, port), *workers]
+
+
+def join_commands(
+    spec: SliceSpec,
+    name: str,
+    num_slices: int,
+    index: int,
+    head_ip: str,
+    cloud: Cloud,
+    port: int = RAY_PORT,
+) -> list[list[str]]:
+    """(Re)joins slice `index` alone to the running cluster; the head is not touched."""
+    return [ray_worker_command(one_slice(name, num_slices, index), spec, head_ip, cloud, port)]
 
 
 def check_overrides(overrides) -> None:
@@ -125,24 +155,40 @@ def check_overrides(overrides) -> None:
         raise ValueError(f"extra arguments must be --config.<key>=<value> overrides, got {bad}")
 
 
+def check_checkpoint_dir(path: str) -> str:
+    """Learners write their checkpoints on their own TPU hosts and the syncer on the head, so
+    the directory must be one they all reach: a bucket (gs://...) or an absolute path on a
+    filesystem mounted on every VM."""
+    if "://" not in path and not posixpath.isabs(path):
+        raise ValueError(
+            f"--checkpoint-dir={path!r}: give a path every VM reaches, e.g. "
+            "gs://BUCKET/checkpoints/RUN (or an absolute path on a shared mount)"
+        )
+    return path
+
+
 def main_command(
     config: str,
     workdir: str,
     num_slices: int,
     spec: SliceSpec,
     ray_address: str,
+    checkpoint_dir: str,
     overrides: tuple[str, ...] = (),
     python: str = "python",
 ) -> list[str]:
     """The entry point with M learners, one per slice, each over the slice's `spec.chips`."""
     node_ids("learner", num_slices)  # validates the slice count
+    check_checkpoint_dir(checkpoint_dir)
     check_overrides(overrides)
     return [
         *[python, "-m", "decoupled_diloco.main", f"--config={config}", f"--workdir={workdir}"],
         "--config.runtime=ray",
+        RAY_ACCELERATOR,
         f"--config.diloco.learners={num_slices}",
         f"--config.devices_per_learner={spec.chips}",
         f"--config.{RAY_ADDRESS_KEY}={ray_address}",
+        f"--config.{CHECKPOINT_KEY}={checkpoint_dir}",
         *overrides,
     ]
 

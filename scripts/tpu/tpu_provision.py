@@ -4,7 +4,7 @@ CPU head VM. Each returns argv lists for `subprocess.run` (no local shell); noth
 
 import dataclasses
 
-from tpu_slices import SliceSpec, head_vm_name, node_ids, queued_resource_ids
+from tpu_slices import SliceSpec, head_vm_name, node_ids, one_slice, queued_resource_ids
 
 QUEUED = ["gcloud", "compute", "tpus", "queued-resources"]
 TPU_VM = ["gcloud", "compute", "tpus", "tpu-vm"]
@@ -38,18 +38,21 @@ def queued_resource_commands(
     reserved: bool = False,
     multislice: bool = False,
     valid_until_duration: str = "",
+    only: int | None = None,
 ) -> list[list[str]]:
     """`gcloud compute tpus queued-resources create` for M slices named `<name>-<i>`.
 
     Default: one queued resource per slice, so each slice is provisioned, preempted and
     replaced on its own (the failure isolation Decoupled DiLoCo relies on). `multislice`
     requests all M in one resource (`--node-count`: all or nothing; gcloud needs M >= 2).
+    `only` = i: slice i alone (re-creating a preempted slice).
     """
     if spot and reserved:
         raise ValueError("--spot and --reserved are exclusive: pick one provisioning model")
     nodes = node_ids(name, num_slices)
     if multislice and num_slices < 2:
         raise ValueError("--multislice needs --slices >= 2 (gcloud --node-count > 1), got 1")
+    _check_only(name, num_slices, multislice, only)
     flags = [
         f"--accelerator-type={spec.accelerator_type}",
         f"--runtime-version={runtime_version or spec.runtime_version}",
@@ -62,8 +65,21 @@ def queued_resource_commands(
     if multislice:
         count = [f"--node-count={num_slices}", f"--node-prefix={name}"]
         return [[*QUEUED, "create", qrs[0], *count, *flags]]
-    pairs = zip(qrs, nodes, strict=True)
+    pairs = list(zip(qrs, nodes, strict=True))
+    if only is not None:
+        pairs = [pairs[only]]
     return [[*QUEUED, "create", qr, f"--node-id={node}", *flags] for qr, node in pairs]
+
+
+def _check_only(name: str, num_slices: int, multislice: bool, only: int | None) -> None:
+    if only is None:
+        return
+    one_slice(name, num_slices, only)
+    if multislice:
+        raise ValueError(
+            "--slice works on slices created one queued resource each; a --multislice "
+            "request is all or nothing (delete and re-create it whole)"
+        )
 
 
 def head_vm_command(name: str, cloud: Cloud, machine_type: str, disk_size: str) -> list[str]:
@@ -91,12 +107,21 @@ def head_ip_command(name: str, cloud: Cloud) -> list[str]:
 
 
 def delete_commands(
-    name: str, num_slices: int, cloud: Cloud, multislice: bool = False, keep_head: bool = False
+    name: str,
+    num_slices: int,
+    cloud: Cloud,
+    multislice: bool = False,
+    keep_head: bool = False,
+    only: int | None = None,
 ) -> list[list[str]]:
-    """Deletes the queued resources together with their TPU VMs (--force), then the head VM.
-    No --quiet on purpose: gcloud asks for confirmation before each deletion."""
+    """Deletes the queued resources together with their TPU VMs (--force), then the head VM;
+    `only` = i: slice i's queued resource alone, never the head. No --quiet on purpose:
+    gcloud asks for confirmation before each deletion."""
+    _check_only(name, num_slices, multislice, only)
     qrs = queued_resource_ids(name, num_slices, multislice)
+    if only is not None:
+        qrs = [qrs[only]]
     out = [[*QUEUED, "delete", qr, *cloud.flags, "--force"] for qr in qrs]
-    if not keep_head:
+    if not keep_head and only is None:
         out.append([*INSTANCES, "delete", head_vm_name(name), *cloud.flags])
     return out

@@ -101,6 +101,16 @@ def node_ids(name: str, num_slices: int) -> list[str]:
     return [f"{name}-{i}" for i in range(num_slices)]
 
 
+def one_slice(name: str, num_slices: int, index: int) -> str:
+    """The node id of slice `index` (--slice) of the M slices (--slices)."""
+    nodes = node_ids(name, num_slices)
+    if not 0 <= index < num_slices:
+        raise ValueError(
+            f"--slice={index}: must be in [0, {num_slices - 1}] (--slices={num_slices})"
+        )
+    return nodes[index]
+
+
 def queued_resource_ids(name: str, num_slices: int, multislice: bool) -> list[str]:
     """One queued resource per slice, or one for all slices with --multislice."""
     if multislice:
