@@ -52,6 +52,21 @@ def _read(path) -> list[dict]:
         return []
 
 
+def _start(runtime) -> tuple[threading.Thread, dict]:
+    """Runs `runtime` on a thread; the dict gets its "summary" or the "error" it raised."""
+    out: dict = {}
+
+    def go():
+        try:
+            out["summary"] = runtime.run()
+        except BaseException as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread, out
+
+
 def _ray_config(small_config, **over):
     base = {
         "runtime": "ray",
@@ -280,16 +295,7 @@ def chaos_run(cluster, tmp_path_factory):
         },
     )
     runtime = RayRuntime(config_lib.validate(cfg), str(workdir), verbose=False)
-    out: dict = {}
-
-    def go():
-        try:
-            out["summary"] = runtime.run()
-        except BaseException as e:
-            out["error"] = e
-
-    thread = threading.Thread(target=go)
-    thread.start()
+    thread, out = _start(runtime)
     kills: dict = {}
     events_path, rows_path = workdir / "events.jsonl", workdir / "metrics.jsonl"
     while thread.is_alive():
@@ -428,16 +434,7 @@ def test_raising_learner_restarts_then_is_lost_when_its_restarts_run_out(
     )
     release = str(tmp_path / "release")
     runtime = RayRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False)
-    out: dict = {}
-
-    def go():
-        try:
-            out["summary"] = runtime.run()
-        except BaseException as e:
-            out["error"] = e
-
-    thread = threading.Thread(target=go)
-    thread.start()
+    thread, out = _start(runtime)
     done: list[str] = []
     while thread.is_alive():
         thread.join(0.2)
