@@ -105,11 +105,14 @@ def extra_overrides() -> dict:
 
 
 def selected(arms: list[Arm]) -> list[Arm]:
+    """The arms --arms names; a name also selects its variants `<name>@...` (e.g. one arm
+    at several swept values)."""
     names = flags.FLAGS.arms
-    unknown = sorted(set(names) - {a.name for a in arms})
+    match = lambda a, n: a.name == n or a.name.startswith(n + "@")
+    unknown = sorted(n for n in names if not any(match(a, n) for a in arms))
     if unknown:
         raise ValueError(f"--arms: unknown {unknown}; choose from {[a.name for a in arms]}")
-    return [a for a in arms if a.name in names] if names else arms
+    return [a for a in arms if any(match(a, n) for n in names)] if names else arms
 
 
 def config_for(arm: Arm, seed: int, quick: dict, full: dict):
@@ -182,6 +185,20 @@ def _cached_hash(rundir: pathlib.Path) -> str | None:
     return json.loads(path.read_text()).get("hash")
 
 
+def _warm_up(run, rundir: pathlib.Path) -> None:
+    """Compiles what `run` will compile (every learner's train step on its mesh, the
+    evaluator) by running it for 2 steps into a scratch folder, so that the persistent
+    compilation cache is warm when the measured run starts. Without it the first seed of
+    every arm starts its learners staggered by seconds of compilation, and in asynchronous
+    arms that changes who merges with whom, i.e. the result."""
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    scratch = rundir.with_name(rundir.name + ".warmup")
+    shutil.rmtree(scratch, ignore_errors=True)
+    LocalRuntime(run, str(scratch), verbose=False, halt_after=2).run()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _run_local(run, rundir: pathlib.Path, label: str, budget_s: float) -> dict:
     """A local-runtime run with a progress line per 10% of its steps, stopped at budget_s."""
     from decoupled_diloco.runtime.local import LocalRuntime
@@ -240,7 +257,7 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
     budget = FLAGS.budget_s or (budget_s or {}).get(mode(), 0.0)
     todo = [(a, s) for s in seeds() for a in arms]
     print(f"{len(todo)} runs: {len(arms)} arms x seeds {seeds()}, {mode_note()}", flush=True)
-    results, t0 = [], time.time()
+    results, t0, warm = [], time.time(), set()
     for i, (arm, seed) in enumerate(todo, 1):
         c = config_for(arm, seed, quick, full)
         stamp = _stamp(c, budget)
@@ -255,6 +272,9 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
             print(f"  {arm.name} seed {seed}: {run.train.steps} steps x {run.num_learners} "
                   f"learner(s) x batch {run.train.batch_size}", flush=True)  # fmt: skip
             if run.runtime == "local":
+                if arm.name not in warm and mode() != "smoke":
+                    _warm_up(run, rundir)
+                    warm.add(arm.name)
                 _run_local(run, rundir, f"{arm.name} s{seed}", budget)
             else:
                 launch.run(run, str(rundir), verbose=True)

@@ -1,10 +1,18 @@
 r"""Experiment 1 — quality at equal tokens: DP vs DiLoCo vs Streaming vs Decoupled DiLoCo.
 
     pip install -e .   # once
-    python experiments/quality_equal_tokens.py            # 10 arms x seeds 0,1, 200 steps: ~35 min
-    python experiments/quality_equal_tokens.py --quick    # 10 arms, 48 steps, 1 seed: ~4 min
+    python experiments/quality_equal_tokens.py            # 11 arms x seeds 0,1, 200 steps: ~35 min
+    python experiments/quality_equal_tokens.py --quick    # 11 arms, 48 steps, 1 seed: ~4 min
     python experiments/quality_equal_tokens.py --arms=dp,decoupled_m4,dp_moe,decoupled_moe_m4
     python experiments/quality_equal_tokens.py --scale=tpu   # TPU slices (not runnable here)
+    python experiments/quality_equal_tokens.py --arms=dp,decoupled_m4,decoupled_m8 \
+        --inner_lrs=0.003,0.006,0.012 --out=experiments/results/quality_lr_sweep  # ~20 min
+
+With --inner_lrs every arm runs at each peak inner lr, and a second table compares each arm
+at its best lr with its family's DP at DP's best lr: short CPU runs are far from converged,
+so a method that effectively takes larger steps (RDA amplifies the consensus direction of
+diverse offers; merges of fewer learners move Θ further) can look better or worse than DP
+for its step size rather than for the method. Tuning each arm's lr separates the two.
 
 Runtimes are for an idle 2-core machine; shared flags (--seeds, --set, --fresh, ...) are in
 experiments/harness.py. Every arm processes 64 sequences (--quick: 32) x 128 tokens of the
@@ -18,6 +26,7 @@ Dense (the tiny Gemma-style model), each family's ratio is to its own data-paral
   diloco          configs/tiny_diloco.py: M = 4, P = 1, K = M, synchronous, plain mean
   streaming       configs/tiny_streaming.py: M = 4, P = 6, K = M, tau = 1, alpha = 0.5
   decoupled_m2/4/8  configs/tiny_decoupled.py: M = 2, 4, 8 (K = 1, grace, token weights, RDA)
+  decoupled_m4_mean the same at M = 4 with the plain mean and uniform weights
 MoE (the same with model.preset = tiny_moe: 4 experts, top-2, every layer):
   dp_moe          configs/tiny_moe.py at the whole batch
   diloco_moe, streaming_moe   tiny_diloco / tiny_streaming with the MoE model
@@ -38,9 +47,15 @@ all-reduce of fp32 gradients every step moves 2·(N−1)/N·S bytes out of each 
 import math
 
 import harness
-from absl import app
+from absl import app, flags
 
 harness.define_flags("experiments/results/quality_equal_tokens", "0,1")
+flags.DEFINE_list(
+    "inner_lrs",
+    [],
+    "Peak inner AdamW lrs to sweep: every arm runs at each (arm@lr<value>), and a table of "
+    "each arm's best lr is added, its ratio taken to its family's DP at DP's best lr.",
+)
 DP_REPLICAS = 4  # DP's all-reduce is modelled over the device groups of the M = 4 learners
 FAMILIES = {"dense": ("", "tiny_dense_4x"), "moe": ("_moe", "tiny_moe")}  # suffix, DP config
 
@@ -78,7 +93,60 @@ def arms() -> list[harness.Arm]:
             config = "tiny_moe_decoupled" if family == "moe" else "tiny_decoupled"
             out.append(harness.Arm(f"decoupled{sfx}_m{m}", config, over,
                                    f"{tag}Decoupled DiLoCo (M={m})", family))  # fmt: skip
-    return out
+        if family == "dense":  # the paper's merge (RDA, token weights) vs the plain mean
+            plain = {"diloco.merge": "mean", "diloco.weights": "uniform"}
+            out.append(harness.Arm("decoupled_m4_mean", "tiny_decoupled", four | plain,
+                                   "Decoupled DiLoCo (M=4), mean, uniform weights",
+                                   family))  # fmt: skip
+    lrs = [float(x) for x in flags.FLAGS.inner_lrs]
+    if not lrs:
+        return out
+    return [
+        harness.Arm(
+            f"{a.name}@lr{lr:g}",
+            a.config,
+            a.overrides | {"train.learning_rate": lr},
+            f"{a.label}, lr {lr:g}",
+            a.model,
+        )
+        for a in out
+        for lr in lrs
+    ]
+
+
+def base_name(arm_name: str) -> str:
+    """`decoupled_m4@lr0.006` -> `decoupled_m4` (the arm without its swept lr)."""
+    return arm_name.split("@lr")[0]
+
+
+def best_runs(results) -> dict[str, list]:
+    """Base arm -> the runs of its swept lr with the lowest mean final eval loss."""
+    best: dict[str, tuple[float, list]] = {}
+    for name, runs in harness.by_arm(results).items():
+        mean = harness.stat([r.summary["final_eval_loss"] for r in runs])[0]
+        if base_name(name) not in best or mean < best[base_name(name)][0]:
+            best[base_name(name)] = (mean, runs)
+    return {base: runs for base, (_, runs) in best.items()}
+
+
+def best_lr_table(results) -> str:
+    """Per arm, its best swept lr; ratio to its family's DP at DP's own best lr (per seed,
+    then averaged): every method at its tuned lr."""
+    best = best_runs(results)
+    body = []
+    for runs in best.values():
+        dp = best.get("dp" + FAMILIES[runs[0].arm.model][0], [])
+        losses = [r.summary["final_eval_loss"] for r in runs]
+        body.append(
+            [
+                runs[0].arm.label.rsplit(", lr", 1)[0],
+                f"{runs[0].config.train.learning_rate:g}",
+                harness.fmt(losses),
+                harness.fmt(harness.loss_ratio(runs, dp), 4),
+            ]
+        )
+    header = ["arm", "best inner lr", "final eval loss", "ratio to its DP at DP's best lr"]
+    return "\n\nEach arm at its best swept inner lr:\n\n" + harness.table(header, body)
 
 
 def dp_allreduce_bytes_per_token(params: int, replicas: int, tokens_per_step: int) -> float:
@@ -106,7 +174,8 @@ def markdown(results) -> str:
     body = []
     for runs in groups.values():
         arm, s = runs[0].arm, [r.summary for r in runs]
-        dp_name = "dp" + FAMILIES[arm.model][0]
+        # In an lr sweep, the ratio is to the family's DP at the same lr.
+        dp_name = "dp" + FAMILIES[arm.model][0] + arm.name[len(base_name(arm.name)) :]
         params = param_count(runs[0])
         tokens_per_step = s[0]["tokens"] / s[0]["steps"]  # all learners together
         dp_bpt = dp_allreduce_bytes_per_token(params, DP_REPLICAS, tokens_per_step)
@@ -145,12 +214,36 @@ def main(argv):
 
     out = harness.setup()
     results = harness.run_arms(arms, out)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, family in zip(axes, FAMILIES, strict=True):
-        harness.plot_curves(ax, [r for r in results if r.arm.model == family])
-        ax.set_title(f"{family}: eval loss vs tokens")
+    sweep = bool(flags.FLAGS.inner_lrs)
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(18 if sweep else 12, 4.5))
+    for ax, family in zip(axes, FAMILIES, strict=False):
+        runs = [r for r in results if r.arm.model == family]
+        if sweep:  # the curves of each arm at its best lr
+            runs = [r for best in best_runs(runs).values() for r in best]
+        harness.plot_curves(ax, runs)
+        ax.set_title(f"{family}: eval loss vs tokens" + (" (best lr)" if sweep else ""))
+    text = markdown(results)
+    if sweep:
+        _plot_lr_sweep(axes[2], results)
+        text += best_lr_table(results)
     fig.suptitle("Quality at an equal token budget")
-    harness.write(out, "quality_equal_tokens", markdown(results), fig, results)
+    harness.write(out, "quality_equal_tokens", text, fig, results)
+
+
+def _plot_lr_sweep(ax, results) -> None:
+    """Final eval loss (mean over seeds) against the inner lr, one line per base arm."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for name, runs in harness.by_arm(results).items():
+        mean = harness.stat([r.summary["final_eval_loss"] for r in runs])[0]
+        lines.setdefault(base_name(name), []).append((runs[0].config.train.learning_rate, mean))
+    for i, (base, pts) in enumerate(lines.items()):
+        xs, ys = zip(*sorted(pts), strict=True)
+        ax.plot(xs, ys, marker="o", color=f"C{i % 10}", label=base)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak inner lr")
+    ax.set_ylabel("final eval loss (nats/byte)")
+    ax.set_title("inner lr sweep")
+    ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":

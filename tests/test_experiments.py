@@ -167,3 +167,26 @@ def test_quality_ratios_are_to_each_familys_own_dp(tmp_path):
         assert rows[dp][ratio] == "1.0000"  # each family's reference is its own DP run
         expected = float(rows[arm][loss]) / float(rows[dp][loss])
         assert float(rows[arm][ratio]) == pytest.approx(expected, abs=2e-4)
+
+
+@pytest.mark.slow
+def test_inner_lr_sweep_compares_each_arm_at_its_best_lr(tmp_path):
+    _run(
+        "quality_equal_tokens",
+        "--smoke",
+        "--arms=dp,decoupled_m2",
+        "--inner_lrs=0.003,0.006",
+        f"--out={tmp_path}",
+    )
+    table = (tmp_path / "quality_equal_tokens.md").read_text()
+    best = table.split("Each arm at its best swept inner lr:")[1]
+    rows = [
+        line for line in best.splitlines() if line.startswith("| ") and "best inner lr" not in line
+    ]
+    rows = [r for r in rows if not r.startswith("|---")]
+    assert len(rows) == 2
+    for row in rows:
+        assert row.split("|")[2].strip() in ("0.003", "0.006")
+    assert next(r for r in rows if "data-parallel" in r).split("|")[4].strip() == "1.0000"
+    # Every arm ran at every lr.
+    assert len(list((tmp_path / "runs").glob("*@lr*"))) == 4
