@@ -221,6 +221,17 @@ class LearnerActor:
         # Why the learner is about to (re)start: its first start in this process (a fresh
         # one, or one Ray restarted after it died), a NaN restart, or joining the membership.
         self.away = "process_restart" if self.restarted else "start"
+        if self.restarted and learner.step >= run.train.steps:
+            # Killed after its last step but before the driver saw it finish (a scheduled
+            # crash races the status poll): back with nothing left to train. Still a
+            # restart, so the driver's ledger pairs it with the failure it counted.
+            self._event(
+                "rejoin",
+                step=learner.step,
+                incarnation=learner.incarnation,
+                pid=os.getpid(),
+                process_restart=True,
+            )
         while learner.step < run.train.steps:
             t = self.now()
             if not self.schedule.is_up(m, t):
