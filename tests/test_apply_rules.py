@@ -274,3 +274,21 @@ def test_allocation_ends_when_training_ends_not_after_the_tail():
     assert ledger.summary(13.0, uses_syncer=False, learners=[Done()])["goodput"] == pytest.approx(
         1.0
     )
+
+
+def test_step_time_estimate_leaves_out_the_compiling_first_step(small_config):
+    """The heartbeat's step time (the syncer's grace window is built on it) must not carry
+    the first step's compilation, after a start and after a crash alike."""
+    learner, link, _ = make_learner(small_config)
+    clock = {"t": 0.0}
+    learner.clock = lambda: clock["t"]
+
+    learner.run_step()  # its interval to the next step start holds the compilation
+    clock["t"] += 30.0
+    for _ in range(5):
+        learner.run_step()
+        clock["t"] += 0.5
+    learner.run_step()
+    assert learner.step_seconds == pytest.approx(0.5)
+    learner.crash()
+    assert learner.step_seconds == 0.0 and learner.timed_intervals == 0

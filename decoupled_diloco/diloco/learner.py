@@ -163,8 +163,9 @@ class Learner:
         self.merged_in: list[tuple[int, int] | None] = [None] * nfrag
         self.applied_merges = 0
         self.wait_seconds = 0.0  # total time blocked on late merges: idle, not compute
-        self.step_seconds = 0.0
+        self.step_seconds = 0.0  # moving average of seconds per step, sent in heartbeats
         self._last_step_start: float | None = None
+        self.timed_intervals = 0  # step-start intervals seen since the last (re)start
         self._last_heartbeat = -math.inf
 
     # --- state -----------------------------------------------------------------------
@@ -245,8 +246,15 @@ class Learner:
         """One inner step and its step boundary. Returns host metrics of the step."""
         now = self.clock()
         if self._last_step_start is not None:
-            dt = now - self._last_step_start
-            self.step_seconds = dt if self.step_seconds == 0 else 0.8 * self.step_seconds + 0.2 * dt
+            # The first interval after a (re)start holds the train step's compilation (or
+            # its load from the cache): seconds, where a step is milliseconds on a TPU. It
+            # would inflate the syncer's step-time average, hence the grace window, for
+            # dozens of steps, so it is not a step time.
+            if self.timed_intervals > 0:
+                dt = now - self._last_step_start
+                ema = 0.8 * self.step_seconds + 0.2 * dt
+                self.step_seconds = dt if self.step_seconds == 0 else ema
+            self.timed_intervals += 1
         self._last_step_start = now
         batch = next(self.data)
         batch = transfer.to_device({"b": batch}, {"b": self.batch_sharding})["b"]
@@ -324,7 +332,7 @@ class Learner:
         self.c_steps, self.c_tokens, self.w_steps = [0] * n, [0] * n, [0] * n
         self.offer_step, self.arrived = [None] * n, [None] * n
         self.sent, self.merged_in = [{} for _ in range(n)], [None] * n
-        self.step_seconds, self._last_step_start = 0.0, None
+        self.step_seconds, self._last_step_start, self.timed_intervals = 0.0, None, 0
         if hasattr(self.link, "drop_pending"):
             self.link.drop_pending()
             self.link.receive(0.0)

@@ -106,5 +106,5 @@ def straggle(schedule: faults.FaultSchedule, m: int, learner: Learner, compute: 
     by the same factor, so it is not stretched.
     """
     factor = schedule.step_time_factor(m, learner.step, now)
-    if factor > 1.0 and learner.step_seconds > 0:
+    if factor > 1.0 and learner.timed_intervals > 0:
         time.sleep((factor - 1.0) * compute)
