@@ -6,9 +6,12 @@ r"""Experiment 8 — scavenging: base M = 4, temporarily 8 or 16 learners; wall 
 
 Runtimes are for an idle 2-core machine (flags: experiments/harness.py).
 configs/scavenging.py: learners 0-3 are members throughout; in the "+4" arm learners 4-7
-join at 20 s and leave at 60 s of wall time (--quick: 15 s and 45 s), in the "+12" arm
-learners 4-15 (16 learners share the 8 fake devices); batch 8 per learner. "base" is the
-same config with M = 4 and no extra learners. The global model is evaluated every 10 steps
+join and leave again during the run, in the "+12" arm learners 4-15 (16 learners share the
+8 fake devices); batch 8 per learner. "base" is the same config with M = 4 and no extra
+learners. It runs first; the extra learners then join at 20% and leave at 70% of its
+measured wall time (mean over seeds), so the window lies inside the run on a fast machine
+and a slow one alike. (With --arms naming no base, or --smoke, fixed windows are used:
+WINDOWS below.) The global model is evaluated every 10 steps
 (--quick: 8) so that the time to the target is read off a dense curve. Target loss = the
 base arm's final eval loss (mean over seeds); the table gives each arm's wall time until the
 global model's eval loss first reached it (linear interpolation between evaluations).
@@ -20,17 +23,18 @@ Writes scavenging.{md,png,json} into --out.
 import math
 
 import harness
-from absl import app
+from absl import app, flags
 
 harness.define_flags("experiments/results/scavenging", "0,1")
 BATCH = {"train.batch_size": 8}  # per learner, as configs/scavenging.py
 FULL = harness.FULL | BATCH | {"train.eval_every": 10}
 QUICK = harness.QUICK | BATCH | {"train.steps": 72, "train.warmup_steps": 7, "train.eval_every": 8}
 WINDOWS = {"full": (20.0, 60.0), "quick": (15.0, 45.0), "smoke": (1.0, 600.0)}  # join, leave s
+JOIN, LEAVE = 0.2, 0.7  # fractions of the base arm's wall time
 
 
-def arms() -> list[harness.Arm]:
-    join, leave = WINDOWS[harness.mode()]
+def arms(windows: tuple[float, float] | None = None) -> list[harness.Arm]:
+    join, leave = windows or WINDOWS[harness.mode()]
     base = {"diloco.learners": 4, "faults.membership": []}
     out = [harness.Arm("base", "scavenging", base, "base M=4")]
     for extra in (4, 12):
@@ -84,12 +88,33 @@ def markdown(results) -> str:
     return f"Scavenging ({harness.mode_note()}).\n\n" + harness.table(header, body)
 
 
+def run(out) -> list:
+    """The base arm first, then the others with join/leave placed in its wall time."""
+    FLAGS = flags.FLAGS
+    names = list(FLAGS.arms)
+    if FLAGS.check_configs or harness.mode() == "smoke" or (names and "base" not in names):
+        return harness.run_arms(arms, out, QUICK, FULL)
+    FLAGS.arms = ["base"]
+    base = harness.run_arms(arms, out, QUICK, FULL)
+    rest = [n for n in names if n != "base"]
+    FLAGS.arms = rest
+    if names and not rest:
+        return base
+    wall = sum(r.summary["wall_seconds"] for r in base) / len(base)
+    windows = (round(JOIN * wall, 1), round(LEAVE * wall, 1))
+    print(f"extra learners join at {windows[0]} s and leave at {windows[1]} s", flush=True)
+    others = harness.run_arms(lambda: [a for a in arms(windows) if a.name != "base"], out,
+                              QUICK, FULL)  # fmt: skip
+    FLAGS.arms = names
+    return base + others
+
+
 def main(argv):
     del argv
     import matplotlib.pyplot as plt
 
     out = harness.setup()
-    results = harness.run_arms(arms, out, QUICK, FULL)
+    results = run(out)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     harness.plot_curves(ax, results, x="time")
     target = harness.stat([r.summary["final_eval_loss"] for r in results if r.arm.name == "base"])
