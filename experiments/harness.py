@@ -251,7 +251,6 @@ def _run_local(run, rundir: pathlib.Path, label: str, budget_s: float) -> dict:
     finally:
         done.set()
         thread.join()
-        del rt
         _release_executables()
 
 
