@@ -94,18 +94,20 @@ def run(out) -> list:
     names = list(FLAGS.arms)
     if FLAGS.check_configs or harness.mode() == "smoke" or (names and "base" not in names):
         return harness.run_arms(arms, out, QUICK, FULL)
-    FLAGS.arms = ["base"]
-    base = harness.run_arms(arms, out, QUICK, FULL)
     rest = [n for n in names if n != "base"]
-    FLAGS.arms = rest
-    if names and not rest:
-        return base
-    wall = sum(r.summary["wall_seconds"] for r in base) / len(base)
-    windows = (round(JOIN * wall, 1), round(LEAVE * wall, 1))
-    print(f"extra learners join at {windows[0]} s and leave at {windows[1]} s", flush=True)
-    others = harness.run_arms(lambda: [a for a in arms(windows) if a.name != "base"], out,
-                              QUICK, FULL)  # fmt: skip
-    FLAGS.arms = names
+    try:  # --arms selects within each phase; restored afterwards
+        FLAGS.arms = ["base"]
+        base = harness.run_arms(arms, out, QUICK, FULL)
+        if names and not rest:
+            return base
+        wall = sum(r.summary["wall_seconds"] for r in base) / len(base)
+        windows = (round(JOIN * wall, 1), round(LEAVE * wall, 1))
+        print(f"extra learners join at {windows[0]} s and leave at {windows[1]} s", flush=True)
+        FLAGS.arms = rest
+        others = harness.run_arms(lambda: [a for a in arms(windows) if a.name != "base"], out,
+                                  QUICK, FULL)  # fmt: skip
+    finally:
+        FLAGS.arms = names
     return base + others
 
 

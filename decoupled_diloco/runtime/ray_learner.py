@@ -225,13 +225,7 @@ class LearnerActor:
             # Killed after its last step but before the driver saw it finish (a scheduled
             # crash races the status poll): back with nothing left to train. Still a
             # restart, so the driver's ledger pairs it with the failure it counted.
-            self._event(
-                "rejoin",
-                step=learner.step,
-                incarnation=learner.incarnation,
-                pid=os.getpid(),
-                process_restart=True,
-            )
+            self._announce_start()
         while learner.step < run.train.steps:
             t = self.now()
             if not self.schedule.is_up(m, t):
@@ -241,14 +235,7 @@ class LearnerActor:
             if learner.state is None:
                 learner.start(jax.random.key(run.train.seed), restored=self.restored)
                 self.restored = None
-                event = {"start": "learner_start", "leave": "member_join"}.get(self.away, "rejoin")
-                self._event(
-                    event,
-                    step=learner.step,
-                    incarnation=learner.incarnation,
-                    pid=os.getpid(),
-                    process_restart=self.away == "process_restart",
-                )
+                self._announce_start()
                 self.away = None
             t_step, waited = time.perf_counter(), learner.wait_seconds
             metrics = learner.run_step()
@@ -286,6 +273,17 @@ class LearnerActor:
         while run.ray.evaluate == "learner":  # devices free now: evaluate when asked
             self.evals.serve()
             time.sleep(0.05)
+
+    def _announce_start(self) -> None:
+        """The event of (re)entering training, named by why the learner was away."""
+        event = {"start": "learner_start", "leave": "member_join"}.get(self.away, "rejoin")
+        self._event(
+            event,
+            step=self.learner.step,
+            incarnation=self.learner.incarnation,
+            pid=os.getpid(),
+            process_restart=self.away == "process_restart",
+        )
 
     def _make_evaluator(self):
         from decoupled_diloco.train.evaluate import Evaluator
