@@ -2,8 +2,9 @@
 
 Layout under `<workdir>/checkpoints/`: `learner_<m>/<step>/` holds a learner's TrainState
 (parameters, AdamW state, step), its data-iterator position and incarnation; its DiLoCo
-bookkeeping is not saved, because a learner restarting against a syncer re-anchors on the
-syncer's snapshot (its counters restart). `syncer_<s>/<n>/` holds shard s's Θ, outer
+bookkeeping is not saved: a learner restarting against a syncer starts from the syncer's
+snapshot (its parameters, counters at zero), keeping only its step, data position and, in a
+resumed run, its AdamW state. `syncer_<s>/<n>/` holds shard s's Θ, outer
 momenta, versions and schedule slots, plus the fragment plan, the learner registry, its
 counters and its event-log position. Restores go straight onto the target shardings.
 """
@@ -65,3 +66,27 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarnation: int) -> None:
+    """A learner's TrainState with its step, data position and incarnation (a no-op while
+    it is down, or when this step is saved already)."""
+    if state is None or ckpt.latest_step() == step:
+        return
+    ckpt.save(step, state, {"step": step, "data": data_state, "incarnation": incarnation})
+
+
+def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
+    """(step, data position, next incarnation, TrainState or None) of the last checkpoint,
+    or None without one. Without `params_too` only the position is read: a learner restarting
+    against a syncer takes its parameters from Θ."""
+    ckpt.manager.wait_until_finished()
+    step = ckpt.latest_step()
+    if step is None:
+        return None
+    if params_too:
+        state, meta = ckpt.restore(abstract_state)
+    else:
+        state = None
+        meta = ckpt.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    return int(meta["step"]), meta["data"], int(meta["incarnation"]) + 1, state

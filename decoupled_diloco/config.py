@@ -1,25 +1,67 @@
-"""The run configuration: one commented ml_collections default, validated once into dataclasses.
+"""The run configuration: an ml_collections default, validated once into dataclasses.
 
-Config files under `configs/` start from `default_config()` and override what they need;
-absl flags override any key (`--config.diloco.learners=8`). `validate()` turns the
-ConfigDict into frozen dataclasses at the entry point, so bad configs fail at start-up with
-the offending key in the message, and nothing deeper in the code reads a ConfigDict.
+Every section's defaults are written once, in the frozen dataclass it validates into, with
+each key's unit or allowed values commented there; `default_config()` builds the ConfigDict
+from them. Config files under `configs/` start from `default_config()` and override what
+they need; absl flags override any key (`--config.diloco.learners=8`). `validate()` turns
+the ConfigDict into the dataclasses at the entry point, so bad configs fail at start-up
+with the offending key in the message, and nothing deeper in the code reads a ConfigDict.
 """
 
 import dataclasses
 import math
+import os
 import typing
 
 import ml_collections
 
 from decoupled_diloco import faults, models, sharding
 from decoupled_diloco.data import DataConfig, validate_data_config
-from decoupled_diloco.diloco.learner import LearnerConfig
-from decoupled_diloco.diloco.syncer import SyncerConfig
-from decoupled_diloco.runtime.ray_cluster import RayConfig
+from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.train.optimizer import TrainConfig
 
 RUNTIMES = ("local", "ray")
+RAY_ACCELERATORS = ("cpu", "tpu")
+RAY_EVALUATE = ("driver", "learner", "off")  # where Θ is evaluated (runtime/ray/eval.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class RayConfig:
+    """The `ray.*` section, read only by runtime = "ray" (runtime/ray/)."""
+
+    address: str = ""  # "" = start a local cluster for the run; "auto" / "host:port" joins one
+    max_restarts: int = 3  # Ray restarts of each learner and syncer process; -1 = unlimited
+    # (a learner whose restarts are exhausted is lost: the run goes on without it)
+    accelerator: str = "cpu"  # "cpu" (fake CPU devices per process) | "tpu" (a slice each)
+    num_cpus: int = 0  # CPUs a local cluster advertises; 0 = os.cpu_count()
+    temp_dir: str = "/tmp/ray_dd"  # a local cluster's session files (Ray's socket paths are
+    # limited to ~100 characters, so not under a deep workdir)
+    checkpoint_dir: str = ""  # "" = <workdir>/checkpoints; multi-node: a path all nodes reach
+    # (gs://BUCKET/run or a shared mount); required with accelerator "tpu"
+    poll_seconds: float = 0.5  # how often the driver collects rows, records and progress
+    evaluate: str = "driver"  # where Θ is evaluated: "driver" (its own devices) | "learner"
+    # (the lowest live learner's devices, between its steps) | "off"
+
+    def validate(self) -> None:
+        if self.accelerator not in RAY_ACCELERATORS:
+            raise ValueError(
+                f"ray.accelerator must be one of {RAY_ACCELERATORS}, got {self.accelerator!r}"
+            )
+        if self.max_restarts < -1:
+            raise ValueError(f"ray.max_restarts must be >= -1, got {self.max_restarts}")
+        if self.num_cpus < 0:
+            raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
+        if not self.poll_seconds > 0:
+            raise ValueError(f"ray.poll_seconds must be > 0, got {self.poll_seconds}")
+        if self.evaluate not in RAY_EVALUATE:
+            raise ValueError(f"ray.evaluate must be one of {RAY_EVALUATE}, got {self.evaluate!r}")
+        shared = "://" in self.checkpoint_dir or os.path.isabs(self.checkpoint_dir)
+        if self.accelerator == "tpu" and not shared:
+            raise ValueError(
+                "ray.accelerator='tpu' needs ray.checkpoint_dir: a path every node of the "
+                "cluster reaches, e.g. gs://BUCKET/checkpoints/RUN (got "
+                f"{self.checkpoint_dir!r}); checkpoints are written by the actors on their hosts"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,18 +72,20 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     mesh: sharding.MeshConfig
-    learner: LearnerConfig
-    syncer: SyncerConfig
+    diloco: DilocoConfig
     faults: faults.FaultSpec
-    num_learners: int
     devices_per_learner: int
     runtime: str
     name: str
     ray: RayConfig = RayConfig()  # only read by runtime == "ray"
 
     @property
+    def num_learners(self) -> int:
+        return self.diloco.learners
+
+    @property
     def uses_syncer(self) -> bool:
-        return self.learner.sync_every > 0
+        return self.diloco.uses_syncer
 
 
 def _placeholders(dc) -> ml_collections.ConfigDict:
@@ -55,111 +99,35 @@ def _placeholders(dc) -> ml_collections.ConfigDict:
     return out
 
 
+def _section(dc, skip=()) -> ml_collections.ConfigDict:
+    """A section holding a dataclass's defaults (tuples as lists, as absl overrides them)."""
+    return ml_collections.ConfigDict(
+        {
+            f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+            for f in dataclasses.fields(dc)
+            if f.name not in skip
+        }
+    )
+
+
 def default_config() -> ml_collections.ConfigDict:
-    """Defaults of every key, each with its unit or allowed values."""
+    """Defaults of every key. Each section's keys are documented, with units and allowed
+    values, in the dataclass it validates into (named below)."""
     c = ml_collections.ConfigDict()
     c.name = "run"  # free-form run name, written to summary.json
     c.runtime = "local"  # "local" (threads in one process) | "ray" (one actor per learner)
     c.seed = 0  # seeds params, data order and fault schedule unless those set their own
-
-    # Model: a preset name plus optional per-field overrides; None = the preset's value.
-    # Fields are documented in decoupled_diloco/models/config.py (ModelConfig).
+    c.devices_per_learner = 0  # devices in each learner's mesh; 0 = all devices / learners
+    # Model: a preset name plus optional per-field overrides; None = the preset's value
+    # (decoupled_diloco/models/config.py ModelConfig).
     c.model = _placeholders(models.ModelConfig)
     c.model.preset = "tiny"  # a key of models.PRESETS: tiny, tiny_moe, gemma_2b, gemma_5b, ...
-
-    c.data = ml_collections.ConfigDict(dataclasses.asdict(DataConfig()))
-    # Fields documented in decoupled_diloco/data/config.py (DataConfig): source ("stdlib" |
-    # "shakespeare" | "path" | "tfds"), path, tfds_*, tokenizer ("byte" | "sentencepiece"),
-    # seq_len (tokens per example), eval_fraction (held-out share), max_corpus_bytes (0 = all).
-
-    c.train = ml_collections.ConfigDict()
-    c.train.steps = 200  # inner steps per learner
-    c.train.batch_size = 32  # sequences per inner step per learner
-    c.train.learning_rate = 3e-3  # peak inner AdamW lr
-    c.train.warmup_steps = 20  # linear warmup steps
-    c.train.min_lr_ratio = 0.1  # cosine decays to this fraction of the peak lr
-    c.train.weight_decay = 0.1  # decoupled AdamW weight decay (matrices only)
-    c.train.b1 = 0.9  # Adam beta1
-    c.train.b2 = 0.95  # Adam beta2
-    c.train.eps = 1e-8  # Adam epsilon
-    c.train.grad_clip = 1.0  # global-norm clipping; 0 disables
-    c.train.eval_every = 50  # steps between evaluations; 0 = only at the end
-    c.train.eval_batches = 8  # held-out batches per evaluation
-    c.train.log_every = 10  # steps between metrics.jsonl lines / progress updates
-    c.train.checkpoint_every = 100  # steps between orbax checkpoints; 0 = only at the end
-    c.train.uptime_window = 2.0  # seconds: uptime counts windows in which the model advanced
-
-    c.mesh = ml_collections.ConfigDict()  # each learner's own mesh; -1 = remaining devices
-    c.mesh.data = -1  # pure data-parallel axis
-    c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
-    c.mesh.tensor = 1  # tensor-parallel axis (heads, ffw hidden, vocab)
-    c.mesh.expert = 1  # expert-parallel axis (MoE)
-    c.devices_per_learner = 0  # devices in each learner's mesh; 0 = all devices / learners
-
-    c.diloco = ml_collections.ConfigDict()
-    c.diloco.learners = 1  # M: independent learners (disjoint device subsets, data shards)
-    c.diloco.sync_every = 0  # H: steps between two syncs of a fragment; 0 = no syncer (DP)
-    c.diloco.fragments = 1  # P: parameter fragments synced on staggered schedules
-    c.diloco.fragment_strategy = "balanced"  # "balanced" | "layer" | "tensor"
-    c.diloco.overlap = 0  # tau: steps between offering a fragment and applying its merge
-    c.diloco.alpha = 0.0  # theta <- alpha*theta + (1-alpha)*merged; 0 overwrites
-    # How a learner applies a merged fragment: "rebase" keeps its work the merge does not
-    # hold (steps since its offer; all of it if the round closed without it); "overwrite"
-    # replaces the fragment (Streaming DiLoCo). See decoupled_diloco/diloco/learner.py.
-    c.diloco.apply = "rebase"
-    c.diloco.max_wait = 0.0  # seconds a learner waits at t+tau for a late merge; -1 = forever
-    c.diloco.quorum = 1  # K: fresh offers needed before a fragment may merge
-    # "scheduled": one round per fragment per schedule slot, late offers join the next one;
-    # "eager": any K pending offers merge (ablation). See decoupled_diloco/diloco/syncer.py.
-    c.diloco.rounds = "scheduled"
-    c.diloco.grace_gamma = 0.5  # gamma of the adaptive grace window; 0 disables grace
-    c.diloco.max_grace = 2.0  # seconds: cap of the grace window
-    c.diloco.weights = "tokens"  # "tokens" (c_tokens^2 / c_steps) | "uniform"
-    c.diloco.merge = "rda"  # "rda" (radial-directional) | "mean" for non-embedding fragments
-    c.diloco.embedding_merge = "mean"  # merge rule of the embedding fragment: "mean" | "rda"
-    c.diloco.outer_lr = 0.7  # outer Nesterov lr (DiLoCo: 0.7; Streaming DiLoCo: 0.4)
-    c.diloco.outer_momentum = 0.9  # outer momentum mu
-    c.diloco.nesterov = True  # Nesterov (True) or heavy-ball (False) outer momentum
-    # Wire format of offers (outer gradients): none | bf16 | int8 | int4 | int2 | int1.
-    c.diloco.compression = "none"
-    # Wire format of replies (merged parameters, not gradients: lossy formats perturb the
-    # model itself, so the default stays lossless): none | bf16 | int8 | int4 | int2 | int1.
-    c.diloco.reply_compression = "none"
-    # Offers whose base is more than this many versions old are rejected. With K=1 every
-    # learner's offer can bump a fragment's version, so a healthy learner is routinely
-    # M-1 versions behind; outer gradients are anchored on each offer's own base version,
-    # so staleness is safe for the math and the bound only guards against zombies.
-    c.diloco.max_staleness = 64
-    # Seconds of silence before a learner counts as dead. Generous: the first step of an
-    # incarnation includes XLA compilation, minutes for large models.
-    c.diloco.heartbeat_timeout = 300.0
-    # Seconds between the syncer's orbax checkpoints (both runtimes): a syncer crash loses
-    # the merges since the last one.
-    c.diloco.syncer_checkpoint_seconds = 5.0
-    c.diloco.syncer_shards = 1  # S: syncer shards, each owning a subset of fragments
-    c.diloco.final_sync = True  # at the end every learner offers every fragment once more
-
-    # Fault injection (decoupled_diloco/faults.py FaultSpec); times in seconds of wall time.
-    c.faults = ml_collections.ConfigDict(
-        {
-            f.name: (list(v) if isinstance(v, tuple) else v)
-            for f in dataclasses.fields(faults.FaultSpec)
-            for v in [f.default]
-        }
-    )
-
-    # The Ray runtime (runtime = "ray"); fields documented in runtime/ray_cluster.py RayConfig.
-    c.ray = ml_collections.ConfigDict()
-    c.ray.address = ""  # "" = start (and stop) a local Ray cluster; "auto" | "host:port" joins one
-    c.ray.max_restarts = 3  # times Ray restarts a dead learner / syncer process; -1 = unlimited
-    c.ray.accelerator = "cpu"  # "cpu": own fake CPU devices per learner; "tpu": a slice each
-    c.ray.num_cpus = 0  # CPUs a local cluster advertises; 0 = all of this machine's
-    c.ray.temp_dir = "/tmp/ray_dd"  # local cluster's session dir (short: Ray's socket paths)
-    c.ray.checkpoint_dir = ""  # "" = <workdir>/checkpoints; multi-node: reachable by every node
-    c.ray.poll_seconds = 0.5  # seconds between the driver's collections of rows and records
-    # Who evaluates Θ: "driver" (its own devices; fine on CPU) | "learner" (the lowest live
-    # learner, on its slice, between two of its steps: for TPU) | "off".
-    c.ray.evaluate = "driver"
+    c.data = _section(DataConfig)  # decoupled_diloco/data/config.py DataConfig
+    c.train = _section(TrainConfig, skip=("seed",))  # decoupled_diloco/train/optimizer.py
+    c.mesh = _section(sharding.MeshConfig)  # each learner's own mesh (sharding.py MeshConfig)
+    c.diloco = _section(DilocoConfig)  # decoupled_diloco/diloco/config.py DilocoConfig
+    c.faults = _section(faults.FaultSpec)  # decoupled_diloco/faults.py FaultSpec (seconds)
+    c.ray = _section(RayConfig)  # RayConfig above (runtime = "ray" only)
     return c
 
 
@@ -261,10 +229,9 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     if train_cfg.learning_rate <= 0:
         raise ValueError(f"train.learning_rate must be > 0, got {train_cfg.learning_rate}")
 
-    d = c.diloco
-    m = d.learners
-    if m < 1:
-        raise ValueError(f"diloco.learners must be >= 1, got {m}")
+    diloco_cfg = _dataclass_from(DilocoConfig, c.diloco, "diloco")
+    diloco_cfg.validate()
+    m = diloco_cfg.learners
     n_dev = jax.device_count()
     # Ray learners own devices in their own processes (a TPU slice each), not the driver's.
     if c.devices_per_learner < 0 or (c.runtime == "local" and c.devices_per_learner > n_dev):
@@ -289,50 +256,12 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             f"batch-parallel devices ({batch_ways} = mesh data*fsdp*expert)"
         )
 
-    learner_cfg = LearnerConfig(
-        sync_every=d.sync_every,
-        overlap=d.overlap,
-        alpha=d.alpha,
-        apply=d.apply,
-        max_wait=math.inf if d.max_wait < 0 else d.max_wait,
-        compression=d.compression,
-        final_sync=d.final_sync,
-    )
-    syncer_cfg = SyncerConfig(
-        num_fragments=d.fragments,
-        fragment_strategy=d.fragment_strategy,
-        quorum=d.quorum,
-        rounds=d.rounds,
-        drop_superseded=d.apply == "rebase",
-        grace_gamma=d.grace_gamma,
-        max_grace=d.max_grace,
-        overlap=d.overlap,
-        weights=d.weights,
-        merge=d.merge,
-        embedding_merge=d.embedding_merge,
-        outer_lr=d.outer_lr,
-        outer_momentum=d.outer_momentum,
-        nesterov=d.nesterov,
-        compression=d.reply_compression,
-        max_staleness=d.max_staleness,
-        heartbeat_timeout=d.heartbeat_timeout,
-        shards=d.syncer_shards,
-        checkpoint_seconds=d.syncer_checkpoint_seconds,
-    )
-    learner_cfg.validate()
-    syncer_cfg.validate(num_learners=m)
-    if learner_cfg.sync_every == 0 and m > 1:
-        raise ValueError(
-            f"diloco.sync_every=0 (no syncer) needs diloco.learners=1, got {m}: independent "
-            "learners that never sync would train M separate models"
-        )
-
     fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults")
     faults.validate_fault_spec(fault_spec, m)
 
     ray_cfg = _dataclass_from(RayConfig, c.get("ray", ml_collections.ConfigDict()), "ray")
     ray_cfg.validate()
-    if c.runtime == "ray" and learner_cfg.sync_every == 0:
+    if c.runtime == "ray" and not diloco_cfg.uses_syncer:
         raise ValueError(
             "runtime='ray' runs learners against a syncer: set diloco.sync_every > 0 "
             "(data-parallel training without a syncer uses runtime='local')"
@@ -343,10 +272,8 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         data=data_cfg,
         train=train_cfg,
         mesh=mesh_cfg,
-        learner=learner_cfg,
-        syncer=syncer_cfg,
+        diloco=diloco_cfg,
         faults=fault_spec,
-        num_learners=m,
         devices_per_learner=per,
         runtime=c.runtime,
         name=c.name,

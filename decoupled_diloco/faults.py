@@ -22,7 +22,6 @@ at all: it is a hash of (seed, learner, step), so any process can recompute it.
 
 import bisect
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -203,6 +202,9 @@ def _poisson_times(
     return times_all[inside], marks_all[inside]
 
 
+HORIZON_S = 7 * 24 * 3600.0  # fault timelines of a run are drawn this far ahead
+
+
 class FaultSchedule:
     """The deterministic fault timeline of `num_learners` learners over [0, horizon_s).
 
@@ -351,6 +353,3 @@ class FaultSchedule:
     def to_json(self) -> list[dict]:
         """The timeline as JSON-ready dicts (for the run's event log)."""
         return [e._asdict() for e in self.events]
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json())

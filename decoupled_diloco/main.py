@@ -29,16 +29,13 @@ def main(argv) -> None:
     del argv
     import jax
 
+    from decoupled_diloco import compile_cache
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.runtime import launch
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
-    jax.config.update(
-        "jax_compilation_cache_dir",
-        os.environ.get("DD_COMPILATION_CACHE", os.path.expanduser("~/.cache/decoupled_diloco_jax")),
-    )
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    compile_cache.enable()
     try:
         run = config_lib.validate(_CONFIG.value)
     except ValueError as e:

@@ -50,12 +50,12 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Per-learner mesh shape; -1 on one axis means "all remaining devices"."""
+    """The `mesh.*` section: a learner's own mesh; -1 on one axis = all remaining devices."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    expert: int = 1
+    data: int = -1  # pure data-parallel axis (devices)
+    fsdp: int = 1  # parameter-sharded data-parallel axis
+    tensor: int = 1  # tensor-parallel axis (heads, ffw hidden, vocab)
+    expert: int = 1  # expert-parallel axis (MoE)
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
@@ -88,6 +88,14 @@ def make_mesh(devices: Sequence[jax.Device], cfg: MeshConfig = MeshConfig()) -> 
     """A mesh over exactly `devices` (in the given order) with axes `MESH_AXES`."""
     shape = mesh_shape(cfg, len(devices))
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES)
+
+
+def learner_devices(devices: Sequence[jax.Device], per_learner: int, m: int) -> list:
+    """Learner m's devices: disjoint groups of `per_learner`; with more learners than
+    groups, learners share the groups round-robin."""
+    groups = max(len(devices) // per_learner, 1)
+    g = m % groups
+    return list(devices[g * per_learner : (g + 1) * per_learner])
 
 
 def batch_axis_size(mesh: Mesh) -> int:

@@ -58,6 +58,22 @@ SMOKE = {
 }
 # Held-out sequences every arm is scored on (a multiple of every arm's per-learner batch).
 EVAL_SEQUENCES = {"full": 256, "quick": 64, "smoke": 16}
+# The `mid` scale (--scale=mid): the 31M-parameter model of the quality issue, 32 x 256
+# tokens per learner and step (per-learner batches scale with the arm's batch relative to
+# the CPU mode's 16 / 8), inner lr 0.012 with 10% warmup, every learner on one device
+# (several share a GPU). Lengths per mode; eval on 256 held-out sequences.
+MID = {
+    "model.preset": "mid",
+    "data.seq_len": 256,
+    "devices_per_learner": 1,
+    "train.learning_rate": 0.012,
+}
+MID_LENGTHS = {
+    "full": {"train.steps": 1000, "train.warmup_steps": 100, "train.eval_every": 250},
+    "quick": {"train.steps": 300, "train.warmup_steps": 30, "train.eval_every": 100},
+    "smoke": {"train.steps": 6, "train.warmup_steps": 1, "train.eval_every": 3},
+}
+MID_BATCH = 32  # sequences per learner and step for the CPU mode's per-learner batch
 # TPU scale keeps its config's train.* in full mode; quick and smoke only shorten the run.
 TPU_LENGTHS = {
     "full": {},
@@ -165,9 +181,21 @@ def tpu_config(arm, seed: int, mode: str, length: dict, extra: dict):
     return c
 
 
+def mid_config(arm, seed: int, mode: str, length: dict, extra: dict):
+    """The arm's CPU config moved to the `mid` scale: model, sequence length and lengths
+    from MID, per-learner batch scaled so the CPU mode's batch becomes MID_BATCH."""
+    c = cpu_config(arm, seed, mode, length, {})
+    base = (SMOKE if mode == "smoke" else length).get("train.batch_size", FULL["train.batch_size"])
+    batch = max(round(c.train.batch_size * MID_BATCH / base), 1)
+    for key, value in (MID | MID_LENGTHS[mode] | {"train.batch_size": batch} | extra).items():
+        set_key(c, key, value)
+    _finish(c, f"{arm.name}_s{seed}", seed, 256)
+    return c
+
+
 def build_config(arm, seed: int, scale: str, mode: str, length: dict, extra: dict | None = None):
     """The arm's ConfigDict (not yet validated) for one seed, scale and length mode."""
-    build = tpu_config if scale == "tpu" else cpu_config
+    build = {"tpu": tpu_config, "mid": mid_config}.get(scale, cpu_config)
     return build(arm, seed, mode, length, extra or {})
 
 

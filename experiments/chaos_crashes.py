@@ -29,13 +29,13 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
+from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
 
@@ -173,11 +173,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
-    jax.config.update(
-        "jax_compilation_cache_dir",
-        os.environ.get("DD_COMPILATION_CACHE", os.path.expanduser("~/.cache/decoupled_diloco_jax")),
-    )
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    compile_cache.enable()
     out = pathlib.Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = FLAGS.budget_s or (150.0 if FLAGS.quick else 420.0)

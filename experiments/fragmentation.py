@@ -43,18 +43,13 @@ def plan_bandwidth(r) -> tuple[float, float, list[float]]:
 
     from decoupled_diloco import config as config_lib
     from decoupled_diloco import models
-    from decoupled_diloco.diloco.fragments import flatten_params, make_fragment_plan
+    from decoupled_diloco.diloco.fragments import model_plan
 
     run = config_lib.validate(r.config)  # the config the (possibly cached) run used
-    shapes = flatten_params(
+    shapes = models.flatten_params(
         jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
     )
-    plan = make_fragment_plan(
-        {k: v.shape for k, v in shapes.items()},
-        run.syncer.num_fragments,
-        run.syncer.fragment_strategy,
-        run.learner.sync_every,
-    )
+    plan = model_plan(run.model, run.diloco)
     per_step = [0.0] * plan.sync_every
     for names, offset in zip(plan.names, plan.offsets, strict=True):
         per_step[offset] += 2 * 4 * sum(math.prod(shapes[n].shape) for n in names)

@@ -16,6 +16,9 @@ mode (200 steps x batch 16 per learner unless it says otherwise, >= 2 seeds):
                 named by --arms run): checks the plumbing, used by the tests
   --seeds       full mode's seeds (>= 2 where noise matters); tables give mean ± sample std
                 (ddof = 1) over seeds
+  --scale=mid   the same arms on the 31M-parameter `mid` model, 32 x 256 tokens per learner
+                and step, 1000 steps (arm_config.MID): minutes per run on one GPU, hours on
+                this CPU; learners share the devices (devices_per_learner = 1)
   --scale=tpu   the family's TPU config plus each arm's ablation settings (arm_config.py);
                 wired, but cannot run on this machine; needs a checkpoint folder every VM
                 reaches: --set=ray.checkpoint_dir=gs://BUCKET/ckpt (<experiment>/<run> below)
@@ -56,7 +59,11 @@ def define_flags(default_out: str, default_seeds: str) -> None:
     flags.DEFINE_list("seeds", default_seeds.split(","), "Seeds; every arm runs once per seed.")
     flags.DEFINE_bool("quick", False, "Short runs, 1 seed unless --seeds is given: minutes.")
     flags.DEFINE_bool("smoke", False, "~6 steps, 1 seed, tiny batches: only checks the plumbing.")
-    flags.DEFINE_enum("scale", "cpu", ["cpu", "tpu"], "cpu: tiny configs; tpu: configs/tpu_*.")
+    flags.DEFINE_enum(
+        "scale", "cpu", ["cpu", "mid", "tpu"],
+        "cpu: tiny configs; mid: the 31M-param `mid` model at 32 x 256 tokens per learner and "
+        "step, 1000 steps (for a GPU; arm_config.py); tpu: configs/tpu_*.",
+    )  # fmt: skip
     flags.DEFINE_bool("fresh", False, "Rerun runs whose summary.json already exists.")
     flags.DEFINE_list("arms", [], "Run only these arms (default: all).")
     flags.DEFINE_multi_string("set", [], "key=value override for every arm, e.g. diloco.alpha=0.5")
@@ -127,14 +134,10 @@ def config_for(arm: Arm, seed: int, quick: dict, full: dict):
 
 def setup() -> pathlib.Path:
     """Compilation cache, quiet logs, output folder; returns the output folder."""
-    import jax
+    from decoupled_diloco import compile_cache
 
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
-    jax.config.update(
-        "jax_compilation_cache_dir",
-        os.environ.get("DD_COMPILATION_CACHE", os.path.expanduser("~/.cache/decoupled_diloco_jax")),
-    )
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    compile_cache.enable()
     out = pathlib.Path(flags.FLAGS.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
@@ -155,14 +158,15 @@ def check_configs(arms_fn, out: pathlib.Path, quick: dict, full: dict) -> None:
     saved = FLAGS.quick, FLAGS.smoke, FLAGS.scale
     dump = {}
     try:
-        for scale in ("cpu", "tpu"):
+        for scale in ("cpu", "mid", "tpu"):
             for m in ("smoke", "quick", "full"):
                 FLAGS.quick, FLAGS.smoke, FLAGS.scale = m == "quick", m == "smoke", scale
                 arms = selected(arms_fn())
                 for arm in arms:
                     for seed in seeds():
                         c = config_for(arm, seed, quick, full)
-                        check = c if scale == "cpu" else for_cpu_validation(c, jax.device_count())
+                        tpu = scale == "tpu"
+                        check = for_cpu_validation(c, jax.device_count()) if tpu else c
                         config_lib.validate(check)
                         dump[f"{scale}/{m}/{arm.name}/{seed}"] = json.loads(c.to_json_best_effort())
                 print(f"{scale} {m}: {len(arms)} arms x seeds {seeds()} valid", flush=True)
@@ -234,9 +238,9 @@ def _run_local(run, rundir: pathlib.Path, label: str, budget_s: float) -> dict:
             if budget_s and now >= budget_s and not rt.stop.is_set():
                 print(f"    {label}: budget of {budget_s:.0f} s reached, stopping", flush=True)
                 rt.stop.set()
-            step, quiet = max(lr.step for lr in rt.learners), time.monotonic() - last
+            step, quiet = max(lp.step for lp in rt.loops), time.monotonic() - last
             if (step >= next_step and quiet >= PROGRESS_MIN_S) or quiet >= PROGRESS_EVERY_S:
-                merges = f", merges {rt.ledger.merges}" if run.uses_syncer else ""
+                merges = f", merges {rt.log.ledger.merges}" if run.uses_syncer else ""
                 print(
                     f"    {label}: step {step}/{total} ({100 * step // total}%) {now:.0f} s, "
                     f"{rt.total_tokens() / max(now, 1e-9) / 1e3:.1f}k tok/s{merges}",

@@ -20,8 +20,8 @@ Learner 0's rate comes from its metrics.jsonl rows (log_every=1): steps per seco
 its row at step --skip (compilation excluded) and the last row before any learner stopped.
 The goal is decoupled / plain+peer >= 0.95 (communication off the critical path);
 decoupled / plain shows the raw cost of sharing the machine with a second learner.
-The decoupled arm also times learner 0's step boundary (`Learner._boundary`: offering due
-fragments, applying arrived merges, heartbeats), the only syncer work on the learner's own
+The decoupled arm also times learner 0's step boundary (`LearnerLoop._boundary`: offering
+due fragments, applying arrived merges, heartbeats), the only syncer work on the learner's own
 thread, as a share of its step time: what remains of a gap is other threads (transport,
 syncer) competing for the same cores, and load from outside.
 """
@@ -40,11 +40,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
+from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
 from decoupled_diloco.data import make_iterator  # noqa: E402
-from decoupled_diloco.diloco.learner import Learner  # noqa: E402
+from decoupled_diloco.runtime.learner_loop import LearnerLoop  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
 from decoupled_diloco.sharding import make_mesh  # noqa: E402
+from decoupled_diloco.train.replica import Replica  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "2 rounds of 40 steps per arm (~2 min).")
 _STEPS = flags.DEFINE_integer("steps", None, "Steps per run (default 80; quick 40).")
@@ -87,8 +89,8 @@ class Peer:
 
     def __init__(self, run: config_lib.RunConfig):
         mesh = make_mesh(jax.devices()[4:8], run.mesh)
-        data = make_iterator(run.data, "train", run.train.batch_size, 1, 2)
-        self.learner = Learner(1, run.learner, run.model, run.train, mesh, data)
+        self.data = make_iterator(run.data, "train", run.train.batch_size, 1, 2)
+        self.replica = Replica(run.model, run.train, mesh)
         self.times: list[float] = []  # time.monotonic() at the end of each step
         self.stop = threading.Event()
         self.warm = threading.Event()
@@ -96,9 +98,9 @@ class Peer:
 
     def _loop(self) -> None:
         try:
-            self.learner.start(jax.random.key(1))
+            self.replica.init_from_rng(jax.random.key(1))
             while not self.stop.is_set():
-                self.learner.run_step()
+                jax.device_get(self.replica.step(next(self.data)))  # a row per step, as logged
                 self.times.append(time.monotonic())
                 if len(self.times) == 3:  # compiled and past the first steps
                     self.warm.set()
@@ -152,19 +154,19 @@ def rate_in(rows: list, t_from: float, t_to: float) -> float:
 @contextlib.contextmanager
 def timed_boundary(learner_id: int, skip: int):
     """Records the seconds of each of `learner_id`'s step boundaries after step `skip`."""
-    original, seconds = Learner._boundary, []
+    original, seconds = LearnerLoop._boundary, []
 
     def boundary(self):
         start = time.perf_counter()
         original(self)
-        if self.id == learner_id and self.step > skip:
+        if self.m == learner_id and self.step > skip:
             seconds.append(time.perf_counter() - start)
 
-    Learner._boundary = boundary
+    LearnerLoop._boundary = boundary
     try:
         yield seconds
     finally:
-        Learner._boundary = original
+        LearnerLoop._boundary = original
 
 
 def run_arm(arm: str, steps: int, skip: int, workdir: pathlib.Path) -> dict:
@@ -197,11 +199,7 @@ def run_arm(arm: str, steps: int, skip: int, workdir: pathlib.Path) -> dict:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
-    jax.config.update(
-        "jax_compilation_cache_dir",
-        os.environ.get("DD_COMPILATION_CACHE", os.path.expanduser("~/.cache/decoupled_diloco_jax")),
-    )
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    compile_cache.enable()
     quick = _QUICK.value
     steps = _STEPS.value or (40 if quick else 80)
     skip = _SKIP.value or (8 if quick else 10)

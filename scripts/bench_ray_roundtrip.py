@@ -48,9 +48,12 @@ import ray  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco.config import RayConfig  # noqa: E402
 from decoupled_diloco.diloco import compression  # noqa: E402
+from decoupled_diloco.diloco.fragments import model_plan  # noqa: E402
 from decoupled_diloco.diloco.messages import Join, Merged, Offer, Snapshot  # noqa: E402
-from decoupled_diloco.runtime import ray_cluster, ray_links, syncer_host  # noqa: E402
+from decoupled_diloco.runtime.ray import cluster as ray_cluster  # noqa: E402
+from decoupled_diloco.runtime.ray import links as ray_links  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer rounds and steps (about 6 minutes).")
 _PARTS = flags.DEFINE_list("parts", ["roundtrip", "overhead"], "Which parts to run.")
@@ -145,8 +148,8 @@ class Prober:
             c_tokens=self.H,
             base_version=self.version[p],
             time=time.monotonic(),
-            work_steps=self.H,
-            payload=ray_links.EncodedPayload(self.payloads[p]),
+            payload=self.payloads[p],
+            nbytes=self.payloads[p].nbytes(),
             epoch=self.epoch[p],
         )
 
@@ -209,7 +212,7 @@ class RayProber:
 
     def __init__(self, syncer_name: str, names: list, shapes: dict, offsets, H: int):
         self.inbox: queue.Queue = queue.Queue()
-        link = ray_links.RayLearnerLink(0, [syncer_name], "none", lambda n: 0.0)
+        link = ray_links.RayLearnerLink(0, [syncer_name], lambda n: 0.0)
         link.inbox = self.inbox
         self.prober = Prober(link, self.inbox, names, shapes, offsets, H)
 
@@ -222,8 +225,10 @@ class RayProber:
 
 
 def roundtrip_local(run, rounds: int, names, shapes):
+    from decoupled_diloco.checkpoint import Checkpointer
     from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
-    from decoupled_diloco.runtime.ray_syncer import initial_params
+    from decoupled_diloco.runtime.ray.syncer import initial_params
+    from decoupled_diloco.runtime.syncer_loop import SyncerLoop
 
     merges: list[float] = []
 
@@ -231,29 +236,34 @@ def roundtrip_local(run, rounds: int, names, shapes):
         if rec.get("event") == "merge":
             merges.append(rec["merge_seconds"])
 
-    plan = syncer_host.fragment_plan(run)
-    syncer = syncer_host.new_syncer(run.syncer, plan, initial_params(run), 1, 0, record)
+    plan = model_plan(run.model, run.diloco)
     syncer_inbox: queue.Queue = queue.Queue()
-    link = LocalLearnerLink(0, [syncer_inbox], lambda p: 0, "none")
+    link = LocalLearnerLink(0, [syncer_inbox], lambda p: 0)
     slink = LocalSyncerLink(syncer_inbox, {0: link.inbox})
-    stop, lock = threading.Event(), threading.Lock()
-
-    def serve():
-        while not stop.is_set():
-            syncer_host.serve_turn(syncer, slink, time.monotonic, lock)
-
-    thread = threading.Thread(target=serve, daemon=True)
+    ckpt = Checkpointer(tempfile.mkdtemp(prefix="dd_bench_rt_"))
+    serve = SyncerLoop(0, run, plan, initial_params(run), slink, ckpt, _NoFaults(),
+                       time.monotonic, record, emulate_outages=False)  # fmt: skip
+    stop = threading.Event()
+    thread = threading.Thread(target=serve.run, args=(stop,), daemon=True)
     thread.start()
     prober = Prober(link, link.inbox, names, shapes, plan.offsets, plan.sync_every)
     prober.join()
     out = prober.latency(rounds), prober.throughput(rounds)
     stop.set()
     thread.join()
+    ckpt.close()
     return (*out, merges)
 
 
+class _NoFaults:
+    """A fault schedule in which the syncer is always up."""
+
+    def syncer_up(self, t: float) -> bool:
+        return True
+
+
 def roundtrip_ray(run, rounds: int, names, shapes):
-    from decoupled_diloco.runtime.ray_syncer import SyncerActor
+    from decoupled_diloco.runtime.ray.syncer import SyncerActor
 
     run_id = f"bench{os.getpid()}"
     name = ray_links.actor_name(run_id, "syncer", 0)
@@ -262,7 +272,7 @@ def roundtrip_ray(run, rounds: int, names, shapes):
     syncer = (
         ray.remote(SyncerActor).options(name=name, **opts).remote(0, run, ckpt, run_id, time.time())
     )
-    plan = syncer_host.fragment_plan(run)
+    plan = model_plan(run.model, run.diloco)
     prober = RayProber.options(name=ray_links.actor_name(run_id, "learner", 0)).remote(
         name, names, shapes, plan.offsets, plan.sync_every
     )
@@ -280,8 +290,8 @@ def roundtrips(models: list[str], rounds: int) -> None:
     print(head + f"{'merge ms':>9} {'throughput MB/s':>16} {'merges/s':>9}")
     for model in models:
         run = transport_run(model)
-        plan = syncer_host.fragment_plan(run)
-        from decoupled_diloco.runtime.ray_syncer import initial_params
+        plan = model_plan(run.model, run.diloco)
+        from decoupled_diloco.runtime.ray.syncer import initial_params
 
         shapes = {k: v.shape for k, v in initial_params(run).items()}
         names = [list(g) for g in plan.names]
@@ -337,22 +347,22 @@ class PlainTrainer:
         return os.getpid(), self.step
 
     def run(self, run, m: int) -> None:
-        from decoupled_diloco.runtime.ray_learner import configure_jax
+        from decoupled_diloco import compile_cache
 
-        configure_jax()
+        compile_cache.enable()
         import jax
 
         from decoupled_diloco.data import make_iterator
-        from decoupled_diloco.diloco.learner import Learner
         from decoupled_diloco.sharding import make_mesh
+        from decoupled_diloco.train.replica import Replica
 
         mesh = make_mesh(jax.devices()[: run.devices_per_learner], run.mesh)
         data = make_iterator(run.data, "train", run.train.batch_size, m, run.num_learners)
-        learner = Learner(m, run.learner, run.model, run.train, mesh, data)
-        learner.start(jax.random.key(run.train.seed))
-        for _ in range(run.train.steps):
-            learner.run_step()
-            self.step = learner.step
+        replica = Replica(run.model, run.train, mesh)
+        replica.init_from_rng(jax.random.key(run.train.seed))
+        for step in range(run.train.steps):
+            jax.device_get(replica.step(next(data)))
+            self.step = step + 1
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -406,7 +416,7 @@ def plain_arm(run, skip: int) -> tuple[float, float]:
 
 
 def decoupled_arm(run, skip: int) -> tuple[float, float]:
-    from decoupled_diloco.runtime.ray_runtime import RayRuntime
+    from decoupled_diloco.runtime.ray.runtime import RayRuntime
 
     workdir = tempfile.mkdtemp(prefix="dd_bench_overhead_")
 
@@ -464,10 +474,10 @@ def main(argv) -> None:
     steps = _STEPS.value or (40 if quick else 80)
     skip = _SKIP.value or (8 if quick else 10)
     repeats = _REPEATS.value or (1 if quick else 2)
-    from decoupled_diloco.runtime.ray_learner import configure_jax
+    from decoupled_diloco import compile_cache
 
-    configure_jax()
-    started = ray_cluster.connect(ray_cluster.RayConfig(num_cpus=2), verbose=False)
+    compile_cache.enable()
+    started = ray_cluster.connect(RayConfig(num_cpus=2), verbose=False)
     try:
         if "roundtrip" in _PARTS.value:
             roundtrips(_MODELS.value, rounds)

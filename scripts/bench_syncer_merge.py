@@ -32,10 +32,11 @@ import time
 import numpy as np
 from absl import app, flags
 
-from decoupled_diloco.diloco import compression, merge
+from decoupled_diloco.diloco import compression, merge, outer
+from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.messages import Offer
-from decoupled_diloco.diloco.syncer import Syncer, SyncerConfig
+from decoupled_diloco.diloco.syncer import Syncer
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small fragments and 3 repetitions (about 10 s).")
 _SIZES = flags.DEFINE_list("sizes", None, "Fragment sizes in Mi-params (default 4,16; quick 1,4).")
@@ -65,15 +66,18 @@ def syncer_path(theta: dict, payloads: list, w: np.ndarray, rule: str) -> tuple:
     k = len(payloads)
     plan = make_fragment_plan({name: x.shape for name, x in theta.items()}, 1)
     # Quorum K + 1 with only K offering: offers stay pending until _merge is called.
-    cfg = SyncerConfig(quorum=k + 1, grace_gamma=0.0, merge=rule, max_staleness=1 << 30)
-    syncer = Syncer(cfg, plan, theta, k + 1)
+    cfg = DilocoConfig(learners=k + 1, sync_every=1, quorum=k + 1, grace_gamma=0.0, merge=rule,
+                       max_staleness=1 << 30)  # fmt: skip
+    syncer = Syncer(cfg, plan, theta)
     for m in range(k + 1):
-        syncer.register(m, 0, True, 0.0)
-    tokens = np.maximum(1, np.round(1000 * np.sqrt(w))).astype(int)  # c_tokens² / 1 ∝ w
+        syncer.register(m, 0, True, 0.0, step=1 << 40)
+    tokens = np.maximum(1, np.round(1000 * np.sqrt(w))).astype(int)
+    step = [0]
 
     def push():
+        step[0] += 1  # every push holds each learner's next step
         for m, payload in enumerate(payloads):
-            fields = dict(step=1, c_steps=1, c_tokens=int(tokens[m]), time=0.0, nbytes=1)
+            fields = dict(step=step[0], c_steps=1, c_tokens=int(tokens[m]), time=0.0, nbytes=1)
             offer = Offer(m, 0, 0, base_version=syncer.version[0], payload=payload, **fields)
             syncer.handle(offer, 0.0)
         assert len(syncer.pending[0]) == k
@@ -113,7 +117,7 @@ def bench_cell(n: int, k: int, reps: int, rng: np.random.Generator) -> list[tupl
             paths["rda fused+norms"] = lambda: merge.merge_outer_step(
                 theta, vs, w, "rda", state, lr, mu, inplace=True, sq_norms=norms
             )
-        paths[f"{rule} composed"] = lambda r=rule: merge.outer_step(
+        paths[f"{rule} composed"] = lambda r=rule: outer.outer_step(
             theta, merge.merge(vs, w, r), state, lr, mu
         )
         paths[f"{rule} syncer"] = syncer_path(theta, payloads, w, rule)

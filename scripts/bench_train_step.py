@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from decoupled_diloco import models, sharding  # noqa: E402
+from decoupled_diloco import compile_cache, models, sharding  # noqa: E402
 from decoupled_diloco.train.optimizer import (  # noqa: E402
     TrainConfig,
     learning_rate_schedule,
@@ -61,7 +61,7 @@ _CAPACITY = flags.DEFINE_float(
 _QUICK = flags.DEFINE_bool("quick", False, "3 timed steps, 1 warm-up step (under a minute).")
 _CACHE = flags.DEFINE_string(
     "compilation_cache",
-    os.environ.get("DD_COMPILATION_CACHE", os.path.expanduser("~/.cache/decoupled_diloco_jax")),
+    os.environ.get("DD_COMPILATION_CACHE", compile_cache.DEFAULT_DIR),
     "Persistent XLA compilation cache ('' disables; with it, 'compile s' of a rerun is a load).",
 )
 

@@ -93,7 +93,7 @@ def warm(tmp_path_factory):
     run(
         tiny_config(),
         tmp_path_factory.mktemp("warmup"),
-        until=lambda rt: all(lr.step >= 1 for lr in rt.learners),
+        until=lambda rt: all(lp.step >= 1 for lp in rt.loops),
     )
 
 

@@ -6,13 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from decoupled_diloco.diloco.fragments import (
-    STRATEGIES,
-    FragmentPlan,
-    flatten_params,
-    make_fragment_plan,
-    unflatten_params,
-)
+from decoupled_diloco.diloco.fragments import STRATEGIES, FragmentPlan, make_fragment_plan
+from decoupled_diloco.models import flatten_params, unflatten_params
 
 D, F, H, G, V, LAYERS = 16, 48, 4, 8, 64, 4
 

@@ -24,7 +24,7 @@ def _arrivals(q: _Stamped, n: int, t0: float, timeout: float = 5.0) -> list:
 
 def test_latency_overlaps_messages_in_flight_and_keeps_their_order():
     syncer_q = _Stamped()
-    link = LocalLearnerLink(0, [syncer_q], lambda p: 0, "none", link_seconds=lambda n: 0.3)
+    link = LocalLearnerLink(0, [syncer_q], lambda p: 0, link_seconds=lambda n: 0.3)
     t0 = time.monotonic()
     for step in range(5):
         link.send(Heartbeat(0, 0, step, 0.1, 0.0))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from decoupled_diloco.diloco import merge
+from decoupled_diloco.diloco import chunks, merge, outer
 
 SHAPES = {"attn/q": (6, 5), "ffw/down": (33,), "norm/scale": ()}
 
@@ -117,7 +117,7 @@ def test_outer_step_matches_hand_computed_momentum(nesterov):
     deltas = [tree(rng, scale=0.1) for _ in range(3)]
     state, got = merge.OuterState.zeros(theta), theta
     for d in deltas:
-        got, state = merge.outer_step(got, d, state, lr=0.7, momentum=0.9, nesterov=nesterov)
+        got, state = outer.outer_step(got, d, state, lr=0.7, momentum=0.9, nesterov=nesterov)
     for k in SHAPES:
         want, buf = nesterov_reference(theta[k], [d[k] for d in deltas], 0.7, 0.9, nesterov)
         np.testing.assert_allclose(got[k], want, rtol=1e-5, atol=1e-6)
@@ -129,7 +129,7 @@ def test_outer_step_lr1_mu0_is_theta_minus_delta_and_pure():
     theta, delta = tree(rng), tree(rng)
     before = {k: v.copy() for k, v in theta.items()}
     state = merge.OuterState({})  # leaves missing from the state start at zero
-    new, new_state = merge.outer_step(theta, delta, state, lr=1.0, momentum=0.0)
+    new, new_state = outer.outer_step(theta, delta, state, lr=1.0, momentum=0.0)
     for k in SHAPES:
         np.testing.assert_array_equal(new[k], theta[k] - delta[k])
         np.testing.assert_array_equal(theta[k], before[k])  # inputs untouched
@@ -140,11 +140,11 @@ def test_outer_step_lr1_mu0_is_theta_minus_delta_and_pure():
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("w", [[2.0], [1.0, 0.0, 3.0], [1.0, 2.0, 3.0, 4.0, 5.0]])
 def test_fused_merge_outer_step_equals_composition(monkeypatch, rule, nesterov, w):
-    monkeypatch.setattr(merge, "_CHUNK", 7)  # many chunks, ragged last one
+    monkeypatch.setattr(chunks, "CHUNK", 7)  # many chunks, ragged last one
     rng = np.random.default_rng(9)
     theta, vs = tree(rng), [tree(rng, scale=0.1) for _ in w]
     state = merge.OuterState(tree(rng, scale=0.01))
-    want, want_state = merge.outer_step(theta, merge.merge(vs, w, rule), state, 0.5, 0.8, nesterov)
+    want, want_state = outer.outer_step(theta, merge.merge(vs, w, rule), state, 0.5, 0.8, nesterov)
     got, got_state = merge.merge_outer_step(theta, vs, w, rule, state, 0.5, 0.8, nesterov)
     theta_inplace = {k: x.copy() for k, x in theta.items()}
     state_inplace = merge.OuterState({k: x.copy() for k, x in state.momentum.items()})
@@ -160,7 +160,7 @@ def test_fused_merge_outer_step_equals_composition(monkeypatch, rule, nesterov, 
 
 
 def test_precomputed_offer_norms_give_the_same_rda(monkeypatch):
-    monkeypatch.setattr(merge, "_CHUNK", 7)
+    monkeypatch.setattr(chunks, "CHUNK", 7)
     rng = np.random.default_rng(12)
     theta, vs, w = tree(rng), [tree(rng, scale=0.1) for _ in range(3)], [1.0, 0.0, 2.0]
     norms = [merge.offer_sq_norms(v) for v in vs]
@@ -180,7 +180,7 @@ def test_precomputed_offer_norms_give_the_same_rda(monkeypatch):
 
 @pytest.mark.parametrize("rule", merge.RULES)
 def test_fused_path_returns_the_norm_of_the_merged_outer_gradient(monkeypatch, rule):
-    monkeypatch.setattr(merge, "_CHUNK", 7)
+    monkeypatch.setattr(chunks, "CHUNK", 7)
     rng = np.random.default_rng(13)
     theta, w = tree(rng), [1.0, 0.0, 2.0]
     vs = [tree(rng, scale=0.1) for _ in w]
@@ -224,7 +224,7 @@ def test_chunking_does_not_change_results(monkeypatch):
     rng = np.random.default_rng(10)
     vs, w = [tree(rng) for _ in range(3)], np.array([1.0, 2.0, 0.5])
     whole = {rule: merge.merge(vs, w, rule) for rule in merge.RULES}
-    monkeypatch.setattr(merge, "_CHUNK", 4)
+    monkeypatch.setattr(chunks, "CHUNK", 4)
     for rule in merge.RULES:
         chunked = merge.merge(vs, w, rule)
         assert all(np.allclose(chunked[k], whole[rule][k], rtol=1e-6) for k in SHAPES)
@@ -246,7 +246,72 @@ def test_errors():
     with pytest.raises(ValueError, match="leaf names"):
         merge.merge_mean([v, {"other": np.zeros(3, np.float32)}], [1.0, 1.0])
     with pytest.raises(ValueError, match="not in the fragment"):
-        merge.outer_step(theta, v, merge.OuterState({"extra": np.zeros(1)}), 1.0, 0.0)
+        outer.outer_step(theta, v, merge.OuterState({"extra": np.zeros(1)}), 1.0, 0.0)
     with pytest.raises(ValueError, match="float32"):
         as64 = {k: x.astype(np.float64) for k, x in theta.items()}
-        merge.outer_step(as64, v, merge.OuterState({}), 1.0, 0.0, inplace=True)
+        outer.outer_step(as64, v, merge.OuterState({}), 1.0, 0.0, inplace=True)
+
+
+def test_weigh_roster_scales_by_the_merged_share_and_counts_rounds_of_work():
+    # Two offers of learners with 64 tokens per step (one with two rounds of work), one live
+    # learner without an offer: 2 of 3 learners' weight, (1 + 2) / 3 rounds of work.
+    q = merge.learner_weight(64, "tokens")
+    w, scale, work = merge.weigh([256, 512], [4, 8], "tokens", "roster", 4, others=[q])
+    np.testing.assert_allclose(w, [q, q])
+    assert scale == pytest.approx(2 / 3) and work == pytest.approx(1.0)
+    # The paper's normalisation: c_tokens² / c_steps over the merged offers only.
+    w, scale, work = merge.weigh([256, 512], [4, 8], "tokens", "merged", 4, others=[q])
+    np.testing.assert_allclose(w, [256**2 / 4, 512**2 / 8])
+    assert scale == work == 1.0
+
+
+def test_a_full_round_is_exactly_diloco_with_either_momentum_clock():
+    rng = np.random.default_rng(3)
+    theta, delta = tree(rng), tree(rng, 0.1)
+    state = merge.OuterState({k: np.asarray(rng.standard_normal(np.shape(v)), np.float32)
+                              for k, v in theta.items()})  # fmt: skip
+    ref = outer.outer_step(theta, delta, state, 0.7, 0.9, work=1.0, clock="merge")
+    got = outer.outer_step(theta, delta, state, 0.7, 0.9, work=1.0, clock="work")
+    for k in theta:
+        np.testing.assert_array_equal(ref[0][k], got[0][k])
+        np.testing.assert_array_equal(ref[1].momentum[k], got[1].momentum[k])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_work_clock_makes_partial_merges_add_up_to_rounds(nesterov):
+    """Twenty rounds of outer gradients, each delivered as one merge or as four merges of a
+    quarter: with the work clock Θ follows the one-merge trajectory within ~5% (momentum
+    remembers rounds of work); one momentum step per merge drifts far from it."""
+    rng = np.random.default_rng(0)
+    deltas = [{"w": rng.standard_normal(50).astype(np.float32)} for _ in range(20)]
+
+    def trajectory(n: int, clock: str) -> np.ndarray:
+        theta = {"w": np.zeros(50, np.float32)}
+        state = merge.OuterState.zeros(theta)
+        out = []
+        for d in deltas:
+            for _ in range(n):
+                part = {"w": d["w"] / n}
+                theta, state = outer.outer_step(theta, part, state, 0.7, 0.9, nesterov,
+                                                work=1 / n, clock=clock)  # fmt: skip
+            out.append(theta["w"].copy())
+        return np.array(out)
+
+    full = trajectory(1, "work")
+    scale = np.abs(full).max()
+    assert np.abs(trajectory(4, "work") - full).max() < 0.08 * scale
+    assert np.abs(trajectory(4, "merge") - full).max() > 0.25 * scale
+
+
+def test_fused_merge_applies_the_roster_scale():
+    rng = np.random.default_rng(5)
+    theta, vs = tree(rng), [tree(rng, 0.1) for _ in range(2)]
+    w = np.array([1.0, 3.0])
+    for rule in merge.RULES:
+        delta = merge.merge(vs, w, rule)
+        scaled = {k: np.float32(0.5) * v for k, v in delta.items()}
+        ref, _ = outer.outer_step(theta, scaled, merge.OuterState.zeros(theta), 0.7, 0.9)
+        got, _ = merge.merge_outer_step(theta, vs, w, rule, merge.OuterState.zeros(theta),
+                                        0.7, 0.9, scale=0.5)  # fmt: skip
+        for k in theta:
+            np.testing.assert_allclose(got[k], ref[k], rtol=1e-6, atol=1e-7)

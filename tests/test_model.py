@@ -225,6 +225,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(tiny):
 PRESET_RANGES = {  # name -> (low, high) for total (dense) or activated (MoE) params
     "tiny": (1e5, 1.5e5),
     "tiny_moe": (1e5, 1.6e5),
+    "mid": (3e7, 3.3e7),
     "gemma_2b": (2e9, 3.5e9),
     "gemma_5b": (4e9, 6e9),
     "gemma_9b": (8e9, 1.1e10),

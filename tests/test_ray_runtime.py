@@ -22,11 +22,15 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco.config import RayConfig  # noqa: E402
 from decoupled_diloco.diloco import compression  # noqa: E402
+from decoupled_diloco.diloco.fragments import model_plan  # noqa: E402
 from decoupled_diloco.diloco.messages import Heartbeat, Join, Offer  # noqa: E402
-from decoupled_diloco.runtime import ray_cluster, ray_links, syncer_host  # noqa: E402
+from decoupled_diloco.diloco.syncer import Syncer  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
-from decoupled_diloco.runtime.ray_runtime import RayRuntime  # noqa: E402
+from decoupled_diloco.runtime.ray import cluster as ray_cluster  # noqa: E402
+from decoupled_diloco.runtime.ray import links as ray_links  # noqa: E402
+from decoupled_diloco.runtime.ray.runtime import RayRuntime  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -40,7 +44,7 @@ CRASH_AT = 10.0  # s: the fault schedule kills learner 2 (usually mid-training, 
 
 @pytest.fixture(scope="module")
 def cluster():
-    started = ray_cluster.connect(ray_cluster.RayConfig(num_cpus=2), verbose=False)
+    started = ray_cluster.connect(RayConfig(num_cpus=2), verbose=False)
     yield
     if started:
         ray.shutdown()
@@ -132,7 +136,7 @@ def test_multi_host_learner_processes_are_pinned_to_their_tpu_workers():
 
 def test_evaluation_requests_are_served_in_order_and_a_failed_one_is_reported():
     """ray.evaluate = "learner", the bookkeeping on both sides (no cluster needed)."""
-    from decoupled_diloco.runtime.ray_eval import DriverEvals, LearnerEvals
+    from decoupled_diloco.runtime.ray.eval import DriverEvals, LearnerEvals
 
     def make_evaluator():
         def evaluate(theta):
@@ -167,11 +171,11 @@ def test_ray_config_keys_are_validated(small_config):
     with pytest.raises(ValueError, match="ray.accelerator"):
         config_lib.validate(_ray_config(small_config, **{"ray.accelerator": "gpu"}))
     with pytest.raises(ValueError, match="ray.evaluate"):
-        ray_cluster.RayConfig(evaluate="syncer").validate()
+        RayConfig(evaluate="syncer").validate()
     for path in ("", "runs/ckpt"):  # a TPU run's actors write on many hosts: a shared path
         with pytest.raises(ValueError, match="ray.checkpoint_dir"):
-            ray_cluster.RayConfig(accelerator="tpu", checkpoint_dir=path).validate()
-    ray_cluster.RayConfig(accelerator="tpu", checkpoint_dir="gs://b/run").validate()
+            RayConfig(accelerator="tpu", checkpoint_dir=path).validate()
+    RayConfig(accelerator="tpu", checkpoint_dir="gs://b/run").validate()
     with pytest.raises(ValueError, match="diloco.sync_every"):
         config_lib.validate(_ray_config(small_config, **{"diloco.sync_every": 0}))
 
@@ -183,7 +187,7 @@ sys.path.insert(0, sys.argv[1])
 from conftest import _small_config  # 8 fake CPU devices, like the test session
 import ray
 from decoupled_diloco import config as config_lib
-from decoupled_diloco.runtime.ray_runtime import RayRuntime
+from decoupled_diloco.runtime.ray.runtime import RayRuntime
 
 assert not ray.is_initialized()
 over = json.loads(sys.argv[3])
@@ -402,23 +406,23 @@ def test_raising_learner_restarts_then_is_lost_when_its_restarts_run_out(
 
     # Defined in here so that cloudpickle sends them by value (actors cannot import tests/).
     def fail(learner_actor) -> None:
-        def boom():
+        def boom(batch):
             raise RuntimeError("injected learner failure")
 
-        learner_actor.learner.run_step = boom
+        learner_actor.loop.replica.step = boom
 
     def hold(learner_actor, step: int, release: str) -> None:
         import os
         import time
 
-        inner = learner_actor.learner.run_step
+        inner = learner_actor.loop.replica.step
 
-        def run_step():
-            while learner_actor.learner.step >= step and not os.path.exists(release):
+        def held_step(batch):
+            while learner_actor.loop.step >= step and not os.path.exists(release):
                 time.sleep(0.05)
-            return inner()
+            return inner(batch)
 
-        learner_actor.learner.run_step = run_step
+        learner_actor.loop.replica.step = held_step
 
     cfg = _ray_config(
         small_config,
@@ -506,7 +510,7 @@ class _Inbox:
 
 
 def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
-    from decoupled_diloco.runtime.ray_syncer import SyncerActor, initial_params
+    from decoupled_diloco.runtime.ray.syncer import SyncerActor, initial_params
 
     run = config_lib.validate(
         _ray_config(
@@ -522,10 +526,10 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
     actor = ray.remote(SyncerActor).options(name=ray_links.actor_name(run_id, "syncer", 0), **opts)
     syncer_actor = actor.remote(0, run, str(tmp_path), run_id, time.time())
 
-    plan = syncer_host.fragment_plan(run)
+    plan = model_plan(run.model, run.diloco)
     log: list[dict] = []
     theta0 = initial_params(run)
-    local = syncer_host.new_syncer(run.syncer, plan, theta0, 2, 0, log.append)
+    local = Syncer(run.diloco, plan, theta0, record=log.append)
 
     rng = np.random.default_rng(0)
 
@@ -557,7 +561,7 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
         )
         step = next(steps)
         return Offer(
-            learner, incarnation, p, step, 4, 256, base, 0.0, 4, enc, enc.nbytes(), epoch=epoch
+            learner, incarnation, p, step, 4, 256, base, 0.0, enc, enc.nbytes(), epoch=epoch
         )
 
     good = compression.encode(grad(1), "none")

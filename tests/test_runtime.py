@@ -140,24 +140,27 @@ def test_quorum_m_waits_for_every_learner(small_config, tmp_path):
 
 
 def test_learners_run_concurrently_on_disjoint_devices(small_config, tmp_path, monkeypatch):
-    from decoupled_diloco.diloco import learner as learner_mod
+    from decoupled_diloco.train.replica import Replica
 
     intervals = {}
     lock = threading.Lock()
-    original = learner_mod.Learner.run_step
-
+    original = Replica.step
     barrier = threading.Barrier(2)
+    steps: dict = {}
 
-    def timed(self):
-        if self.step == 2:  # both compiled: start the timed steps together
+    def timed(self, batch):
+        key = min(d.id for d in self.mesh.devices.flat)  # one replica per learner
+        steps[key] = steps.get(key, 0) + 1
+        if steps[key] == 3:  # both compiled: start the timed steps together
             barrier.wait(timeout=300)
         t0 = time.perf_counter()
-        out = original(self)
+        out = original(self, batch)
+        jax.block_until_ready(self.state)  # the step's compute, not just its dispatch
         with lock:
-            intervals.setdefault(self.id, []).append((t0, time.perf_counter()))
+            intervals.setdefault(key, []).append((t0, time.perf_counter()))
         return out
 
-    monkeypatch.setattr(learner_mod.Learner, "run_step", timed)
+    monkeypatch.setattr(Replica, "step", timed)
     cfg = _decoupled(small_config, **{"diloco.learners": 2, "train.steps": 20})
     run = config_lib.validate(cfg)
     rt = LocalRuntime(run, str(tmp_path), verbose=False)
@@ -165,10 +168,55 @@ def test_learners_run_concurrently_on_disjoint_devices(small_config, tmp_path, m
     devs = [set(d.id for d in mesh.devices.flat) for mesh in rt.meshes]
     assert len(devs[0]) == len(devs[1]) == 4 and not devs[0] & devs[1]
     # Time during which both learners were inside a step at once.
-    a, b = intervals[0][3:], intervals[1][3:]  # steps after the barrier
+    a, b = (intervals[k][3:] for k in sorted(intervals))  # steps after the barrier
     both = sum(max(0.0, min(x1, y1) - max(x0, y0)) for x0, x1 in a for y0, y1 in b)
     busy = min(sum(x1 - x0 for x0, x1 in a), sum(y1 - y0 for y0, y1 in b))
     assert both > 0.3 * busy, (both, busy)
+
+
+def test_one_learner_h1_with_outer_momentum_matches_a_reference_loop(small_config, tmp_path):
+    """DiLoCo with one learner and H = 1: after every inner step the syncer takes a Nesterov
+    step and the learner continues from Θ (keeping its AdamW state). A reference loop written
+    here, from the jitted train step and numpy, must give the same Θ; it would not if the
+    learner never applied merges (with outer momentum Θ ≠ θ after every step)."""
+    from decoupled_diloco.data import make_iterator
+    from decoupled_diloco.train.replica import Replica
+
+    lr, mu, steps = 0.8, 0.5, 6
+    cfg = small_config(
+        **{
+            "train.steps": steps,
+            "diloco.sync_every": 1,
+            "diloco.fragments": 1,
+            "diloco.overlap": 0,
+            "diloco.max_wait": -1.0,
+            "diloco.outer_lr": lr,
+            "diloco.outer_momentum": mu,
+            "diloco.merge": "mean",
+            "diloco.grace_gamma": 0.0,
+        }
+    )
+    run = config_lib.validate(cfg)
+    rt = LocalRuntime(run, str(tmp_path), verbose=False)
+    rt.run()
+    mesh = rt.meshes[0]
+    theta = rt.global_params()
+
+    replica = Replica(run.model, run.train, mesh)
+    replica.init_from_rng(jax.random.key(run.train.seed))
+    data = make_iterator(run.data, "train", run.train.batch_size, 0, 1)
+    ref = replica.host_params()
+    buf = {k: np.zeros_like(v) for k, v in ref.items()}
+    for _ in range(steps):
+        replica.set_params(ref)
+        replica.step(next(data))
+        local = replica.host_params()
+        for k in ref:
+            delta = ref[k] - local[k]
+            buf[k] = np.float32(mu) * buf[k] + delta
+            ref[k] = ref[k] - np.float32(lr) * (delta + np.float32(mu) * buf[k])
+    for k in theta:
+        np.testing.assert_allclose(theta[k], ref[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 @pytest.mark.parametrize("shards", [2])

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from decoupled_diloco.diloco import compression
+from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.messages import Join, Merged, Offer
-from decoupled_diloco.diloco.syncer import Syncer, SyncerConfig
+from decoupled_diloco.diloco.syncer import Syncer
 
 SHAPES = {
     "embedder/input_embedding": (16, 8),
@@ -23,17 +24,20 @@ SHAPES = {
     "final_norm/scale": (8,),
 }
 P = 2  # fragment 0 = the embedding, fragment 1 = everything else (both routers)
-CFG = SyncerConfig(num_fragments=P, quorum=2, grace_gamma=0.0, weights="uniform")
+CFG = DilocoConfig(learners=2, sync_every=4, fragments=P, quorum=2, grace_gamma=0.0,
+                   weights="uniform")  # fmt: skip
 
 
 class Harness:
-    def __init__(self, cfg: SyncerConfig = CFG, num_learners: int = 2):
+    def __init__(self, cfg: DilocoConfig = CFG, num_learners: int = 2):
         rng = np.random.default_rng(0)
         self.params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
         self.plan = make_fragment_plan(SHAPES, P, "balanced", sync_every=4)
         self.log: list[dict] = []
-        self.syncer = Syncer(cfg, self.plan, self.params, num_learners, record=self.log.append)
+        cfg = dataclasses.replace(cfg, learners=num_learners)
+        self.syncer = Syncer(cfg, self.plan, self.params, record=self.log.append)
         self.now = 0.0
+        self.steps = [0] * num_learners
         for m in range(num_learners):
             self.send(Join(m, 0, self.now))
 
@@ -49,16 +53,16 @@ class Harness:
         }
 
     def offer(self, v: dict, p: int = 1, learner: int = 0) -> Offer:
+        self.steps[learner] += 4  # each offer holds the learner's next 4 steps
         return Offer(
             learner=learner,
             incarnation=0,
             fragment=p,
-            step=4,
+            step=self.steps[learner],
             c_steps=4,
             c_tokens=256,
             base_version=self.syncer.version[p],
             time=self.now,
-            work_steps=4,
             payload=compression.encode(v, "none"),
             nbytes=1,
         )
@@ -141,7 +145,7 @@ def test_delta_norm_and_in_place_merges(merge_rule):
 
 def test_restored_syncer_does_not_share_arrays_with_its_source():
     a, b = Harness(), Harness()
-    b.syncer.load_state_dict(a.syncer.state_dict())
+    b.syncer.load_state_dict(a.syncer.state_dict(), a.syncer.meta_dict(), b.now)
     before = {k: v.copy() for k, v in a.syncer.global_params().items()}
     b.merge_round([b.outer_grad(1, seed=1), b.outer_grad(1, seed=2)])
     for k, v in a.syncer.global_params().items():

@@ -53,16 +53,6 @@ def _join_for_training(texts, max_bytes: int) -> str:
     return "\n".join(parts)[:max_bytes]
 
 
-def tokenizer_training_text(cfg: DataConfig) -> str:
-    """The text a sentencepiece model for `cfg` is trained on: the start of the train split
-    (never eval text), at most SPM_TRAINING_BYTES characters."""
-    if cfg.source == "tfds":
-        train = tfds_source.open_tfds_splits(cfg)["train"]
-        return tfds_source.training_text(train, SPM_TRAINING_BYTES)
-    docs = text_splits(cfg)["train"]
-    return _join_for_training((d.text for d in docs), SPM_TRAINING_BYTES)
-
-
 def pack(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     """Token ids of the texts, each followed by eos, concatenated: [n]."""
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32

@@ -161,7 +161,8 @@ def build_tokenizer(
     cfg: DataConfig, corpus_text_for_training: Callable[[], str] | None = None
 ) -> Tokenizer:
     """The tokenizer `cfg` names. A sentencepiece model without `spm_model_path` is trained on
-    `corpus_text_for_training()` (default: the training text of `cfg`'s corpus)."""
+    `corpus_text_for_training()` (the corpus passes its training text: `corpus.load_corpus`
+    builds the tokenizer of a config's corpus)."""
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     if cfg.tokenizer != "sentencepiece":
@@ -173,11 +174,10 @@ def build_tokenizer(
             raise ValueError(f"data.spm_model_path={cfg.spm_model_path!r}: no such file")
         return SentencePieceTokenizer(path.read_bytes())
     if corpus_text_for_training is None:
-        from decoupled_diloco.data.corpus import tokenizer_training_text
-
-        def corpus_text_for_training():
-            return tokenizer_training_text(cfg)
-
+        raise ValueError(
+            "a sentencepiece tokenizer without data.spm_model_path is trained on its corpus: "
+            "build it with decoupled_diloco.data.load_corpus(cfg).tokenizer"
+        )
     proto = train_sentencepiece(
         corpus_text_for_training(), cfg.spm_vocab_size, default_cache_dir(cfg)
     )

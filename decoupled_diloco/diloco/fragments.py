@@ -30,39 +30,6 @@ STRATEGIES = ("balanced", "layer", "tensor")
 _BLOCK_RE = re.compile(r"^block_(\d+)/")
 
 
-def flatten_params(params: Mapping) -> dict[str, Any]:
-    """Nested dict of arrays -> {"block_0/attn/q": array, ...}, keys sorted."""
-    flat: dict[str, Any] = {}
-
-    def visit(prefix: str, node: Any) -> None:
-        if isinstance(node, Mapping):
-            for key, child in node.items():
-                if not isinstance(key, str) or not key or "/" in key:
-                    raise ValueError(f"param key {key!r} under {prefix!r}: need a str without '/'")
-                visit(f"{prefix}/{key}" if prefix else key, child)
-        else:
-            flat[prefix] = node
-
-    visit("", params)
-    return dict(sorted(flat.items()))
-
-
-def unflatten_params(flat: Mapping[str, Any]) -> dict:
-    """Inverse of `flatten_params`: '/'-joined names back to a nested dict."""
-    nested: dict = {}
-    for name, leaf in sorted(flat.items()):
-        *parents, last = name.split("/")
-        node = nested
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"leaf name {name!r} nests under another leaf")
-        if last in node:
-            raise ValueError(f"leaf name {name!r} collides with a subtree")
-        node[last] = leaf
-    return nested
-
-
 def _num_elements(shape: Any) -> int:
     return math.prod(tuple(getattr(shape, "shape", shape)))
 
@@ -114,6 +81,10 @@ class FragmentPlan:
         if step <= 0:
             return []
         return [p for p, off in enumerate(self.offsets) if (step - off) % self.sync_every == 0]
+
+    def slot(self, p: int, step: int) -> int:
+        """The schedule slot r of an offer of p made at step offset_p + r·H (or after it)."""
+        return (step - self.offsets[p]) // self.sync_every
 
     def split(self, flat: Mapping[str, Any]) -> list[dict[str, Any]]:
         """A flat dict with exactly the plan's leaves -> one sub-dict per fragment."""
@@ -258,4 +229,18 @@ def make_fragment_plan(
         offsets=tuple((p * sync_every) // num_fragments for p in range(num_fragments)),
         strategy=strategy,
         embedding_fragment=embedding_fragment,
+    )
+
+
+def model_plan(model_cfg, diloco_cfg) -> FragmentPlan:
+    """The fragment plan of a model under a `DilocoConfig` (deterministic: every process
+    derives the same one)."""
+    import jax
+
+    from decoupled_diloco import models
+
+    abstract = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+    shapes = {k: tuple(v.shape) for k, v in models.flatten_params(abstract).items()}
+    return make_fragment_plan(
+        shapes, diloco_cfg.fragments, diloco_cfg.fragment_strategy, diloco_cfg.sync_every
     )

@@ -1,30 +1,45 @@
-"""Syncer math: token weights, merge rules (mean, RDA), the outer Nesterov step, and the
-divergence of the learners' MoE routers (a merge diagnostic).
+"""Syncer math: merge weights, merge rules (mean, RDA), the fused merge + outer step, and
+the divergence of the learners' MoE routers (a merge diagnostic).
 
 Arrays are dicts {leaf name: np.ndarray}; all math is float32 except scalar reductions
-(norms, weights), which accumulate in float64. Norms are per tensor (per leaf).
-
-The syncer is memory-bandwidth bound, so every element-wise loop walks the tensors in
-cache-sized chunks: the few float32 temporaries of one chunk stay in cache and each input
-is streamed from memory once per pass. `merge_outer_step` computes exactly
-`outer_step(theta, merge(vs, w, rule), ...)` (same float32 operations, so the same bits)
-without materialising Δ, and in place if asked: the syncer's fast path.
+(norms, weights), which accumulate in float64. Norms are per tensor (per leaf). Loops walk
+tensors in cache-sized chunks (`chunks.py`); `merge_outer_step` computes exactly
+`outer.outer_step(theta, scale · merge(vs, w, rule), ...)` (same float32 operations, so
+the same bits) without materialising Δ, and in place if asked: the syncer's fast path.
 
 Nothing here mutates its inputs unless called with `inplace=True`: the syncer may still
 hold (or be sending, or checkpointing) the arrays it passes in.
+
+How far a merge moves Θ (`weigh`). An offer's outer gradient v_m holds all the learner's
+unmerged work, so its size grows with its step count. With normalize = "roster" (default)
+each offer gets a per-learner coefficient q_m / Q, Q summing q over every live learner,
+merged or not: every step of work then enters Θ with the same coefficient whichever
+merge carries it (a learner's late work rides along with the next round at full value,
+and a merge of one learner in four moves Θ a quarter as far as a full round), and a full
+round is exactly the paper's weighted merge. q_m = (tokens per step)² for "tokens" (the
+paper's w = c_tokens²/c_steps per H-step offer, with its quantity factor c_steps carried by
+v_m itself), 1 for "uniform". normalize = "merged" is the paper's formula taken
+literally: weights c_tokens²/c_steps normalised over the merged offers, so a merge of one
+learner moves Θ as far as a round of all of them and work counts with weight ∝ its size.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
+from decoupled_diloco.diloco import outer
+from decoupled_diloco.diloco.chunks import F32 as _F32
+from decoupled_diloco.diloco.chunks import (
+    check_same_leaves,
+    sq_norm,
+    weighted_sum,
+)
+
 WEIGHTINGS = ("tokens", "uniform")
+NORMALIZATIONS = ("roster", "merged")
 RULES = ("rda", "mean")
-_CHUNK = 1 << 16  # elements per chunk: 256 KiB of float32; a chunk's working set fits in L2
-_F32 = np.float32
 
 
 def token_weights(
@@ -50,24 +65,47 @@ def token_weights(
     return np.where(active, tokens**2 / np.where(active, steps, 1.0), 0.0)
 
 
+def learner_weight(tokens_per_step: float, mode: str) -> float:
+    """q_m, a learner's coefficient per offer under normalize = "roster" (module docstring)."""
+    if mode not in WEIGHTINGS:
+        raise ValueError(f"diloco.weights={mode!r}; expected one of {WEIGHTINGS}")
+    return float(tokens_per_step) ** 2 if mode == "tokens" else 1.0
+
+
+def weigh(
+    c_tokens: Sequence[float],
+    c_steps: Sequence[float],
+    mode: str,
+    normalize: str,
+    sync_every: int,
+    others: Sequence[float] = (),
+) -> tuple[np.ndarray, float, float]:
+    """(w, scale, work) for a merge of offers with these counters (module docstring).
+
+    w: the offers' weights within the rule (normalised there); scale: Δ = scale ·
+    rule(v, w); work: rounds of work the merge carries (the momentum clock, `outer.py`).
+    `others`: q of the live learners with no offer in this merge ("roster" only).
+    """
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"diloco.normalize={normalize!r}; expected one of {NORMALIZATIONS}")
+    w = token_weights(c_tokens, c_steps, mode)
+    if normalize == "merged":
+        return w, 1.0, 1.0
+    steps = np.asarray(c_steps, np.float64)
+    per_step = np.asarray(c_tokens, np.float64) / np.where(steps > 0, steps, 1.0)
+    q = np.array(
+        [learner_weight(b, mode) if n > 0 else 0.0 for b, n in zip(per_step, steps, strict=True)]
+    )
+    total = float(q.sum()) + float(np.sum(others))
+    if total <= 0:
+        return q, 0.0, 0.0
+    return q, float(q.sum()) / total, float(q @ steps) / (max(sync_every, 1) * total)
+
+
 def outer_gradient(anchor: dict, local: dict) -> dict:
     """v = anchor − local per leaf, float32 (the DiLoCo outer gradient)."""
-    _check_same_leaves([anchor, local])
+    check_same_leaves([anchor, local])
     return {k: np.subtract(anchor[k], local[k], dtype=_F32) for k in anchor}
-
-
-def _chunks(n: int):
-    return (slice(s, min(s + _CHUNK, n)) for s in range(0, n, _CHUNK))
-
-
-def _flat(x) -> np.ndarray:
-    return np.asarray(x).reshape(-1)
-
-
-def _sq_norm(x) -> float:
-    """‖x‖² with float32 dots per chunk summed in float64 (long float32 sums drift)."""
-    x = _flat(x)
-    return float(sum(float(np.dot(x[s], x[s])) for s in _chunks(x.size)))
 
 
 def offer_sq_norms(v: dict) -> dict[str, float]:
@@ -77,42 +115,7 @@ def offer_sq_norms(v: dict) -> dict[str, float]:
     arrives (doubling as its finiteness check) and passes them as `sq_norms` takes one
     of RDA's two read passes over the offers off the merge's critical path.
     """
-    return {k: _sq_norm(x) for k, x in v.items()}
-
-
-def _combine(xs: list, coefs, s: slice, out: np.ndarray, tmp: np.ndarray, view_ok=False):
-    """out = Σ coefs[m] · xs[m][s] (flat float32; `tmp` is scratch of out's length).
-
-    With `view_ok`, a lone float32 term with coefficient 1 is returned as is (a view).
-    """
-    if view_ok and len(xs) == 1 and coefs[0] == 1 and xs[0].dtype == _F32:
-        return xs[0][s]
-    np.multiply(xs[0][s], _F32(coefs[0]), out=out)
-    for x, c in zip(xs[1:], coefs[1:], strict=True):
-        np.multiply(x[s], _F32(c), out=tmp)
-        np.add(out, tmp, out=out)
-    return out
-
-
-def _weighted_sum(leaves: list, coefs) -> tuple[np.ndarray, float]:
-    """(Σ coefs[m] · leaves[m] as a new float32 array, its squared norm), one pass."""
-    out = np.empty(np.shape(leaves[0]), _F32)
-    out_flat, xs = out.reshape(-1), [_flat(x) for x in leaves]
-    tmp, sq_norm = np.empty(min(out.size, _CHUNK), _F32), 0.0
-    for s in _chunks(out.size):
-        chunk = _combine(xs, coefs, s, out_flat[s], tmp[: s.stop - s.start])
-        sq_norm += float(np.dot(chunk, chunk))
-    return out, sq_norm
-
-
-def _check_same_leaves(trees: list[dict]) -> None:
-    first = trees[0]
-    for tree in trees[1:]:
-        if set(tree) != set(first):
-            raise ValueError(f"leaf names differ: {sorted(set(tree) ^ set(first))[:5]}")
-        for k, v in tree.items():
-            if np.shape(v) != np.shape(first[k]):
-                raise ValueError(f"{k}: shape {np.shape(v)} != {np.shape(first[k])}")
+    return {k: sq_norm(x) for k, x in v.items()}
 
 
 def _contributors(vs: list[dict], w, sq_norms=None) -> tuple[list[dict], np.ndarray, list]:
@@ -129,7 +132,7 @@ def _contributors(vs: list[dict], w, sq_norms=None) -> tuple[list[dict], np.ndar
         raise ValueError(f"weights must be finite and >= 0, got {w}")
     if w.sum() <= 0:
         raise ValueError("no offer has a positive weight")
-    _check_same_leaves(vs)
+    check_same_leaves(vs)
     if sq_norms is not None and len(sq_norms) != len(vs):
         raise ValueError(f"sq_norms has {len(sq_norms)} entries for {len(vs)} offers")
     keep = np.flatnonzero(w > 0)
@@ -140,7 +143,7 @@ def _contributors(vs: list[dict], w, sq_norms=None) -> tuple[list[dict], np.ndar
 def merge_mean(vs: list[dict], w: np.ndarray) -> dict:
     """Weighted mean Σ w_m v_m / Σ w_m per leaf, float32."""
     vs, w_hat, _ = _contributors(vs, w)
-    return {k: _weighted_sum([v[k] for v in vs], w_hat)[0] for k in vs[0]}
+    return {k: weighted_sum([v[k] for v in vs], w_hat)[0] for k in vs[0]}
 
 
 def _rda_direction(leaves: list, w_hat, eps: float, sq_norms: list) -> tuple[np.ndarray, float]:
@@ -151,14 +154,12 @@ def _rda_direction(leaves: list, w_hat, eps: float, sq_norms: list) -> tuple[np.
     offers, one if `sq_norms` (‖v_m‖², None where unknown) are given. A single offer is
     its own RDA (‖v‖·φ(φ(v)) = v): then u is that offer itself.
     """
-    norms = np.sqrt(
-        [_sq_norm(x) if q is None else q for x, q in zip(leaves, sq_norms, strict=True)]
-    )
+    norms = np.sqrt([sq_norm(x) if q is None else q for x, q in zip(leaves, sq_norms, strict=True)])
     if len(leaves) == 1:
         return leaves[0], (1.0 if norms[0] > eps else 0.0)
     radius = float(np.dot(w_hat, norms))
     a = np.where(norms > eps, w_hat / np.where(norms > eps, norms, 1.0), 0.0)
-    u, u_sq_norm = _weighted_sum(leaves, a)
+    u, u_sq_norm = weighted_sum(leaves, a)
     u_norm = np.sqrt(u_sq_norm)
     return u, (radius / u_norm if u_norm > eps else 0.0)
 
@@ -190,87 +191,7 @@ def merge(vs: list[dict], w: np.ndarray, rule: str) -> dict:
     return merge_rda(vs, w) if rule == "rda" else merge_mean(vs, w)
 
 
-@dataclasses.dataclass
-class OuterState:
-    """Outer optimizer state of one fragment."""
-
-    momentum: dict[str, np.ndarray]  # per-leaf float32 Nesterov buffer, starts at zeros
-
-    @classmethod
-    def zeros(cls, theta: dict) -> OuterState:
-        return cls({k: np.zeros(np.shape(v), _F32) for k, v in theta.items()})
-
-
-def _outputs(theta: dict, state: OuterState, inplace: bool) -> tuple[dict, dict, dict]:
-    """(momentum in, Θ out, momentum out): the inputs themselves if `inplace`, else new."""
-    extra = set(state.momentum) - set(theta)
-    if extra:
-        raise ValueError(f"outer state has leaves not in the fragment: {sorted(extra)[:5]}")
-    bufs = {
-        k: state.momentum[k] if k in state.momentum else np.zeros(np.shape(v), _F32)
-        for k, v in theta.items()
-    }
-    if not inplace:
-        new = lambda: {k: np.empty(np.shape(v), _F32) for k, v in theta.items()}
-        return bufs, new(), new()
-    for k in theta:
-        for name, x in (("theta", theta[k]), ("momentum", bufs[k])):
-            ok = isinstance(x, np.ndarray) and x.dtype == _F32 and x.flags.c_contiguous
-            if not (ok and x.flags.writeable):
-                raise ValueError(f"inplace: {name}[{k!r}] must be writable C-contiguous float32")
-    state.momentum.update(bufs)
-    return bufs, theta, bufs
-
-
-def _apply_outer(leaf: tuple, xs: list, coefs, lr, momentum, nesterov: bool) -> float:
-    """Outer step of one leaf with Δ = Σ_m coefs[m] · xs[m], formed chunk by chunk; ‖Δ‖².
-
-    leaf = (Θ, buf, Θ out, buf out), outputs possibly aliasing inputs. Per chunk, float32:
-    buf = μ·buf + Δ;  Θ = Θ − lr·(Δ + μ·buf) (Nesterov) or Θ − lr·buf. ‖Δ‖² comes almost
-    free: each chunk of Δ is still in cache when it is dotted with itself.
-    """
-    th, b, th_out, b_out = (_flat(x) for x in leaf)
-    xs, lr, mu = [_flat(x) for x in xs], _F32(lr), _F32(momentum)
-    delta_buf, tmp_buf = np.empty(min(th.size, _CHUNK), _F32), np.empty(min(th.size, _CHUNK), _F32)
-    delta_sq_norm = 0.0
-    for s in _chunks(th.size):
-        n = s.stop - s.start
-        delta, tmp = _combine(xs, coefs, s, delta_buf[:n], tmp_buf[:n], True), tmp_buf[:n]
-        delta_sq_norm += float(np.dot(delta, delta))
-        np.multiply(b[s], mu, out=b_out[s])
-        np.add(b_out[s], delta, out=b_out[s])
-        if nesterov:
-            np.multiply(b_out[s], mu, out=tmp)
-            np.add(tmp, delta, out=tmp)
-            np.multiply(tmp, lr, out=tmp)
-        else:
-            np.multiply(b_out[s], lr, out=tmp)
-        np.subtract(th[s], tmp, out=th_out[s])
-    return delta_sq_norm
-
-
-def outer_step(
-    theta: dict,
-    delta: dict,
-    state: OuterState,
-    lr: float,
-    momentum: float,
-    nesterov: bool = True,
-    *,
-    inplace: bool = False,
-) -> tuple[dict, OuterState]:
-    """Outer SGD with (Nesterov) momentum in float32: returns (new Θ, new state).
-
-    buf = μ·buf + Δ;  Θ = Θ − lr·(Δ + μ·buf) (Nesterov) or Θ − lr·buf. Leaves missing
-    from `state.momentum` start from zero. `inplace=True` overwrites `theta` and the
-    momentum buffers (C-contiguous float32) instead of allocating new arrays.
-    """
-    _check_same_leaves([theta, delta])
-    bufs, theta_out, bufs_out = _outputs(theta, state, inplace)
-    for k in theta:
-        leaf = (theta[k], bufs[k], theta_out[k], bufs_out[k])
-        _apply_outer(leaf, [delta[k]], [1.0], lr, momentum, nesterov)
-    return theta_out, (state if inplace else OuterState(bufs_out))
+OuterState = outer.OuterState  # re-exported: the syncer's per-fragment optimizer state
 
 
 def merge_outer_step(
@@ -278,40 +199,48 @@ def merge_outer_step(
     vs: list[dict],
     w: np.ndarray,
     rule: str,
-    state: OuterState,
+    state: outer.OuterState,
     lr: float,
     momentum: float,
     nesterov: bool = True,
     *,
+    scale: float = 1.0,
+    work: float = 1.0,
+    clock: str = "merge",
     inplace: bool = False,
     eps: float = 1e-12,
     sq_norms: list[dict] | None = None,
     return_delta_norm: bool = False,
-) -> tuple[dict, OuterState] | tuple[dict, OuterState, float]:
-    """`outer_step(theta, merge(vs, w, rule), state, lr, momentum, nesterov)`, fused.
+) -> tuple[dict, outer.OuterState] | tuple[dict, outer.OuterState, float]:
+    """`outer.outer_step(theta, scale · merge(vs, w, rule), state, lr, momentum, nesterov,
+    work=work, clock=clock)`, fused.
 
     Same float32 operations, so the same result, but Δ is formed chunk by chunk inside the
     outer step instead of as a fragment-sized array (RDA still materialises its direction
     u, since ‖u‖ is needed before the first chunk can be scaled). With `inplace=True`
     (the syncer owns Θ and the momentum) nothing fragment-sized is allocated for "mean".
-    `sq_norms` as in `merge_rda`. With `return_delta_norm`, also returns ‖Δ‖, the L2 norm
-    of the merged outer gradient over all leaves (what `merge` would have returned).
+    `scale` and `work` come from `weigh`; `sq_norms` as in `merge_rda`. With
+    `return_delta_norm`, also returns ‖Δ‖ (Δ including `scale`) over all leaves.
     """
     if rule not in RULES:
         raise ValueError(f"diloco.merge={rule!r}; expected one of {RULES}")
+    if not np.isfinite(scale) or scale < 0:
+        raise ValueError(f"scale must be finite and >= 0, got {scale}")
     vs, w_hat, norms = _contributors(vs, w, sq_norms)
-    _check_same_leaves([theta, vs[0]])
-    bufs, theta_out, bufs_out = _outputs(theta, state, inplace)
+    check_same_leaves([theta, vs[0]])
+    decay, look = outer.momentum_terms(momentum, work, clock)
+    bufs, theta_out, bufs_out = outer.outputs(theta, state, inplace)
     delta_sq_norm = 0.0
     for k in theta:
         leaf, leaves = (theta[k], bufs[k], theta_out[k], bufs_out[k]), [v[k] for v in vs]
         if rule == "mean":
-            delta_sq_norm += _apply_outer(leaf, leaves, w_hat, lr, momentum, nesterov)
+            coefs = w_hat if scale == 1 else w_hat * scale
+            delta_sq_norm += outer.apply_outer(leaf, leaves, coefs, lr, decay, look, nesterov)
         else:  # one leaf's direction u at a time bounds the extra memory
             known = [None if n is None else n[k] for n in norms]
-            u, scale = _rda_direction(leaves, w_hat, eps, known)
-            delta_sq_norm += _apply_outer(leaf, [u], [scale], lr, momentum, nesterov)
-    out = theta_out, (state if inplace else OuterState(bufs_out))
+            u, s = _rda_direction(leaves, w_hat, eps, known)
+            delta_sq_norm += outer.apply_outer(leaf, [u], [s * scale], lr, decay, look, nesterov)
+    out = theta_out, (state if inplace else outer.OuterState(bufs_out))
     return (*out, float(np.sqrt(delta_sq_norm))) if return_delta_norm else out
 
 

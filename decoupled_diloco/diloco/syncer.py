@@ -1,65 +1,54 @@
-"""The syncer: quorum, adaptive grace window, token-weighted RDA merge, outer Nesterov step.
+"""The syncer: quorum, adaptive grace window, weighted RDA merge, outer step, replies.
 
 Pure logic driven by its runtime: `handle(msg, now)` and `tick(now)` return the messages to
 send, `next_deadline()` says when `tick` must run again. No threads, queues or sockets here,
 so the same object runs in-process, in a Ray actor, or under a fake clock in tests.
 
-Offers carry *outer gradients* v_m = Θ_p^(base) − θ_m,p, computed on the learner's side
-against its host copy of the global fragment it last received (bit-identical to the
-syncer's copy of that version unless replies are lossily compressed, in which case the
-anchor is what the learner really started from). This anchors a stale learner's work on
-the version it started from instead of the current one, without the syncer keeping old
-versions of Θ in memory.
+Offers carry outer gradients v_m = Θ_p^(base) − θ_m,p, all of the learner's work on p that
+no version holds (diloco/learner.py): the syncer keeps no history of Θ, and every step
+reaches it in exactly one merged offer (an offer holding merged work is rejected).
 
 Rounds follow the fragment schedule ("scheduled", the default): fragment p is due on learner
 step t = offset_p + r·H, so an offer made at step t belongs to schedule slot r. A round
-closes when K offers of a slot not merged yet are in and the grace window has passed (or
-when every live learner has an offer in); it merges every pending offer, including late
-ones of older slots (a learner that is behind, restarted or slower). So out-of-step learners
-ride along with the next round instead of each triggering an outer step of its own, and
-the outer step keeps the rate of synchronous DiLoCo: one per fragment per H steps. So K
-counts learners that reached a slot the last round did not cover: with 1 < K < M rounds go
-at the pace of the K-th fastest learner (K = 1: the fastest; K = M: the slowest, or every
-live learner), and the learners behind join the next round with their late offers.
+closes when K offers of a slot not merged yet ("fresh") are in and the grace window has
+passed (or when every live learner has an offer in); it merges every pending offer,
+including late ones of older slots. The round then counts as covering the slot that K
+learners had reached (the K-th highest fresh slot), so rounds go at the pace of the K-th
+fastest learner (K = 1: the fastest; K = M: the slowest, or every live learner), one outer
+step per fragment per slot, and learners behind ride along with the next round.
+
+Each merge's outer gradient is weighted by the share of the live learners it holds
+(`merge.weigh`, normalize = "roster") and the outer momentum advances by the rounds of work
+it carries (`outer.py`), so partial and late merges add up to what synchronous rounds do.
+
+A merge sends the new version with the fragment's vector clock (messages.py): whether it
+holds each learner's offer. An offer that will never be merged (rejected, stale, its
+learner timed out) is answered with `Dropped`: the learner keeps the work for its next one.
 
 Every life of a syncer has an `epoch` (a restored syncer gets a new one): it re-creates
-version numbers its lost life had used for other parameters, so offers are matched to the
-life they were anchored in; those of a lost life are dropped (the learner re-anchors on the
-new life's snapshot and its next offer carries the same work).
-
-An offer made before its learner applied a merge of its own earlier offer repeats work that
-merge already holds; it is dropped ("superseded"), and the learner carries the newer work
-into its next offer (see `Learner._apply_due`).
+version numbers its lost life had used, so offers anchored in a lost life are dropped (the
+learner rebases on the new life's snapshot and offers its unmerged work again).
 """
 
-import dataclasses
-import math
 import time as _time
 from collections.abc import Callable
 
 import numpy as np
 
-from decoupled_diloco.diloco import compression, merge
+from decoupled_diloco.diloco import compression, merge, syncer_state
+from decoupled_diloco.diloco import offer_checks as checks
+from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import FragmentPlan
-from decoupled_diloco.diloco.messages import Heartbeat, Join, Leave, Merged, Offer, Snapshot
-from decoupled_diloco.diloco.syncer_config import SyncerConfig
-
-_INTEGER_FIELDS = (
-    "learner", "incarnation", "fragment", "step", "c_steps", "c_tokens", "base_version",
-    "work_steps", "epoch",
-)  # fmt: skip
-_MAX_TOKENS = 2**53  # c_tokens² must stay a finite float64
-# Schedule slots an offer may be ahead of the last step its learner reported (join,
-# heartbeats every ~0.5 s, offers): far more than a healthy learner gets ahead.
-MAX_SLOT_LEAD = 64
-
-
-@dataclasses.dataclass
-class LearnerInfo:
-    incarnation: int = 0
-    last_seen: float = 0.0
-    joined: bool = False
-    step: int = 0
+from decoupled_diloco.diloco.messages import (
+    Dropped,
+    Heartbeat,
+    Join,
+    Leave,
+    Merged,
+    Offer,
+    Snapshot,
+)
+from decoupled_diloco.diloco.registry import Registry
 
 
 class _Ema:
@@ -78,237 +67,153 @@ class Syncer:
 
     def __init__(
         self,
-        cfg: SyncerConfig,
+        cfg: DilocoConfig,
         plan: FragmentPlan,
         params: dict[str, np.ndarray],
-        num_learners: int,
         fragments: list[int] | None = None,
         record: Callable[[dict], None] | None = None,
         epoch: int = 0,
     ):
-        self.cfg, self.plan, self.num_learners = cfg, plan, num_learners
+        self.cfg, self.plan, self.num_learners = cfg, plan, cfg.learners
         self.epoch = epoch  # this life of the syncer (a restored syncer gets a new one)
         self.owned = list(range(plan.num_fragments)) if fragments is None else list(fragments)
         self._emit = record or (lambda r: None)
         self.log_position = 0  # records emitted (merges and events), across restores
         parts = plan.split({k: np.asarray(v, np.float32) for k, v in params.items()})
         self.theta = {p: {k: v.copy() for k, v in parts[p].items()} for p in self.owned}
-        self.outer = {
-            p: merge.OuterState({k: np.zeros_like(v) for k, v in self.theta[p].items()})
-            for p in self.owned
-        }
+        self.outer = {p: merge.OuterState.zeros(self.theta[p]) for p in self.owned}
         self.version = {p: 0 for p in self.owned}
-        self.last_slot = {p: -1 for p in self.owned}  # highest schedule slot merged
-        # fragment -> learner -> (incarnation, version that merged its offer)
-        self.merged_into: dict[int, dict[int, tuple[int, int]]] = {p: {} for p in self.owned}
+        self.last_slot = {p: -1 for p in self.owned}  # the slot the last round covered
+        # fragment -> learner -> (incarnation, step, version) of its latest merged offer
+        self.merged_into: dict[int, dict[int, tuple[int, int, int]]] = {p: {} for p in self.owned}
         # fragment -> learner -> (offer, decoded outer gradient, its per-leaf ‖v‖²)
         self.pending: dict[int, dict[int, tuple[Offer, dict, dict]]] = {p: {} for p in self.owned}
         self.round_open: dict[int, float | None] = {p: None for p in self.owned}
         self.quorum_at: dict[int, float | None] = {p: None for p in self.owned}
-        self.learners: dict[int, LearnerInfo] = {}
+        self.registry = Registry(cfg.learners, cfg.heartbeat_timeout)
+        self.learners = self.registry.learners  # learner -> LearnerInfo
         self.xi_step, self.xi_quorum, self.xi_merge = (_Ema(cfg.ema_decay) for _ in range(3))
-        self.stats = dict(merges=0, rejected_offers=0, bytes_in=0, bytes_out=0, offers=0)
-        self.merged_learners = 0
-        self.useful_steps: dict[int, float] = {}  # learner -> merged steps × fragment share
+        self.stats = dict(
+            merges=0, rejected_offers=0, dropped_offers=0, bytes_in=0, bytes_out=0, offers=0
+        )
         self._sizes = {p: sum(v.size for v in self.theta[p].values()) for p in self.owned}
         self._total = sum(int(np.size(v)) for v in params.values())
+        self._notices: list[tuple[int, Dropped]] = []
 
     def record(self, rec: dict) -> None:
         """Emits one merge / event record (the runtime writes it to merges or events.jsonl)."""
         self.log_position += 1
         self._emit(rec)
 
-    # --- liveness --------------------------------------------------------------------
+    # --- liveness (diloco/registry.py) -----------------------------------------------
     def live(self, now: float) -> list[int]:
-        return sorted(
-            m
-            for m, info in self.learners.items()
-            if info.joined and now - info.last_seen <= self.cfg.heartbeat_timeout
-        )
+        return self.registry.live(now)
 
-    def register(self, m: int, incarnation: int, joined: bool, now: float, step: int = 0) -> None:
+    def register(self, m: int, incarnation: int, joined: bool, now: float, *more) -> None:
         """Restores a registry entry (after the syncer itself was restored)."""
-        self.learners[m] = LearnerInfo(
-            incarnation=incarnation, last_seen=now, joined=joined, step=step
-        )
-
-    def _touch(self, m: int, incarnation: int, now: float) -> LearnerInfo:
-        info = self.learners.setdefault(m, LearnerInfo())
-        info.last_seen = max(info.last_seen, now)
-        return info
+        self.registry.register(m, incarnation, joined, now, *more)
 
     # --- messages --------------------------------------------------------------------
     def handle(self, msg, now: float) -> list[tuple[int, object]]:
         """Processes one incoming message; returns (learner, message) pairs to send."""
         if isinstance(msg, Join):
-            if not 0 <= msg.learner < self.num_learners:
-                self._reject(None, f"join from unknown learner {msg.learner}", now, msg.learner)
-                return []
-            known = self.learners.get(msg.learner)
-            if known is not None and msg.incarnation < known.incarnation:
-                # A delayed Join of an earlier life must not roll the registry back.
-                self._reject(None, f"join from old incarnation {msg.incarnation}", now, msg.learner)
-                return []
-            info = self._touch(msg.learner, msg.incarnation, now)
-            info.incarnation, info.joined = msg.incarnation, True
-            info.step = max(info.step, int(msg.step))
-            for p in self.owned:  # offers of an earlier life are void
-                self.pending[p].pop(msg.learner, None)
-                self.merged_into[p].pop(msg.learner, None)
-            self.record(
-                {
-                    "event": "join",
-                    "learner": msg.learner,
-                    "incarnation": msg.incarnation,
-                    "time": now,
-                }
-            )
-            return [(msg.learner, self.snapshot(now))]
+            return self._join(msg, now) + self._sent()
         if isinstance(msg, Leave):
-            info = self.learners.get(msg.learner)
-            if info is not None and info.incarnation == msg.incarnation:
-                info.joined = False
-                self.record({"event": "leave", "learner": msg.learner, "time": now})
+            if self.registry.leave(msg.learner, msg.incarnation, msg.finished):
+                self.record({"event": "leave", "learner": msg.learner,
+                             "finished": bool(msg.finished), "time": now})  # fmt: skip
             return self.tick(now)
         if isinstance(msg, Heartbeat):
-            info = self.learners.get(msg.learner)
-            stale_registry = info is None or msg.incarnation > info.incarnation
-            if stale_registry and 0 <= msg.learner < self.num_learners:
+            seen = self.registry.heartbeat(msg.learner, msg.incarnation, msg.step, now)
+            if seen == "join":
                 # A live learner in a life this syncer never saw: its registry comes from a
                 # checkpoint older than the learner's (re)join, so treat it as that join.
-                return self.handle(Join(msg.learner, msg.incarnation, msg.time, msg.step), now)
-            if info is not None and info.incarnation == msg.incarnation:
-                self._touch(msg.learner, msg.incarnation, now)
-                info.step = max(info.step, int(msg.step))
-                if msg.step_seconds > 0:
-                    self.xi_step.update(msg.step_seconds)
-            return []
+                join = Join(msg.learner, msg.incarnation, msg.time, msg.step)
+                return self._join(join, now) + self._sent()
+            if seen == "ok" and msg.step_seconds > 0:
+                self.xi_step.update(msg.step_seconds)
+            return self.tick(now) if seen == "ok" else []  # a waiting offer may be fresh now
         if isinstance(msg, Offer):
             self._accept(msg, now)
             return self.tick(now)
         raise TypeError(f"syncer cannot handle {type(msg).__name__}")
 
-    def _reject(self, offer: Offer | None, reason: str, now: float, learner: int = -1) -> None:
-        self.stats["rejected_offers"] += offer is not None
-        self.record(
-            {
-                "event": "reject",
-                "learner": offer.learner if offer else learner,
-                "fragment": offer.fragment if offer else None,
-                "reason": reason,
-                "time": now,
-            }
+    def _join(self, msg: Join, now: float) -> list[tuple[int, object]]:
+        reason = self.registry.join(
+            msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now
         )
+        if reason:
+            self._reject(None, reason, now, msg.learner)
+            return []
+        for p in self.owned:  # offers of an earlier life are void
+            self.pending[p].pop(msg.learner, None)
+            self.merged_into[p].pop(msg.learner, None)
+        self.record(
+            {"event": "join", "learner": msg.learner, "incarnation": msg.incarnation, "time": now}
+        )
+        return [(msg.learner, self.snapshot(now))]
+
+    def _reject(self, offer: Offer | None, reason: str, now: float, learner: int = -1) -> None:
+        """A bad offer (or join): logged, counted, never merged; its learner is told."""
+        self.stats["rejected_offers"] += offer is not None
+        self._refuse("reject", offer, reason, now, learner)
+
+    def _drop(self, offer: Offer, reason: str, now: float) -> None:
+        """Not a bad offer, but one that will not be merged (its learner keeps the work)."""
+        self.stats["dropped_offers"] += 1
+        self._refuse("drop_offer", offer, reason, now)
+
+    def _refuse(self, event: str, offer, reason: str, now: float, learner: int = -1) -> None:
+        fields = ("learner", "fragment", "step", "incarnation")
+        rec = {k: getattr(offer, k, None) for k in fields} if offer else {"learner": learner}
+        self.record({"event": event, **rec, "reason": reason, "time": now})
+        try:  # a malformed envelope names nobody to tell
+            m, inc, p, step = (
+                int(getattr(offer, k)) for k in fields[:1] + fields[3:] + fields[1:3]
+            )
+        except (TypeError, ValueError, AttributeError):
+            return
+        if 0 <= m < self.num_learners:
+            self._notices.append((m, Dropped(m, inc, p, step, reason, now)))
+
+    def _sent(self) -> list[tuple[int, object]]:
+        out, self._notices = self._notices, []
+        return out
 
     def _accept(self, offer: Offer, now: float) -> None:
         self.stats["offers"] += 1
         self.stats["bytes_in"] += offer.nbytes
-        reason = self._check_sender(offer)
+        info = self.registry.get(offer.learner)
+        reason = checks.check_sender(offer, info, self.num_learners, self.version)
         if reason:
             self._reject(offer, reason, now)
             return
         p = offer.fragment
         if offer.epoch != self.epoch:
             # Made before this syncer life's snapshot reached the learner: its base version
-            # belongs to a lost life. Not a bad offer; the learner re-anchored on the
-            # snapshot and its next offer carries the same work.
-            self.record(
-                {
-                    "event": "drop_offer",
-                    "learner": offer.learner,
-                    "fragment": p,
-                    "reason": f"epoch {offer.epoch}: made before the syncer restore",
-                    "step": offer.step,
-                    "time": now,
-                }
-            )
+            # belongs to a lost life. The learner rebases on the snapshot and offers again.
+            self._drop(offer, f"epoch {offer.epoch}: made before the syncer restore", now)
             return
-        reason, decoded = self._check_content(offer)
+        merged = self.merged_into[p].get(offer.learner)
+        cfg = self.cfg
+        version, H = self.version[p], self.plan.sync_every
+        reason = checks.check_counters(offer, info, version, cfg.max_staleness, H, merged)
+        decoded = None
+        if not reason:
+            reason, decoded = checks.check_payload(offer, self.theta[p])
         if reason:
             self._reject(offer, reason, now)
             return
-        info = self._touch(offer.learner, offer.incarnation, now)
+        self.registry.touch(offer.learner, now)
         info.step = max(info.step, offer.step)
-        done = self.merged_into[p].get(offer.learner) if self.cfg.drop_superseded else None
-        if done is not None and done[0] == offer.incarnation and offer.base_version < done[1]:
-            self.record(
-                {
-                    "event": "drop_offer",
-                    "learner": offer.learner,
-                    "fragment": p,
-                    "reason": f"superseded: an earlier offer was merged into version {done[1]}",
-                    "step": offer.step,
-                    "base_version": offer.base_version,
-                    "time": now,
-                }
-            )
-            return
+        if offer.c_steps:
+            info.tokens_per_step = round(offer.c_tokens / offer.c_steps)
         fresh = self.cfg.rounds == "eager" or self.slot(offer) > self.last_slot[p]
         if self.round_open[p] is None and fresh:  # a late offer does not open a round
             self.round_open[p] = now
-        old = self.pending[p].get(offer.learner)
-        if old is not None and old[0].incarnation == offer.incarnation:
-            # The newer offer's parameters contain the older one's work.
-            offer.work_steps += old[0].work_steps
-        self.pending[p][offer.learner] = (offer, *decoded)  # newer replaces older
-
-    def _check_sender(self, offer: Offer) -> str:
-        """Why an offer's envelope is bad (its learner, life and fragment); "" if good."""
-        for field in _INTEGER_FIELDS:
-            v = getattr(offer, field, None)
-            if isinstance(v, bool) or not isinstance(v, int | np.integer):
-                return f"{field} must be an integer, got {v!r}"
-        info = self.learners.get(offer.learner)
-        if not 0 <= offer.learner < self.num_learners or info is None or not info.joined:
-            return f"unknown learner {offer.learner}"
-        if offer.incarnation != info.incarnation:
-            return f"incarnation {offer.incarnation} != current {info.incarnation}"
-        if offer.fragment not in self.version:
-            return f"fragment {offer.fragment} is not owned by this syncer"
-        return ""
-
-    def _check_content(self, offer: Offer) -> tuple[str, tuple[dict, dict] | None]:
-        """Returns (reason, (decoded outer gradient, its per-leaf ‖v‖²)); reason "" if good.
-
-        Versions, counters, step and payload of an offer whose sender checks passed.
-        """
-        info = self.learners[offer.learner]
-        version = self.version[offer.fragment]
-        if offer.base_version > version:
-            return f"base version {offer.base_version} is from the future (now {version})", None
-        if version - offer.base_version > self.cfg.max_staleness:
-            return f"stale: base {offer.base_version}, now {version}", None
-        if not 0 <= offer.c_steps <= offer.step or not 0 <= offer.c_tokens <= _MAX_TOKENS:
-            return (
-                f"counters out of range: c_steps={offer.c_steps} (step {offer.step}), "
-                f"c_tokens={offer.c_tokens}"
-            ), None
-        if offer.work_steps < 0:
-            return f"negative work_steps {offer.work_steps}", None
-        # A step far beyond what the learner last reported would push the fragment's
-        # schedule slot ahead and starve later rounds of fresh offers.
-        if offer.step > info.step + self.plan.sync_every * MAX_SLOT_LEAD:
-            return f"step {offer.step} is from the future (learner reported {info.step})", None
-        try:
-            arrays = compression.decode(offer.payload)
-        except Exception as e:  # a malformed payload is a rejection, never a crash
-            return f"undecodable payload: {e!r}", None
-        expected = self.theta[offer.fragment]
-        if set(arrays) != set(expected):
-            return f"leaf names {sorted(arrays)[:3]}... do not match fragment", None
-        for k, v in arrays.items():
-            if v.shape != expected[k].shape:
-                return f"{k}: shape {v.shape} != {expected[k].shape}", None
-            if v.dtype != np.float32:
-                return f"{k}: dtype {v.dtype} != float32", None
-        # ‖v‖² per leaf is the finiteness check (NaN/inf propagate into it; so does a float32
-        # overflow of values > ~1e19, which RDA could not merge either) and, kept with the
-        # offer, spares the merge one of RDA's read passes over the offers.
-        sq_norms = merge.offer_sq_norms(arrays)
-        for k, q in sq_norms.items():
-            if not math.isfinite(q):
-                return f"{k}: non-finite values", None
-        return "", (arrays, sq_norms)
+        # A newer offer of the same life holds the older one's work (both are anchored on
+        # versions that hold neither), so it replaces it.
+        self.pending[p][offer.learner] = (offer, *decoded)
 
     # --- rounds ----------------------------------------------------------------------
     def grace_window(self) -> float:
@@ -318,27 +223,21 @@ class Syncer:
 
     def _drop_dead(self, now: float) -> None:
         # Offers of a learner that left cleanly stay valid; those of a silent one are dropped.
-        dead = {
-            m
-            for m, info in self.learners.items()
-            if info.joined and now - info.last_seen > self.cfg.heartbeat_timeout
-        }
+        dead = self.registry.dead(now)
         for p in self.owned:
             for m in [m for m in self.pending[p] if m in dead]:
-                self.pending[p].pop(m)
-                self.record(
-                    {
-                        "event": "drop_offer",
-                        "learner": m,
-                        "fragment": p,
-                        "reason": "learner not live",
-                        "time": now,
-                    }
-                )
+                offer = self.pending[p].pop(m)[0]
+                self._drop(offer, "learner not live", now)
 
     def slot(self, offer: Offer) -> int:
-        """The schedule slot r of an offer: made at step offset_p + r·H (or after it)."""
-        return (offer.step - self.plan.offsets[offer.fragment]) // self.plan.sync_every
+        """The schedule slot an offer stands for: that of its step, or, if its learner has
+        since reported a step past its next due step (its next offer waits for this one to
+        be merged: one offer in flight per fragment), that later slot."""
+        info = self.registry.get(offer.learner)
+        step = offer.step
+        if info is not None and info.incarnation == offer.incarnation:
+            step = max(step, info.step)
+        return self.plan.slot(offer.fragment, step)
 
     def fresh_offers(self, p: int) -> int:
         """Offers counting towards the quorum of fragment p's next round."""
@@ -357,12 +256,12 @@ class Syncer:
             if self.fresh_offers(p) >= self.cfg.quorum:
                 if self.quorum_at[p] is None:
                     self.quorum_at[p] = now
-                    self.xi_quorum.update(now - self.round_open[p])
+                    self.xi_quorum.update(now - (self.round_open[p] or now))
                 if everyone or now >= self.quorum_at[p] + self.grace_window():
                     out += self._merge(p, now)
             elif everyone:  # below quorum, but nobody else is going to offer
                 out += self._merge(p, now)
-        return out
+        return out + self._sent()
 
     def next_deadline(self) -> float | None:
         times = [q + self.grace_window() for q in self.quorum_at.values() if q is not None]
@@ -376,96 +275,97 @@ class Syncer:
                 if self.quorum_at[p] is None and self.round_open[p] is not None:
                     self.quorum_at[p] = now
                 out += self._merge(p, now)
-        return out
+        return out + self._sent()
+
+    def _covered_slot(self, p: int, kept: list[Offer]) -> int:
+        """The slot a round covers: the K-th highest fresh slot (the lowest if the round
+        closed with fewer fresh offers, every live learner being in)."""
+        if self.cfg.rounds == "eager":
+            return max([self.last_slot[p], *(self.slot(o) for o in kept)])
+        fresh = sorted((s for o in kept if (s := self.slot(o)) > self.last_slot[p]), reverse=True)
+        if not fresh:
+            return self.last_slot[p]
+        return fresh[self.cfg.quorum - 1] if len(fresh) >= self.cfg.quorum else fresh[-1]
+
+    def _others_weight(self, kept: list[Offer], now: float) -> list[float]:
+        """q of the roster's learners with no offer in this merge."""
+        known = [o.c_tokens / o.c_steps for o in kept if o.c_steps]
+        default = float(np.median(known)) if known else 1.0
+        merged = {o.learner for o in kept}
+        return self.registry.others_weight(merged, default, self.cfg.weights, now)
 
     def _merge(self, p: int, now: float) -> list[tuple[int, object]]:
         t0 = _time.perf_counter()
         offers = sorted(self.pending[p].values(), key=lambda oa: oa[0].learner)
         self.pending[p] = {}
         version = self.version[p]
-        kept, sq_norms = [], []
+        kept, vs, sq_norms = [], [], []
         for o, a, q in offers:
             if version - o.base_version <= self.cfg.max_staleness:
-                kept.append((o, a))
+                kept.append(o)
+                vs.append(a)
                 sq_norms.append(q)
             else:
                 self._reject(o, f"stale at merge: base {o.base_version}, now {version}", now)
-        w = merge.token_weights(
-            [o.c_tokens for o, _ in kept], [o.c_steps for o, _ in kept], self.cfg.weights
-        )
         quorum_wait = (self.quorum_at[p] or now) - (self.round_open[p] or now)
         grace_used = now - (self.quorum_at[p] or now)
         self.round_open[p] = self.quorum_at[p] = None
-        if not kept or float(w.sum()) <= 0:
+        if not kept:
             return []
+        cfg, tokens, steps = self.cfg, [o.c_tokens for o in kept], [o.c_steps for o in kept]
+        others = self._others_weight(kept, now)
+        H = self.plan.sync_every
+        w, scale, work = merge.weigh(tokens, steps, cfg.weights, cfg.normalize, H, others)
         rule = self.cfg.embedding_merge if p == self.plan.embedding_fragment else self.cfg.merge
-        vs = [a for _, a in kept]
         # Against Θ before this step: the router the offers' outer gradients started from.
         router_divergence = merge.router_divergence(vs, w, self.theta[p])
         # In place: Θ and the momenta are the syncer's alone (snapshot() and the reply's
         # encode copy them; state_dict()'s callers copy under the lock around handle/tick).
+        outer = dict(lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
+                     clock=cfg.momentum_clock, scale=scale, work=work)  # fmt: skip
         self.theta[p], self.outer[p], delta_norm = merge.merge_outer_step(
-            self.theta[p],
-            vs,
-            w,
-            rule,
-            self.outer[p],
-            self.cfg.outer_lr,
-            self.cfg.outer_momentum,
-            self.cfg.nesterov,
-            inplace=True,
-            sq_norms=sq_norms,
-            return_delta_norm=True,
-        )
+            self.theta[p], vs, w, rule, self.outer[p], **outer, inplace=True,
+            sq_norms=sq_norms, return_delta_norm=True,
+        )  # fmt: skip
         self.version[p] = version + 1
-        payload = compression.encode(self.theta[p], self.cfg.compression)
-        learners = tuple(o.learner for o, _ in kept)
+        for o in kept:
+            self.merged_into[p][o.learner] = (o.incarnation, o.step, version + 1)
+        self.last_slot[p] = self._covered_slot(p, kept)
+        payload = compression.encode(self.theta[p], self.cfg.reply_compression)
         reply = Merged(
-            p,
-            version + 1,
-            payload,
-            learners,
-            now,
-            payload.nbytes(),
-            steps=tuple(o.step for o, _ in kept),
-            incarnations=tuple(o.incarnation for o, _ in kept),
-            epoch=self.epoch,
-        )
-        for o, _ in kept:
-            self.merged_into[p][o.learner] = (o.incarnation, version + 1)
-        self.last_slot[p] = max(self.last_slot[p], max(self.slot(o) for o, _ in kept))
-        live = self.live(now)
+            p, version + 1, payload, tuple(o.learner for o in kept), now, payload.nbytes(),
+            steps=tuple(o.step for o in kept), incarnations=tuple(o.incarnation for o in kept),
+            epoch=self.epoch, merged=self.clock(p),
+        )  # fmt: skip
+        # Every live learner gets the version, and so do contributors that left (their final
+        # offers wait for it to know which of their steps Θ holds).
+        live = sorted(set(self.live(now)) | set(reply.learners))
         merge_seconds = _time.perf_counter() - t0
         self.xi_merge.update(merge_seconds)
         self.stats["merges"] += 1
         self.stats["bytes_out"] += reply.nbytes * len(live)
-        self.merged_learners += len(kept)
-        share = self._sizes[p] / self._total
-        for o, _ in kept:
-            self.useful_steps[o.learner] = (
-                self.useful_steps.get(o.learner, 0.0) + o.work_steps * share
-            )
         self.record(
             {
                 "event": "merge",
                 "fragment": p,
                 "version": version + 1,
                 "epoch": self.epoch,
-                "learners": list(learners),
-                "weights": [float(x) for x in w / w.sum()],
-                "base_versions": [o.base_version for o, _ in kept],
-                "staleness": [version - o.base_version for o, _ in kept],
-                "steps": [o.step for o, _ in kept],  # learner step of each merged offer
-                "incarnations": [o.incarnation for o, _ in kept],
-                "c_steps": [o.c_steps for o, _ in kept],
-                "work_steps": [o.work_steps for o, _ in kept],
+                "learners": list(reply.learners),
+                "weights": [float(x) for x in w / w.sum()] if w.sum() > 0 else [0.0] * len(w),
+                "scale": scale,  # share of the live learners' weight in this merge
+                "work": work,  # rounds of work it carries (the momentum clock)
+                "base_versions": [o.base_version for o in kept],
+                "staleness": [version - o.base_version for o in kept],
+                "steps": list(reply.steps),  # learner step of each merged offer
+                "incarnations": list(reply.incarnations),
+                "c_steps": [o.c_steps for o in kept],  # steps of work each offer brought
                 "quorum_wait": quorum_wait,
                 "grace": grace_used,
                 "grace_window": self.grace_window(),
                 "merge_seconds": merge_seconds,
-                "bytes_in": int(sum(o.nbytes for o, _ in kept)),
+                "bytes_in": int(sum(o.nbytes for o in kept)),
                 "bytes_out": reply.nbytes * len(live),
-                "share": share,
+                "share": self._sizes[p] / self._total,
                 "delta_norm": delta_norm,  # ‖Δ‖, the merged outer gradient's L2 norm
                 # Learners' router spread relative to ‖Θ_router‖, mean over the fragment's
                 # router leaves (definition: merge.router_divergence); only for MoE
@@ -476,36 +376,25 @@ class Syncer:
         )
         return [(m, reply) for m in live]
 
+    def clock(self, p: int) -> dict:
+        """Fragment p's vector clock: learner -> (incarnation, step of its latest merge)."""
+        return {m: (inc, step) for m, (inc, step, _) in self.merged_into[p].items()}
+
     def snapshot(self, now: float) -> Snapshot:
         params = {k: v.copy() for p in self.owned for k, v in self.theta[p].items()}
-        return Snapshot(dict(self.version), params, now, epoch=self.epoch)
+        clocks = {p: self.clock(p) for p in self.owned}
+        return Snapshot(dict(self.version), params, now, epoch=self.epoch, merged=clocks)
 
     def global_params(self) -> dict[str, np.ndarray]:
         """The live Θ arrays (merges update them in place): copy to keep a version."""
         return {k: v for p in self.owned for k, v in self.theta[p].items()}
 
-    # --- checkpointing ---------------------------------------------------------------
+    # --- checkpointing (diloco/syncer_state.py) -------------------------------------------
     def state_dict(self) -> dict:
-        """Everything needed to resume: Θ, outer momenta, versions (host numpy + ints).
+        return syncer_state.state_dict(self)
 
-        The arrays are live (merges update them in place): copy them before `handle` or
-        `tick` can run again, as the runtime does under its syncer lock.
-        """
-        return {
-            "theta": {str(p): self.theta[p] for p in self.owned},
-            "momentum": {str(p): self.outer[p].momentum for p in self.owned},
-            "version": {str(p): np.int64(self.version[p]) for p in self.owned},
-            "last_slot": {str(p): np.int64(self.last_slot[p]) for p in self.owned},
-        }
+    def meta_dict(self) -> dict:
+        return syncer_state.meta_dict(self)
 
-    def load_state_dict(self, state: dict) -> None:
-        # Own copies (writable, C-contiguous): merges update Θ and the momenta in place.
-        own = lambda tree: {k: np.array(v, np.float32, order="C") for k, v in tree.items()}
-        for p in self.owned:
-            self.theta[p] = own(state["theta"][str(p)])
-            self.outer[p] = merge.OuterState(own(state["momentum"][str(p)]))
-            self.version[p] = int(state["version"][str(p)])
-            self.last_slot[p] = int(state.get("last_slot", {}).get(str(p), -1))
-            self.merged_into[p] = {}
-            self.pending[p] = {}
-            self.round_open[p] = self.quorum_at[p] = None
+    def load_state_dict(self, state: dict, meta: dict, now: float) -> None:
+        syncer_state.load(self, state, meta, now)

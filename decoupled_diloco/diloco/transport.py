@@ -1,8 +1,9 @@
-"""The one narrow interface between learners and the syncer.
+"""The one narrow interface between learners and the syncer: messages in, messages out.
 
-Learner and syncer logic only call these methods; runtimes implement them (in-process
-queues and threads in `runtime/local.py`, Ray actors and the object store in
-`runtime/ray_runtime.py`). Nothing here may block a learner for longer than it asks to.
+Transports carry `messages.py` messages, whose payloads are host arrays already; they never
+compute on them. Runtimes implement both ends: in-process queues and threads
+(`runtime/links.py`), Ray actor calls and the object store (`runtime/ray/links.py`).
+Nothing here may block a learner for longer than it asks to.
 """
 
 import abc
@@ -11,15 +12,25 @@ from decoupled_diloco.diloco import messages
 
 
 class LearnerLink(abc.ABC):
-    """A learner's end: send without blocking, receive what has arrived."""
+    """A learner's end."""
 
     @abc.abstractmethod
     def send(self, msg: messages.Join | messages.Leave | messages.Heartbeat | messages.Offer):
-        """Non-blocking. For an Offer, the link moves the payload to host and encodes it."""
+        """Hands a message over for delivery, in order; never blocks on the network."""
 
     @abc.abstractmethod
     def receive(self, timeout: float = 0.0) -> list:
-        """Merged / Snapshot messages that arrived; waits up to `timeout` s for the first."""
+        """Merged / Dropped / Snapshot messages that arrived; waits up to `timeout` s for
+        the first."""
+
+    @abc.abstractmethod
+    def flush(self, timeout: float = 600.0) -> bool:
+        """Blocks until everything sent so far is delivered (False: gave up at `timeout`)."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """The learner's process died: what is not on the wire yet is lost, and what
+        arrived for it is discarded."""
 
 
 class SyncerLink(abc.ABC):
@@ -30,5 +41,5 @@ class SyncerLink(abc.ABC):
         """Join / Leave / Heartbeat / Offer messages; waits up to `timeout` s for the first."""
 
     @abc.abstractmethod
-    def send(self, learner: int, msg: messages.Merged | messages.Snapshot) -> None:
+    def send(self, learner: int, msg: messages.Merged | messages.Dropped | messages.Snapshot):
         """Non-blocking delivery to one learner (dropped if that learner is gone)."""

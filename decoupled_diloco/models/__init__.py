@@ -6,6 +6,7 @@ from decoupled_diloco.models.config import (
     get_model_config,
     validate_model_config,
 )
+from decoupled_diloco.models.naming import flatten_params, unflatten_params
 from decoupled_diloco.models.transformer import (
     count_params,
     forward,
@@ -17,9 +18,11 @@ __all__ = [
     "PRESETS",
     "ModelConfig",
     "count_params",
+    "flatten_params",
     "forward",
     "get_model_config",
     "init_params",
     "param_logical_axes",
+    "unflatten_params",
     "validate_model_config",
 ]

@@ -93,6 +93,22 @@ PRESETS: dict[str, dict] = {
         experts_per_token=2,
         expert_hidden=128,
     ),
+    # ~31M params, byte-level, for quality comparisons at a scale above tiny (a GPU runs
+    # 1000 steps of 4 learners x 32 x 256 tokens in minutes): d 512, 8 layers, 8 heads /
+    # 4 kv heads of 64, GeGLU ffw 2048; tiny's local window (64), pattern and softcaps.
+    # 256*512 embedding + 8 * (786_432 attn + 3_145_728 ffw + 2_048 norms) + 512 = 31.6M.
+    "mid": dict(
+        d_model=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        ffw_hidden=2048,
+        attention_pattern=("local", "global"),
+        sliding_window=64,
+        attn_logit_softcap=50.0,
+        final_logit_softcap=30.0,
+    ),
     # Gemma 2 2B: d 2304, 26 layers, 8 heads / 4 kv heads, ffw 9216 -> 2.61e9 params
     # (0.59e9 embedding + 26 * 77.9e6).
     "gemma_2b": dict(

@@ -4,11 +4,10 @@ goodput  = useful learner compute / allocated learner compute (from a learner's 
            to its last, minus time it spends evaluating, which is not training; the tail
            after its last step, final offers and checkpoint, is not allocation), where a
            learner's step is useful once its work reached a merged global fragment (per
-           fragment, weighted by the fragment's share of the parameters; each step is
-           counted in exactly one offer per fragment: learners that rebase carry the steps
-           after a merged offer into their next offer, overwriting learners count the tau
-           overlap steps as the protocol's own mixing; work lost to a crash, a rejection or
-           a dropped offer does not count); in a run without a syncer, steps that survive to
+           fragment, weighted by the fragment's share of the parameters; a merge record's
+           c_steps are the steps its offers brought, and each step travels in exactly one
+           merged offer per fragment, see diloco/learner.py; work lost to a crash does not
+           count); in a run without a syncer, steps that survive to
            the end (not lost to a restore) are useful.
 uptime   = fraction of windows of `window` seconds, from the first advance of the global
            model to the last learner step, in which the global model advanced (a merge, or
@@ -30,6 +29,7 @@ class Ledger:
         self.merges = 0
         self.merged_learners = 0
         self.rejected = 0
+        self.dropped = 0
         self.failures = 0
         self.restarts = 0
         self.syncer_failures = 0
@@ -39,7 +39,7 @@ class Ledger:
         self.steps = [0] * num_learners
         self.started = [math.nan] * num_learners
         self.last_step = -math.inf  # when any learner last finished a step
-        self._down: set = set()  # learners (or "syncer") failed and not yet restarted
+        self._down: set = set()  # learners (or ("syncer", shard)) failed and not yet restarted
         self.finished = [math.nan] * num_learners
         self.idle_seconds = [0.0] * num_learners  # allocated but not training (evaluation)
 
@@ -65,12 +65,17 @@ class Ledger:
             self.merged_learners += len(rec["learners"])
             self.advances.append(rec["time"])
             share = rec.get("share", 0.0)
-            for m, c in zip(rec["learners"], rec["work_steps"], strict=True):
+            for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
                 self.useful_steps[m] += c * share
 
-    def failure(self, who, now: float) -> None:
+    def is_down(self, who) -> bool:
         with self._lock:
-            if who == "syncer":
+            return who in self._down
+
+    def failure(self, who, now: float) -> None:
+        """`who`: a learner index or ("syncer", shard)."""
+        with self._lock:
+            if isinstance(who, tuple):
                 self.syncer_failures += 1
             self.failures += 1
             self._down.add(who)
@@ -100,13 +105,15 @@ class Ledger:
         hit = {min(int((t - start) / self.window), n - 1) for t in self.advances}
         return len(hit) / n, (n - len(hit)) * self.window
 
-    def summary(self, wall: float, uses_syncer: bool, learners) -> dict:
+    def summary(self, wall: float, uses_syncer: bool, learner_steps: list[int]) -> dict:
+        """`learner_steps`: each learner's final step (a run without a syncer counts the
+        steps that survive to the end as useful)."""
         useful = allocated = 0.0
-        for m, lr in enumerate(learners):
+        for m, final_step in enumerate(learner_steps):
             if self.steps[m] == 0:
                 continue
             per_step = self.step_seconds[m] / self.steps[m]
-            steps = self.useful_steps[m] if uses_syncer else lr.step
+            steps = self.useful_steps[m] if uses_syncer else final_step
             useful += min(steps, self.steps[m]) * per_step
             end = self.finished[m] if not math.isnan(self.finished[m]) else wall
             allocated += max(end - self.started[m] - self.idle_seconds[m], 1e-9)
@@ -120,4 +127,5 @@ class Ledger:
             "failures": self.failures,
             "restarts": self.restarts,
             "rejected_offers": self.rejected,
+            "dropped_offers": self.dropped,
         }

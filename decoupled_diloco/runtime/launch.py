@@ -1,6 +1,5 @@
 """Chooses the runtime named by the config and runs it."""
 
-import json
 import os
 
 from decoupled_diloco.config import RunConfig
@@ -9,14 +8,9 @@ from decoupled_diloco.config import RunConfig
 def run(cfg: RunConfig, workdir: str, verbose: bool = True) -> dict:
     os.makedirs(workdir, exist_ok=True)
     if cfg.runtime == "ray":
-        from decoupled_diloco.runtime.ray_runtime import RayRuntime
+        from decoupled_diloco.runtime.ray.runtime import RayRuntime
 
         return RayRuntime(cfg, workdir, verbose=verbose).run()
     from decoupled_diloco.runtime.local import LocalRuntime
 
     return LocalRuntime(cfg, workdir, verbose=verbose).run()
-
-
-def load_summary(workdir: str) -> dict:
-    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
-        return json.load(f)

@@ -1,8 +1,7 @@
 """In-process transport: queues between learner threads and syncer threads.
 
-Every learner has one sender thread that turns offers into wire payloads (device→host,
-outer gradient, compression) in FIFO order with its other messages. Links follow the fault
-schedule: a message occupies its link for bytes / bandwidth (messages queue behind each
+Every learner link has one sender thread that delivers its messages in order. Links follow
+the fault schedule: a message occupies its link for bytes / bandwidth (messages queue behind each
 other) and then arrives one latency later (messages in flight overlap, as on a real
 network), so a slow link delays that learner's offers but never its training.
 """
@@ -90,13 +89,10 @@ class LocalLearnerLink(LearnerLink):
         learner: int,
         syncer_inboxes: list[queue.Queue],
         shard_of_fragment: Callable[[int], int],
-        compression: str,
         link_seconds: Callable[[int], float] = lambda nbytes: 0.0,
-        on_sent: Callable[[Offer], None] = lambda offer: None,
     ):
         self.learner, self.inbox = learner, queue.Queue()
         self._syncers, self._shard_of = syncer_inboxes, shard_of_fragment
-        self._compression, self._on_sent = compression, on_sent
         self._link = Link(link_seconds)
         self._slow = link_seconds(0) > 0 or link_seconds(1 << 20) > 0
         self._in_flight = _InFlight()
@@ -112,15 +108,14 @@ class LocalLearnerLink(LearnerLink):
     def receive(self, timeout: float = 0.0) -> list:
         return _drain(self.inbox, timeout)
 
-    def flush(self) -> None:
-        """Blocks until everything sent so far has been delivered."""
+    def flush(self, timeout: float = 600.0) -> bool:
         done = threading.Event()
         self._outbox.put(done)
-        done.wait()
+        return done.wait(timeout)
 
-    def drop_pending(self) -> None:
-        """A crash: what was not yet on the wire is lost with the process."""
+    def reset(self) -> None:
         _drain(self._outbox, 0.0)
+        _drain(self.inbox, 0.0)
 
     def _send_loop(self) -> None:
         while True:
@@ -129,10 +124,7 @@ class LocalLearnerLink(LearnerLink):
                 self._deliver(msg, None, 0)
                 continue
             if isinstance(msg, Offer):
-                msg.payload = msg.payload.materialize(self._compression)
-                msg.nbytes = msg.payload.nbytes()
                 self._deliver(self._syncers[self._shard_of(msg.fragment)], msg, msg.nbytes)
-                self._on_sent(msg)
             else:  # joins, leaves and heartbeats go to every syncer shard
                 for q in self._syncers:
                     self._deliver(q, msg, 0)

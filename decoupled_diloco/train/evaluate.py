@@ -5,7 +5,7 @@ import numpy as np
 
 from decoupled_diloco import models, sharding, transfer
 from decoupled_diloco.data import make_iterator
-from decoupled_diloco.diloco.fragments import flatten_params, unflatten_params
+from decoupled_diloco.models import flatten_params, unflatten_params
 from decoupled_diloco.train.step import make_eval_step
 
 

@@ -15,24 +15,24 @@ import optax
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Inner (per-learner) training hyper-parameters; see `decoupled_diloco/config.py`."""
+    """The `train.*` config section: inner (per-learner) training, evaluation, logging."""
 
-    steps: int = 200
-    batch_size: int = 32
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 8
-    log_every: int = 10
-    checkpoint_every: int = 100
-    uptime_window: float = 2.0
-    seed: int = 0
+    steps: int = 200  # inner steps per learner
+    batch_size: int = 32  # sequences per inner step per learner
+    learning_rate: float = 3e-3  # peak inner AdamW lr
+    warmup_steps: int = 20  # linear warmup steps
+    min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak lr
+    weight_decay: float = 0.1  # decoupled AdamW weight decay (matrices only)
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    eps: float = 1e-8  # Adam epsilon
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    eval_every: int = 50  # steps between evaluations; 0 = only at the end
+    eval_batches: int = 8  # held-out batches per evaluation
+    log_every: int = 10  # steps between metrics.jsonl lines / progress updates
+    checkpoint_every: int = 100  # steps between orbax checkpoints; 0 = only at the end
+    uptime_window: float = 2.0  # seconds: uptime counts windows in which the model advanced
+    seed: int = 0  # model init; the run's `seed` unless set
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:

@@ -80,12 +80,10 @@ class SyncerPoster:
         return not self._held
 
     def _hold(self, msg) -> None:
-        if isinstance(msg, Offer):
+        if isinstance(msg, Offer):  # a newer offer of a fragment holds the older one's work
             older = [h for h in self._held if isinstance(h, Offer) and h.fragment == msg.fragment]
             for old in older:
                 self._held.remove(old)
-                if old.incarnation == msg.incarnation:  # the newer one contains its work
-                    msg.work_steps += old.work_steps
         elif isinstance(msg, Heartbeat):
             self._held = [h for h in self._held if not isinstance(h, Heartbeat)]
         self._held.append(msg)
@@ -113,20 +111,15 @@ class SyncerPoster:
 class RayLearnerLink(LocalLearnerLink):
     """A learner's end: the local link's sender thread, posting to syncer shard actors."""
 
-    def __init__(self, learner: int, shard_names: list[str], compression: str, link_seconds):
+    def __init__(self, learner: int, shard_names: list[str], link_seconds):
         self.posters = [SyncerPoster(n) for n in shard_names]
         super().__init__(
-            learner,
-            self.posters,
-            lambda p: p % len(shard_names),
-            compression,
-            link_seconds=link_seconds,
+            learner, self.posters, lambda p: p % len(shard_names), link_seconds=link_seconds
         )
 
     def flush(self, timeout: float = 600.0) -> bool:
         """Waits until the sender thread has handed everything over and the shards have it."""
-        super().flush()
-        return all(p.drain(timeout) for p in self.posters)
+        return super().flush(timeout) and all(p.drain(timeout) for p in self.posters)
 
 
 class LearnerMailboxes:
@@ -167,33 +160,20 @@ class _Box:
         self._boxes.deliver(self._m, msg)
 
 
-class EncodedPayload:
-    """An offer payload that is encoded already (`SliceLink`, benchmarks): no device copy."""
-
-    def __init__(self, encoded):
-        self.encoded = encoded
-
-    def materialize(self, method: str):
-        del method
-        return self.encoded
-
-
 class SliceLink(LearnerLink):
     """A learner spanning several hosts (multi-controller JAX): every host runs the same
     program, so every host must see the same messages at the same step boundaries.
 
-    Host 0 owns the real link (`inner`); the others pass None. Received messages are
-    broadcast from host 0 inside the slice, and offers are gathered to host memory on the
-    learner thread (a collective every host must issue in the same order), not on the
-    sender thread. Untested here (needs a multi-host TPU slice).
+    Host 0 owns the real link (`inner`); the others pass None and send nothing. Received
+    messages are broadcast from host 0 inside the slice. (Offers are gathered to host
+    memory on the learner thread, a collective every host must issue in the same order:
+    the learner's outbox materialises inline.) Untested here (needs a multi-host TPU slice).
     """
 
-    def __init__(self, inner: RayLearnerLink | None, compression: str):
-        self.inner, self.compression = inner, compression
+    def __init__(self, inner: RayLearnerLink | None):
+        self.inner = inner
 
     def send(self, msg) -> None:
-        if isinstance(msg, Offer):
-            msg.payload = EncodedPayload(msg.payload.materialize(self.compression))
         if self.inner is not None:
             self.inner.send(msg)
 
@@ -211,6 +191,6 @@ class SliceLink(LearnerLink):
     def flush(self, timeout: float = 600.0) -> bool:
         return self.inner.flush(timeout) if self.inner is not None else True
 
-    def drop_pending(self) -> None:
+    def reset(self) -> None:
         if self.inner is not None:
-            self.inner.drop_pending()
+            self.inner.reset()

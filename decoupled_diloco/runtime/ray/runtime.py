@@ -4,16 +4,16 @@
         --config.runtime=ray                                    # a local Ray cluster
         --config.ray.address=HEAD_IP:6379                       # or an existing one
 
-Each learner is an actor in its own process owning its own devices (`ray_learner.py`),
-each syncer shard an actor on the host CPU (`ray_syncer.py`); they talk through the same
-narrow transport as in process (`ray_links.py`). The driver (this file) only launches,
-watches and reports:
+Each learner is an actor in its own process owning its own devices (`learner.py`), each
+syncer shard an actor on the host CPU (`syncer.py`); both host the same loops as the local
+runtime (runtime/learner_loop.py, runtime/syncer_loop.py) and talk through the same narrow
+transport, over Ray (`links.py`). The driver (this file) only launches, watches and reports:
 - launch: connects to (or starts) the cluster, creates the syncer shards, then M learners;
 - watch: every `ray.poll_seconds` it collects learner rows and events, the syncer's merge
   records and every process's pid; it applies the fault schedule's crashes by killing the
   real processes (SIGKILL by pid on this node, `ray.kill` elsewhere); at `train.eval_every`
   it has Θ evaluated where `ray.evaluate` says: on its own devices (fetched from the syncer
-  shards as numpy), on a learner's devices (TPU), or not at all (runtime/ray_eval.py);
+  shards as numpy), on a learner's devices (TPU), or not at all (eval.py);
 - report: the driver is the only writer of metrics.jsonl, merges.jsonl, events.jsonl and
   summary.json (same keys as the local runtime), so actors need no shared filesystem for
   them. Checkpoints are written by the actors themselves under `ray.checkpoint_dir`, which
@@ -34,7 +34,6 @@ import os
 import signal
 import sys
 import time
-import types
 import uuid
 
 import jax
@@ -42,11 +41,14 @@ import ray
 
 from decoupled_diloco import faults, sharding
 from decoupled_diloco.config import RunConfig
-from decoupled_diloco.metrics import JsonlWriter, Progress, write_json
-from decoupled_diloco.runtime import accounting, ray_cluster, ray_eval, ray_links, report
-from decoupled_diloco.runtime.local import SCHEDULE_HORIZON_S, learner_devices
-from decoupled_diloco.runtime.ray_learner import LearnerActor
-from decoupled_diloco.runtime.ray_syncer import SyncerActor
+from decoupled_diloco.metrics import Progress, write_json
+from decoupled_diloco.runtime import report
+from decoupled_diloco.runtime.ray import cluster as ray_cluster
+from decoupled_diloco.runtime.ray import eval as ray_eval
+from decoupled_diloco.runtime.ray import links as ray_links
+from decoupled_diloco.runtime.ray.learner import LearnerActor
+from decoupled_diloco.runtime.ray.syncer import SyncerActor
+from decoupled_diloco.runtime.records import RunLog
 from decoupled_diloco.train.evaluate import Evaluator
 
 
@@ -54,11 +56,9 @@ class RayRuntime:
     def __init__(self, run: RunConfig, workdir: str, verbose: bool = True):
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         os.makedirs(workdir, exist_ok=True)
-        self.metrics = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
-        self.merges = JsonlWriter(os.path.join(workdir, "merges.jsonl"))
-        self.events = JsonlWriter(os.path.join(workdir, "events.jsonl"))
-        self.schedule = faults.FaultSchedule(run.faults, run.num_learners, SCHEDULE_HORIZON_S)
-        self.ledger = accounting.Ledger(run.num_learners, run.train.uptime_window)
+        self.log = RunLog(workdir, run.num_learners, run.train.uptime_window)
+        self.ledger = self.log.ledger
+        self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         ckpt_dir = run.ray.checkpoint_dir or os.path.join(workdir, "checkpoints")
         # Actors resolve paths from their own working directory: give them an absolute one.
         self.ckpt_dir = ckpt_dir if "://" in ckpt_dir else os.path.abspath(ckpt_dir)
@@ -72,7 +72,6 @@ class RayRuntime:
         self.errors: dict[int, str] = {}  # learner -> its last error
         self.pids: dict[tuple, tuple[int, str]] = {}  # (role, index, host) -> (pid, node)
         self._pending: dict[tuple, object] = {}  # in-flight poll per actor
-        self._counted_failure: set = set()  # failures already counted before the restart
         self._fault_t = 0.0
 
     def now(self) -> float:
@@ -91,21 +90,19 @@ class RayRuntime:
                 ray.kill(h, no_restart=True)
             if started:
                 ray.shutdown()
-            for w in (self.metrics, self.merges, self.events):
-                w.close()
+            self.log.close()
 
     def _launch(self) -> None:
         run = self.run_cfg
         rc = run.ray
         self.run_id = uuid.uuid4().hex[:8]
         self.t0 = time.time()
-        self.events.write(
+        self.log.event(
             {"event": "run_start", "run_id": self.run_id, "wall_t0": self.t0, "time": 0.0}
         )
-        opts = ray_cluster.syncer_options(
-            ray.cluster_resources(), run.syncer.shards, rc.max_restarts
-        )
-        for s in range(run.syncer.shards):
+        shards = run.diloco.syncer_shards
+        opts = ray_cluster.syncer_options(ray.cluster_resources(), shards, rc.max_restarts)
+        for s in range(shards):
             name = ray_links.actor_name(self.run_id, "syncer", s)
             actor = ray.remote(SyncerActor).options(name=name, **opts)
             self.syncers.append(actor.remote(s, run, self.ckpt_dir, self.run_id, self.t0))
@@ -135,7 +132,8 @@ class RayRuntime:
         if run.ray.evaluate != "driver":
             return
         if jax.device_count() >= run.devices_per_learner:
-            mesh = sharding.make_mesh(learner_devices(run, 0), run.mesh)
+            devices = sharding.learner_devices(jax.devices(), run.devices_per_learner, 0)
+            mesh = sharding.make_mesh(devices, run.mesh)
         else:
             mesh = sharding.make_mesh(jax.devices()[:1], sharding.MeshConfig())
         self.evaluator = Evaluator(
@@ -161,7 +159,7 @@ class RayRuntime:
                     "time": self.now(),
                 }
                 if run.ray.evaluate == "driver":
-                    self.metrics.write({**row, "eval_loss": self.evaluator(self._global_params())})
+                    self.log.row({**row, "eval_loss": self.evaluator(self._global_params())})
                 elif run.ray.evaluate == "learner" and (m := self._eval_learner()) is not None:
                     self.evals.request(self._processes(m), self.syncers, row)
         if len(self.lost) == run.num_learners:
@@ -198,7 +196,7 @@ class RayRuntime:
             self._seen_pid(key, out["pid"], out["node"])
             if key[0] == "syncer":
                 for rec in out["records"]:
-                    self._record(rec)
+                    self.log.record(rec)
             elif key[2] == 0:
                 self._learner_report(key[1], out)
 
@@ -209,12 +207,12 @@ class RayRuntime:
             self._learner_event(m, ev)
         for result in out["evals"]:
             if "error" in result:
-                self.events.write({"event": "eval_error", "learner": m, **result})
+                self.log.event({"event": "eval_error", "learner": m, **result})
             row = self.evals.result(result)
             if row is not None:
-                self.metrics.write(row)
+                self.log.row(row)
         for row in out["rows"]:
-            self.metrics.write(row)
+            self.log.row(row)
             if m == 0 and self.verbose:
                 self.progress.update(
                     row["step"],
@@ -226,32 +224,9 @@ class RayRuntime:
             self.ledger.finish(m, out["finished_at"])
 
     def _learner_event(self, m: int, ev: dict) -> None:
-        self.events.write(ev)
-        kind = ev["event"]
-        if kind == "learner_error":
+        self.log.event(ev)
+        if ev["event"] == "learner_error":
             self.errors[m] = ev["error"]
-        elif kind == "nan_restart":
-            self.ledger.failure(m, ev["time"])
-        elif kind == "rejoin":
-            if ev.get("process_restart") and m not in self._counted_failure:
-                self.ledger.failure(m, ev["time"])  # died without the driver killing it
-            self._counted_failure.discard(m)
-            self.ledger.restart(m, ev["time"])
-
-    def _record(self, rec: dict) -> None:
-        kind = rec.get("event")
-        if kind == "merge":
-            self.merges.write(rec)
-            self.ledger.merge(rec)
-            return
-        self.events.write(rec)
-        if kind == "reject":
-            self.ledger.rejected += 1
-        elif kind == "syncer_start" and rec["process_restart"]:
-            if ("syncer", rec["shard"]) not in self._counted_failure:
-                self.ledger.failure("syncer", rec["time"])
-            self._counted_failure.discard(("syncer", rec["shard"]))
-            self.ledger.restart("syncer", rec["time"])
 
     def _seen_pid(self, key: tuple, pid: int, node: str) -> None:
         """Tracks processes; a restarted host of a multi-host slice takes its siblings down
@@ -267,11 +242,11 @@ class RayRuntime:
 
     def _learner_lost(self, m: int, err: BaseException) -> None:
         self.lost.add(m)
-        if m not in self._counted_failure:  # died by itself: its last death is a failure too
+        if not self.ledger.is_down(m):  # died by itself: its last death is a failure too
             self.ledger.failure(m, self.now())
         self.ledger.finish(m, self.now())
         last = self.errors.get(m, str(err).strip().splitlines()[0][:300])
-        self.events.write(
+        self.log.event(
             {
                 "event": "learner_lost",
                 "learner": m,
@@ -304,9 +279,7 @@ class RayRuntime:
                 m = ev.learner
                 for h in range(self.hosts[m]):
                     self._kill(("learner", m, h), self.learners[(m, h)])
-                self._counted_failure.add(m)
-                self.ledger.failure(m, ev.time)
-                self.events.write(
+                self.log.event(
                     {
                         "event": "learner_down",
                         "learner": m,
@@ -318,9 +291,7 @@ class RayRuntime:
             elif ev.kind == "syncer_crash":
                 for s, actor in enumerate(self.syncers):
                     self._kill(("syncer", s, 0), actor)
-                    self._counted_failure.add(("syncer", s))
-                    self.ledger.failure("syncer", ev.time)
-                    self.events.write({"event": "syncer_crash", "shard": s, "time": ev.time})
+                    self.log.event({"event": "syncer_crash", "shard": s, "time": ev.time})
         self._fault_t = now
 
     def _kill(self, key: tuple, actor) -> None:
@@ -354,10 +325,10 @@ class RayRuntime:
             out = _call(actor.finish)
             stats.append(out["stats"])
             for rec in out["records"]:
-                self._record(rec)
+                self.log.record(rec)
         final = self._final_eval()
         steps = max(s["step"] for s in self.status)
-        self.metrics.write(
+        self.log.row(
             {
                 "learner": "global",
                 "step": steps,
@@ -366,14 +337,13 @@ class RayRuntime:
                 "time": wall,
             }
         )
-        learners = [types.SimpleNamespace(step=s["step"]) for s in self.status]
         summary = report.run_summary(
             run,
             final,
             steps,
             self._tokens(),
             wall,
-            self.ledger.summary(wall, True, learners),
+            self.ledger.summary(wall, True, [s["step"] for s in self.status]),
             stats,
         )
         write_json(os.path.join(self.workdir, "summary.json"), summary)

@@ -18,52 +18,14 @@ Placement (pure functions, testable without a cluster):
 Importing this module does not import Ray; the runtime imports it lazily.
 """
 
-import dataclasses
 import os
 import warnings
 
-ACCELERATORS = ("cpu", "tpu")
-EVALUATE = ("driver", "learner", "off")  # where Θ is evaluated (runtime/ray_eval.py)
+from decoupled_diloco.config import RayConfig
+
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"  # Ray's node label: a TPU VM's worker index
 SYNCER_RESOURCE = "syncer"  # the custom resource scripts/tpu puts on the head VM
 _STANDARD = {"CPU", "GPU", "TPU", "memory", "object_store_memory", SYNCER_RESOURCE}
-
-
-@dataclasses.dataclass(frozen=True)
-class RayConfig:
-    address: str = ""  # "" = start a local cluster for the run; "auto" / "host:port" joins one
-    max_restarts: int = 3  # Ray restarts of each learner and syncer process; -1 = unlimited
-    # (a learner whose restarts are exhausted is lost: the run goes on without it)
-    accelerator: str = "cpu"  # "cpu" (fake CPU devices per process) | "tpu" (a slice each)
-    num_cpus: int = 0  # CPUs a local cluster advertises; 0 = os.cpu_count()
-    temp_dir: str = "/tmp/ray_dd"  # a local cluster's session files (Ray's socket paths are
-    # limited to ~100 characters, so not under a deep workdir)
-    checkpoint_dir: str = ""  # "" = <workdir>/checkpoints; multi-node: a path all nodes reach
-    # (gs://BUCKET/run or a shared mount); required with accelerator "tpu"
-    poll_seconds: float = 0.5  # how often the driver collects rows, records and progress
-    evaluate: str = "driver"  # where Θ is evaluated: "driver" (its own devices) | "learner"
-    # (the lowest live learner's devices, between its steps) | "off" (runtime/ray_eval.py)
-
-    def validate(self) -> None:
-        if self.accelerator not in ACCELERATORS:
-            raise ValueError(
-                f"ray.accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}"
-            )
-        if self.max_restarts < -1:
-            raise ValueError(f"ray.max_restarts must be >= -1, got {self.max_restarts}")
-        if self.num_cpus < 0:
-            raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
-        if not self.poll_seconds > 0:
-            raise ValueError(f"ray.poll_seconds must be > 0, got {self.poll_seconds}")
-        if self.evaluate not in EVALUATE:
-            raise ValueError(f"ray.evaluate must be one of {EVALUATE}, got {self.evaluate!r}")
-        shared = "://" in self.checkpoint_dir or os.path.isabs(self.checkpoint_dir)
-        if self.accelerator == "tpu" and not shared:
-            raise ValueError(
-                "ray.accelerator='tpu' needs ray.checkpoint_dir: a path every node of the "
-                "cluster reaches, e.g. gs://BUCKET/checkpoints/RUN (got "
-                f"{self.checkpoint_dir!r}); checkpoints are written by the actors on their hosts"
-            )
 
 
 def connect(cfg: RayConfig, verbose: bool) -> bool:

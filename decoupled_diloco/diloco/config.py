@@ -1,0 +1,134 @@
+"""The `diloco.*` config section: one frozen dataclass, the single source of its defaults.
+
+`decoupled_diloco/config.py` builds the ConfigDict section from these defaults and, after
+absl overrides, validates it back into this dataclass; the learner protocol and the syncer
+read it directly. Allowed values live with the code that implements them.
+"""
+
+import dataclasses
+import math
+
+from decoupled_diloco.diloco import compression, merge, outer
+from decoupled_diloco.diloco.fragments import STRATEGIES
+
+APPLY_MODES = ("rebase", "overwrite")
+ROUNDS = ("scheduled", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class DilocoConfig:
+    """Learners, fragments, rounds, merge and outer step. Units in the comments."""
+
+    learners: int = 1  # M: independent learners (disjoint device subsets, data shards)
+    sync_every: int = 0  # H: inner steps between two syncs of a fragment; 0 = no syncer (DP)
+    fragments: int = 1  # P: parameter fragments synced on staggered schedules
+    fragment_strategy: str = "balanced"  # "balanced" | "layer" | "tensor" (fragments.py)
+    overlap: int = 0  # tau: steps between offering a fragment and applying its merge
+    # How a learner applies a merged fragment: "rebase" keeps its work the merge does not
+    # hold; "overwrite" replaces the fragment (Streaming DiLoCo). See diloco/learner.py.
+    apply: str = "rebase"
+    alpha: float = 0.0  # theta <- alpha*theta + (1-alpha)*merged; 0 = take the merge whole
+    max_wait: float = 0.0  # seconds a learner waits at t+tau for a late merge; -1 = forever
+    quorum: int = 1  # K: fresh offers needed before a fragment's round may close
+    # "scheduled": one round per fragment per schedule slot, late offers join the next one;
+    # "eager": any K pending offers merge (ablation). See diloco/syncer.py.
+    rounds: str = "scheduled"
+    grace_gamma: float = 0.5  # gamma of the adaptive grace window; 0 disables grace
+    max_grace: float = 2.0  # seconds: cap of the grace window
+    weights: str = "tokens"  # "tokens" (by tokens per step) | "uniform" (merge.py)
+    # "roster": a merge moves Θ by the share of the live learners' weight it holds, so
+    # every learner's work enters Θ with the same coefficient whichever round carries it;
+    # "merged": weights normalised over the offers merged (partial merges move Θ as far as
+    # full ones). See diloco/merge.py.
+    normalize: str = "roster"
+    merge: str = "rda"  # "rda" (radial-directional) | "mean", non-embedding fragments
+    embedding_merge: str = "mean"  # merge rule of the embedding fragment: "mean" | "rda"
+    outer_lr: float = 0.7  # outer lr (DiLoCo: 0.7; Streaming DiLoCo: 0.4)
+    outer_momentum: float = 0.9  # outer momentum mu, in [0, 1)
+    nesterov: bool = True  # Nesterov (True) or heavy-ball (False) outer momentum
+    # "work": momentum advances by the share of one full round of work a merge carries
+    # (a full round is DiLoCo's step; stable when merges are partial or late); "merge":
+    # one momentum step per merge. See diloco/outer.py.
+    momentum_clock: str = "work"
+    compression: str = "none"  # offers' wire format: none | bf16 | int8 | int4 | int2 | int1
+    # Replies' wire format (merged parameters, not gradients: lossy formats perturb the
+    # model itself, so the default stays lossless): none | bf16 | int8 | int4 | int2 | int1.
+    reply_compression: str = "none"
+    # Offers whose base is more than this many versions old are rejected: outer gradients
+    # are anchored on their own base version, so staleness is safe for the math and the
+    # bound only guards against zombies.
+    max_staleness: int = 64
+    # Seconds of silence before a learner counts as dead. Generous: the first step of an
+    # incarnation includes XLA compilation, minutes for large models.
+    heartbeat_timeout: float = 300.0
+    heartbeat_every: float = 0.5  # seconds between a learner's heartbeats
+    join_timeout: float = 600.0  # seconds a (re)joining learner waits for the snapshot
+    ema_decay: float = 0.8  # of the syncer's step / quorum / merge time averages (grace)
+    # Seconds between the syncer's orbax checkpoints: a syncer crash loses the merges since.
+    syncer_checkpoint_seconds: float = 5.0
+    syncer_shards: int = 1  # S: syncer shards, each owning a subset of fragments
+    # At the end every learner resolves its offers in flight (waiting up to final_wait
+    # seconds), then offers all its unmerged work; the syncer merges it: Θ holds all work.
+    final_sync: bool = True
+    final_wait: float = 120.0  # seconds
+
+    @property
+    def wait_seconds(self) -> float:
+        """`max_wait` in seconds (inf = wait forever)."""
+        return math.inf if self.max_wait < 0 else self.max_wait
+
+    @property
+    def uses_syncer(self) -> bool:
+        return self.sync_every > 0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad `diloco.*` key."""
+        one_of = [
+            ("fragment_strategy", STRATEGIES),
+            ("apply", APPLY_MODES),
+            ("rounds", ROUNDS),
+            ("weights", merge.WEIGHTINGS),
+            ("normalize", merge.NORMALIZATIONS),
+            ("merge", merge.RULES),
+            ("embedding_merge", merge.RULES),
+            ("momentum_clock", outer.CLOCKS),
+            ("compression", compression.METHODS),
+            ("reply_compression", compression.METHODS),
+        ]
+        for key, allowed in one_of:
+            if getattr(self, key) not in allowed:
+                raise ValueError(
+                    f"diloco.{key} must be one of {allowed}, got {getattr(self, key)!r}"
+                )
+        M, H = self.learners, self.sync_every
+        checks = [
+            (M >= 1, "learners", ">= 1"),
+            (H >= 0, "sync_every", ">= 0"),
+            (self.fragments >= 1, "fragments", ">= 1"),
+            (self.overlap >= 0 and (H == 0 or self.overlap < H), "overlap",
+             "in [0, sync_every): a merge must land before the fragment is due again"),
+            (0.0 <= self.alpha < 1.0, "alpha", "in [0, 1)"),
+            (self.max_wait >= 0 or self.max_wait == -1, "max_wait", ">= 0, or -1 (forever)"),
+            (1 <= self.quorum <= M, "quorum", "in [1, diloco.learners]"),
+            (self.grace_gamma >= 0, "grace_gamma", ">= 0"),
+            (self.max_grace >= 0, "max_grace", ">= 0"),
+            (self.outer_lr > 0, "outer_lr", "> 0"),
+            (0 <= self.outer_momentum < 1, "outer_momentum", "in [0, 1)"),
+            (self.max_staleness >= 0, "max_staleness", ">= 0"),
+            (self.heartbeat_timeout > 0, "heartbeat_timeout", "> 0"),
+            (self.heartbeat_every > 0, "heartbeat_every", "> 0"),
+            (self.join_timeout > 0, "join_timeout", "> 0"),
+            (0 <= self.ema_decay < 1, "ema_decay", "in [0, 1)"),
+            (self.syncer_checkpoint_seconds > 0, "syncer_checkpoint_seconds", "> 0"),
+            (1 <= self.syncer_shards <= self.fragments, "syncer_shards",
+             "in [1, diloco.fragments]"),
+            (self.final_wait >= 0, "final_wait", ">= 0"),
+        ]  # fmt: skip
+        for ok, key, want in checks:
+            if not ok:
+                raise ValueError(f"diloco.{key} must be {want}, got {getattr(self, key)!r}")
+        if H == 0 and M > 1:
+            raise ValueError(
+                f"diloco.sync_every=0 (no syncer) needs diloco.learners=1, got {M}: independent "
+                "learners that never sync would train M separate models"
+            )

@@ -1,0 +1,71 @@
+"""A syncer's checkpoint contents: what a new life needs to continue where one left off.
+
+Arrays (`state_dict`): Θ, outer momenta, versions and schedule slots per owned fragment.
+JSON (`meta_dict`): the fragment plan (a resume must not change it), the learner registry,
+every fragment's vector clock, the counters and the event-log position. `load` restores
+both into a freshly built `Syncer` (pending offers and open rounds are not saved: offers
+of a lost life are void, learners offer again).
+"""
+
+import numpy as np
+
+from decoupled_diloco.diloco import merge
+from decoupled_diloco.diloco.fragments import FragmentPlan
+
+
+def state_dict(syncer) -> dict:
+    """The arrays of a checkpoint (host numpy). They are live (merges update them in place):
+    copy them before `handle` or `tick` can run again, as the syncer loop does under its
+    lock."""
+    owned = syncer.owned
+    return {
+        "theta": {str(p): syncer.theta[p] for p in owned},
+        "momentum": {str(p): syncer.outer[p].momentum for p in owned},
+        "version": {str(p): np.int64(syncer.version[p]) for p in owned},
+        "last_slot": {str(p): np.int64(syncer.last_slot[p]) for p in owned},
+    }
+
+
+def meta_dict(syncer) -> dict:
+    """The JSON part of a checkpoint."""
+    return {
+        "plan": syncer.plan.to_json(),
+        "learners": {
+            str(m): [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished]
+            for m, i in syncer.learners.items()
+        },
+        "merged_into": {
+            str(p): {str(m): list(v) for m, v in syncer.merged_into[p].items()}
+            for p in syncer.owned
+        },
+        "stats": dict(syncer.stats),
+        # Records (merges.jsonl / events.jsonl lines) this shard had emitted: those after
+        # it belong to merges a restore rolls back.
+        "log_position": syncer.log_position,
+    }
+
+
+def load(syncer, state: dict, meta: dict, now: float) -> None:
+    """Restores a checkpoint into `syncer`; every registered learner counts as seen at
+    `now`. ValueError if the checkpoint was written with another fragment plan."""
+    saved = meta.get("plan")
+    if saved is not None and FragmentPlan.from_json(saved) != syncer.plan:
+        raise ValueError(
+            "the syncer checkpoint was written with another fragment plan (diloco.fragments, "
+            "fragment_strategy, sync_every or the model changed since): resume with the "
+            "run's original settings or start a new workdir"
+        )
+    # Own copies (writable, C-contiguous): merges update Θ and the momenta in place.
+    own = lambda tree: {k: np.array(v, np.float32, order="C") for k, v in tree.items()}
+    for p in syncer.owned:
+        syncer.theta[p] = own(state["theta"][str(p)])
+        syncer.outer[p] = merge.OuterState(own(state["momentum"][str(p)]))
+        syncer.version[p] = int(state["version"][str(p)])
+        syncer.last_slot[p] = int(state.get("last_slot", {}).get(str(p), -1))
+        clocks = meta.get("merged_into", {}).get(str(p), {})
+        syncer.merged_into[p] = {int(m): tuple(int(x) for x in v) for m, v in clocks.items()}
+        syncer.pending[p] = {}
+        syncer.round_open[p] = syncer.quorum_at[p] = None
+    for m, (inc, joined, step, *rest) in meta.get("learners", {}).items():
+        syncer.register(int(m), int(inc), bool(joined), now, int(step), *rest)
+    syncer.log_position = int(meta.get("log_position", 0))

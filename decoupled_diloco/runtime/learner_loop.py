@@ -1,0 +1,369 @@
+"""One learner's life, for every runtime: (re)start, steps and step boundaries, injected
+faults, NaN restarts, metrics rows, checkpoints, final offers.
+
+The local runtime runs a `LearnerLoop` on a thread per learner; the Ray runtime runs one in
+each learner actor's process. They differ only in what they pass in: where outputs go
+(`sink`), and whether crashes are emulated here (the local runtime: the loop drops its
+device state and unsent messages itself) or real (Ray: the driver kills the process, Ray
+restarts it, and the new process's loop rejoins).
+
+A step boundary (`_boundary`): offers due now leave as device copies through the outbox,
+arrived messages are handled, the learner waits for late merges up to `diloco.max_wait`,
+due merges are applied on the replica, a heartbeat goes out. A step's metrics are fetched
+one step later, so the host never stalls the device queue to read them.
+"""
+
+import time
+
+import jax
+import numpy as np
+
+from decoupled_diloco import checkpoint, faults
+from decoupled_diloco.diloco.learner import Learner, materialize
+from decoupled_diloco.diloco.messages import Snapshot
+from decoupled_diloco.runtime.outbox import Outbox
+
+_MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
+POLL_S = 0.02  # seconds between checks while a learner is down
+
+
+class LearnerLoop:
+    """Learner m. `run(stop)` trains it to `train.steps`; `sink` takes its outputs:
+    event(dict), row(dict), step(m, seconds, t), idle(m, seconds), finished(m, t).
+    `between_steps` (optional) runs after every step (Ray: evaluation requests)."""
+
+    def __init__(
+        self,
+        m,
+        run,
+        replica,
+        data,
+        plan,
+        link,
+        schedule: faults.FaultSchedule,
+        clock,
+        sink,
+        ckpt,
+        *,
+        emulate_crashes: bool,
+        evaluate=None,
+        between_steps=None,
+        inline_offers: bool = False,
+        host: int = 0,
+    ):
+        self.m, self.run_cfg, self.replica, self.data, self.plan = m, run, replica, data, plan
+        self.link, self.schedule, self.clock, self.sink, self.ckpt = (
+            link,
+            schedule,
+            clock,
+            sink,
+            ckpt,
+        )
+        self.emulate_crashes, self.evaluate, self.host = emulate_crashes, evaluate, host
+        self.between_steps = between_steps
+        self.tokens_per_step = run.train.batch_size * run.data.seq_len
+        self.step, self.incarnation = 0, 0
+        self.proto: Learner | None = None
+        self.outbox = None
+        if plan is not None:
+            self.outbox = Outbox(link, materialize, replica.to_host, inline_offers)
+        self.restored = None  # a checkpointed TrainState to resume from (first start)
+        self.away = "start"  # why the learner is about to (re)start
+        self.wait_seconds = 0.0  # time blocked on late merges: idle, not compute
+        self.steps_since_start = 0
+        self._rate = (None, 0)  # (time, step) of the previous row
+        self._initial_data = data.get_state()
+
+    def restore(self, params_too: bool) -> bool:
+        """Takes step, data position and incarnation from the last checkpoint, and with
+        `params_too` its TrainState (a resumed run); a restarted process takes Θ instead.
+        False without a checkpoint."""
+        out = checkpoint.restore_learner(self.ckpt, self.replica.abstract_state(), params_too)
+        if out is None:
+            return False
+        self.step, data_state, incarnation, self.restored = out
+        self.incarnation = max(self.incarnation, incarnation)
+        self.data.set_state(data_state)
+        return True
+
+    def save(self) -> None:
+        checkpoint.save_learner(
+            self.ckpt, self.replica.state, self.data.get_state(), self.step, self.incarnation
+        )
+
+    # --- the loop ---------------------------------------------------------------------
+    def run(self, stop) -> None:
+        run, m = self.run_cfg, self.m
+        seen = self.clock()  # faults up to here have been applied
+        previous = None  # the previous step's (step, device metrics), reported one step late
+        while self.step < run.train.steps and not stop.is_set():
+            t = self.clock()
+            missed = self.emulate_crashes and any(  # a whole outage inside one slow step
+                e.kind == "crash" and e.learner == m for e in self.schedule.events_between(seen, t)
+            )
+            seen = t
+            if missed or not self.schedule.is_up(m, t):
+                self._report(previous)
+                previous = None
+                if not self._down(t):
+                    return  # left the membership for good (scavenging)
+                continue
+            if self.replica.state is None:
+                self._start()
+            t_step, waited = time.perf_counter(), self.wait_seconds
+            metrics = self.replica.step(next(self.data))
+            self.step += 1
+            if self.proto is not None:
+                self.proto.stepped()
+                self._boundary()
+            diverged = self._report(previous)
+            previous = (self.step, metrics)
+            blocked = self.wait_seconds - waited  # waiting for a merge is not compute
+            self._straggle(time.perf_counter() - t_step - blocked)
+            self.steps_since_start += 1
+            self.sink.step(m, time.perf_counter() - t_step - blocked, self.clock())
+            if not diverged and (
+                self.step == run.train.steps
+                or self._every("checkpoint_every")
+                or (self.evaluate and self._every("eval_every"))
+            ):
+                diverged, previous = self._report(previous), None
+                if not diverged and (
+                    self.step == run.train.steps or self._every("checkpoint_every")
+                ):
+                    self.save()
+            if diverged:  # a diverged learner must not poison merges: restart it from Θ
+                self.sink.event(self._event("nan_restart"))
+                self._crash("nan")
+                previous = None
+                continue
+            if self.between_steps is not None:
+                self.between_steps()
+        self._report(previous)
+        self.sink.finished(m, self.clock())  # training ends; the tail is not allocation
+        if self.replica.state is not None:
+            self._finish()
+            self.save()
+        self.sink.event(self._event("learner_done"))
+
+    def _every(self, key: str) -> bool:
+        every = getattr(self.run_cfg.train, key)
+        return bool(every) and self.step % every == 0
+
+    # --- (re)start, boundary, finish --------------------------------------------------
+    def _start(self) -> None:
+        run = self.run_cfg
+        if self.plan is None:  # data-parallel: the learner is the model
+            if self.away != "start" and not self.restore(params_too=True):
+                # A crashed job restarts from its last checkpoint, or from scratch.
+                self.step = 0
+                self.data.set_state(self._initial_data)
+            if self.restored is not None:
+                self.replica.state = self.restored
+            else:
+                self.replica.init_from_rng(jax.random.key(run.train.seed), self.step)
+        else:
+            self.proto = Learner(
+                self.m,
+                run.diloco,
+                self.plan,
+                self.tokens_per_step,
+                self.clock,
+                self.incarnation,
+                self.step,
+            )
+            self.outbox.send(self.proto.join())
+            snapshots, early = [], []
+            deadline = self.clock() + run.diloco.join_timeout
+            while len(Learner.covered(snapshots)) < self.plan.num_fragments:
+                if self.clock() > deadline:
+                    raise TimeoutError(f"learner {self.m}: no snapshot from the syncer")
+                for msg in self.link.receive(timeout=0.5) if self.link else []:
+                    (snapshots if isinstance(msg, Snapshot) else early).append(msg)
+            params = self.proto.start(snapshots)
+            if self.restored is not None:  # a resumed run keeps its AdamW state and step
+                self.replica.state = self.restored
+                self.replica.set_params(params)
+            else:
+                self.replica.init_from_host(params, self.step)
+            self._apply(self.proto.handle(early))
+        self.restored = None
+        late = self.away == "start" and self.schedule.member_windows[self.m][0][0] > 0
+        event = "member_join" if late or self.away == "leave" else "rejoin"
+        event = "learner_start" if self.away == "start" and not late else event
+        self.sink.event(
+            self._event(
+                event, incarnation=self.incarnation, process_restart=self.away == "process_restart"
+            )
+        )
+        self.away = None
+
+    def _boundary(self) -> None:
+        self.wait_seconds += step_boundary(
+            self.proto, self.replica, self.outbox, self._receive, self.clock
+        )
+
+    def _finish(self, finished: bool = True) -> None:
+        if self.proto is not None:
+            finish(self.proto, self.replica, self.outbox, self._receive, self.clock, finished)
+
+    def _receive(self, timeout: float) -> list:
+        return self.link.receive(timeout) if self.link is not None else []
+
+    def _apply(self, updates) -> None:
+        apply_updates(self.replica, updates)
+
+    # --- faults -----------------------------------------------------------------------
+    def _down(self, t: float) -> bool:
+        """Not up at t. A crash loses the device state (emulated here, or the driver kills
+        the process); leaving the membership is graceful: final offers and a Leave first.
+        False once this learner will never be a member again."""
+        member = self.schedule.is_member(self.m, t)
+        if self.replica.state is not None and (self.emulate_crashes or not member):
+            if member:
+                self.sink.event(self._event("learner_down"))
+                self._crash("crash")
+            else:
+                self._finish(finished=False)
+                self.sink.event(self._event("learner_leave"))
+                self._crash("leave")
+        if not member and all(end <= t for _, end in self.schedule.member_windows[self.m]):
+            return False
+        time.sleep(POLL_S)
+        return True
+
+    def _crash(self, why: str) -> None:
+        """Everything the failed slice held is lost: device state, unsent messages and the
+        protocol's bookkeeping; the learner rejoins as a new incarnation."""
+        self.replica.drop()
+        if self.outbox is not None:
+            self.outbox.drop()
+        self.proto = None
+        self.incarnation += 1
+        self.away, self.steps_since_start = why, 0
+
+    def _straggle(self, compute: float) -> None:
+        """Sleeps to emulate a slower chip or a straggler episode. The first step of an
+        incarnation is compilation, which a slower chip would not stretch alike."""
+        factor = self.schedule.step_time_factor(self.m, self.step, self.clock())
+        if factor > 1.0 and self.steps_since_start > 0:
+            time.sleep((factor - 1.0) * compute)
+
+    # --- outputs ----------------------------------------------------------------------
+    def _event(self, name: str, **fields) -> dict:
+        return {"event": name, "learner": self.m, "step": self.step, **fields, "time": self.clock()}
+
+    def _report(self, finished) -> bool:
+        """Fetches a finished step's metrics (`finished`: (step, device metrics) or None):
+        its row, DP evaluation. True if its loss is not finite and the run has a syncer."""
+        if finished is None:
+            return False
+        step, metrics = finished
+        host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
+        if not np.isfinite(host["loss"]) and self.plan is not None:
+            return True
+        run = self.run_cfg
+        every = run.train.eval_every
+        evaluate = self.evaluate is not None and every and step % every == 0
+        if self.host != 0 or (
+            step % run.train.log_every and step != run.train.steps and not evaluate
+        ):
+            return False
+        rec = self._row(step, host)
+        if evaluate:
+            t0 = time.perf_counter()
+            rec["eval_loss"] = self.evaluate(self.replica.state.params)
+            self.sink.idle(self.m, time.perf_counter() - t0)  # evaluation is not training
+        self.sink.row(rec)
+        return False
+
+    def _row(self, step: int, metrics: dict) -> dict:
+        now = self.clock()
+        last_t, last_step = self._rate
+        self._rate = (now, step)
+        if last_t is None or now <= last_t or step <= last_step:
+            seconds = self.proto.step_seconds if self.proto is not None else 0.0
+            rate = self.tokens_per_step / max(seconds, 1e-9) if seconds else 0.0
+        else:
+            rate = (step - last_step) * self.tokens_per_step / (now - last_t)
+        rec = {
+            "learner": self.m,
+            "step": step,
+            "tokens": step * self.tokens_per_step,
+            "loss": float(metrics["loss"]),
+            "learning_rate": float(metrics["learning_rate"]),
+            "grad_norm": float(metrics["grad_norm"]),
+            "tokens_per_second": rate,
+            "time": now,
+        }
+        for k in _MOE_KEYS:
+            if k in metrics:
+                rec[k] = float(metrics[k])
+        if "expert_load" in metrics:
+            # float64 first: rounding float32 leaves 0.26249998807907104-style noise in JSON.
+            rec["expert_load"] = np.asarray(metrics["expert_load"], np.float64).round(4).tolist()
+        return rec
+
+
+# --- the protocol's step boundary, shared with the tests' simulated learners ----------------
+def apply_updates(replica, updates) -> None:
+    for u in updates:
+        replica.apply(u.kind, u.arrays, u.alpha)
+
+
+def offer_and_receive(proto: Learner, replica, outbox: Outbox, receive) -> None:
+    """First half of a step boundary: offers due now leave through the outbox (as device
+    copies), and what arrived is handled (a restored syncer's snapshot applied at once)."""
+    # Offer first: with tau = 0 a fragment offered at step t is applied at boundary t.
+    for ticket in proto.due_offers():
+        outbox.offer(ticket, replica.fragment_copies(proto.plan.names[ticket.fragment]))
+    apply_updates(replica, proto.handle(receive(0.0)))
+
+
+def apply_and_beat(proto: Learner, replica, outbox: Outbox) -> None:
+    """Second half, after any wait for late merges: due merges are applied, a heartbeat
+    goes out when one is due."""
+    apply_updates(replica, proto.apply_due())
+    heartbeat = proto.heartbeat()
+    if heartbeat is not None:
+        outbox.send(heartbeat)
+
+
+def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock) -> float:
+    """A step boundary; waits up to `diloco.max_wait` for merges of offers past s + τ.
+    Returns the seconds spent waiting."""
+    offer_and_receive(proto, replica, outbox, receive)
+    waited, limit = 0.0, proto.cfg.wait_seconds
+    if limit > 0 and proto.unresolved():
+        start = clock()
+        while proto.unresolved() and clock() - start < limit:
+            apply_updates(replica, proto.handle(receive(min(limit - (clock() - start), 1.0))))
+        waited = clock() - start
+    apply_and_beat(proto, replica, outbox)
+    return waited
+
+
+def final_offers(proto: Learner, replica, outbox: Outbox) -> None:
+    """Offers every fragment's unmerged work that no offer in flight may hold yet."""
+    for ticket in proto.due_offers(final=True):
+        outbox.offer(ticket, replica.fragment_copies(proto.plan.names[ticket.fragment]))
+
+
+def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bool = True):
+    """Training is over (`finished`: the step budget is done; else the learner leaves the
+    membership). With `diloco.final_sync` every step of its work reaches Θ: it offers all
+    unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
+    flight resolves (waiting up to `diloco.final_wait`), offers the steps taken after it."""
+    cfg = proto.cfg
+    if cfg.final_sync:
+        final_offers(proto, replica, outbox)
+    outbox.send(proto.leave(finished))
+    deadline = clock() + cfg.final_wait
+    while cfg.final_sync and proto.in_flight() and clock() < deadline:
+        apply_updates(replica, proto.handle(receive(0.2)))
+        apply_updates(replica, proto.apply_due(final=True))
+        final_offers(proto, replica, outbox)
+    if not cfg.final_sync:
+        apply_updates(replica, proto.handle(receive(0.0)))
+        apply_updates(replica, proto.apply_due(final=True))
+    outbox.flush()

@@ -1,0 +1,84 @@
+"""A learner's outbox: its messages on their way to its link, in order, off its thread.
+
+Offers leave the learner's step boundary as on-device fragment copies (their host transfer
+already started); the outbox's thread waits for the bytes, computes the outer gradient and
+encodes it (`Learner.materialize`) and hands the wire message to the link. Joins, heartbeats
+and leaves queue behind earlier offers, so the syncer sees them in the learner's order.
+This is learner work on a learner-owned thread: the transport only carries the result.
+
+A learner spanning several hosts (multi-controller JAX) gathers fragments with a
+collective every host must issue in the same order on its step thread, so its outbox
+materialises inline (`inline=True`).
+"""
+
+import queue
+import threading
+from collections.abc import Callable
+
+from decoupled_diloco.diloco.transport import LearnerLink
+
+
+class Outbox:
+    def __init__(self, link: LearnerLink | None, materialize: Callable, to_host: Callable,
+                 inline: bool = False):  # fmt: skip
+        """`materialize(ticket, host arrays)` makes the wire offer; `to_host(copies)` waits
+        for a fragment's bytes (the replica's). `link` None: a non-leading host of a
+        multi-host learner (it sends nothing)."""
+        self.link, self._materialize, self._to_host = link, materialize, to_host
+        self.inline = inline
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = None
+        if not inline:
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="outbox")
+            self._thread.start()
+
+    def offer(self, ticket, copies: dict) -> None:
+        """Queues an offer: `ticket` from `Learner.due_offers`, `copies` of its leaves."""
+        if self.inline:
+            self._send(self._make(ticket, copies))
+        else:
+            self._queue.put((ticket, copies))
+
+    def send(self, msg) -> None:
+        if self.inline:
+            self._send(msg)
+        else:
+            self._queue.put((msg, None))
+
+    def flush(self, timeout: float = 600.0) -> bool:
+        """Blocks until everything queued is on the link and the link delivered it."""
+        if not self.inline:
+            done = threading.Event()
+            self._queue.put((done, None))
+            if not done.wait(timeout):
+                return False
+        return self.link.flush(timeout) if self.link is not None else True
+
+    def drop(self) -> None:
+        """The learner's process died: nothing queued here leaves, nothing arrived counts."""
+        try:
+            while True:
+                item, _ = self._queue.get_nowait()
+                if isinstance(item, threading.Event):
+                    item.set()
+        except queue.Empty:
+            pass
+        if self.link is not None:
+            self.link.reset()
+
+    def _make(self, ticket, copies: dict):
+        return self._materialize(ticket, self._to_host(copies))
+
+    def _send(self, msg) -> None:
+        if self.link is not None:
+            self.link.send(msg)
+
+    def _loop(self) -> None:
+        while True:
+            item, copies = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+            elif copies is not None:
+                self._send(self._make(item, copies))
+            else:
+                self._send(item)

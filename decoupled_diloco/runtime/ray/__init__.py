@@ -1,0 +1,1 @@
+"""The Ray runtime: learners and syncer shards as actors in their own processes."""

@@ -1,0 +1,274 @@
+"""A learner as a Ray actor: its own process, its own JAX devices, its own fault domain.
+
+The actor hosts a `LearnerLoop` (runtime/learner_loop.py) on its own thread; the
+constructor starts it and returns at once, so a process Ray restarts after a crash resumes
+by itself: it takes its step count and data position from its last checkpoint, its
+parameters from the syncer (Join -> Snapshot, a new incarnation) and goes on. A learner
+that raises exits its process the same way, so Ray restarts it too (up to
+`ray.max_restarts`). Actor methods run on other threads of the actor (`max_concurrency`):
+`deliver` (the syncer's replies), `poll` (the driver collects rows, events and status) and
+`evaluate` (Θ to evaluate between two steps, `ray.evaluate = "learner"`: eval.py).
+
+Crashes from the fault schedule are real: the driver kills this process at the scheduled
+time; the restarted process waits for the scheduled restart time before it rejoins.
+"""
+
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+from decoupled_diloco.config import RunConfig
+from decoupled_diloco.runtime.ray.eval import LearnerEvals
+
+
+def was_restarted() -> bool:
+    """Whether Ray restarted this actor after its process died."""
+    import warnings
+
+    import ray
+
+    with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _count_life(run_id: str, m: int, host: int) -> int:
+    """How many processes of this learner this node has started (0 for the first one).
+
+    A node-local counter: Ray restarts an actor on a node with its resources, which for a
+    TPU learner is its own slice. Combined with the checkpoint's incarnation it gives every
+    life a fresh incarnation number.
+    """
+    path = os.path.join(tempfile.gettempdir(), "dd_lives", run_id, f"learner_{m}_{host}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(path, encoding="utf-8") as f:
+            n = int(f.read()) + 1
+    except (FileNotFoundError, ValueError):
+        n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(str(n))
+    return n
+
+
+def _empty_out() -> dict:
+    return {"rows": [], "events": [], "steps": [], "evals": []}
+
+
+class _Sink:
+    """A learner loop's outputs, buffered until the driver's next poll."""
+
+    def __init__(self, actor: "LearnerActor"):
+        self.actor = actor
+
+    def event(self, rec: dict) -> None:
+        self.actor._emit("events", rec)
+
+    def row(self, rec: dict) -> None:
+        self.actor._emit("rows", rec)
+
+    def step(self, m: int, seconds: float, t: float) -> None:
+        self.actor._emit("steps", (seconds, t))
+        self.actor._set_status()
+
+    def idle(self, m: int, seconds: float) -> None:
+        pass  # evaluation by a Ray learner is Θ's (eval.py), not its own
+
+    def finished(self, m: int, t: float) -> None:
+        self.actor._finished_at = t
+
+
+class LearnerActor:
+    """Learner m (host `host` of its slice's `hosts`); wrap with `ray.remote(...)` to use."""
+
+    def __init__(
+        self,
+        m: int,
+        run: RunConfig,
+        ckpt_dir: str,
+        run_id: str,
+        t0: float,
+        host: int = 0,
+        hosts: int = 1,
+    ):
+        self.m, self.run, self.ckpt_dir, self.run_id, self.t0 = m, run, ckpt_dir, run_id, t0
+        self.host, self.hosts = host, hosts
+        self.restarted = was_restarted()
+        self.inbox: queue.Queue = queue.Queue()  # the link's inbox, exists before the link
+        self._lock = threading.Lock()
+        self._out = _empty_out()
+        self.evals = LearnerEvals(
+            host, hosts, self._make_evaluator, lambda r: self._emit("evals", r)
+        )
+        self._status = {"step": 0, "incarnation": 0, "done": False, "error": None}
+        self._finished_at = None
+        self.loop = None
+        self._thread = threading.Thread(target=self._main, name=f"learner{m}", daemon=True)
+        self._thread.start()
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    # --- actor methods (other threads) -------------------------------------------------
+    def pid(self) -> int:
+        return os.getpid()
+
+    def deliver(self, msg) -> None:
+        self.inbox.put(msg)
+
+    def evaluate(self, tag: int, *theta_shards: dict) -> None:
+        """Queues Θ (the syncer shards' flat numpy dicts) for evaluation on this learner."""
+        self.evals.put(tag, theta_shards)
+
+    def poll(self) -> dict:
+        """What happened since the last poll, and the current status."""
+        import ray
+
+        with self._lock:
+            out, self._out = self._out, _empty_out()
+            return {
+                **out,
+                **self._status,
+                "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(),
+            }
+
+    # --- the learner's thread ----------------------------------------------------------
+    def _emit(self, kind: str, item) -> None:
+        with self._lock:
+            self._out[kind].append(item)
+
+    def _set_status(self, **extra) -> None:
+        if self.loop is None:
+            return
+        with self._lock:
+            self._status.update(step=self.loop.step, incarnation=self.loop.incarnation, **extra)
+
+    def _main(self) -> None:
+        try:
+            self._setup()
+            self._train()
+        except BaseException:
+            err = traceback.format_exc()
+            print(f"learner {self.m} failed:\n{err}", file=sys.stderr, flush=True)
+            with self._lock:
+                self._status["error"] = err
+            self._emit(
+                "events",
+                {
+                    "event": "learner_error",
+                    "learner": self.m,
+                    "error": err.strip().splitlines()[-1],
+                    "time": self.now(),
+                },
+            )
+            # Give the driver a poll to collect the error, then die like a killed process.
+            time.sleep(2 * self.run.ray.poll_seconds + 1.0)
+            os._exit(1)
+
+    def _setup(self) -> None:
+        from decoupled_diloco import compile_cache
+
+        compile_cache.enable()
+        import jax
+
+        if self.hosts > 1:
+            jax.distributed.initialize()  # within this slice only (TPU metadata)
+            if jax.process_index() != self.host:  # cluster.py pins host h to TPU worker h
+                raise RuntimeError(
+                    f"learner {self.m}: host {self.host} runs as JAX process "
+                    f"{jax.process_index()}; host 0 owns the link and must be process 0"
+                )
+
+        from decoupled_diloco import faults, sharding
+        from decoupled_diloco.checkpoint import Checkpointer
+        from decoupled_diloco.data import make_iterator
+        from decoupled_diloco.diloco.fragments import model_plan
+        from decoupled_diloco.runtime.learner_loop import LearnerLoop
+        from decoupled_diloco.runtime.ray import links
+        from decoupled_diloco.train.replica import Replica
+
+        run, m, M = self.run, self.m, self.run.num_learners
+        devices = jax.devices()
+        if len(devices) < run.devices_per_learner:
+            raise ValueError(
+                f"learner {m} sees {len(devices)} devices, devices_per_learner is "
+                f"{run.devices_per_learner}"
+            )
+        self.mesh = sharding.make_mesh(devices[: run.devices_per_learner], run.mesh)
+        schedule = faults.FaultSchedule(run.faults, M, faults.HORIZON_S)
+        link = None
+        if self.host == 0:
+            shards = [
+                links.actor_name(self.run_id, "syncer", s) for s in range(run.diloco.syncer_shards)
+            ]
+            link = links.RayLearnerLink(
+                m, shards, link_seconds=lambda n: schedule.transfer_seconds(m, n)
+            )
+            link.inbox = self.inbox
+        if self.hosts > 1:
+            link = links.SliceLink(link)
+        self.loop = LearnerLoop(
+            m,
+            run,
+            Replica(run.model, run.train, self.mesh),
+            make_iterator(run.data, "train", run.train.batch_size, m, M),
+            model_plan(run.model, run.diloco),
+            link,
+            schedule,
+            self.now,
+            _Sink(self),
+            Checkpointer(os.path.join(self.ckpt_dir, f"learner_{m}")),
+            emulate_crashes=False,
+            between_steps=self._between_steps,
+            inline_offers=self.hosts > 1,
+            host=self.host,
+        )
+        # A restarted process takes its parameters from Θ, its position from the checkpoint;
+        # a fresh run, or one resumed from the workdir's checkpoints, its whole state.
+        self.loop.restore(params_too=not self.restarted)
+        lives = _count_life(self.run_id, m, self.host)
+        self.loop.incarnation = max(self.loop.incarnation, lives)
+        self.loop.away = "process_restart" if self.restarted else "start"
+        self._set_status()
+
+    def _between_steps(self) -> None:
+        self._set_status()
+        if self.run.ray.evaluate == "learner":
+            self.evals.serve()
+
+    def _train(self) -> None:
+        loop, run = self.loop, self.run
+        if self.restarted and loop.step >= run.train.steps:
+            # Killed after its last step but before the driver saw it finish (a scheduled
+            # crash races the status poll): back with nothing left to train. Still a
+            # restart, so the driver's ledger pairs it with the failure it counted.
+            self._emit(
+                "events",
+                {
+                    "event": "rejoin",
+                    "learner": self.m,
+                    "step": loop.step,
+                    "incarnation": loop.incarnation,
+                    "process_restart": True,
+                    "time": self.now(),
+                },
+            )
+        loop.run(threading.Event())
+        loop.ckpt.close()
+        self._set_status(done=True, finished_at=self._finished_at or self.now())
+        while run.ray.evaluate == "learner":  # devices free now: evaluate when asked
+            self.evals.serve()
+            time.sleep(0.05)
+
+    def _make_evaluator(self):
+        from decoupled_diloco.train.evaluate import Evaluator
+
+        run = self.run
+        return Evaluator(
+            run.model, run.data, self.mesh, run.train.batch_size, run.train.eval_batches
+        )

@@ -1,0 +1,136 @@
+"""A syncer shard as a Ray actor: host memory and CPU only, its own fault domain.
+
+The actor hosts a `SyncerLoop` (runtime/syncer_loop.py) on its own thread. The loop
+restores the shard's latest orbax checkpoint if there is one (a resumed run, or a process
+Ray restarted after it died); a restarted shard first waits out a scheduled outage, then
+sends every learner in its restored registry a snapshot. Learners hold what they could not
+deliver meanwhile (`links.SyncerPoster`).
+
+Merge and event records are buffered and collected by the driver's `poll`: the driver
+alone writes merges.jsonl and events.jsonl (records since the last poll die with the
+process).
+"""
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+
+from decoupled_diloco.config import RunConfig
+
+
+def initial_params(run: RunConfig) -> dict:
+    """The run's starting parameters Θ_0 as flat float32 numpy arrays, on this host's CPU.
+
+    The same values as a learner's sharded init from the same seed (the threefry PRNG is
+    partitionable), so every runtime starts from the same model.
+    """
+    import jax
+    import numpy as np
+
+    from decoupled_diloco import models
+
+    params = jax.jit(lambda r: models.init_params(run.model, r))(jax.random.key(run.train.seed))
+    return {k: np.asarray(v, np.float32) for k, v in models.flatten_params(params).items()}
+
+
+class SyncerActor:
+    """Syncer shard `shard`; wrap with `ray.remote(...)` to use."""
+
+    def __init__(self, shard: int, run: RunConfig, ckpt_dir: str, run_id: str, t0: float):
+        from decoupled_diloco import compile_cache, faults
+        from decoupled_diloco.checkpoint import Checkpointer
+        from decoupled_diloco.diloco.fragments import model_plan
+        from decoupled_diloco.runtime.links import LocalSyncerLink
+        from decoupled_diloco.runtime.ray import links
+        from decoupled_diloco.runtime.ray.learner import was_restarted
+        from decoupled_diloco.runtime.syncer_loop import SyncerLoop
+
+        compile_cache.enable()
+        self.shard, self.run, self.t0 = shard, run, t0
+        restarted = was_restarted()
+        self._records: list[dict] = []
+        self._records_lock = threading.Lock()
+        schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
+        self.inbox: queue.Queue = queue.Queue()
+        names = {m: links.actor_name(run_id, "learner", m) for m in range(run.num_learners)}
+        link = LocalSyncerLink(
+            self.inbox,
+            links.LearnerMailboxes(names).boxes,
+            reply_seconds=lambda m, n: schedule.transfer_seconds(m, n),
+        )
+        ckpt = Checkpointer(os.path.join(ckpt_dir, f"syncer_{shard}"))
+        self.loop = SyncerLoop(
+            shard, run, model_plan(run.model, run.diloco), initial_params(run), link, ckpt,
+            schedule, self.now, self._record, emulate_outages=False, restarted=restarted,
+        )  # fmt: skip
+        self._record(
+            {
+                "event": "syncer_start",
+                "shard": shard,
+                "pid": os.getpid(),
+                "process_restart": restarted,
+                "time": self.now(),
+            }
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=f"syncer{shard}", daemon=True)
+        self._thread.start()
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def _record(self, rec: dict) -> None:
+        with self._records_lock:
+            self._records.append(rec)
+
+    # --- actor methods (other threads) -------------------------------------------------
+    def pid(self) -> int:
+        return os.getpid()
+
+    def post(self, msg) -> None:
+        self.inbox.put(msg)
+
+    def poll(self) -> dict:
+        import ray
+
+        with self._records_lock:
+            records, self._records = self._records, []
+        return {
+            "records": records,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+        }
+
+    def global_params(self) -> dict:
+        """A copy of this shard's Θ (flat name -> float32 numpy)."""
+        return self.loop.global_params()
+
+    def finish(self) -> dict:
+        """End of run: merges what is pending (quorum or not), saves, stops serving."""
+        self._stop.set()
+        self._thread.join()
+        with self._records_lock:
+            records, self._records = self._records, []
+        return {"stats": self.loop.stats(), "records": records}
+
+    # --- the serving thread ------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.loop.run(self._stop)
+            self.loop.ckpt.close()
+        except BaseException:
+            err = traceback.format_exc()
+            print(f"syncer shard {self.shard} failed:\n{err}", file=sys.stderr, flush=True)
+            self._record(
+                {
+                    "event": "syncer_error",
+                    "shard": self.shard,
+                    "error": err.strip().splitlines()[-1],
+                    "time": self.now(),
+                }
+            )
+            time.sleep(2 * self.run.ray.poll_seconds + 1.0)
+            os._exit(1)  # die like a killed process: Ray restarts it from its checkpoint

@@ -1,0 +1,63 @@
+"""A run's records on the driver: metrics.jsonl, merges.jsonl, events.jsonl and the goodput
+ledger, fed the same way by every runtime (events have one vocabulary, below).
+
+Learner events (runtime/learner_loop.py): learner_start (its first start), rejoin (after a
+crash, a NaN restart or a restarted process), member_join (back after leaving the
+membership), learner_down (a crash: emitted where the crash happens, by the learner loop
+when crashes are emulated, by the Ray driver when it kills the process), learner_leave,
+nan_restart, learner_done, learner_error, learner_lost (Ray: restarts exhausted).
+Syncer records (diloco/syncer.py, runtime/syncer_loop.py): merge, join, leave, reject,
+drop_offer, syncer_crash, syncer_restore, syncer_start.
+"""
+
+import os
+
+from decoupled_diloco.metrics import JsonlWriter
+from decoupled_diloco.runtime import accounting
+
+
+class RunLog:
+    def __init__(self, workdir: str, num_learners: int, uptime_window: float):
+        self.metrics = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
+        self.merges = JsonlWriter(os.path.join(workdir, "merges.jsonl"))
+        self.events = JsonlWriter(os.path.join(workdir, "events.jsonl"))
+        self.ledger = accounting.Ledger(num_learners, uptime_window)
+
+    def row(self, rec: dict) -> None:
+        self.metrics.write(rec)
+
+    def record(self, rec: dict) -> None:
+        """A syncer record: merges to merges.jsonl (and the ledger), the rest are events."""
+        if rec.get("event") == "merge":
+            self.merges.write(rec)
+            self.ledger.merge(rec)
+        else:
+            self.event(rec)
+
+    def event(self, rec: dict) -> None:
+        self.events.write(rec)
+        kind, t = rec["event"], rec.get("time", 0.0)
+        ledger = self.ledger
+        if kind in ("learner_down", "nan_restart"):
+            ledger.failure(rec["learner"], t)
+        elif kind == "rejoin":
+            if not ledger.is_down(rec["learner"]):  # a process that died by itself
+                ledger.failure(rec["learner"], t)
+            ledger.restart(rec["learner"], t)
+        elif kind == "syncer_crash":
+            ledger.failure(("syncer", rec["shard"]), t)
+        elif kind == "syncer_restore" and rec.get("after_failure"):
+            if not ledger.is_down(("syncer", rec["shard"])):
+                ledger.failure(("syncer", rec["shard"]), t)
+            ledger.restart(("syncer", rec["shard"]), t)
+        elif kind == "reject":
+            ledger.rejected += 1
+        elif kind == "drop_offer":
+            ledger.dropped += 1
+
+    def step(self, m: int, seconds: float, t: float) -> None:
+        self.ledger.step(m, seconds, t)
+
+    def close(self) -> None:
+        for w in (self.metrics, self.merges, self.events):
+            w.close()

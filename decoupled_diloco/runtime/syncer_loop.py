@@ -1,0 +1,188 @@
+"""One syncer shard's life, for every runtime: serve, checkpoint, die, restore, finish.
+
+A `Syncer` is pure logic; this loop owns everything around it. The local runtime runs it on
+a host thread and emulates the fault schedule's syncer outages here (the shard's memory is
+dropped; learners keep training and queue their messages; it restores from its last
+checkpoint). Under Ray the outage is real (the driver kills the actor's process) and the
+restarted process's loop restores at start and waits out the scheduled outage.
+
+Checkpoints (orbax, `checkpoint.py`): Θ, outer momenta, versions and schedule slots as
+arrays; the fragment plan, learner registry, vector clocks, counters and event-log
+position as JSON. A save is skipped while neither the versions nor the registry changed;
+the arrays are copied under the lock and written outside it.
+"""
+
+import secrets
+import threading
+import time
+
+import jax
+import numpy as np
+
+from decoupled_diloco.checkpoint import Checkpointer
+from decoupled_diloco.diloco.syncer import Syncer
+from decoupled_diloco.diloco.transport import SyncerLink
+
+POLL_S = 0.02  # seconds: longest block on the inbox, and the poll while down
+
+
+def owned_fragments(num_fragments: int, shards: int, shard: int) -> list[int]:
+    """Fragments of syncer shard `shard`: p with p mod S == shard."""
+    return [p for p in range(num_fragments) if p % shards == shard]
+
+
+def new_epoch() -> int:
+    """A fresh syncer life's epoch: unique with overwhelming probability, never 0."""
+    return 1 + secrets.randbelow(2**62)
+
+
+class SyncerLoop:
+    """Shard `shard` of the run's syncer. `record` takes its merge and event records."""
+
+    def __init__(
+        self,
+        shard,
+        run,
+        plan,
+        init_params,
+        link: SyncerLink,
+        ckpt: Checkpointer,
+        schedule,
+        clock,
+        record,
+        *,
+        emulate_outages: bool,
+        restarted: bool = False,
+    ):
+        self.shard, self.run_cfg, self.plan, self.init_params = shard, run, plan, init_params
+        self.link, self.ckpt, self.schedule, self.clock = link, ckpt, schedule, clock
+        self.record, self.emulate_outages = record, emulate_outages
+        self.lock = threading.Lock()  # around the Syncer: its loop vs. readers of Θ and stats
+        self._saved_key = None
+        self.syncer: Syncer | None = self._restore(after_failure=restarted)
+        self.restarted = restarted
+
+    # --- the loop ---------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Serves until `stop`, then merges what is pending and saves a final checkpoint."""
+        if self.restarted:  # a restarted process: wait out the outage, then announce
+            while not self.schedule.syncer_up(self.clock()) and not stop.is_set():
+                time.sleep(POLL_S)
+            self._announce()
+        last_ckpt = self.clock()
+        while not stop.is_set():
+            if self.emulate_outages and not self.schedule.syncer_up(self.clock()):
+                self._outage()
+                continue
+            if self.syncer is None:  # back from an emulated outage
+                self._set(self._restore(after_failure=True))
+                self._announce()
+            self.serve_turn()
+            if self.clock() - last_ckpt >= self.run_cfg.diloco.syncer_checkpoint_seconds:
+                self.save()
+                last_ckpt = self.clock()
+        if self.syncer is None:  # the run ended during an outage: come back to finish
+            self._set(self._restore(after_failure=True))
+        with self.lock:  # end of run: merge what is still pending, quorum or not
+            out = []
+            for msg in self.link.receive(0.0):
+                out += self.syncer.handle(msg, self.clock())
+            out += self.syncer.flush(self.clock())
+        self._send(out)
+        self.save()
+
+    def serve_turn(self, max_block: float = POLL_S) -> None:
+        """Receives what arrived (blocking until the next grace deadline, at most
+        `max_block` s), handles it, closes due rounds and sends the replies."""
+        deadline = self.syncer.next_deadline()
+        timeout = (
+            max_block if deadline is None else min(max(deadline - self.clock(), 0.0), max_block)
+        )
+        msgs = self.link.receive(timeout)
+        with self.lock:
+            out = []
+            for msg in msgs:
+                out += self.syncer.handle(msg, self.clock())
+            out += self.syncer.tick(self.clock())
+        self._send(out)
+
+    def _send(self, out) -> None:
+        for m, msg in out:
+            self.link.send(m, msg)
+
+    def _outage(self) -> None:
+        if self.syncer is not None:  # the syncer process dies: its memory is gone
+            self.record({"event": "syncer_crash", "shard": self.shard, "time": self.clock()})
+            self._set(None)
+        time.sleep(POLL_S)  # learners keep training; their messages queue up
+
+    def _set(self, syncer: Syncer | None) -> None:
+        with self.lock:
+            self.syncer = syncer
+
+    def _announce(self) -> None:
+        """A new life: every learner the restored registry knows gets a snapshot (learners
+        that joined after the checkpoint re-register with their next heartbeat)."""
+        with self.lock:
+            snap = self.syncer.snapshot(self.clock())
+            known = [m for m, info in self.syncer.learners.items() if info.joined]
+        for m in known:
+            self.link.send(m, snap)
+
+    # --- Θ for evaluation and stats ---------------------------------------------------
+    def global_params(self) -> dict | None:
+        """A copy of this shard's Θ; None while the shard is down."""
+        with self.lock:
+            if self.syncer is None:
+                return None
+            return {k: v.copy() for k, v in self.syncer.global_params().items()}
+
+    def stats(self) -> dict:
+        with self.lock:
+            return dict(self.syncer.stats) if self.syncer is not None else {}
+
+    # --- checkpoints ------------------------------------------------------------------
+    def _restore(self, after_failure: bool) -> Syncer:
+        """A new life: a new epoch, then the latest checkpoint if there is one."""
+        run = self.run_cfg
+        owned = owned_fragments(self.plan.num_fragments, run.diloco.syncer_shards, self.shard)
+        syncer = Syncer(run.diloco, self.plan, self.init_params, owned, self.record, new_epoch())
+        if self.ckpt.latest_step() is not None:
+            state, meta = self.ckpt.restore(jax.tree.map(np.asarray, syncer.state_dict()))
+            syncer.load_state_dict(state, meta, self.clock())
+            self._saved_key = _saved_key(syncer)
+        elif not after_failure:
+            return syncer  # a fresh run
+        self.record(
+            {
+                "event": "syncer_restore",
+                "shard": self.shard,
+                "versions": dict(syncer.version),
+                "epoch": syncer.epoch,
+                "after_failure": after_failure,
+                # merges.jsonl / events.jsonl records of this shard after this many were
+                # rolled back (merges the lost life made after its checkpoint)
+                "log_position": syncer.log_position,
+                "time": self.clock(),
+            }
+        )
+        return syncer
+
+    def save(self) -> None:
+        """Saves unless neither the versions nor the registry changed since the last save."""
+        with self.lock:
+            if self.syncer is None:
+                return
+            key = _saved_key(self.syncer)
+            if key == self._saved_key:
+                return
+            state = jax.tree.map(np.copy, self.syncer.state_dict())
+            meta = self.syncer.meta_dict()
+        self.ckpt.save((self.ckpt.latest_step() or 0) + 1, state, meta)
+        self._saved_key = key
+
+
+def _saved_key(syncer: Syncer) -> tuple:
+    """What a checkpoint must hold; a save is skipped while it has not changed."""
+    registry = tuple(sorted((m, i.incarnation, i.joined) for m, i in syncer.learners.items()))
+    return tuple(sorted(syncer.version.items())), registry

@@ -1,0 +1,132 @@
+r"""Where quality goes: from synchronous DiLoCo to Decoupled DiLoCo, one change at a time.
+
+    pip install -e .   # once
+    python experiments/quality_ladder.py --quick      # 9 arms, 1 seed, 120 steps: ~7 min
+    python experiments/quality_ladder.py              # 9 arms x seeds 0,1, 300 steps: ~45 min
+    python experiments/quality_ladder.py --outer=0.7,0.9   # the rungs with DiLoCo's outer step
+    python experiments/quality_ladder.py --scale=mid  # the 31M `mid` model (a GPU: ~1 h)
+    python experiments/quality_ladder.py --set=data.source=shakespeare   # another corpus
+
+Every rung keeps the one below and changes one thing (M = 4 learners, equal tokens: each
+processes a quarter of DP's batch per step, for the same number of steps):
+
+  dp         one learner, the whole batch (the reference)
+  diloco     DiLoCo: P = 1, K = M, τ = 0, learners wait for every merge, plain mean
+  streaming  + P = 6 fragments on staggered schedules (H = 12 for each)
+  overlap    + τ = 2: a merge is applied 2 steps after its offer (still waited for)
+  no_wait    + max_wait = 0: never wait; apply a merge when it is there
+  quorum1    + K = 1: a round closes as soon as one learner reached a new slot
+  grace      + the adaptive grace window (γ = 1), which lets more learners into a round
+  tokens     + token weights
+  rda        + radial-directional averaging: configs/tiny_decoupled.py as shipped
+
+Every rung uses the same outer optimizer (--outer: lr, momentum; default the tiny configs'
+1.0, 0.0) with the shipped merge normalisation (roster) and momentum clock (work). The
+table gives each rung's final eval loss (mean ± sample std over seeds), its ratio to DP and
+to the rung below (per seed, then averaged), the spread of its seeds ((max − min) / mean),
+learners per merge, and offers dropped. With --scale=mid the per-learner batch is 32 x 256
+tokens and runs last 1000 steps (300 with --quick), on whatever devices exist.
+"""
+
+import harness
+from absl import app, flags
+
+harness.define_flags("experiments/results/quality_ladder", "0,1")
+flags.DEFINE_list("outer", ["1.0", "0.0"], "Outer lr and momentum of every DiLoCo rung.")
+
+QUICK = {"train.steps": 120, "train.warmup_steps": 12, "train.eval_every": 40,
+         "train.batch_size": 8}  # fmt: skip
+FULL = {"train.steps": 300, "train.warmup_steps": 30, "train.eval_every": 100,
+        "train.batch_size": 16}  # fmt: skip
+M = 4
+
+# (name, label, overrides added to the rung below)
+RUNGS = [
+    ("diloco", "DiLoCo (P=1, K=M, wait)", {
+        "diloco.fragments": 1, "diloco.overlap": 0, "diloco.max_wait": -1.0,
+        "diloco.quorum": M, "diloco.grace_gamma": 0.0, "diloco.weights": "uniform",
+        "diloco.merge": "mean", "diloco.embedding_merge": "mean"}),
+    ("streaming", "+ P=6 fragments", {"diloco.fragments": 6}),
+    ("overlap", "+ overlap tau=2", {"diloco.overlap": 2}),
+    ("no_wait", "+ never wait (max_wait 0)", {"diloco.max_wait": 0.0}),
+    ("quorum1", "+ K=1", {"diloco.quorum": 1}),
+    ("grace", "+ grace window", {"diloco.grace_gamma": 1.0}),
+    ("tokens", "+ token weights", {"diloco.weights": "tokens"}),
+    ("rda", "+ RDA (tiny_decoupled)", {"diloco.merge": "rda"}),
+]  # fmt: skip
+
+
+def per_learner_batch() -> int:
+    return (FULL if harness.is_full() else QUICK)["train.batch_size"]
+
+
+def arms() -> list[harness.Arm]:
+    lr, mu = (float(x) for x in flags.FLAGS.outer)
+    b = per_learner_batch()
+    out = [harness.Arm("dp", "tiny_dense", {"train.batch_size": M * b}, "data-parallel")]
+    over = {"diloco.learners": M, "devices_per_learner": 2, "train.batch_size": b,
+            "diloco.outer_lr": lr, "diloco.outer_momentum": mu}  # fmt: skip
+    for name, label, change in RUNGS:
+        over = over | change
+        out.append(harness.Arm(name, "tiny_decoupled", dict(over), label))
+    return out
+
+
+def spread(runs) -> str:
+    losses = [r.summary["final_eval_loss"] for r in runs]
+    if len(losses) < 2:
+        return "-"
+    return f"{(max(losses) - min(losses)) / harness.stat(losses)[0]:.3f}"
+
+
+def markdown(results) -> str:
+    groups = harness.by_arm(results)
+    dp = groups.get("dp", [])
+    body, below = [], None
+    for name, runs in groups.items():
+        s = [r.summary for r in runs]
+        is_dp = name == "dp"
+        body.append([
+            runs[0].arm.label,
+            harness.fmt([x["final_eval_loss"] for x in s]),
+            harness.fmt(harness.loss_ratio(runs, dp), 4),
+            "-" if below is None or is_dp else harness.fmt(harness.loss_ratio(runs, below), 4),
+            spread(runs),
+            "-" if is_dp else harness.fmt([x["mean_learners_per_merge"] for x in s], 2),
+            "-" if is_dp else harness.fmt([x.get("dropped_offers", 0) for x in s], 0),
+        ])  # fmt: skip
+        below = None if is_dp else runs
+    header = ["rung", "final eval loss", "÷ DP", "÷ rung below", "seed spread",
+              "learners / merge", "dropped offers"]  # fmt: skip
+    lr, mu = flags.FLAGS.outer
+    note = (
+        f"The ladder ({harness.mode_note()}); outer lr {lr}, momentum {mu} on every rung; "
+        f"{results[0].summary['tokens']:,} tokens per run; eval loss in nats per token on "
+        "the same held-out sequences. Ratios per seed, then averaged; seed spread = (max − "
+        "min) / mean of the final loss.\n\n"
+    )
+    return note + harness.table(header, body)
+
+
+def main(argv):
+    del argv
+    import matplotlib.pyplot as plt
+
+    out = harness.setup()
+    results = harness.run_arms(arms, out, quick=QUICK, full=FULL)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    harness.plot_curves(axes[0], results)
+    axes[0].set_title("eval loss vs tokens")
+    groups = harness.by_arm(results)
+    names = [n for n in groups if n != "dp"]
+    harness.plot_bars(axes[1], names,
+                      [harness.loss_ratio(groups[n], groups.get("dp", [])) for n in names],
+                      "final eval loss ÷ DP")  # fmt: skip
+    axes[1].set_ylim(bottom=0)
+    axes[1].set_title("each rung adds one change to the one before")
+    fig.suptitle("From DiLoCo to Decoupled DiLoCo, one change at a time")
+    harness.write(out, "quality_ladder", markdown(results), fig, results)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,147 @@
+"""The syncer's schedule-slot rounds (which offers a merge holds) and the goodput ledger's
+allocation rules. Pure Syncer / Ledger tests under a fake clock."""
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.diloco import compression
+from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.diloco.fragments import make_fragment_plan
+from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Join, Merged, Offer
+from decoupled_diloco.diloco.syncer import Syncer
+from decoupled_diloco.runtime.accounting import Ledger
+
+SHAPES = {"embedder/input_embedding": (16, 8), "block_0/w": (8, 8)}
+
+
+def syncer(rounds="scheduled", quorum=1, learners=3, **kw):
+    plan = make_fragment_plan(SHAPES, 1, "balanced", sync_every=4)
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    cfg = DilocoConfig(learners=learners, sync_every=4, quorum=quorum, grace_gamma=0.0,
+                       rounds=rounds, **kw)  # fmt: skip
+    s = Syncer(cfg, plan, params)
+    for m in range(learners):
+        s.handle(Join(m, 0, 0.0), 0.0)
+    return s
+
+
+def offer(learner: int, step: int, base: int = 0, c_steps: int = 4) -> Offer:
+    grads = {k: np.full(s, 0.01 * (learner + 1), np.float32) for k, s in SHAPES.items()}
+    return Offer(learner, 0, 0, step, c_steps, 64 * c_steps, base, 0.0,
+                 compression.encode(grads, "none"))  # fmt: skip
+
+
+def merged(out) -> list[Merged]:
+    return [msg for _, msg in out if isinstance(msg, Merged)][:1]
+
+
+def test_late_offers_wait_for_the_next_round_instead_of_merging_alone():
+    s = syncer()
+    assert merged(s.handle(offer(0, step=4), 1.0))  # slot 1 closes at once (K = 1)
+    # Learner 1 is behind: its slot-1 offer arrives after the round closed. It waits...
+    assert not merged(s.handle(offer(1, step=4), 2.0))
+    assert s.version[0] == 1
+    # ...and rides along with the next round, opened by a fresh slot-2 offer.
+    (m,) = merged(s.handle(offer(0, step=8, base=1), 3.0))
+    assert m.learners == (0, 1) and m.steps == (8, 4) and m.version == 2
+    assert m.merged == {0: (0, 8), 1: (0, 4)}  # the fragment's vector clock
+
+
+def test_eager_rounds_merge_every_late_offer_on_its_own():
+    s = syncer(rounds="eager")
+    assert merged(s.handle(offer(0, step=4), 1.0))
+    (m,) = merged(s.handle(offer(1, step=4), 2.0))
+    assert m.learners == (1,) and s.version[0] == 2
+
+
+def test_late_offers_merge_when_every_live_learner_has_offered():
+    s = syncer(learners=2)
+    s.handle(offer(0, step=4), 1.0)
+    s.handle(Join(0, 1, 1.5), 1.5)  # learner 0 restarts: drops out of the next round
+    s.learners[0].joined = False  # ...and is not live yet
+    # Learner 1's late offer is all there is to wait for: it merges below quorum.
+    (m,) = merged(s.handle(offer(1, step=4), 2.0))
+    assert m.learners == (1,)
+
+
+def test_an_offer_repeating_merged_work_is_rejected_and_its_learner_told():
+    s = syncer(learners=2)
+    s.handle(offer(0, step=4), 1.0)  # merged into version 1
+    # Learner 0's next offer made before it applied version 1 (base 0 < 1) would hold the
+    # merged steps again.
+    out = s.handle(offer(0, step=8, base=0), 2.0)
+    assert s.version[0] == 1
+    (notice,) = [msg for m, msg in out if isinstance(msg, Dropped)]
+    assert (notice.learner, notice.step) == (0, 8) and "already merged" in notice.reason
+
+
+def test_a_late_offer_does_not_open_a_round_or_eat_the_grace_window():
+    plan = make_fragment_plan(SHAPES, 1, "balanced", sync_every=4)
+    params = {k: np.zeros(v, np.float32) for k, v in SHAPES.items()}
+    cfg = DilocoConfig(learners=3, sync_every=4, quorum=1, grace_gamma=1.0, max_grace=10.0,
+                       overlap=2)  # fmt: skip
+    s = Syncer(cfg, plan, params)
+    for m in range(3):
+        s.handle(Join(m, 0, 0.0), 0.0)
+        s.handle(Heartbeat(m, 0, 1, 1.0, 0.0), 0.0)  # 1 s steps: grace budget τ·ξ = 2 s
+    assert not merged(s.handle(offer(0, step=4), 1.0))  # quorum; grace runs until t = 3
+    assert not merged(s.handle(offer(1, step=5), 1.5))
+    (m,) = merged(s.tick(3.1))
+    assert m.learners == (0, 1)
+    s.handle(offer(2, step=4), 5.0)  # late: waits for the next round, opens none
+    assert s.round_open[0] is None
+    assert not merged(s.handle(offer(0, step=8, base=1), 20.0))  # fresh: quorum at once
+    assert s.grace_window() == pytest.approx(2.0, rel=0.2)  # no 15 s "time to quorum"
+    (m,) = merged(s.tick(22.5))
+    assert m.learners == (0, 2)
+
+
+def test_a_round_covers_the_slot_the_kth_fastest_reached():
+    """With K = 2 a learner two slots ahead must not make the others' next offers stale."""
+    s = syncer(learners=3, quorum=2)
+    s.handle(offer(0, step=12), 1.0)  # learner 0 is far ahead: slot 3
+    (m,) = merged(s.handle(offer(1, step=4), 2.0))  # K = 2 fresh offers: slots 3 and 1
+    assert s.last_slot[0] == 1
+    s.handle(offer(2, step=8), 3.0)  # slot 2 is fresh: quorum needs one more
+    (m,) = merged(s.handle(offer(1, step=8, base=1), 4.0))
+    assert set(m.learners) == {1, 2}
+
+
+def test_partial_merges_move_theta_by_their_share_of_the_roster():
+    rng = np.random.default_rng(1)
+    v = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    moved = {}
+    for normalize in ("roster", "merged"):
+        s = syncer(learners=4, normalize=normalize, merge="mean", embedding_merge="mean",
+                   outer_lr=1.0, outer_momentum=0.0)  # fmt: skip
+        before = {k: x.copy() for k, x in s.global_params().items()}
+        o = Offer(0, 0, 0, 4, 4, 256, 0, 0.0, compression.encode(v, "none"))
+        s.handle(o, 1.0)
+        moved[normalize] = {k: before[k] - s.global_params()[k] for k in v}
+    for k in v:  # one learner of four: a quarter of its outer gradient, or all of it
+        np.testing.assert_allclose(moved["roster"][k], v[k] / 4, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(moved["merged"][k], v[k], rtol=1e-5, atol=1e-6)
+
+
+def test_time_spent_evaluating_is_not_allocated_training_time():
+    def goodput(idle: float) -> float:
+        ledger = Ledger(1)
+        for i in range(10):
+            ledger.step(0, 1.0, now=1.0 + i + (idle if i >= 5 else 0.0))
+        ledger.idle(0, idle)
+        ledger.finish(0, 10.0 + idle)
+        return ledger.summary(10.0 + idle, uses_syncer=False, learner_steps=[10])["goodput"]
+
+    assert goodput(0.0) == pytest.approx(1.0)
+    assert goodput(4.0) == pytest.approx(1.0)  # a 4 s evaluation mid-run costs no goodput
+
+
+def test_allocation_ends_when_training_ends_not_after_the_tail():
+    ledger = Ledger(1)
+    for i in range(10):
+        ledger.step(0, 1.0, now=1.0 + i)
+    ledger.finish(0, 10.0)  # last step done: final offers and checkpoint follow
+    ledger.finish(0, 13.0)  # the runtime's final report after its 3 s tail
+    summary = ledger.summary(13.0, uses_syncer=False, learner_steps=[10])
+    assert summary["goodput"] == pytest.approx(1.0)
