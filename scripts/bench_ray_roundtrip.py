@@ -1,7 +1,7 @@
-r"""Fragment round trips through the Ray runtime vs the local runtime, and the Ray learner overhead.
+r"""Fragment round trips through the Ray runtime vs the local runtime (the transport alone).
 
-    python scripts/bench_ray_roundtrip.py            # tiny + ~110M model; overhead 2 x 80 steps
-    python scripts/bench_ray_roundtrip.py --quick    # fewer rounds and steps (~6 min)
+    python scripts/bench_ray_roundtrip.py            # tiny + ~110M model, 10 rounds
+    python scripts/bench_ray_roundtrip.py --quick    # 3 rounds
 
 Part 1, the transport alone (no training). One learner-side link sends Offers whose payloads
 are synthetic outer gradients (float32 numpy, wire format "none") for the fragments of the
@@ -21,19 +21,9 @@ once and replies to the learner. Measured on the learner's side:
 Models: "tiny" (~140k params, P = 2) and "100m" (d 768, 12 layers, vocab 32k: ~110M
 params, P = 4, ~110 MB per fragment).
 
-Part 2, learner overhead on Ray: learner steps/s in a Decoupled run on the Ray runtime (2
-learner processes x 4 fake CPU devices, K = 1, the tiny_decoupled model, batch and plan)
-vs plain training of the same model in 2 concurrent Ray actor processes (no syncer, no
-link). Both are measured over the window in which both learners run (every learner past
-step --skip, none finished), sampled every 0.25 s: steps/s, and CPU seconds per step of
-each learner's process (/proc; its sender thread and Ray's threads included). Neither is
-clean on a shared 2-core machine: wall time moves with other load, and CPU time includes
-XLA's spinning worker threads, which spin more when a process gets more of the cores. The
-arms' order alternates per round. Goal: steps/s ratio >= 0.95 (communication off the
-learner's critical path).
+The learner overhead on Ray is scripts/bench_ray_overhead.py.
 """
 
-import json
 import os
 import queue
 import statistics
@@ -55,13 +45,9 @@ from decoupled_diloco.diloco.messages import Join, Merged, Offer, Snapshot  # no
 from decoupled_diloco.runtime.ray import cluster as ray_cluster  # noqa: E402
 from decoupled_diloco.runtime.ray import links as ray_links  # noqa: E402
 
-_QUICK = flags.DEFINE_bool("quick", False, "Fewer rounds and steps (about 6 minutes).")
-_PARTS = flags.DEFINE_list("parts", ["roundtrip", "overhead"], "Which parts to run.")
+_QUICK = flags.DEFINE_bool("quick", False, "Fewer rounds (3).")
 _MODELS = flags.DEFINE_list("models", ["tiny", "100m"], "Models for the round trips.")
 _ROUNDS = flags.DEFINE_integer("rounds", None, "Round trips per fragment (default 10; quick 3).")
-_STEPS = flags.DEFINE_integer("steps", None, "Steps per overhead run (default 80; quick 40).")
-_SKIP = flags.DEFINE_integer("skip", None, "Leading steps excluded (default 10; quick 8).")
-_REPEATS = flags.DEFINE_integer("repeats", None, "Overhead rounds (default 2; quick 1).")
 
 MODELS = {
     "tiny": ({"model.preset": "tiny"}, 2),
@@ -309,180 +295,16 @@ def roundtrips(models: list[str], rounds: int) -> None:
             )
 
 
-# --- part 2: learner overhead ----------------------------------------------------------------
-def overhead_config(steps: int):
-    c = _config(
-        {
-            "model.preset": "tiny",
-            "data.seq_len": 128,
-            "train.batch_size": 32,
-            "train.steps": steps,
-            "train.warmup_steps": 5,
-            "train.eval_every": 0,
-            "train.eval_batches": 1,
-            "train.log_every": 1,
-            "train.checkpoint_every": 0,
-            "devices_per_learner": 4,
-            "runtime": "ray",
-            "diloco.learners": 2,
-            "diloco.sync_every": 12,
-            "diloco.fragments": 6,
-            "diloco.overlap": 2,
-            "diloco.quorum": 1,
-            "diloco.grace_gamma": 0.5,
-            "diloco.max_grace": 1.0,
-        }
-    )
-    return config_lib.validate(c)
-
-
-@ray.remote(num_cpus=0, max_concurrency=2)
-class PlainTrainer:
-    """Plain training (no syncer, no link) of learner m's model and data in its own process."""
-
-    def __init__(self):
-        self.step = 0
-
-    def progress(self) -> tuple[int, int]:
-        return os.getpid(), self.step
-
-    def run(self, run, m: int) -> None:
-        from decoupled_diloco import compile_cache
-
-        compile_cache.enable()
-        import jax
-
-        from decoupled_diloco.data import make_iterator
-        from decoupled_diloco.sharding import make_mesh
-        from decoupled_diloco.train.replica import Replica
-
-        mesh = make_mesh(jax.devices()[: run.devices_per_learner], run.mesh)
-        data = make_iterator(run.data, "train", run.train.batch_size, m, run.num_learners)
-        replica = Replica(run.model, run.train, mesh)
-        replica.init_from_rng(jax.random.key(run.train.seed))
-        for step in range(run.train.steps):
-            jax.device_get(replica.step(next(data)))
-            self.step = step + 1
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # fields from the 3rd on
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Sampler:
-    """Samples every learner's (step, process CPU s) while an arm runs; `probe()` returns
-    {learner: (pid, step)} or None while not every learner is up."""
-
-    def __init__(self, probe, period: float = 0.25):
-        self.samples: list[tuple[float, dict]] = []
-        self._probe, self._period, self._stop = probe, period, threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._period):
-            try:
-                seen = self._probe()
-                if seen:
-                    cpu = {m: (step, process_cpu_seconds(pid)) for m, (pid, step) in seen.items()}
-                    self.samples.append((time.monotonic(), cpu))
-            except (OSError, ValueError, ray.exceptions.RayError):
-                pass  # a process not up yet or gone already
-
-    def result(self, skip: int, steps: int) -> tuple[float, float]:
-        """(steps/s, CPU s per step) per learner, mean over learners, over the window in
-        which every learner is past step `skip` and none has finished."""
-        self._stop.set()
-        self._thread.join()
-        inside = [(t, c) for t, c in self.samples if all(skip <= s < steps for s, _ in c.values())]
-        (t0, a), (t1, b) = inside[0], inside[-1]
-        rate = statistics.mean((b[m][0] - a[m][0]) / (t1 - t0) for m in a)
-        cpu = statistics.mean((b[m][1] - a[m][1]) / (b[m][0] - a[m][0]) for m in a)
-        return rate, cpu
-
-
-def plain_arm(run, skip: int) -> tuple[float, float]:
-    env = {"env_vars": ray_cluster.cpu_env(run.devices_per_learner)}
-    trainers = [PlainTrainer.options(runtime_env=env).remote() for _ in range(2)]
-    sampler = Sampler(lambda: dict(enumerate(ray.get([t.progress.remote() for t in trainers]))))
-    ray.get([t.run.remote(run, m) for m, t in enumerate(trainers)])
-    out = sampler.result(skip, run.train.steps)
-    for t in trainers:
-        ray.kill(t)
-    return out
-
-
-def decoupled_arm(run, skip: int) -> tuple[float, float]:
-    from decoupled_diloco.runtime.ray.runtime import RayRuntime
-
-    workdir = tempfile.mkdtemp(prefix="dd_bench_overhead_")
-
-    def read(name):
-        try:
-            with open(os.path.join(workdir, name), encoding="utf-8") as f:
-                return [json.loads(line) for line in f]
-        except FileNotFoundError:
-            return []
-
-    def probe():
-        pids = {
-            e["learner"]: e["pid"] for e in read("events.jsonl") if "pid" in e and "learner" in e
-        }
-        steps: dict = {}
-        for row in read("metrics.jsonl"):
-            if row["learner"] in pids:
-                steps[row["learner"]] = max(steps.get(row["learner"], 0), row["step"])
-        if len(steps) < run.num_learners:
-            return None
-        return {m: (pids[m], steps[m]) for m in steps}
-
-    sampler = Sampler(probe)
-    RayRuntime(run, workdir, verbose=False).run()
-    return sampler.result(skip, run.train.steps)
-
-
-def overhead(steps: int, skip: int, repeats: int) -> None:
-    run = overhead_config(steps)
-    got: dict[str, list[tuple[float, float]]] = {"plain": [], "decoupled": []}
-    for r in range(repeats):
-        order = ("plain", "decoupled") if r % 2 == 0 else ("decoupled", "plain")
-        for arm in order:  # alternating, so a drifting machine load skews both alike
-            got[arm].append((plain_arm if arm == "plain" else decoupled_arm)(run, skip))
-        (pr, pc), (dr, dc) = got["plain"][-1], got["decoupled"][-1]
-        print(
-            f"round {r}: steps/s plain {pr:.2f} decoupled {dr:.2f} (ratio {dr / pr:.3f}); "
-            f"CPU s/step plain {pc:.3f} decoupled {dc:.3f} (ratio {pc / dc:.3f})",
-            flush=True,
-        )
-    mean = {k: [statistics.mean(x) for x in zip(*v, strict=True)] for k, v in got.items()}
-    (pr, pc), (dr, dc) = mean["plain"], mean["decoupled"]
-    print(
-        f"\n== learner overhead on Ray (2 learners x 4 devices, tiny_decoupled plan) ==\n"
-        f"steps/s    plain {pr:.2f}  decoupled {dr:.2f}  ratio {dr / pr:.3f} (goal >= 0.95)\n"
-        f"CPU s/step plain {pc:.3f} decoupled {dc:.3f} ratio {pc / dc:.3f} (learner processes)"
-    )
-
-
 def main(argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    quick = _QUICK.value
-    rounds = _ROUNDS.value or (3 if quick else 10)
-    steps = _STEPS.value or (40 if quick else 80)
-    skip = _SKIP.value or (8 if quick else 10)
-    repeats = _REPEATS.value or (1 if quick else 2)
+    rounds = _ROUNDS.value or (3 if _QUICK.value else 10)
     from decoupled_diloco import compile_cache
 
     compile_cache.enable()
     started = ray_cluster.connect(RayConfig(num_cpus=2), verbose=False)
     try:
-        if "roundtrip" in _PARTS.value:
-            roundtrips(_MODELS.value, rounds)
-        if "overhead" in _PARTS.value:
-            overhead(steps, skip, repeats)
+        roundtrips(_MODELS.value, rounds)
     finally:
         if started:
             ray.shutdown()

@@ -13,6 +13,7 @@ due merges are applied on the replica, a heartbeat goes out. A step's metrics ar
 one step later, so the host never stalls the device queue to read them.
 """
 
+import os
 import time
 
 import jax
@@ -193,7 +194,10 @@ class LearnerLoop:
         event = "learner_start" if self.away == "start" and not late else event
         self.sink.event(
             self._event(
-                event, incarnation=self.incarnation, process_restart=self.away == "process_restart"
+                event,
+                incarnation=self.incarnation,
+                process_restart=self.away == "process_restart",
+                pid=os.getpid(),
             )
         )
         self.away = None

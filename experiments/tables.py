@@ -1,0 +1,100 @@
+"""Tables and plots of experiment results (`harness.Result`s): per-arm grouping, ratios
+paired by seed, mean ± sample std, markdown tables, eval curves and bars."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness import Result
+
+
+def rows(rundir: pathlib.Path, name: str) -> list[dict]:
+    path = rundir / name
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def eval_curve(r: Result) -> list[tuple[float, int, float]]:
+    """(wall s, tokens, eval loss) of the global model (DP: its only learner), time-sorted."""
+    no_syncer = not r.summary.get("merges") and r.summary.get("learners", 1) == 1
+    curve = {
+        (x["time"], x["tokens"], x["eval_loss"])
+        for x in rows(r.rundir, "metrics.jsonl")
+        if "eval_loss" in x and (x["learner"] == "global" or (no_syncer and x["learner"] == 0))
+    }
+    return sorted(curve)
+
+
+def by_arm(results: list[Result]) -> dict[str, list[Result]]:
+    out: dict[str, list[Result]] = {}
+    for r in results:
+        out.setdefault(r.arm.name, []).append(r)
+    return out
+
+
+def paired(runs: list[Result], refs: list[Result], fn) -> list[float]:
+    """fn(run, ref) for every seed both arms ran (pairs by seed, never by position)."""
+    ref_by_seed = {r.seed: r for r in refs}
+    return [fn(r, ref_by_seed[r.seed]) for r in runs if r.seed in ref_by_seed]
+
+
+def loss_ratio(runs: list[Result], refs: list[Result]) -> list[float]:
+    """Per-seed final eval loss of `runs` over that of `refs`."""
+    loss = "final_eval_loss"
+    return paired(runs, refs, lambda a, b: a.summary[loss] / b.summary[loss])
+
+
+def stat(values: list[float]) -> tuple[float, float]:
+    """(mean, sample std with ddof = 1; 0 for a single value)."""
+    values = [float(v) for v in values]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def fmt(values: list[float], digits: int = 4, scale: float = 1.0) -> str:
+    """'mean ± sample std' (just the value for one seed; '-' for none)."""
+    if not values:
+        return "-"
+    mean, std = stat([scale * v for v in values])
+    return f"{mean:.{digits}f}" if len(values) < 2 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(ax, results: list[Result], x: str = "tokens") -> None:
+    """Eval loss against tokens (millions) or wall time, one colour per arm."""
+    for i, (name, runs) in enumerate(by_arm(results).items()):
+        for k, r in enumerate(runs):
+            curve = eval_curve(r)
+            if not curve:
+                continue
+            t, tok, loss = zip(*curve, strict=True)
+            xs = [v / 1e6 for v in tok] if x == "tokens" else t
+            label = (r.arm.label or name) if k == 0 else None
+            ax.plot(xs, loss, marker="o", ms=3, color=f"C{i % 10}", alpha=1 if k == 0 else 0.5,
+                    label=label)  # fmt: skip
+    ax.set_xlabel("tokens (millions, all learners)" if x == "tokens" else "wall time (s)")
+    ax.set_ylabel("eval loss (nats / byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_bars(ax, names: list[str], values: list[list[float]], ylabel: str) -> None:
+    """Mean bars with sample-std error bars (one bar per arm, seeds as the spread)."""
+    stats = [stat(v) for v in values]
+    ax.bar(range(len(names)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3,
+           color=[f"C{i % 10}" for i in range(len(names))])  # fmt: skip
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
