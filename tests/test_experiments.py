@@ -17,6 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = (
+    "quality_ladder",
     "quality_equal_tokens",
     "learners_sweep",
     "quorum_grace",
@@ -74,8 +75,9 @@ def test_every_arm_config_builds_and_validates(name, configs_of):
             evals = {c["train"]["eval_batches"] * c["train"]["batch_size"] for c in runs.values()}
             assert len(evals) == 1, (scale, mode, evals)
             for (arm, _), c in runs.items():
-                # Synchronous baselines wait for the merge at t + tau (design brief).
-                if _synchronous(c):
+                # Synchronous baselines wait for the merge at t + tau (design brief); the
+                # ladder's no_wait rung is K = M that does not wait, on purpose.
+                if _synchronous(c) and (name, arm) != ("quality_ladder", "no_wait"):
                     assert c["diloco"]["max_wait"] == -1, (scale, mode, arm)
     for (arm, seed), c in configs["cpu", "quick"].items():
         full = configs["cpu", "full"].get((arm, seed))
@@ -105,6 +107,23 @@ def test_tpu_scale_keeps_tpu_settings_and_the_ablation(name, configs_of):
         total = t["train"]["batch_size"] * t["diloco"]["learners"]
         scale.add(total / (c["train"]["batch_size"] * c["diloco"]["learners"]))
     assert len(scale) == 1, scale  # every arm's share of the total batch carries over
+
+
+def test_ladder_changes_one_thing_per_rung_and_scales_to_mid(configs_of):
+    configs = configs_of("quality_ladder")
+    full = {arm: c for (arm, seed), c in configs["cpu", "full"].items() if seed == 0}
+    rungs = ["diloco", "streaming", "overlap", "no_wait", "quorum1", "grace", "tokens", "rda"]
+    assert set(full) == {"dp", *rungs}
+    for below, above in zip(rungs, rungs[1:], strict=False):
+        changed = {k for k, v in full[above]["diloco"].items() if full[below]["diloco"][k] != v}
+        assert len(changed) == 1, (below, above, changed)
+    assert full["rda"]["diloco"]["merge"] == "rda" and full["rda"]["diloco"]["quorum"] == 1
+    tokens = {c["train"]["batch_size"] * c["diloco"]["learners"] for c in full.values()}
+    assert len(tokens) == 1  # equal tokens per step in every arm
+    mid = {arm: c for (arm, seed), c in configs["mid", "full"].items() if seed == 0}
+    assert {c["model"]["preset"] for c in mid.values()} == {"mid"}
+    assert mid["rda"]["train"]["batch_size"] == 32 and mid["dp"]["train"]["batch_size"] == 128
+    assert mid["rda"]["data"]["seq_len"] == 256 and mid["rda"]["train"]["steps"] == 1000
 
 
 def test_quality_covers_dense_and_moe_families(configs_of):
