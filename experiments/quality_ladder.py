@@ -6,6 +6,7 @@ r"""Where quality goes: from synchronous DiLoCo to Decoupled DiLoCo, one change 
     python experiments/quality_ladder.py --outer=0.7,0.9   # the rungs with DiLoCo's outer step
     python experiments/quality_ladder.py --scale=mid  # the 31M `mid` model (a GPU: ~1 h)
     python experiments/quality_ladder.py --set=data.source=shakespeare   # another corpus
+    python experiments/quality_ladder.py --latency_s=0.5 --speed_noise=0.1  # late replies
 
 Every rung keeps the one below and changes one thing (M = 4 learners, equal tokens: each
 processes a quarter of DP's batch per step, for the same number of steps):
@@ -33,6 +34,11 @@ from absl import app, flags
 
 harness.define_flags("experiments/results/quality_ladder", "0,1")
 flags.DEFINE_list("outer", ["1.0", "0.0"], "Outer lr and momentum of every DiLoCo rung.")
+flags.DEFINE_float(
+    "latency_s", 0.0, "One-way link latency of every learner of the DiLoCo rungs (seconds): "
+    "replies then land steps late, as when a syncer or a network is slow.",
+)  # fmt: skip
+flags.DEFINE_float("speed_noise", 0.0, "Per-step speed noise of the DiLoCo rungs' learners.")
 
 QUICK = {"train.steps": 120, "train.warmup_steps": 12, "train.eval_every": 40,
          "train.batch_size": 8}  # fmt: skip
@@ -66,6 +72,10 @@ def arms() -> list[harness.Arm]:
     out = [harness.Arm("dp", "tiny_dense", {"train.batch_size": M * b}, "data-parallel")]
     over = {"diloco.learners": M, "devices_per_learner": 2, "train.batch_size": b,
             "diloco.outer_lr": lr, "diloco.outer_momentum": mu}  # fmt: skip
+    if flags.FLAGS.latency_s:
+        over["faults.link_latency_s"] = [flags.FLAGS.latency_s] * M
+    if flags.FLAGS.speed_noise:
+        over["faults.speed_noise"] = flags.FLAGS.speed_noise
     for name, label, change in RUNGS:
         over = over | change
         out.append(harness.Arm(name, "tiny_decoupled", dict(over), label))
@@ -99,8 +109,10 @@ def markdown(results) -> str:
     header = ["rung", "final eval loss", "÷ DP", "÷ rung below", "seed spread",
               "learners / merge", "dropped offers"]  # fmt: skip
     lr, mu = flags.FLAGS.outer
+    lag = flags.FLAGS.latency_s, flags.FLAGS.speed_noise
+    faults = f"; link latency {lag[0]} s, speed noise {lag[1]}" if any(lag) else ""
     note = (
-        f"The ladder ({harness.mode_note()}); outer lr {lr}, momentum {mu} on every rung; "
+        f"The ladder ({harness.mode_note()}); outer lr {lr}, momentum {mu} on every rung{faults}; "
         f"{results[0].summary['tokens']:,} tokens per run; eval loss in nats per token on "
         "the same held-out sequences. Ratios per seed, then averaged; seed spread = (max − "
         "min) / mean of the final loss.\n\n"

@@ -50,6 +50,9 @@ class NumpyReplica:
         self.step_count += 1
         return {"loss": np.float32(0.0)}
 
+    def ready(self) -> None:
+        pass
+
     def fragment_copies(self, names) -> dict:
         return {k: self.state[k].copy() for k in names}
 

@@ -89,12 +89,23 @@ def test_a_late_offer_does_not_open_a_round_or_eat_the_grace_window():
     assert not merged(s.handle(offer(1, step=5), 1.5))
     (m,) = merged(s.tick(3.1))
     assert m.learners == (0, 1)
-    s.handle(offer(2, step=4), 5.0)  # late: waits for the next round, opens none
-    assert s.round_open[0] is None
+    # Learner 2's offer of the covered slot is late: it opens no round and adds no time to
+    # quorum, but as the only offer the round missed it merges at once (a catch-up).
+    (m,) = merged(s.handle(offer(2, step=4), 5.0))
+    assert m.learners == (2,) and s.round_open[0] is None and s.last_slot[0] == 1
     assert not merged(s.handle(offer(0, step=8, base=1), 20.0))  # fresh: quorum at once
     assert s.grace_window() == pytest.approx(2.0, rel=0.2)  # no 15 s "time to quorum"
     (m,) = merged(s.tick(22.5))
-    assert m.learners == (0, 2)
+    assert m.learners == (0,)
+
+
+def test_late_offers_catch_up_once_every_learner_the_round_missed_is_in():
+    s = syncer(learners=4)
+    assert merged(s.handle(offer(0, step=4), 1.0))  # K = 1: learner 0 alone covers slot 1
+    assert not merged(s.handle(offer(1, step=4), 1.1))  # late; learners 2, 3 still to come
+    assert not merged(s.handle(offer(2, step=4), 1.2))
+    (m,) = merged(s.handle(offer(3, step=4), 1.3))  # the last one: catch-up round
+    assert m.learners == (1, 2, 3) and s.version[0] == 2
 
 
 def test_a_round_covers_the_slot_the_kth_fastest_reached():

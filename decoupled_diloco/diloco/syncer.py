@@ -253,7 +253,8 @@ class Syncer:
         for p in self.owned:
             pending = self.pending[p]
             everyone = bool(pending) and live <= set(pending)
-            if self.fresh_offers(p) >= self.cfg.quorum:
+            fresh = self.fresh_offers(p)
+            if fresh >= self.cfg.quorum:
                 if self.quorum_at[p] is None:
                     self.quorum_at[p] = now
                     self.xi_quorum.update(now - (self.round_open[p] or now))
@@ -261,7 +262,18 @@ class Syncer:
                     out += self._merge(p, now)
             elif everyone:  # below quorum, but nobody else is going to offer
                 out += self._merge(p, now)
+            elif pending and not fresh and live <= set(pending) | self._current(p):
+                # Catch-up: the offers that missed the last round are all in (every live
+                # learner is either here or was in a round of the covered slot already):
+                # merge them now instead of a slot later.
+                out += self._merge(p, now)
         return out + self._sent()
+
+    def _current(self, p: int) -> set[int]:
+        """Learners whose latest merged offer of p is in the slot the last round covered."""
+        last = self.last_slot[p]
+        return {m for m, (_, step, _) in self.merged_into[p].items()
+                if self.plan.slot(p, step) >= last}  # fmt: skip
 
     def next_deadline(self) -> float | None:
         times = [q + self.grace_window() for q in self.quorum_at.values() if q is not None]

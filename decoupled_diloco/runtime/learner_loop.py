@@ -53,13 +53,8 @@ class LearnerLoop:
         host: int = 0,
     ):
         self.m, self.run_cfg, self.replica, self.data, self.plan = m, run, replica, data, plan
-        self.link, self.schedule, self.clock, self.sink, self.ckpt = (
-            link,
-            schedule,
-            clock,
-            sink,
-            ckpt,
-        )
+        self.link, self.schedule, self.clock = link, schedule, clock
+        self.sink, self.ckpt = sink, ckpt
         self.emulate_crashes, self.evaluate, self.host = emulate_crashes, evaluate, host
         self.between_steps = between_steps
         self.tokens_per_step = run.train.batch_size * run.data.seq_len
@@ -123,15 +118,10 @@ class LearnerLoop:
             self._straggle(time.perf_counter() - t_step - blocked)
             self.steps_since_start += 1
             self.sink.step(m, time.perf_counter() - t_step - blocked, self.clock())
-            if not diverged and (
-                self.step == run.train.steps
-                or self._every("checkpoint_every")
-                or (self.evaluate and self._every("eval_every"))
-            ):
-                diverged, previous = self._report(previous), None
-                if not diverged and (
-                    self.step == run.train.steps or self._every("checkpoint_every")
-                ):
+            save = self.step == run.train.steps or self._every("checkpoint_every")
+            if not diverged and (save or (self.evaluate and self._every("eval_every"))):
+                diverged, previous = self._report(previous), None  # this step's, now
+                if save and not diverged:
                     self.save()
             if diverged:  # a diverged learner must not poison merges: restart it from Θ
                 self.sink.event(self._event("nan_restart"))
@@ -153,54 +143,53 @@ class LearnerLoop:
 
     # --- (re)start, boundary, finish --------------------------------------------------
     def _start(self) -> None:
-        run = self.run_cfg
-        if self.plan is None:  # data-parallel: the learner is the model
-            if self.away != "start" and not self.restore(params_too=True):
-                # A crashed job restarts from its last checkpoint, or from scratch.
-                self.step = 0
-                self.data.set_state(self._initial_data)
-            if self.restored is not None:
-                self.replica.state = self.restored
-            else:
-                self.replica.init_from_rng(jax.random.key(run.train.seed), self.step)
+        if self.plan is None:
+            self._start_alone()
         else:
-            self.proto = Learner(
-                self.m,
-                run.diloco,
-                self.plan,
-                self.tokens_per_step,
-                self.clock,
-                self.incarnation,
-                self.step,
-            )
-            self.outbox.send(self.proto.join())
-            snapshots, early = [], []
-            deadline = self.clock() + run.diloco.join_timeout
-            while len(Learner.covered(snapshots)) < self.plan.num_fragments:
-                if self.clock() > deadline:
-                    raise TimeoutError(f"learner {self.m}: no snapshot from the syncer")
-                for msg in self.link.receive(timeout=0.5) if self.link else []:
-                    (snapshots if isinstance(msg, Snapshot) else early).append(msg)
-            params = self.proto.start(snapshots)
-            if self.restored is not None:  # a resumed run keeps its AdamW state and step
-                self.replica.state = self.restored
-                self.replica.set_params(params)
-            else:
-                self.replica.init_from_host(params, self.step)
-            self._apply(self.proto.handle(early))
+            self._join_syncer()
         self.restored = None
         late = self.away == "start" and self.schedule.member_windows[self.m][0][0] > 0
-        event = "member_join" if late or self.away == "leave" else "rejoin"
-        event = "learner_start" if self.away == "start" and not late else event
-        self.sink.event(
-            self._event(
-                event,
-                incarnation=self.incarnation,
-                process_restart=self.away == "process_restart",
-                pid=os.getpid(),
-            )
-        )
+        if self.away == "start" and not late:
+            event = "learner_start"
+        else:
+            event = "member_join" if late or self.away == "leave" else "rejoin"
+        restarted = self.away == "process_restart"
+        fields = dict(incarnation=self.incarnation, process_restart=restarted, pid=os.getpid())
+        self.sink.event(self._event(event, **fields))
         self.away = None
+
+    def _start_alone(self) -> None:
+        """Data-parallel (no syncer): the learner is the model. A crashed job restarts from
+        its last checkpoint, or from scratch."""
+        if self.away != "start" and not self.restore(params_too=True):
+            self.step = 0
+            self.data.set_state(self._initial_data)
+        if self.restored is not None:
+            self.replica.state = self.restored
+        else:
+            self.replica.init_from_rng(jax.random.key(self.run_cfg.train.seed), self.step)
+
+    def _join_syncer(self) -> None:
+        """Join -> the syncer shards' snapshots -> parameters Θ, counters at zero (a resumed
+        run keeps its checkpointed AdamW state and step, a restarted learner starts fresh)."""
+        cfg = self.run_cfg.diloco
+        self.proto = Learner(self.m, cfg, self.plan, self.tokens_per_step, self.clock,
+                             self.incarnation, self.step)  # fmt: skip
+        self.outbox.send(self.proto.join())
+        snapshots, early = [], []
+        deadline = self.clock() + cfg.join_timeout
+        while len(Learner.covered(snapshots)) < self.plan.num_fragments:
+            if self.clock() > deadline:
+                raise TimeoutError(f"learner {self.m}: no snapshot from the syncer")
+            for msg in self._receive(0.5):
+                (snapshots if isinstance(msg, Snapshot) else early).append(msg)
+        params = self.proto.start(snapshots)
+        if self.restored is not None:
+            self.replica.state = self.restored
+            self.replica.set_params(params)
+        else:
+            self.replica.init_from_host(params, self.step)
+        self._apply(self.proto.handle(early))
 
     def _boundary(self) -> None:
         self.wait_seconds += step_boundary(
@@ -339,6 +328,9 @@ def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock) -> fl
     offer_and_receive(proto, replica, outbox, receive)
     waited, limit = 0.0, proto.cfg.wait_seconds
     if limit > 0 and proto.unresolved():
+        # Steps are dispatched asynchronously: finish our own first, so that the wait
+        # below is time the device really idles, not this step's compute.
+        replica.ready()
         start = clock()
         while proto.unresolved() and clock() - start < limit:
             apply_updates(replica, proto.handle(receive(min(limit - (clock() - start), 1.0))))

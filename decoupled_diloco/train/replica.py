@@ -103,6 +103,10 @@ class Replica:
         self.state, metrics = self._train_step(self.state, batch)
         return metrics
 
+    def ready(self) -> None:
+        """Blocks until every dispatched step has finished on the device."""
+        jax.block_until_ready(self.state)
+
     def fragment_copies(self, names) -> dict[str, jax.Array]:
         """Device copies of the named leaves (they survive the next donating step), with
         their host transfer already started."""
