@@ -14,8 +14,9 @@ closes when K offers of a slot not merged yet ("fresh") are in and the grace win
 passed (or when every live learner has an offer in); it merges every pending offer,
 including late ones of older slots. The round then counts as covering the slot that K
 learners had reached (the K-th highest fresh slot), so rounds go at the pace of the K-th
-fastest learner (K = 1: the fastest; K = M: the slowest, or every live learner), one outer
-step per fragment per slot, and learners behind ride along with the next round.
+fastest learner (K = 1: the fastest; K = M: the slowest, or every live learner), and
+learners behind ride along with the next round, or close a catch-up round of their own
+once every live learner the last round missed has offered.
 
 Each merge's outer gradient is weighted by the share of the live learners it holds
 (`merge.weigh`, normalize = "roster") and the outer momentum advances by the rounds of work
