@@ -8,14 +8,11 @@ Offers carry outer gradients v_m = Θ_p^(base) − θ_m,p, all of the learner's 
 no version holds (diloco/learner.py): the syncer keeps no history of Θ, and every step
 reaches it in exactly one merged offer (an offer holding merged work is rejected).
 
-Rounds follow the fragment schedule ("scheduled", the default): fragment p is due on learner
-step t = offset_p + r·H, so an offer made at step t belongs to schedule slot r. A round
-closes when K offers of a slot not merged yet ("fresh") are in and the grace window has
-passed (or when every live learner has an offer in); it merges every pending offer,
-including late ones of older slots. The round then counts as covering the slot that K
-learners had reached (the K-th highest fresh slot), so rounds go at the pace of the K-th
-fastest learner (K = 1: the fastest; K = M: the slowest, or every live learner), and
-learners behind ride along with the next round, or close a catch-up round of their own
+Rounds follow the fragment schedule ("scheduled"): an offer made at step offset_p + r·H
+belongs to slot r. A round closes when K offers of a slot not covered yet ("fresh") are in
+and the grace window has passed (or every live learner has an offer in), merges every
+pending offer, and covers the K-th highest fresh slot: rounds go at the pace of the K-th
+fastest learner. Late offers ride along with the next round, or close a catch-up round
 once every live learner the last round missed has offered.
 
 Each merge's outer gradient is weighted by the share of the live learners it holds
@@ -40,6 +37,7 @@ from decoupled_diloco.diloco import compression, merge, syncer_state
 from decoupled_diloco.diloco import offer_checks as checks
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import FragmentPlan
+from decoupled_diloco.diloco.grace import GraceWindow
 from decoupled_diloco.diloco.messages import (
     Dropped,
     Heartbeat,
@@ -50,17 +48,6 @@ from decoupled_diloco.diloco.messages import (
     Snapshot,
 )
 from decoupled_diloco.diloco.registry import Registry
-
-
-class _Ema:
-    def __init__(self, decay: float):
-        self.decay, self.value = decay, None
-
-    def update(self, x: float) -> None:
-        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
-
-    def get(self) -> float:
-        return 0.0 if self.value is None else self.value
 
 
 class Syncer:
@@ -93,7 +80,7 @@ class Syncer:
         self.quorum_at: dict[int, float | None] = {p: None for p in self.owned}
         self.registry = Registry(cfg.learners, cfg.heartbeat_timeout)
         self.learners = self.registry.learners  # learner -> LearnerInfo
-        self.xi_step, self.xi_quorum, self.xi_merge = (_Ema(cfg.ema_decay) for _ in range(3))
+        self.grace = GraceWindow(cfg.grace_gamma, cfg.max_grace, cfg.overlap, cfg.ema_decay)
         self.stats = dict(
             merges=0, rejected_offers=0, dropped_offers=0, bytes_in=0, bytes_out=0, offers=0
         )
@@ -132,7 +119,7 @@ class Syncer:
                 join = Join(msg.learner, msg.incarnation, msg.time, msg.step)
                 return self._join(join, now) + self._sent()
             if seen == "ok" and msg.step_seconds > 0:
-                self.xi_step.update(msg.step_seconds)
+                self.grace.step.update(msg.step_seconds)
             return self.tick(now) if seen == "ok" else []  # a waiting offer may be fresh now
         if isinstance(msg, Offer):
             self._accept(msg, now)
@@ -218,9 +205,8 @@ class Syncer:
 
     # --- rounds ----------------------------------------------------------------------
     def grace_window(self) -> float:
-        """γ·(τ·ξ_step − ξ_quorum − ξ_merge), clamped to [0, max_grace] seconds."""
-        budget = self.cfg.overlap * self.xi_step.get() - self.xi_quorum.get() - self.xi_merge.get()
-        return float(min(max(self.cfg.grace_gamma * budget, 0.0), self.cfg.max_grace))
+        """Seconds a round with its quorum waits for more offers (diloco/grace.py)."""
+        return self.grace.seconds()
 
     def _drop_dead(self, now: float) -> None:
         # Offers of a learner that left cleanly stay valid; those of a silent one are dropped.
@@ -258,7 +244,7 @@ class Syncer:
             if fresh >= self.cfg.quorum:
                 if self.quorum_at[p] is None:
                     self.quorum_at[p] = now
-                    self.xi_quorum.update(now - (self.round_open[p] or now))
+                    self.grace.quorum.update(now - (self.round_open[p] or now))
                 if everyone or now >= self.quorum_at[p] + self.grace_window():
                     out += self._merge(p, now)
             elif everyone:  # below quorum, but nobody else is going to offer
@@ -354,7 +340,7 @@ class Syncer:
         # offers wait for it to know which of their steps Θ holds).
         live = sorted(set(self.live(now)) | set(reply.learners))
         merge_seconds = _time.perf_counter() - t0
-        self.xi_merge.update(merge_seconds)
+        self.grace.merge.update(merge_seconds)
         self.stats["merges"] += 1
         self.stats["bytes_out"] += reply.nbytes * len(live)
         self.record(

@@ -1,0 +1,251 @@
+"""Every step of work reaches Θ exactly once, whatever the delays; rounds keep going; the
+synchronous special case is DiLoCo; a syncer restore replays nothing.
+
+The real protocol, step boundary and syncer run in `protocol_sim.Sim` (no devices, a virtual
+clock, programmable delays). With `linear_update` an inner step adds a fixed vector per
+(learner, step), so Θ's value tells exactly which steps it holds and with which coefficient.
+"""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+from protocol_sim import SHAPES, Sim, _rng, work_sum
+
+from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.diloco.learner import Learner
+
+
+def cfg(**kw) -> DilocoConfig:
+    base = dict(learners=3, sync_every=4, fragments=3, overlap=1, quorum=1, grace_gamma=0.0,
+                weights="uniform", merge="mean", embedding_merge="mean", outer_lr=1.0,
+                outer_momentum=0.0, final_wait=1e6, heartbeat_every=1e9)  # fmt: skip
+    return DilocoConfig(**{**base, **kw})
+
+
+def expected_theta(sim: Sim, steps: int) -> dict:
+    """Θ_0 + Σ_m work_m / M: every step merged once, with the roster's coefficient 1/M."""
+    M = sim.cfg.learners
+    out = {k: v.astype(np.float64) for k, v in sim.theta0.items()}
+    for m in range(M):
+        for k, v in work_sum(sim.update, m, steps).items():
+            out[k] += v / M
+    return out
+
+
+def assert_every_step_merged_once(sim: Sim, steps: int) -> None:
+    merged = sim.merged_steps()
+    for m in range(sim.cfg.learners):
+        for p in range(sim.plan.num_fragments):
+            assert merged.get((m, p), 0) == steps, (m, p, merged)
+    theta = sim.syncer.global_params()
+    want = expected_theta(sim, steps)
+    for k in theta:
+        np.testing.assert_allclose(theta[k], want[k], atol=2e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("lag_steps", [0, 1.5 * 4, 5 * 4])  # none, > H, > 4·H
+def test_delayed_replies_lose_and_repeat_no_work(lag_steps):
+    steps = 40
+    sim = Sim(cfg(), steps, down_delay=lambda m, msg: lag_steps * (1.0 + 0.3 * m))
+    sim.run()
+    assert_every_step_merged_once(sim, steps)
+
+
+def test_slow_uplinks_and_uneven_learners_lose_and_repeat_no_work():
+    steps = 36
+    sim = Sim(cfg(learners=4, quorum=2), steps, step_time=[1.0, 1.3, 2.0, 0.7],
+              up_delay=lambda m, msg: 3.0 * m, down_delay=lambda m, msg: 2.5)  # fmt: skip
+    sim.run()
+    assert_every_step_merged_once(sim, steps)
+
+
+def test_overwrite_with_max_wait_zero_never_merges_a_step_twice():
+    steps = 24
+    sim = Sim(cfg(apply="overwrite", overlap=2), steps, down_delay=lambda m, msg: 6.0)
+    sim.run()
+    for (m, p), n in sim.merged_steps().items():
+        assert n <= steps, (m, p, n)
+
+
+def test_work_is_conserved_at_every_step():
+    """At any moment a learner's steps are either in its unmerged counters or merged, and
+    Θ never holds a step twice."""
+    steps = 30
+
+    def check(sim):
+        merged = sim.merged_steps()
+        for lr in sim.learners:
+            m = lr.proto.id
+            for p, f in enumerate(lr.proto.frags):
+                consumed = lr.proto.step - f.c_steps  # steps the learner knows are in Θ
+                in_theta = merged.get((m, p), 0)
+                in_flight = f.in_flight.c_steps if f.in_flight is not None else 0
+                assert consumed <= in_theta <= consumed + in_flight, (m, p)
+
+    sim = Sim(cfg(learners=3), steps, step_time=[1.0, 1.7, 0.6],
+              down_delay=lambda m, msg: 5.0 + m)  # fmt: skip
+    sim.run(on_step=check)
+    assert_every_step_merged_once(sim, steps)
+
+
+def test_rounds_with_1_lt_k_lt_m_go_at_the_pace_of_the_kth_fastest():
+    # Learners at 1x, 2x, 4x, 4x the step time; K = 2: rounds close when the second
+    # fastest reaches a new slot, so a fragment merges about once per H of ITS steps.
+    steps = 48
+    c = cfg(learners=4, quorum=2, fragments=1, sync_every=4, overlap=0)
+    sim = Sim(c, steps, step_time=[1.0, 2.0, 4.0, 4.0])
+    slots_of_second = (steps - 1) // 4  # slots the 2x learner completes during its run
+    sim.run()
+    rounds = [r for r in sim.merges() if r["time"] <= steps * 2.0]
+    assert len(rounds) >= slots_of_second - 1, len(rounds)
+
+
+def test_k1_rounds_go_on_when_the_fastest_learner_stops():
+    """The fastest learner sets the covered slot and then stalls (a crash the syncer has not
+    noticed yet). The others' offers are late for that slot, and each has one in flight:
+    the rounds must go on as they step past their next due steps (heartbeats tell)."""
+    steps = 40
+    c = cfg(learners=3, quorum=1, heartbeat_every=1.0)
+    stall = lambda m, step: (1e4 if step >= 12 else 0.5) if m == 0 else 1.0
+    sim = Sim(c, steps, step_time=stall)
+    sim.run()
+    busy = [r for r in sim.merges() if 20.0 < r["time"] < 40.0]  # learner 0 is stalled
+    assert len(busy) >= 8, len(busy)
+    assert all(0 not in r["learners"] for r in busy)
+
+
+def reference_diloco(theta0, update, M, H, rounds, lr, mu, nesterov=True) -> dict:
+    """Synchronous DiLoCo in float64, written independently of the project's code: every
+    learner starts each round from Θ, takes H inner steps, Θ takes one outer step on the
+    mean outer gradient."""
+    theta = {k: v.astype(np.float64) for k, v in theta0.items()}
+    buf = {k: np.zeros_like(v) for k, v in theta.items()}
+    for r in range(rounds):
+        locals_ = []
+        for m in range(M):
+            x = {k: v.copy() for k, v in theta.items()}
+            for t in range(H):
+                d = update({k: v.astype(np.float32) for k, v in x.items()}, m, r * H + t)
+                x = {k: x[k] + d[k] for k in x}
+            locals_.append(x)
+        delta = {k: np.mean([theta[k] - x[k] for x in locals_], axis=0) for k in theta}
+        for k in theta:
+            buf[k] = mu * buf[k] + delta[k]
+            step = delta[k] + mu * buf[k] if nesterov else buf[k]
+            theta[k] = theta[k] - lr * step
+    return theta
+
+
+def quadratic_update(eta=0.1, seed=3):
+    """SGD on a learner-specific quadratic: the step depends on θ, so learners that do not
+    start each round from Θ end somewhere else."""
+    rng = np.random.default_rng(seed)
+    targets = {m: {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+               for m in range(4)}  # fmt: skip
+
+    def update(params, m, step):
+        return {k: (-eta * (v - targets[m][k])
+                    + 1e-3 * _rng(seed, m, step, k).standard_normal(np.shape(v)))
+                .astype(np.float32) for k, v in params.items()}  # fmt: skip
+
+    return update
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_synchronous_diloco_matches_an_independent_float64_reference(M):
+    H, rounds = 5, 6
+    update = quadratic_update()
+    c = cfg(learners=M, quorum=M, fragments=1, sync_every=H, overlap=0, max_wait=-1,
+            outer_lr=0.7, outer_momentum=0.9, momentum_clock="work")  # fmt: skip
+    sim = Sim(c, H * rounds, update=update)
+    sim.run()
+    want = reference_diloco(sim.theta0, update, M, H, rounds, 0.7, 0.9)
+    theta = sim.syncer.global_params()
+    for k in theta:
+        np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)
+
+
+def test_the_reference_equivalence_needs_learners_to_apply_merges(monkeypatch):
+    """The equivalence above must fail if learners never apply merges (M = 1 included)."""
+    monkeypatch.setattr(Learner, "apply_due", lambda self, final=False: [])
+    H, rounds = 5, 4
+    update = quadratic_update()
+    c = cfg(learners=1, quorum=1, fragments=1, sync_every=H, overlap=0, max_wait=0,
+            outer_lr=0.7, outer_momentum=0.9)  # fmt: skip
+    sim = Sim(c, H * rounds, update=update)
+    sim.run()
+    want = reference_diloco(sim.theta0, update, 1, H, rounds, 0.7, 0.9)
+    theta = sim.syncer.global_params()
+    assert max(float(np.abs(theta[k] - want[k]).max()) for k in theta) > 1e-3
+
+
+def test_syncer_restore_replays_no_lost_progress(monkeypatch):
+    """A syncer restored from an older checkpoint loses the merges made since. Learners
+    rebase on the restored Θ: the lost progress leaves them too, and only their own work
+    that no version they applied held is offered again, once. (Re-offering Θ_restored − θ,
+    as before, replayed the lost progress as fresh outer gradients: with outer momentum
+    0.9, about 7 times.)"""
+    steps = 32
+    c = cfg(learners=2, fragments=1, sync_every=4, overlap=0)
+    sim = Sim(c, steps, step_time=[1.0, 1.3])
+    saved, consumed = {}, {}
+    resync = Learner._resync
+
+    def recording_resync(self, snap):
+        out = resync(self, snap)
+        consumed[self.id] = self.step - self.frags[0].c_steps  # steps a version held
+        return out
+
+    monkeypatch.setattr(Learner, "_resync", recording_resync)
+
+    def crash_and_restore(sim):
+        lead = max(lr.proto.step for lr in sim.learners)
+        if lead == 10 and "state" not in saved:
+            saved["state"] = copy.deepcopy(sim.syncer.state_dict())
+            saved["meta"] = copy.deepcopy(sim.syncer.meta_dict())
+        if lead == 20 and "theta" not in saved:  # the syncer dies; a new life restores
+            syncer = type(sim.syncer)(c, sim.plan, sim.theta0, record=sim.records.append, epoch=7)
+            syncer.load_state_dict(saved["state"], saved["meta"], sim.t)
+            saved["theta"] = {k: v.astype(np.float64) for k, v in syncer.global_params().items()}
+            sim.syncer = syncer
+            sim._deliver([(m, syncer.snapshot(sim.t)) for m in range(c.learners)])
+
+    sim.run(on_step=crash_and_restore)
+    merged_after = {}
+    for r in sim.merges():
+        if r["epoch"] == 7:
+            for m, n in zip(r["learners"], r["c_steps"], strict=True):
+                merged_after[m] = merged_after.get(m, 0) + n
+    want = saved["theta"]
+    for m in range(c.learners):
+        assert merged_after[m] == steps - consumed[m], (m, merged_after, consumed)
+        for k, v in work_sum(sim.update, m, steps).items():
+            want[k] += (v - work_sum(sim.update, m, consumed[m])[k]) / c.learners
+    theta = sim.syncer.global_params()
+    for k in theta:
+        np.testing.assert_allclose(theta[k], want[k], atol=2e-5, err_msg=k)
+
+
+def test_token_weights_equal_uniform_weights_for_equal_batches():
+    a = Sim(cfg(weights="tokens"), 20, down_delay=lambda m, msg: 3.0)
+    b = Sim(cfg(weights="uniform"), 20, down_delay=lambda m, msg: 3.0)
+    a.run()
+    b.run()
+    for k, v in a.syncer.global_params().items():
+        np.testing.assert_allclose(v, b.syncer.global_params()[k], rtol=1e-6)
+
+
+def test_merged_normalisation_counts_partial_merges_as_full_rounds():
+    """The paper's literal normalisation moves Θ as far for one learner's offer as for all:
+    with lagging peers the total exceeds the roster's (the inflation roster removes)."""
+    steps = 24
+    roster = Sim(cfg(), steps, step_time=[1.0, 1.5, 2.2])
+    merged = Sim(dataclasses.replace(cfg(), normalize="merged"), steps, step_time=[1.0, 1.5, 2.2])
+    roster.run()
+    merged.run()
+    want = expected_theta(roster, steps)
+    err = {n: max(float(np.abs(s.syncer.global_params()[k] - want[k]).max()) for k in want)
+           for n, s in (("roster", roster), ("merged", merged))}  # fmt: skip
+    assert err["roster"] < 2e-5 < err["merged"]
