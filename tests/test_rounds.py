@@ -7,7 +7,7 @@ import pytest
 from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
-from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Join, Merged, Offer
+from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Join, Leave, Merged, Offer
 from decoupled_diloco.diloco.syncer import Syncer
 from decoupled_diloco.runtime.accounting import Ledger
 
@@ -106,6 +106,20 @@ def test_late_offers_catch_up_once_every_learner_the_round_missed_is_in():
     assert not merged(s.handle(offer(2, step=4), 1.2))
     (m,) = merged(s.handle(offer(3, step=4), 1.3))  # the last one: catch-up round
     assert m.learners == (1, 2, 3) and s.version[0] == 2
+
+
+def test_a_lockstep_runs_final_offers_merge_as_one_round():
+    """K = M: the final offers (steps after the last due step, in the slot just covered) are
+    not a catch-up of a missed round: they wait until every live learner has offered."""
+    s = syncer(learners=3, quorum=3)
+    s.handle(offer(0, step=4), 1.0)
+    s.handle(offer(1, step=4), 1.1)
+    assert merged(s.handle(offer(2, step=4), 1.2))  # the last regular round, everyone in
+    for m, t in ((2, 2.0), (0, 2.1)):  # each offers its last 2 steps, then leaves
+        assert not merged(s.handle(offer(m, step=6, base=1, c_steps=2), t))
+        assert not merged(s.handle(Leave(m, 0, t, finished=True), t))
+    (m,) = merged(s.handle(offer(1, step=6, base=1, c_steps=2), 2.2))
+    assert m.learners == (0, 1, 2) and s.version[0] == 2
 
 
 def test_a_round_covers_the_slot_the_kth_fastest_reached():

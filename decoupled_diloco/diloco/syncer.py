@@ -247,14 +247,17 @@ class Syncer:
                     self.grace.quorum.update(now - (self.round_open[p] or now))
                 if everyone or now >= self.quorum_at[p] + self.grace_window():
                     out += self._merge(p, now)
-            elif everyone:  # below quorum, but nobody else is going to offer
-                out += self._merge(p, now)
-            elif pending and not fresh and live <= set(pending) | self._current(p):
-                # Catch-up: the offers that missed the last round are all in (every live
-                # learner is either here or was in a round of the covered slot already):
-                # merge them now instead of a slot later.
+            elif everyone or (not fresh and self._catch_up(p, live)):
+                # Below quorum, but nobody else is going to offer; or a catch-up round.
                 out += self._merge(p, now)
         return out + self._sent()
+
+    def _catch_up(self, p: int, live: set[int]) -> bool:
+        """Pending offers, none fresh, that merge now instead of a slot later: some missed
+        the last round and every live learner is in or was in it. Offers of learners that were
+        in it (final offers) wait for a round, so a lockstep run's final sync is one merge."""
+        current = self._current(p)
+        return bool(set(self.pending[p]) - current) and live <= set(self.pending[p]) | current
 
     def _current(self, p: int) -> set[int]:
         """Learners whose latest merged offer of p is in the slot the last round covered."""
