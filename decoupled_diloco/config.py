@@ -9,6 +9,7 @@ with the offending key in the message, and nothing deeper in the code reads a Co
 """
 
 import dataclasses
+import importlib.util
 import math
 import os
 import typing
@@ -261,6 +262,8 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
 
     ray_cfg = _dataclass_from(RayConfig, c.get("ray", ml_collections.ConfigDict()), "ray")
     ray_cfg.validate()
+    if c.runtime == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValueError('runtime="ray" needs Ray: pip install -e ".[ray]"')
     if c.runtime == "ray" and not diloco_cfg.uses_syncer:
         raise ValueError(
             "runtime='ray' runs learners against a syncer: set diloco.sync_every > 0 "

@@ -1,55 +1,55 @@
 """Entry point: `python -m decoupled_diloco.main --config=configs/<file>.py --workdir=DIR`.
 
-Any config key can be overridden: `--config.diloco.learners=4 --config.train.steps=100`.
-Restarting with the same --workdir resumes from its checkpoints.
+Any config key can be overridden: `--config.diloco.learners=4 --config.train.steps=100`
+(every key is documented in decoupled_diloco/config.py). Restarting with the same --workdir
+resumes the run from its checkpoints; a finished run is left as it is. Afterwards:
+`python -m decoupled_diloco.evaluate|sample|export|report --workdir=DIR`.
 """
 
-import os
-import sys
+from decoupled_diloco import cli
 
-from absl import app, flags, logging
+cli.fake_cpu_devices()
 
-_CPU_DEVICES = 8
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Fake CPU devices to partition between learners; only affects the CPU backend.
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_CPU_DEVICES}"
-    ).strip()
+import os  # noqa: E402
+import sys  # noqa: E402
 
+from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an ml_collections config file under configs/.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (metrics, checkpoints, summary).")
-flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv) -> None:
     del argv
-    import jax
-
-    from decoupled_diloco import compile_cache
+    if not flags.FLAGS["config"].present or not _WORKDIR.value:
+        sys.exit("usage: python -m decoupled_diloco.main --config=configs/<file>.py --workdir=DIR")
+    path = config_flags.get_config_filename(flags.FLAGS["config"])
+    if not os.path.isfile(path.split(":")[0]):
+        sys.exit(f"error: config file {path} not found (see configs/ for the shipped ones)")
+    config = _CONFIG.value
+    cli.start(flags.FLAGS["verbosity"].present)
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.runtime import launch
 
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
-    compile_cache.enable()
     try:
-        run = config_lib.validate(_CONFIG.value)
+        run = config_lib.validate(config)
     except ValueError as e:
         sys.exit(f"config error: {e}")
-    logging.info("devices: %s", jax.devices())
-    summary = launch.run(run, _WORKDIR.value)
+    try:
+        summary = launch.run(run, _WORKDIR.value)
+    except ValueError as e:  # a workdir holding another run
+        sys.exit(f"error: {e}")
     print(
         f"done: final_eval_loss={summary['final_eval_loss']:.4f} steps={summary['steps']} "
         f"tokens={summary['tokens']} wall={summary['wall_seconds']:.1f}s "
         f"merges={summary.get('merges', 0)} goodput={summary.get('goodput', 0):.3f} "
-        f"-> {os.path.join(_WORKDIR.value, 'summary.json')}",
+        f"-> {_WORKDIR.value}/summary.json",
         flush=True,
     )
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -58,6 +58,7 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_proto: bytes):
         spm = _import_sentencepiece()
+        self.model_proto = bytes(model_proto)  # what a run saves beside its checkpoints
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         self.vocab_size = int(self._sp.vocab_size())
         self.eos_id = int(self._sp.eos_id())

@@ -83,13 +83,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention, MHA / GQA / MQA, optional QK-norm, logit softcap, sliding window."""
+    """Causal self-attention, MHA / GQA / MQA, optional QK-norm, logit softcap, sliding window.
+
+    With `cache` ({"k", "v": [B, S, K, G]} of the S positions so far, and `index`, where the
+    T new tokens start) the new keys and values are written into it and the queries attend
+    to every cached position up to their own: incremental decoding. Returns (out, cache).
+    """
 
     cfg: ModelConfig
     window: int  # 0: global attention
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, cache: dict | None = None, index=0):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         D, H, K, G = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         in_init = fan_in_init(in_axis=0, batch_axis=())
@@ -100,14 +105,27 @@ class Attention(nn.Module):
 
         x_BTD = x_BTD.astype(dtype)
         q_BTHG = jnp.einsum("BTD,DHG->BTHG", x_BTD, q.astype(dtype))
-        k_BSKG = jnp.einsum("BSD,DKG->BSKG", x_BTD, k.astype(dtype))
-        v_BSKG = jnp.einsum("BSD,DKG->BSKG", x_BTD, v.astype(dtype))
+        k_BTKG = jnp.einsum("BTD,DKG->BTKG", x_BTD, k.astype(dtype))
+        v_BTKG = jnp.einsum("BTD,DKG->BTKG", x_BTD, v.astype(dtype))
         if cfg.qk_norm:
             q_BTHG = RMSNorm("head_dim", name="q_norm")(q_BTHG)
-            k_BSKG = RMSNorm("head_dim", name="k_norm")(k_BSKG)
-        positions_T = jnp.arange(x_BTD.shape[1])
+            k_BTKG = RMSNorm("head_dim", name="k_norm")(k_BTKG)
+        positions_T = index + jnp.arange(x_BTD.shape[1])
         q_BTHG = apply_rotary(q_BTHG, positions_T, cfg.rope_base) * jnp.asarray(G**-0.5, dtype)
-        k_BSKG = apply_rotary(k_BSKG, positions_T, cfg.rope_base)
+        k_BTKG = apply_rotary(k_BTKG, positions_T, cfg.rope_base)
+        if cache is None:
+            k_BSKG, v_BSKG, positions_S = k_BTKG, v_BTKG, positions_T
+        else:
+            start = (0, index, 0, 0)
+            k_BSKG = jax.lax.dynamic_update_slice(
+                cache["k"], k_BTKG.astype(cache["k"].dtype), start
+            )
+            v_BSKG = jax.lax.dynamic_update_slice(
+                cache["v"], v_BTKG.astype(cache["v"].dtype), start
+            )
+            cache = {"k": k_BSKG, "v": v_BSKG}
+            k_BSKG, v_BSKG = k_BSKG.astype(dtype), v_BSKG.astype(dtype)
+            positions_S = jnp.arange(k_BSKG.shape[1])  # slot s holds position s
         # GQA: each kv head serves H // K consecutive query heads.
         k_BSHG = jnp.repeat(k_BSKG, H // K, axis=2)
         v_BSHG = jnp.repeat(v_BSKG, H // K, axis=2)
@@ -116,11 +134,13 @@ class Attention(nn.Module):
             "BTHG,BSHG->BHTS", q_BTHG, k_BSHG, preferred_element_type=jnp.float32
         )
         logits_BHTS = softcap(logits_BHTS, cfg.attn_logit_softcap)
-        mask_TS = attention_mask(positions_T, positions_T, self.window)
+        # Causal: slots after a query's own position (not yet written) are masked too.
+        mask_TS = attention_mask(positions_T, positions_S, self.window)
         logits_BHTS = jnp.where(mask_TS, logits_BHTS, _MASK_VALUE)
         probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1).astype(dtype)
         mixed_BTHG = jnp.einsum("BHTS,BSHG->BTHG", probs_BHTS, v_BSHG)
-        return jnp.einsum("BTHG,HGD->BTD", mixed_BTHG, out.astype(dtype))
+        result = jnp.einsum("BTHG,HGD->BTD", mixed_BTHG, out.astype(dtype))
+        return result if cache is None else (result, cache)
 
 
 def geglu(x_BTD, gate_DF, up_DF, down_FD) -> jax.Array:

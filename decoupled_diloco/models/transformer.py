@@ -62,10 +62,14 @@ class Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict | None]:
+    def __call__(self, x_BTD: jax.Array, cache: dict | None = None, index=0):
+        """(x_BTD, MoE stats or None), plus the layer's updated KV cache if given one."""
         cfg = self.cfg
         window = cfg.sliding_window if cfg.attention_kind(self.layer) == "local" else 0
-        h_BTD = Attention(cfg, window, name="attn")(RMSNorm(name="pre_attn_norm")(x_BTD))
+        attn = Attention(cfg, window, name="attn")
+        h_BTD = attn(RMSNorm(name="pre_attn_norm")(x_BTD), cache, index)
+        if cache is not None:
+            h_BTD, cache = h_BTD
         x_BTD = x_BTD + RMSNorm(name="post_attn_norm")(h_BTD)
         h_BTD = RMSNorm(name="pre_ffw_norm")(x_BTD)
         stats = None
@@ -73,7 +77,8 @@ class Block(nn.Module):
             h_BTD, stats = MoE(cfg, name="moe")(h_BTD)
         else:
             h_BTD = FeedForward(cfg, cfg.ffw_hidden, name="ffw")(h_BTD)
-        return x_BTD + RMSNorm(name="post_ffw_norm")(h_BTD), stats
+        x_BTD = x_BTD + RMSNorm(name="post_ffw_norm")(h_BTD)
+        return (x_BTD, stats) if cache is None else (x_BTD, stats, cache)
 
 
 def _moe_aux(cfg: ModelConfig, stats: list[dict]) -> dict[str, jax.Array]:
@@ -102,17 +107,24 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BT: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, tokens_BT: jax.Array, cache: list | None = None, index=0):
+        """(logits_BTV, aux), plus the updated per-layer KV caches if given them."""
         cfg = self.cfg
         embedder = Embedder(cfg, name="embedder")
         x_BTD = embedder.encode(tokens_BT)
-        moe_stats = []
+        moe_stats, new_cache = [], []
         for layer in range(cfg.num_layers):
-            x_BTD, stats = Block(cfg, layer, name=f"block_{layer}")(x_BTD)
+            block = Block(cfg, layer, name=f"block_{layer}")
+            if cache is None:
+                x_BTD, stats = block(x_BTD)
+            else:
+                x_BTD, stats, layer_cache = block(x_BTD, cache[layer], index)
+                new_cache.append(layer_cache)
             if stats is not None:
                 moe_stats.append(stats)
         logits_BTV = embedder.decode(RMSNorm(name="final_norm")(x_BTD))
-        return softcap(logits_BTV, cfg.final_logit_softcap), _moe_aux(cfg, moe_stats)
+        out = softcap(logits_BTV, cfg.final_logit_softcap), _moe_aux(cfg, moe_stats)
+        return out if cache is None else (*out, new_cache)
 
 
 @functools.partial(jax.jit, static_argnums=0)

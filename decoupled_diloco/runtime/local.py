@@ -14,16 +14,16 @@ import time
 
 import jax
 
-from decoupled_diloco import faults, sharding
+from decoupled_diloco import faults, run_files, sharding
 from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
 from decoupled_diloco.diloco.fragments import model_plan
 from decoupled_diloco.metrics import Progress, write_json
-from decoupled_diloco.runtime import report
 from decoupled_diloco.runtime.learner_loop import LearnerLoop
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.runtime.records import RunLog
+from decoupled_diloco.runtime.summary import run_summary
 from decoupled_diloco.runtime.syncer_loop import SyncerLoop
 from decoupled_diloco.train.evaluate import Evaluator
 from decoupled_diloco.train.replica import Replica
@@ -171,6 +171,7 @@ class LocalRuntime:
     # --- the run ----------------------------------------------------------------------
     def run(self) -> dict | None:
         run = self.run_cfg
+        run_files.write(self.workdir, run)
         self._build()
         resumed = [loop.restore(params_too=True) for loop in self.loops]
         if any(resumed):
@@ -289,7 +290,7 @@ class LocalRuntime:
             }
         )
         stats = [loop.stats() for loop in self.syncers]
-        summary = report.run_summary(
+        summary = run_summary(
             run,
             final,
             steps,

@@ -39,16 +39,16 @@ import uuid
 import jax
 import ray
 
-from decoupled_diloco import faults, sharding
+from decoupled_diloco import faults, run_files, sharding
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import Progress, write_json
-from decoupled_diloco.runtime import report
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
 from decoupled_diloco.runtime.ray import links as ray_links
 from decoupled_diloco.runtime.ray.learner import LearnerActor
 from decoupled_diloco.runtime.ray.syncer import SyncerActor
 from decoupled_diloco.runtime.records import RunLog
+from decoupled_diloco.runtime.summary import run_summary
 from decoupled_diloco.train.evaluate import Evaluator
 
 
@@ -79,6 +79,7 @@ class RayRuntime:
 
     # --- launch -----------------------------------------------------------------------
     def run(self) -> dict:
+        run_files.write(self.workdir, self.run_cfg)
         started = ray_cluster.connect(self.run_cfg.ray, self.verbose)
         try:
             self._launch()
@@ -337,7 +338,7 @@ class RayRuntime:
                 "time": wall,
             }
         )
-        summary = report.run_summary(
+        summary = run_summary(
             run,
             final,
             steps,

@@ -1,0 +1,63 @@
+"""What every command-line entry point does first (before JAX starts): fake CPU devices to
+partition between learners (XLA_FLAGS; only the CPU backend reads it), quiet logs, and the
+persistent compilation cache. Importing this module does not import JAX."""
+
+import os
+
+CPU_DEVICES = 8
+
+
+def fake_cpu_devices(count: int = CPU_DEVICES) -> None:
+    """`--xla_force_host_platform_device_count`, unless XLA_FLAGS already sets it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def start(verbosity_flag_present: bool = False) -> None:
+    """Inside `main`: quiet absl logs (orbax is chatty at INFO) and the compilation cache."""
+    from absl import logging
+
+    from decoupled_diloco import compile_cache
+
+    if not verbosity_flag_present:
+        logging.set_verbosity(logging.WARNING)
+    compile_cache.enable()
+
+
+CONFIG_DOCS = (
+    "config keys, defaults and allowed values: decoupled_diloco/config.py (default_config) "
+    "and the dataclass each section names; any key is set with --config.<section>.<key>=VALUE"
+)
+
+
+def one_line(e: BaseException) -> str:
+    """A flag or config-file error as one readable line."""
+    text = str(e).strip().strip("'\"").replace("\\n", "\n").replace("\\'", "'")
+    if isinstance(e, AttributeError | KeyError):  # ml_collections: an unknown key
+        key, _, hint = text.partition("\n")
+        return f"unknown config key {key.strip(chr(39))}" + (f" ({hint.strip()})" if hint else "")
+    if isinstance(e, OSError) and "Attempted" in text:  # ml_collections: a missing file
+        missing = [ln.strip() for ln in text.splitlines() if ln.strip().endswith(".py")]
+        return f"config file {missing[0] if missing else '?'} not found"
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with config errors as one line (exit 2) and --help pointing at
+    where the config keys are documented (exit 0)."""
+    import sys
+
+    from absl import app
+
+    if any(a in ("--help", "-h", "--helpshort", "--helpfull") for a in argv[1:]):
+        app.parse_flags_with_usage([argv[0]])
+        from absl import flags
+
+        print(flags.FLAGS.main_module_help() if argv[1:] != ["--helpfull"] else flags.FLAGS)
+        print(f"\n{CONFIG_DOCS}")
+        sys.exit(0)
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+        sys.exit(f"error: {one_line(e)}\n{CONFIG_DOCS}")

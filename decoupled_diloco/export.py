@@ -1,0 +1,73 @@
+"""A run's global model as a standalone directory: `python -m decoupled_diloco.export`.
+
+    python -m decoupled_diloco.export --workdir=/tmp/dd_dec --out=/tmp/dd_dec_model
+    python -m decoupled_diloco.sample --workdir=/tmp/dd_dec_model --prompt="def "
+
+The directory holds the parameters as an orbax checkpoint (`params/`, flat float32 arrays
+keyed by leaf name), the run's config (`run_config.json`, whose `model` section is the
+architecture), its tokenizer (`tokenizer.model` for sentencepiece runs) and `export.json`
+(where the parameters came from). `decoupled_diloco.load` reads it without the run's other
+files; so do `evaluate` and `sample`.
+"""
+
+from decoupled_diloco import cli
+
+cli.fake_cpu_devices()
+
+import json  # noqa: E402
+import sys  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+
+def export(workdir: str, out: str, step: int | None = None) -> str:
+    """Writes the model of `workdir` into `out`; returns where the parameters came from."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    from decoupled_diloco import run_files
+    from decoupled_diloco.loading import EXPORT_MARKER, PARAMS, load
+
+    model = load(workdir, step)
+    root = epath.Path(out)
+    if (root / EXPORT_MARKER).exists() or (root / PARAMS).exists():
+        raise ValueError(f"{out} holds an export already: choose a new --out")
+    root.mkdir(parents=True, exist_ok=True)
+    run_files.write(out, model.config, model.tokenizer)
+    manager = ocp.CheckpointManager(root / PARAMS)
+    manager.save(
+        0,
+        args=ocp.args.Composite(
+            arrays=ocp.args.StandardSave(model.params),
+            meta=ocp.args.JsonSave({"source": model.source}),
+        ),
+    )
+    manager.wait_until_finished()
+    manager.close()
+    info = {"source": f"{workdir}: {model.source}", "step": step, "leaves": len(model.params)}
+    (root / EXPORT_MARKER).write_text(json.dumps(info, indent=1))
+    return model.source
+
+
+def main(argv) -> None:
+    del argv
+    FLAGS = flags.FLAGS
+    if not FLAGS.workdir or not FLAGS.out:
+        sys.exit("usage: python -m decoupled_diloco.export --workdir=DIR --out=PATH [--step=N]")
+    cli.start(flags.FLAGS["verbosity"].present)
+    try:
+        source = export(FLAGS.workdir, FLAGS.out, FLAGS.step)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print(f"exported {source} -> {FLAGS.out}", flush=True)
+
+
+def _define_flags() -> None:
+    flags.DEFINE_string("workdir", None, "The run's workdir.")
+    flags.DEFINE_string("out", None, "The model directory to write (local or gs://).")
+    flags.DEFINE_integer("step", None, "The newest checkpoint at or before this step.")
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,145 @@
+"""`load`: a run's (or an exported model's) config, tokenizer and global parameters.
+
+    import decoupled_diloco
+    model = decoupled_diloco.load("/tmp/dd_dec")           # the run's latest global model
+    model = decoupled_diloco.load("/tmp/dd_dec", step=200)  # the last one saved by step 200
+    logits, _ = model.forward(tokens_BT)
+
+For DiLoCo-family runs the global model is Θ, read from the syncer shards' checkpoints
+(`checkpoints/syncer_<s>/`, or `ray.checkpoint_dir`); for data-parallel runs it is the
+learner's parameters (`checkpoints/learner_0/`). Checkpoints keep the last two saves
+(`step` picks among them; the error lists what is there). An exported model
+(`python -m decoupled_diloco.export`) loads the same way from its own directory.
+"""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from decoupled_diloco import models, run_files
+from decoupled_diloco.config import RunConfig
+from decoupled_diloco.data import Tokenizer
+
+EXPORT_MARKER = "export.json"  # written by decoupled_diloco/export.py
+PARAMS = "params"  # an export's orbax checkpoint of the flat parameters
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded global model: flat float32 numpy params keyed by leaf name."""
+
+    config: RunConfig
+    tokenizer: Tokenizer
+    params: dict[str, np.ndarray]
+    source: str  # where the params came from, e.g. "syncer checkpoints #12 (learner step 300)"
+
+    def nested(self) -> dict:
+        """The params as the model's nested dict (`models.forward` takes it)."""
+        return models.unflatten_params(self.params)
+
+    def forward(self, tokens_BT) -> tuple[jax.Array, dict]:
+        """logits_BTV (float32) and aux of the model on int tokens [B, T]."""
+        return jax.jit(models.forward, static_argnums=0)(
+            self.config.model, self.nested(), tokens_BT
+        )
+
+
+def load(path: str, step: int | None = None) -> Model:
+    """The global model of the run (or export) at `path`; `step`: the newest checkpoint saved
+    at or before that learner step instead of the newest one."""
+    root = epath.Path(path)
+    if (root / EXPORT_MARKER).exists():
+        return _load_export(root, step)
+    config = run_files.read_config(path)
+    tokenizer = run_files.read_tokenizer(path, config.data)
+    ckpt_dir = epath.Path(config.ray.checkpoint_dir or root / "checkpoints")
+    if config.uses_syncer:
+        params, source = _syncer_theta(ckpt_dir, config, step)
+    else:
+        params, source = _learner_params(ckpt_dir / "learner_0", config, step)
+    return Model(config, tokenizer, params, source)
+
+
+def _manager(directory: epath.Path) -> ocp.CheckpointManager:
+    if not directory.exists():
+        raise FileNotFoundError(f"no checkpoints at {directory}")
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+
+
+def _restore(manager, n: int, arrays=None) -> tuple[dict, dict]:
+    restore = ocp.args.StandardRestore(arrays) if arrays is not None else ocp.args.StandardRestore()
+    out = manager.restore(n, args=ocp.args.Composite(arrays=restore, meta=ocp.args.JsonRestore()))
+    return out["arrays"], out["meta"]
+
+
+def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
+    """Θ from every syncer shard: each shard's newest checkpoint (at or before `step`)."""
+    params, picked = {}, []
+    for shard in range(config.diloco.syncer_shards):
+        manager = _manager(ckpt_dir / f"syncer_{shard}")
+        saves = manager.all_steps()
+        if not saves:
+            raise FileNotFoundError(f"syncer shard {shard}: no checkpoint in {ckpt_dir}")
+        metas = {n: _restore_meta(manager, n) for n in saves}
+        reached = {
+            n: max((e[2] for e in m.get("learners", {}).values()), default=0)
+            for n, m in metas.items()
+        }
+        ok = [n for n in saves if step is None or reached[n] <= step]
+        if not ok:
+            raise ValueError(
+                f"no syncer checkpoint at or before step {step}: shard {shard} keeps saves "
+                f"{saves} at learner steps {[reached[n] for n in saves]}"
+            )
+        n = max(ok)
+        arrays, _ = _restore(manager, n)
+        for fragment in arrays["theta"].values():
+            params.update({k: np.asarray(v, np.float32) for k, v in fragment.items()})
+        picked.append(f"#{n} (learner step {reached[n]})")
+        manager.close()
+    return params, "syncer checkpoints " + ", ".join(picked)
+
+
+def _restore_meta(manager, n: int) -> dict:
+    return manager.restore(n, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+
+def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
+    """A data-parallel run's parameters, restored onto this host's first device."""
+    from decoupled_diloco.train import optimizer as optim
+    from decoupled_diloco.train.step import TrainState
+
+    manager = _manager(directory)
+    saves = manager.all_steps()
+    ok = [n for n in saves if step is None or n <= step]
+    if not ok:
+        raise ValueError(f"no learner checkpoint at or before step {step}: kept {saves}")
+    params = jax.eval_shape(lambda: models.init_params(config.model, jax.random.key(0)))
+    opt = optim.make_inner_optimizer(config.train)
+    opt_state = jax.eval_shape(opt.init, params)
+    abstract = TrainState(jax.ShapeDtypeStruct((), np.int32), params, opt_state)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
+    )
+    state, _ = _restore(manager, max(ok), abstract)
+    manager.close()
+    flat = models.flatten_params(jax.device_get(state.params))
+    return {k: np.asarray(v, np.float32) for k, v in flat.items()}, f"learner step {max(ok)}"
+
+
+def _load_export(root: epath.Path, step: int | None) -> Model:
+    info = json.loads((root / EXPORT_MARKER).read_text())
+    if step is not None and step != info.get("step"):
+        raise ValueError(f"{root} is an export of step {info.get('step')}, not {step}")
+    config = run_files.read_config(str(root))
+    tokenizer = run_files.read_tokenizer(str(root), config.data)
+    manager = _manager(root / PARAMS)
+    arrays, _ = _restore(manager, manager.latest_step())
+    manager.close()
+    params = {k: np.asarray(v, np.float32) for k, v in arrays.items()}
+    return Model(config, tokenizer, params, f"export of {info.get('source', '?')}")

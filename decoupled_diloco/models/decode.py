@@ -1,0 +1,96 @@
+"""Text generation with a KV cache: prefill, then one jitted step per new token.
+
+    tokens_BS = generate(cfg, params, prompts, max_new_tokens=64, temperature=0.8,
+                         top_k=40, rng=jax.random.key(0))
+
+Every layer keeps the keys and values of all positions so far ([B, S, K, G], S = the longest
+prompt + max_new_tokens); a step writes the new token's into slot t and attends to slots
+<= t (local layers: the last `sliding_window` of them), exactly the masks of training, with
+the same soft-caps and MoE routing. Prompts of different lengths share one batch: the
+common prefix is prefilled in one pass, then every sequence advances one position per step,
+taking its own prompt token while it has one and its sample after that.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from decoupled_diloco.models.config import ModelConfig
+from decoupled_diloco.models.transformer import Transformer
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> list[dict]:
+    """Empty per-layer caches {"k", "v": [B, S, K, G]} in the compute dtype."""
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(cfg.dtype)
+    return [
+        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)
+    ]
+
+
+def _apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, cache: list, index):
+    logits_BTV, _, cache = Transformer(cfg).apply({"params": params}, tokens_BT, cache, index)
+    return logits_BTV, cache
+
+
+# Logits of the T tokens written at positions index..index+T-1, and the new cache.
+decode_step = jax.jit(_apply, static_argnums=0, donate_argnums=3)
+
+
+def sample_token(logits_BV: jax.Array, rng, temperature: float, top_k: int) -> jax.Array:
+    """Greedy (temperature 0) or a sample from softmax(logits / temperature) over the top k
+    (top_k 0: all); int32 [B]."""
+    if temperature <= 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth, -jnp.inf, logits_BV)
+    return jax.random.categorical(rng, logits_BV).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=3)
+def _next(cfg, params, token_B, cache, temperature, top_k, index, rng):
+    logits_BTV, cache = _apply(cfg, params, token_B[:, None], cache, index)
+    return sample_token(logits_BTV[:, -1], rng, temperature, top_k), cache
+
+
+def generate(
+    cfg: ModelConfig,
+    params: dict,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    rng=None,
+) -> np.ndarray:
+    """Token ids [B, longest prompt + max_new_tokens]: every row its prompt, then samples
+    (a shorter prompt gets the more of them)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    rng = jax.random.key(0) if rng is None else rng
+    lengths = np.array([len(p) for p in prompts])
+    total = int(lengths.max()) + max_new_tokens
+    forced = np.zeros((len(prompts), total), np.int32)
+    for b, p in enumerate(prompts):
+        forced[b, : len(p)] = p
+    cache = init_cache(cfg, len(prompts), total)
+    start = int(lengths.min())
+    logits_BTV, cache = decode_step(cfg, params, jnp.asarray(forced[:, :start]), cache, 0)
+    out = forced.copy()
+    rng, key = jax.random.split(rng)
+    token = np.asarray(sample_token(logits_BTV[:, -1], key, temperature, top_k))
+    for t in range(start, total):
+        # Position t: a prompt token while the prompt lasts, else the sample.
+        token = np.where(t < lengths, forced[:, t], token).astype(np.int32)
+        out[:, t] = token
+        if t == total - 1:
+            break
+        rng, key = jax.random.split(rng)
+        token, cache = _next(cfg, params, jnp.asarray(token), cache, temperature, top_k, t, key)
+        token = np.asarray(token)
+    return out

@@ -1,0 +1,209 @@
+"""One run in plots and a short table: `python -m decoupled_diloco.report --workdir=DIR`.
+
+    python -m decoupled_diloco.report --workdir=/tmp/dd_dec     # -> /tmp/dd_dec/report.png
+
+Panels: train loss (per learner) and the global model's eval loss against tokens and against
+wall time, with faults on the time axis (crashes, rejoins, syncer outages, members joining
+and leaving); from merges.jsonl, learners per merge and staleness, and quorum wait and grace
+used, over time; MoE expert load per layer where the model has experts. The table (printed,
+and written to report.md) gives the run's summary and per-learner figures.
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from decoupled_diloco import cli
+
+FAULT_MARKS = {  # event -> (colour, label) on the time axes
+    "learner_down": ("tab:red", "learner down"),
+    "nan_restart": ("tab:purple", "NaN restart"),
+    "rejoin": ("tab:green", "rejoin"),
+    "member_join": ("tab:olive", "member joins"),
+    "learner_leave": ("tab:gray", "member leaves"),
+    "syncer_crash": ("black", "syncer down"),
+    "syncer_restore": ("tab:cyan", "syncer restored"),
+}
+
+
+def _rows(workdir: str, name: str) -> list[dict]:
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _marks(ax, events: list[dict]) -> None:
+    seen = set()
+    for e in events:
+        kind = e.get("event")
+        if kind not in FAULT_MARKS or (kind == "syncer_restore" and not e.get("after_failure")):
+            continue
+        colour, label = FAULT_MARKS[kind]
+        ax.axvline(
+            e["time"],
+            color=colour,
+            ls="--",
+            lw=0.8,
+            alpha=0.7,
+            label=None if kind in seen else label,
+        )
+        seen.add(kind)
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
+
+
+def plot(workdir: str, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics, merges = _rows(workdir, "metrics.jsonl"), _rows(workdir, "merges.jsonl")
+    events = _rows(workdir, "events.jsonl")
+    moe = [r for r in metrics if "expert_load" in r]
+    panels = 4 + (1 if moe else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.2))
+    learners = sorted({r["learner"] for r in metrics if isinstance(r["learner"], int)})
+    for ax, x in ((axes[0], "tokens"), (axes[1], "time")):
+        for m in learners:
+            rows = [r for r in metrics if r["learner"] == m and "loss" in r]
+            xs = [r[x] / (1e6 if x == "tokens" else 1) for r in rows]
+            ax.plot(xs, [r["loss"] for r in rows], lw=0.8, alpha=0.7, label=f"learner {m} train")
+        evals = sorted(
+            (r[x], r["eval_loss"])
+            for r in metrics
+            if "eval_loss" in r
+            and (r["learner"] == "global" or (len(learners) == 1 and r["learner"] == learners[0]))
+        )
+        if evals:  # a global row's tokens are every learner's: per learner on this axis
+            per = 1e6 * max(len(learners), 1) if x == "tokens" else 1
+            xs = [v / per for v, _ in evals]
+            ax.plot(xs, [y for _, y in evals], "ko-", ms=3, label="global eval")
+        ax.set_xlabel("tokens per learner (millions)" if x == "tokens" else "wall time (s)")
+        ax.set_ylabel("loss (nats / token)")
+        ax.grid(alpha=0.3)
+    _marks(axes[1], events)
+    axes[0].set_title("loss vs tokens")
+    axes[1].set_title("loss vs wall time (faults marked)")
+    _legend(axes[1])
+    if merges:
+        t = [r["time"] for r in merges]
+        axes[2].plot(t, [len(r["learners"]) for r in merges], ".", ms=3, label="learners / merge")
+        stale = [sum(r["staleness"]) / len(r["staleness"]) for r in merges]
+        axes[2].plot(t, stale, ".", ms=3, label="mean staleness (versions)")
+        axes[3].plot(t, [r["quorum_wait"] for r in merges], ".", ms=3, label="quorum wait (s)")
+        axes[3].plot(t, [r["grace"] for r in merges], ".", ms=3, label="grace used (s)")
+        for ax in (axes[2], axes[3]):
+            _marks(ax, events)
+            ax.set_ylim(bottom=0)
+    axes[2].set_title("merges")
+    axes[3].set_title("rounds: waiting for quorum and grace")
+    for ax in (axes[2], axes[3]):
+        ax.set_xlabel("wall time (s)")
+        ax.grid(alpha=0.3)
+        _legend(ax)
+    if moe:
+        import numpy as np
+
+        load = np.array([r["expert_load"] for r in moe])  # [rows, layers, experts]
+        extent = (moe[0]["step"], moe[-1]["step"], load.shape[2] - 0.5, -0.5)
+        img = axes[4].imshow(load.mean(axis=1).T, aspect="auto", cmap="viridis", extent=extent)
+        fig.colorbar(img, ax=axes[4], label="share of routed tokens")
+        axes[4].set_xlabel("step")
+        axes[4].set_ylabel("expert (mean over MoE layers)")
+        axes[4].set_title("MoE expert load")
+    summary = _summary(workdir)
+    fig.suptitle(
+        f"{summary.get('name', os.path.basename(workdir))}: final eval loss "
+        f"{summary.get('final_eval_loss', float('nan')):.4f}"
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _summary(workdir: str) -> dict:
+    path = os.path.join(workdir, "summary.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def table(workdir: str) -> str:
+    """The run's summary and per-learner figures as markdown."""
+    s = _summary(workdir)
+    keys = (
+        "final_eval_loss",
+        "steps",
+        "tokens",
+        "wall_seconds",
+        "merges",
+        "mean_learners_per_merge",
+        "goodput",
+        "uptime",
+        "failures",
+        "restarts",
+        "rejected_offers",
+        "dropped_offers",
+        "bytes_per_token",
+    )
+    lines = ["| summary | value |", "|---|---|"]
+    lines += [
+        f"| {k} | {s[k]:.4g} |" if isinstance(s[k], float) else f"| {k} | {s[k]} |"
+        for k in keys
+        if k in s
+    ]
+    metrics = _rows(workdir, "metrics.jsonl")
+    learners = sorted({r["learner"] for r in metrics if isinstance(r["learner"], int)})
+    lines += ["", "| learner | last step | last train loss | mean tokens/s |", "|---|---|---|---|"]
+    for m in learners:
+        rows = [r for r in metrics if r["learner"] == m and "loss" in r]
+        rate = sum(r["tokens_per_second"] for r in rows) / max(len(rows), 1)
+        lines.append(f"| {m} | {rows[-1]['step']} | {rows[-1]['loss']:.4f} | {rate:,.0f} |")
+    merges = _rows(workdir, "merges.jsonl")
+    if merges:
+        stale = [x for r in merges for x in r["staleness"]]
+        wait = sum(r["quorum_wait"] for r in merges) / len(merges)
+        grace = sum(r["grace"] for r in merges) / len(merges)
+        lines += [
+            "",
+            "| merges | value |",
+            "|---|---|",
+            f"| mean staleness (versions) | {sum(stale) / len(stale):.2f} |",
+            f"| mean quorum wait (s) | {wait:.3f} |",
+            f"| mean grace used (s) | {grace:.3f} |",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv) -> None:
+    del argv
+    FLAGS = flags.FLAGS
+    if not FLAGS.workdir:
+        sys.exit("usage: python -m decoupled_diloco.report --workdir=DIR [--out=PNG]")
+    if not os.path.exists(os.path.join(FLAGS.workdir, "metrics.jsonl")):
+        sys.exit(f"error: {FLAGS.workdir} holds no run (no metrics.jsonl)")
+    out = FLAGS.out or os.path.join(FLAGS.workdir, "report.png")
+    plot(FLAGS.workdir, out)
+    text = table(FLAGS.workdir)
+    with open(os.path.join(os.path.dirname(out) or ".", "report.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text + f"\nwrote {out}", flush=True)
+
+
+def _define_flags() -> None:
+    flags.DEFINE_string("workdir", None, "The run's workdir.")
+    flags.DEFINE_string("out", None, "The PNG to write (default: <workdir>/report.png).")
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main, flags_parser=cli.parse_flags)

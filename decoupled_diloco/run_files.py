@@ -1,0 +1,95 @@
+"""What a run keeps in its workdir beside its logs and checkpoints, so that its model can be
+used without the command that trained it (decoupled_diloco/loading.py):
+
+  <workdir>/run_config.json   the validated run config, every section as its dataclass
+  <workdir>/tokenizer.model   the sentencepiece model (data.tokenizer = "sentencepiece";
+                              byte-level runs need no file)
+
+Paths may be local or remote (gs://...: etils.epath, through gcsfs where installed).
+"""
+
+import dataclasses
+import json
+import typing
+
+from etils import epath
+
+from decoupled_diloco import faults, models, sharding
+from decoupled_diloco.config import RayConfig, RunConfig
+from decoupled_diloco.data import ByteTokenizer, DataConfig, SentencePieceTokenizer, Tokenizer
+from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.train.optimizer import TrainConfig
+
+RUN_CONFIG = "run_config.json"
+TOKENIZER = "tokenizer.model"
+_SECTIONS = {
+    "model": models.ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "mesh": sharding.MeshConfig,
+    "diloco": DilocoConfig,
+    "faults": faults.FaultSpec,
+    "ray": RayConfig,
+}
+
+
+def config_to_json(run: RunConfig) -> dict:
+    return dataclasses.asdict(run)
+
+
+def _tuples(value, hint):
+    """JSON lists back to the tuples (of tuples) a dataclass field holds."""
+    if typing.get_origin(hint) is tuple and isinstance(value, list):
+        args = typing.get_args(hint)
+        inner = args[0] if args and args[-1] is Ellipsis else None
+        return tuple(_tuples(v, inner) for v in value)
+    return value
+
+
+def _section(dc, values: dict):
+    hints = typing.get_type_hints(dc)
+    known = {f.name for f in dataclasses.fields(dc)}
+    return dc(**{k: _tuples(v, hints[k]) for k, v in values.items() if k in known})
+
+
+def config_from_json(d: dict) -> RunConfig:
+    """The RunConfig `config_to_json` wrote (keys a newer version removed are ignored)."""
+    sections = {name: _section(dc, d[name]) for name, dc in _SECTIONS.items() if name in d}
+    rest = {k: v for k, v in d.items() if k not in _SECTIONS}
+    return RunConfig(**sections, **rest)
+
+
+def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> None:
+    """Writes the run's config and, for sentencepiece runs, its tokenizer (`tokenizer`, or
+    the one of the run's corpus) into its workdir."""
+    if tokenizer is None and run.data.tokenizer == "sentencepiece":
+        from decoupled_diloco.data import get_tokenizer
+
+        tokenizer = get_tokenizer(run.data)
+    root = epath.Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (RUN_CONFIG + ".tmp")
+    tmp.write_text(json.dumps(config_to_json(run), indent=1, sort_keys=True))
+    tmp.rename(root / RUN_CONFIG)
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        (root / TOKENIZER).write_bytes(tokenizer.model_proto)
+
+
+def read_config(path: str) -> RunConfig:
+    file = epath.Path(path) / RUN_CONFIG
+    if not file.exists():
+        raise FileNotFoundError(
+            f"{file} not found: {path} is not a run's workdir or an exported model (runs "
+            "write it when they start)"
+        )
+    return config_from_json(json.loads(file.read_text()))
+
+
+def read_tokenizer(path: str, data: DataConfig) -> Tokenizer:
+    """The tokenizer the run at `path` trained with."""
+    if data.tokenizer == "byte":
+        return ByteTokenizer()
+    file = epath.Path(path) / TOKENIZER
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: the run's sentencepiece model is missing")
+    return SentencePieceTokenizer(file.read_bytes())

@@ -1,0 +1,140 @@
+"""Using what a run trained: load, evaluate, sample, export, report; re-running a finished
+run; the entry points' one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import decoupled_diloco
+from decoupled_diloco import config as config_lib
+from decoupled_diloco import models
+from decoupled_diloco.evaluate import evaluate
+from decoupled_diloco.export import export
+from decoupled_diloco.models.decode import generate
+from decoupled_diloco.report import plot, table
+from decoupled_diloco.runtime import launch
+from decoupled_diloco.sample import sample
+
+
+def _run(cfg, workdir) -> dict:
+    return launch.run(config_lib.validate(cfg), str(workdir), verbose=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A data-parallel, a Decoupled (with a learner crash) and an MoE run."""
+    from conftest import _small_config
+
+    root = tmp_path_factory.mktemp("runs")
+    dp = _small_config(**{"train.steps": 8})
+    dec = _small_config(**{"train.steps": 12, "diloco.learners": 2, "diloco.sync_every": 4,
+                           "diloco.fragments": 2, "diloco.overlap": 1, "diloco.grace_gamma": 0.0,
+                           "faults.crashes": [[1, 4.0]], "faults.restart_delay_s": 1.0,
+                           "faults.speed_factors": [1.0, 3.0]})  # fmt: skip
+    moe = _small_config(**{"train.steps": 6, "model.preset": "tiny_moe",
+                           "model.capacity_factor": 0.0})  # fmt: skip
+    out = {}
+    for name, cfg in (("dp", dp), ("dec", dec), ("moe", moe)):
+        out[name] = (root / name, _run(cfg, root / name))
+    return out
+
+
+@pytest.mark.parametrize("name", ["dp", "dec"])
+def test_load_then_evaluate_gives_the_runs_own_final_eval_loss(runs, name):
+    workdir, summary = runs[name]
+    model = decoupled_diloco.load(str(workdir))
+    assert model.config.name == summary["name"]
+    assert all(np.isfinite(v).all() for v in model.params.values())
+    loss, _ = evaluate(str(workdir))
+    assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-6, abs=1e-6)
+
+
+def test_evaluate_on_another_corpus_differs(runs):
+    workdir, summary = runs["dp"]
+    other, _ = evaluate(str(workdir), data_overrides={"max_corpus_bytes": 200_000, "seed": 3,
+                                                      "eval_fraction": 0.1})  # fmt: skip
+    assert np.isfinite(other) and other != pytest.approx(summary["final_eval_loss"], abs=1e-6)
+
+
+def test_export_round_trips_bit_exactly(runs, tmp_path):
+    workdir, _ = runs["dec"]
+    export(str(workdir), str(tmp_path / "model"))
+    a, b = decoupled_diloco.load(str(workdir)), decoupled_diloco.load(str(tmp_path / "model"))
+    assert a.params.keys() == b.params.keys() and a.config == b.config
+    for k in a.params:
+        np.testing.assert_array_equal(a.params[k], b.params[k])
+    with pytest.raises(ValueError, match="export already"):
+        export(str(workdir), str(tmp_path / "model"))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
+def test_greedy_decoding_with_a_cache_equals_argmax_without_one(preset):
+    """Prompts of different lengths in one batch, past the local window (64 tokens)."""
+    cfg = models.get_model_config(preset, capacity_factor=0.0)
+    params = models.init_params(cfg, jax.random.key(1))
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    out = generate(cfg, params, prompts, max_new_tokens=70, temperature=0.0)
+    assert out.shape == (2, 75)
+    forward = jax.jit(models.forward, static_argnums=0)
+    for row, prompt in zip(out, prompts, strict=True):
+        seq = list(prompt)
+        while len(seq) < len(row):
+            logits, _ = forward(cfg, params, jnp.asarray([seq], jnp.int32))
+            seq.append(int(jnp.argmax(logits[0, -1])))
+        np.testing.assert_array_equal(row, seq)
+
+
+def test_sampling_is_deterministic_per_seed(runs):
+    workdir, _ = runs["dp"]
+    greedy = [sample(str(workdir), ["def "], 16, temperature=0.0) for _ in range(2)]
+    assert greedy[0] == greedy[1]
+    hot = [
+        sample(str(workdir), ["def ", "x"], 16, 1.0, 5, seed=s, num_samples=2) for s in (0, 0, 1)
+    ]
+    assert hot[0] == hot[1] and hot[0] != hot[2] and len(hot[0]) == 4
+
+
+@pytest.mark.parametrize("name", ["dp", "dec", "moe"])
+def test_report_writes_a_png_and_a_table(runs, name, tmp_path):
+    workdir, summary = runs[name]
+    out = tmp_path / "report.png"
+    plot(str(workdir), str(out))
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    text = table(str(workdir))
+    assert f"{summary['final_eval_loss']:.4g}" in text and "| learner |" in text
+
+
+def test_a_finished_run_rerun_changes_nothing(runs):
+    workdir, summary = runs["dp"]
+    before = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+    from conftest import _small_config
+
+    again = _run(_small_config(**{"train.steps": 8}), workdir)
+    assert again == json.loads((workdir / "summary.json").read_text()) == summary
+    assert {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()} == before
+    with pytest.raises(ValueError, match="another config"):
+        _run(_small_config(**{"train.steps": 9}), workdir)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_entry_points_fail_in_one_clear_line(tmp_path):
+    typo = _cli("decoupled_diloco.main", "--config=configs/tiny_dense.py",
+                f"--workdir={tmp_path}", "--config.diloco.learnrs=8")  # fmt: skip
+    assert typo.returncode != 0 and "Traceback" not in typo.stderr
+    assert 'unknown config key learnrs (Did you mean "learners"' in typo.stderr
+    missing = _cli("decoupled_diloco.main", "--config=configs/nope.py", f"--workdir={tmp_path}")
+    assert missing.returncode != 0 and "config file configs/nope.py not found" in missing.stderr
+    helped = _cli("decoupled_diloco.main", "--help")
+    assert helped.returncode == 0 and "decoupled_diloco/config.py" in helped.stdout
+    nothing = _cli("decoupled_diloco.evaluate", f"--workdir={tmp_path}/none")
+    assert nothing.returncode != 0 and "run_config.json not found" in nothing.stderr
