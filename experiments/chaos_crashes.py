@@ -34,6 +34,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
+from outputs import results_dir  # noqa: E402
 
 from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
@@ -174,7 +175,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
     compile_cache.enable()
-    out = pathlib.Path(FLAGS.out)
+    out = results_dir(FLAGS.out, "quick" if FLAGS.quick else "full", FLAGS["out"].present)
     out.mkdir(parents=True, exist_ok=True)
     budget = FLAGS.budget_s or (150.0 if FLAGS.quick else 420.0)
     results = {

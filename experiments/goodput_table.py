@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+from outputs import results_dir  # noqa: E402
 
 from decoupled_diloco.simulator import SimParams, simulate  # noqa: E402
 
@@ -137,7 +138,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 def main(argv):
     del argv
     seeds, days = (2, 3.0) if FLAGS.quick else (FLAGS.seeds, FLAGS.horizon_days)
-    out = pathlib.Path(FLAGS.out)
+    out = results_dir(FLAGS.out, "quick" if FLAGS.quick else "full", FLAGS["out"].present)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows = run_grid(seeds, days)

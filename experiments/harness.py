@@ -46,6 +46,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 from absl import flags, logging  # noqa: E402
 from arm_config import FULL, QUICK, SMOKE, Arm, build_config, for_cpu_validation  # noqa: E402
+from outputs import results_dir  # noqa: E402
 from tables import (  # noqa: E402
     by_arm,
     eval_curve,
@@ -67,7 +68,11 @@ PROGRESS_MIN_S = 3.0  # ...and at most this often (a 10% tick of a short run is 
 
 def define_flags(default_out: str, default_seeds: str) -> None:
     """The flags every experiment script shares (absl; call once at import)."""
-    flags.DEFINE_string("out", default_out, "Output directory (tables, plots, runs/).")
+    flags.DEFINE_string(
+        "out", default_out,
+        "Output directory (tables, plots, runs/); --quick/--smoke runs default to "
+        "experiments/results_<mode>/<name> (untracked).",
+    )  # fmt: skip
     flags.DEFINE_list("seeds", default_seeds.split(","), "Seeds; every arm runs once per seed.")
     flags.DEFINE_bool("quick", False, "Short runs, 1 seed unless --seeds is given: minutes.")
     flags.DEFINE_bool("smoke", False, "~6 steps, 1 seed, tiny batches: only checks the plumbing.")
@@ -140,8 +145,13 @@ def config_for(arm: Arm, seed: int, quick: dict, full: dict):
     c = build_config(arm, seed, FLAGS.scale, m, length, extra_overrides())
     if FLAGS.scale == "tpu" and c.ray.checkpoint_dir:  # one folder per experiment and run
         root = c.ray.checkpoint_dir.rstrip("/")
-        c.ray.checkpoint_dir = f"{root}/{pathlib.Path(FLAGS.out).name}/{c.name}"
+        c.ray.checkpoint_dir = f"{root}/{out_dir().name}/{c.name}"
     return c
+
+
+def out_dir() -> pathlib.Path:
+    FLAGS = flags.FLAGS
+    return results_dir(FLAGS.out, mode(), FLAGS["out"].present)
 
 
 def setup() -> pathlib.Path:
@@ -150,7 +160,7 @@ def setup() -> pathlib.Path:
 
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
     compile_cache.enable()
-    out = pathlib.Path(flags.FLAGS.out)
+    out = out_dir()
     (out / "runs").mkdir(parents=True, exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     return out

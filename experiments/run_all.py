@@ -1,13 +1,14 @@
 r"""Every ablation of the paper, one after the other, with progress and a summary at the end.
 
-    python experiments/run_all.py --quick     # all 10, 1 seed each: ~27 min on an idle 2-core box
-    python experiments/run_all.py             # full mode, 2 seeds each: ~3 h idle
+    python experiments/run_all.py --quick     # all 11, 1 seed each: ~34 min on an idle 2-core box
+    python experiments/run_all.py             # full mode, 2 seeds each: ~3.8 h idle
     python experiments/run_all.py --only=heterogeneous,merge_rule --out=/tmp/dd_results
     python experiments/run_all.py --dry_run   # print the commands only
 
 Each experiment runs as its own process (absl flags are per process) with --out=<out>/<name>,
 so results land where each script's own default puts them when --out is left alone
-(experiments/results/<name>/); finished runs are reused (see harness.py: only when their
+(experiments/results/<name>/ in full mode, experiments/results_quick|smoke/<name>/ otherwise:
+experiments/outputs.py); finished runs are reused (see harness.py: only when their
 config matches), so an interrupted run_all resumes. An experiment that fails is reported
 and the others still run; the exit status is non-zero if any failed.
 --seeds, --scale, --fresh and --smoke are passed through to every script.
@@ -27,7 +28,7 @@ each script's docstring says what its modes run):
     scavenging                2.5      11
     cross_region              1.5      12
     goodput_failures            5      14
-    all                        27     181 (~3 h)
+    all                        34     226 (~3.8 h)
 """
 
 import pathlib
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import time
 
+import outputs
 from absl import app, flags
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -71,11 +73,12 @@ def commands() -> list[tuple[str, float, list[str]]]:
     unknown = sorted(set(FLAGS.only + FLAGS.skip) - set(names))
     if unknown:
         raise app.UsageError(f"unknown experiments {unknown}; choose from {names}")
-    out = []
+    out, mode = [], "smoke" if FLAGS.smoke else "quick" if FLAGS.quick else "full"
+    root = outputs.results_dir(FLAGS.out, mode, FLAGS["out"].present)
     for name, quick_min, full_min in EXPERIMENTS:
         if (FLAGS.only and name not in FLAGS.only) or name in FLAGS.skip:
             continue
-        cmd = [sys.executable, str(HERE / f"{name}.py"), f"--out={pathlib.Path(FLAGS.out) / name}"]
+        cmd = [sys.executable, str(HERE / f"{name}.py"), f"--out={root / name}"]
         cmd += ["--quick"] * FLAGS.quick + ["--smoke"] * FLAGS.smoke + ["--fresh"] * FLAGS.fresh
         cmd += [f"--seeds={','.join(FLAGS.seeds)}"] if FLAGS.seeds else []
         cmd += [f"--scale={FLAGS.scale}"] if FLAGS.scale != "cpu" else []

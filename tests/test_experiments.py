@@ -138,6 +138,21 @@ def test_run_all_lists_every_experiment():
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in SCRIPTS:
         assert f"experiments/{name}.py" in proc.stdout and "--quick" in proc.stdout
+        # Quick runs never write over the published full-mode results.
+        assert f"--out=experiments/results_quick/{name} " in proc.stdout
+
+
+def test_only_full_mode_writes_the_published_results():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from outputs import results_dir
+
+    published = "experiments/results/merge_rule"
+    assert str(results_dir(published, "full", given=False)) == published
+    assert (
+        str(results_dir(published, "smoke", given=False)) == "experiments/results_smoke/merge_rule"
+    )
+    assert str(results_dir(published, "quick", given=True)) == published  # --out was given
+    assert str(results_dir("/tmp/mine", "quick", given=False)) == "/tmp/mine"
 
 
 @pytest.mark.slow
