@@ -103,7 +103,8 @@ def main(argv):
 
     out = harness.setup()
     results = harness.run_arms(arms, out)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (t, a, b) = plt.subplots(1, 3, figsize=(16, 4.2))
+    harness.plot_curves(t, results)
     harness.plot_curves(a, results, x="time")
     labels = ["DP fp32"] + [f"Decoupled {w}" for w in WIRE_BYTES]
     n, h = PARAMS["gemma_2b"]

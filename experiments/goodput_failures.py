@@ -145,7 +145,7 @@ def main(argv):
     md, preds = markdown(results, sim_md)
     groups = harness.by_arm(results)
     names = [g[0].arm.label for g in groups.values()]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a, t, b) = plt.subplots(1, 3, figsize=(16, 4.2))
     x = np.arange(len(names))
     meas = [harness.stat([100 * r.summary["goodput"] for r in g])[0] for g in groups.values()]
     sim = [harness.stat([100 * p["goodput"] for p in preds[n]])[0] for n in groups]
@@ -156,6 +156,7 @@ def main(argv):
     a.set_ylim(0, 105)
     a.legend(fontsize=7)
     a.grid(alpha=0.3, axis="y")
+    harness.plot_curves(t, results)
     harness.plot_curves(b, results, x="time")
     fig.suptitle("Goodput under the chaos crash schedule: measured vs simulated")
     harness.write(out, "goodput_failures", md, fig, results)

@@ -55,13 +55,14 @@ def main(argv):
     results = harness.run_arms(arms, out, QUICK)
     groups = list(harness.by_arm(results).values())
     names = [g[0].arm.label for g in groups]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4.2))
+    fig, (a, b, t, c) = plt.subplots(1, 4, figsize=(18, 4.2))
     harness.plot_bars(a, names, [[100 * r.summary["goodput"] for r in g] for g in groups],
                       "goodput (%)")  # fmt: skip
     a.axhline(84, color="k", ls=":", lw=1, label="paper K=8: 84%")
     a.legend(fontsize=7)
     harness.plot_bars(b, names, [[r.summary["mean_learners_per_merge"] for r in g] for g in groups],
                       "learners per merge")  # fmt: skip
+    harness.plot_curves(t, results)
     harness.plot_curves(c, results, x="time")
     fig.suptitle("Heterogeneous learners: 4 fast + 4 slow (18%), 10% noise")
     harness.write(out, "heterogeneous", markdown(results), fig, results)

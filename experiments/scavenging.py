@@ -117,11 +117,13 @@ def main(argv):
 
     out = harness.setup()
     results = run(out)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (t, ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    harness.plot_curves(t, results)
     harness.plot_curves(ax, results, x="time")
     target = harness.stat([r.summary["final_eval_loss"] for r in results if r.arm.name == "base"])
-    ax.axhline(target[0], color="k", ls=":", lw=1)
-    ax.set_title("Scavenging: eval loss vs wall time (dotted: target)")
+    for a in (t, ax):
+        a.axhline(target[0], color="k", ls=":", lw=1)
+    fig.suptitle("Scavenging: eval loss vs tokens and vs wall time (dotted: target)")
     harness.write(out, "scavenging", markdown(results), fig, results)
 
 

@@ -8,6 +8,8 @@ import pathlib
 import statistics
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from harness import Result
 
@@ -72,22 +74,38 @@ def table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mean_curve(curves: list[list[tuple[float, float]]]):
+    """Point-by-point mean, min and max of several (x, y) curves (seeds of one arm: their
+    evals fall at the same steps), over the length of the shortest."""
+    n = min(len(c) for c in curves)
+    xs = np.array([[c[i][0] for i in range(n)] for c in curves])
+    ys = np.array([[c[i][1] for i in range(n)] for c in curves])
+    return xs.mean(0), ys.mean(0), ys.min(0), ys.max(0)
+
+
 def plot_curves(ax, results: list[Result], x: str = "tokens") -> None:
-    """Eval loss against tokens (millions) or wall time, one colour per arm."""
+    """Eval loss against tokens (millions) or wall time, one colour per arm; with several
+    seeds, their mean with a band from the lowest to the highest seed."""
+    seeds = 1
     for i, (name, runs) in enumerate(by_arm(results).items()):
-        for k, r in enumerate(runs):
+        curves = []
+        for r in runs:
             curve = eval_curve(r)
-            if not curve:
-                continue
-            t, tok, loss = zip(*curve, strict=True)
-            xs = [v / 1e6 for v in tok] if x == "tokens" else t
-            label = (r.arm.label or name) if k == 0 else None
-            ax.plot(xs, loss, marker="o", ms=3, color=f"C{i % 10}", alpha=1 if k == 0 else 0.5,
-                    label=label)  # fmt: skip
+            if curve:
+                curves.append([(t if x == "time" else tok / 1e6, loss) for t, tok, loss in curve])
+        if not curves:
+            continue
+        seeds = max(seeds, len(curves))
+        xs, mean, lo, hi = mean_curve(curves)
+        label = runs[0].arm.label or name
+        ax.plot(xs, mean, marker="o", ms=3, color=f"C{i % 10}", label=label)
+        if len(curves) > 1:
+            ax.fill_between(xs, lo, hi, color=f"C{i % 10}", alpha=0.2, lw=0)
     ax.set_xlabel("tokens (millions, all learners)" if x == "tokens" else "wall time (s)")
     ax.set_ylabel("eval loss (nats / byte)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    note = f"mean of {seeds} seeds; band: lowest to highest" if seeds > 1 else None
+    ax.legend(fontsize=7, title=note, title_fontsize=7)
 
 
 def plot_bars(ax, names: list[str], values: list[list[float]], ylabel: str) -> None:
@@ -97,4 +115,5 @@ def plot_bars(ax, names: list[str], values: list[list[float]], ylabel: str) -> N
            color=[f"C{i % 10}" for i in range(len(names))])  # fmt: skip
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)  # a bar's length is its value
     ax.grid(alpha=0.3, axis="y")
