@@ -18,6 +18,7 @@ import json
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 
 from decoupled_diloco import models, run_files
@@ -67,7 +68,13 @@ def load(path: str, step: int | None = None) -> Model:
 def _manager(directory: epath.Path) -> ocp.CheckpointManager:
     if not directory.exists():
         raise FileNotFoundError(f"no checkpoints at {directory}")
-    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    level = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)  # orbax warns that a read-only manager is read-only
+    try:
+        return ocp.CheckpointManager(directory, options=options)
+    finally:
+        logging.set_verbosity(level)
 
 
 def _restore(manager, n: int, arrays=None) -> tuple[dict, dict]:

@@ -59,7 +59,38 @@ def _legend(ax) -> None:
         ax.legend(fontsize=6)
 
 
-def plot(workdir: str, out: str) -> None:
+def _merge_panels(a, b, merges: list[dict], events: list[dict]) -> None:
+    """Learners per merge and staleness; quorum wait and grace used; over time."""
+    t = [r["time"] for r in merges]
+    a.plot(t, [len(r["learners"]) for r in merges], ".", ms=3, label="learners / merge")
+    stale = [sum(r["staleness"]) / len(r["staleness"]) for r in merges]
+    a.plot(t, stale, ".", ms=3, label="mean staleness (versions)")
+    b.plot(t, [r["quorum_wait"] for r in merges], ".", ms=3, label="quorum wait (s)")
+    b.plot(t, [r["grace"] for r in merges], ".", ms=3, label="grace used (s)")
+    a.set_title("merges")
+    b.set_title("rounds: waiting for quorum and grace")
+    for ax in (a, b):
+        _marks(ax, events)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("wall time (s)")
+        ax.grid(alpha=0.3)
+        _legend(ax)
+
+
+def _expert_load(fig, ax, moe: list[dict]) -> None:
+    import numpy as np
+
+    load = np.array([r["expert_load"] for r in moe])  # [rows, layers, experts]
+    extent = (moe[0]["step"], moe[-1]["step"], load.shape[2] - 0.5, -0.5)
+    img = ax.imshow(load.mean(axis=1).T, aspect="auto", cmap="viridis", extent=extent)
+    fig.colorbar(img, ax=ax, label="share of routed tokens")
+    ax.set_xlabel("step")
+    ax.set_ylabel("expert (mean over MoE layers)")
+    ax.set_title("MoE expert load")
+
+
+def plot(workdir: str, out: str) -> list[str]:
+    """Writes the run's panels into the PNG `out`; returns their titles."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,7 +99,7 @@ def plot(workdir: str, out: str) -> None:
     metrics, merges = _rows(workdir, "metrics.jsonl"), _rows(workdir, "merges.jsonl")
     events = _rows(workdir, "events.jsonl")
     moe = [r for r in metrics if "expert_load" in r]
-    panels = 4 + (1 if moe else 0)
+    panels = 2 + (2 if merges else 0) + (1 if moe else 0)  # no merge panels for DP runs
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.2))
     learners = sorted({r["learner"] for r in metrics if isinstance(r["learner"], int)})
     for ax, x in ((axes[0], "tokens"), (axes[1], "time")):
@@ -94,31 +125,9 @@ def plot(workdir: str, out: str) -> None:
     axes[1].set_title("loss vs wall time (faults marked)")
     _legend(axes[1])
     if merges:
-        t = [r["time"] for r in merges]
-        axes[2].plot(t, [len(r["learners"]) for r in merges], ".", ms=3, label="learners / merge")
-        stale = [sum(r["staleness"]) / len(r["staleness"]) for r in merges]
-        axes[2].plot(t, stale, ".", ms=3, label="mean staleness (versions)")
-        axes[3].plot(t, [r["quorum_wait"] for r in merges], ".", ms=3, label="quorum wait (s)")
-        axes[3].plot(t, [r["grace"] for r in merges], ".", ms=3, label="grace used (s)")
-        for ax in (axes[2], axes[3]):
-            _marks(ax, events)
-            ax.set_ylim(bottom=0)
-    axes[2].set_title("merges")
-    axes[3].set_title("rounds: waiting for quorum and grace")
-    for ax in (axes[2], axes[3]):
-        ax.set_xlabel("wall time (s)")
-        ax.grid(alpha=0.3)
-        _legend(ax)
+        _merge_panels(axes[2], axes[3], merges, events)
     if moe:
-        import numpy as np
-
-        load = np.array([r["expert_load"] for r in moe])  # [rows, layers, experts]
-        extent = (moe[0]["step"], moe[-1]["step"], load.shape[2] - 0.5, -0.5)
-        img = axes[4].imshow(load.mean(axis=1).T, aspect="auto", cmap="viridis", extent=extent)
-        fig.colorbar(img, ax=axes[4], label="share of routed tokens")
-        axes[4].set_xlabel("step")
-        axes[4].set_ylabel("expert (mean over MoE layers)")
-        axes[4].set_title("MoE expert load")
+        _expert_load(fig, axes[-1], moe)
     summary = _summary(workdir)
     fig.suptitle(
         f"{summary.get('name', os.path.basename(workdir))}: final eval loss "
@@ -127,6 +136,7 @@ def plot(workdir: str, out: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+    return [ax.get_title() for ax in axes]
 
 
 def _summary(workdir: str) -> dict:

@@ -83,9 +83,10 @@ def test_greedy_decoding_with_a_cache_equals_argmax_without_one(preset):
     forward = jax.jit(models.forward, static_argnums=0)
     for row, prompt in zip(out, prompts, strict=True):
         seq = list(prompt)
-        while len(seq) < len(row):
-            logits, _ = forward(cfg, params, jnp.asarray([seq], jnp.int32))
-            seq.append(int(jnp.argmax(logits[0, -1])))
+        while len(seq) < len(row):  # causal: padding after the last token changes nothing
+            padded = jnp.asarray([seq + [0] * (len(row) - len(seq))], jnp.int32)
+            logits, _ = forward(cfg, params, padded)
+            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
         np.testing.assert_array_equal(row, seq)
 
 
@@ -103,8 +104,11 @@ def test_sampling_is_deterministic_per_seed(runs):
 def test_report_writes_a_png_and_a_table(runs, name, tmp_path):
     workdir, summary = runs[name]
     out = tmp_path / "report.png"
-    plot(str(workdir), str(out))
+    titles = plot(str(workdir), str(out))
     assert out.read_bytes()[:4] == b"\x89PNG"
+    assert ("merges" in titles) == (name == "dec") and ("MoE expert load" in titles) == (
+        name == "moe"
+    )
     text = table(str(workdir))
     assert f"{summary['final_eval_loss']:.4g}" in text and "| learner |" in text
 
