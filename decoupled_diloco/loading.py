@@ -16,6 +16,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -43,10 +44,14 @@ class Model:
         return models.unflatten_params(self.params)
 
     def forward(self, tokens_BT) -> tuple[jax.Array, dict]:
-        """logits_BTV (float32) and aux of the model on int tokens [B, T]."""
-        return jax.jit(models.forward, static_argnums=0)(
-            self.config.model, self.nested(), tokens_BT
-        )
+        """logits_BTV (float32) and aux of the model on int tokens [B, T] (any array-like)."""
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        if tokens_BT.ndim != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {tokens_BT.shape}")
+        return _forward(self.config.model, self.nested(), tokens_BT)
+
+
+_forward = jax.jit(models.forward, static_argnums=0)
 
 
 def load(path: str, step: int | None = None) -> Model:

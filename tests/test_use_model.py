@@ -50,6 +50,9 @@ def test_load_then_evaluate_gives_the_runs_own_final_eval_loss(runs, name):
     model = decoupled_diloco.load(str(workdir))
     assert model.config.name == summary["name"]
     assert all(np.isfinite(v).all() for v in model.params.values())
+    ids = model.tokenizer.encode("def ")
+    logits, _ = model.forward([ids])
+    assert logits.shape == (1, len(ids), model.config.model.vocab_size)
     loss, _ = evaluate(str(workdir))
     assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-6, abs=1e-6)
 
