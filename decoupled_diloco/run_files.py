@@ -70,7 +70,7 @@ def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> N
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / (RUN_CONFIG + ".tmp")
     tmp.write_text(json.dumps(config_to_json(run), indent=1, sort_keys=True))
-    tmp.rename(root / RUN_CONFIG)
+    tmp.replace(root / RUN_CONFIG)  # atomic; a resumed run rewrites it
     if isinstance(tokenizer, SentencePieceTokenizer):
         (root / TOKENIZER).write_bytes(tokenizer.model_proto)
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from decoupled_diloco.diloco import compression, merge, syncer_state
+from decoupled_diloco.diloco import compression, merge, rounds, syncer_state
 from decoupled_diloco.diloco import offer_checks as checks
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import FragmentPlan
@@ -217,14 +217,10 @@ class Syncer:
                 self._drop(offer, "learner not live", now)
 
     def slot(self, offer: Offer) -> int:
-        """The schedule slot an offer stands for: that of its step, or, if its learner has
-        since reported a step past its next due step (its next offer waits for this one to
-        be merged: one offer in flight per fragment), that later slot."""
+        """The schedule slot an offer stands for (diloco/rounds.py)."""
         info = self.registry.get(offer.learner)
-        step = offer.step
-        if info is not None and info.incarnation == offer.incarnation:
-            step = max(step, info.step)
-        return self.plan.slot(offer.fragment, step)
+        reported = None if info is None else (info.incarnation, info.step)
+        return rounds.offer_slot(self.plan, offer, reported)
 
     def fresh_offers(self, p: int) -> int:
         """Offers counting towards the quorum of fragment p's next round."""
@@ -252,19 +248,6 @@ class Syncer:
                 out += self._merge(p, now)
         return out + self._sent()
 
-    def _catch_up(self, p: int, live: set[int]) -> bool:
-        """Pending offers, none fresh, that merge now instead of a slot later: some missed
-        the last round and every live learner is in or was in it. Offers of learners that were
-        in it (final offers) wait for a round, so a lockstep run's final sync is one merge."""
-        current = self._current(p)
-        return bool(set(self.pending[p]) - current) and live <= set(self.pending[p]) | current
-
-    def _current(self, p: int) -> set[int]:
-        """Learners whose latest merged offer of p is in the slot the last round covered."""
-        last = self.last_slot[p]
-        return {m for m, (_, step, _) in self.merged_into[p].items()
-                if self.plan.slot(p, step) >= last}  # fmt: skip
-
     def next_deadline(self) -> float | None:
         times = [q + self.grace_window() for q in self.quorum_at.values() if q is not None]
         return min(times) if times else None
@@ -279,15 +262,9 @@ class Syncer:
                 out += self._merge(p, now)
         return out + self._sent()
 
-    def _covered_slot(self, p: int, kept: list[Offer]) -> int:
-        """The slot a round covers: the K-th highest fresh slot (the lowest if the round
-        closed with fewer fresh offers, every live learner being in)."""
-        if self.cfg.rounds == "eager":
-            return max([self.last_slot[p], *(self.slot(o) for o in kept)])
-        fresh = sorted((s for o in kept if (s := self.slot(o)) > self.last_slot[p]), reverse=True)
-        if not fresh:
-            return self.last_slot[p]
-        return fresh[self.cfg.quorum - 1] if len(fresh) >= self.cfg.quorum else fresh[-1]
+    def _catch_up(self, p: int, live: set[int]) -> bool:
+        done = rounds.current(self.plan, p, self.merged_into[p], self.last_slot[p])
+        return rounds.catch_up(set(self.pending[p]), live, done)
 
     def _others_weight(self, kept: list[Offer], now: float) -> list[float]:
         """q of the roster's learners with no offer in this merge."""
@@ -332,7 +309,9 @@ class Syncer:
         self.version[p] = version + 1
         for o in kept:
             self.merged_into[p][o.learner] = (o.incarnation, o.step, version + 1)
-        self.last_slot[p] = self._covered_slot(p, kept)
+        self.last_slot[p] = rounds.covered_slot(
+            [self.slot(o) for o in kept], self.last_slot[p], cfg.quorum, cfg.rounds == "eager"
+        )
         payload = compression.encode(self.theta[p], self.cfg.reply_compression)
         reply = Merged(
             p, version + 1, payload, tuple(o.learner for o in kept), now, payload.nbytes(),
