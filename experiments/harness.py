@@ -30,7 +30,6 @@ Config building (lengths per mode, equal eval sets, TPU scaling) lives in arm_co
 """
 
 import ast
-import dataclasses
 import hashlib
 import json
 import os
@@ -48,6 +47,7 @@ from absl import flags, logging  # noqa: E402
 from arm_config import FULL, QUICK, SMOKE, Arm, build_config, for_cpu_validation  # noqa: E402
 from outputs import results_dir  # noqa: E402
 from tables import (  # noqa: E402
+    Result,
     by_arm,
     eval_curve,
     fmt,
@@ -86,15 +86,6 @@ def define_flags(default_out: str, default_seeds: str) -> None:
     flags.DEFINE_multi_string("set", [], "key=value override for every arm, e.g. diloco.alpha=0.5")
     flags.DEFINE_float("budget_s", 0.0, "Wall-clock cap per run (s); 0 = the script's default.")
     flags.DEFINE_bool("check_configs", False, "Build + validate every arm's config; run nothing.")
-
-
-@dataclasses.dataclass
-class Result:
-    arm: Arm
-    seed: int
-    summary: dict
-    rundir: pathlib.Path
-    config: object  # the ConfigDict the run used (ml_collections)
 
 
 def mode() -> str:

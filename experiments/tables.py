@@ -1,8 +1,9 @@
-"""Tables and plots of experiment results (`harness.Result`s): per-arm grouping, ratios
+"""Tables and plots of experiment results (`Result`s): per-arm grouping, ratios
 paired by seed, mean ± sample std, markdown tables, eval curves and bars."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -11,7 +12,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from harness import Result
+    from arm_config import Arm
+
+
+@dataclasses.dataclass
+class Result:
+    """One finished run of an arm (harness.run_arms)."""
+
+    arm: Arm
+    seed: int
+    summary: dict
+    rundir: pathlib.Path
+    config: object  # the ConfigDict the run used (ml_collections)
 
 
 def rows(rundir: pathlib.Path, name: str) -> list[dict]:
