@@ -43,6 +43,23 @@ def one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+_CONFIG_ERRORS = (AttributeError, KeyError, OSError, TypeError, ValueError)
+
+
+def run(main, define_flags) -> None:
+    """absl's app.run for an entry point whose flags `define_flags` defines (a config
+    flag reads its --config.* overrides as it is defined: a typo is one line there too)."""
+    import sys
+
+    from absl import app
+
+    try:
+        define_flags()
+    except _CONFIG_ERRORS as e:
+        sys.exit(f"error: {one_line(e)}\n{CONFIG_DOCS}")
+    app.run(main, flags_parser=parse_flags)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with config errors as one line (exit 2) and --help pointing at
     where the config keys are documented (exit 0)."""
@@ -59,5 +76,5 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(0)
     try:
         return app.parse_flags_with_usage(argv)
-    except (AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    except _CONFIG_ERRORS as e:
         sys.exit(f"error: {one_line(e)}\n{CONFIG_DOCS}")

@@ -17,7 +17,7 @@ cli.fake_cpu_devices()
 import dataclasses  # noqa: E402
 import sys  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
@@ -80,5 +80,4 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, _define_flags)

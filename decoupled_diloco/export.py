@@ -17,7 +17,7 @@ cli.fake_cpu_devices()
 import json  # noqa: E402
 import sys  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 
 def export(workdir: str, out: str, step: int | None = None) -> str:
@@ -69,5 +69,4 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, _define_flags)

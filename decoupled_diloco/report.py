@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from decoupled_diloco import cli
 
@@ -215,5 +215,4 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, _define_flags)

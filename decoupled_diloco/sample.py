@@ -17,7 +17,7 @@ cli.fake_cpu_devices()
 
 import sys  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 
 def sample(
@@ -89,5 +89,4 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=cli.parse_flags)
+    cli.run(main, _define_flags)
