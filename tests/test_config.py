@@ -63,6 +63,16 @@ def test_bad_configs_fail_at_start_up_naming_the_key(small_config, overrides, ke
         config_lib.validate(small_config(**overrides))
 
 
+def test_a_ray_run_without_ray_says_how_to_install_it(small_config, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    c = small_config(**{"diloco.learners": 2, "diloco.sync_every": 4, "runtime": "ray"})
+    with pytest.raises(ValueError, match=r'needs Ray: pip install -e "\.\[ray\]"'):
+        config_lib.validate(c)
+
+
 def test_unknown_section_key_is_rejected(small_config):
     c = small_config()
     c.train.stepz = 3
