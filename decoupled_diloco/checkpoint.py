@@ -7,13 +7,25 @@ snapshot (its parameters, counters at zero), keeping only its step, data positio
 resumed run, its AdamW state. `syncer_<s>/<n>/` holds shard s's Θ, outer
 momenta, versions and schedule slots, plus the fragment plan, the learner registry, its
 counters and its event-log position. Restores go straight onto the target shardings.
+
+Trust no byte: every save writes the checksums of its arrays and of its side-car into the
+side-car (integrity.py), and every restore verifies them and that the values are finite. A
+step that fails (or cannot be read at all) is reported, moved aside to
+`<checkpoints>/corrupt/<name>-<step>` (kept for inspection, out of the manager's sight) and
+the previous kept step is tried; when no kept step is good the restore raises
+`CorruptCheckpointError` naming every directory and why it was refused.
 """
 
+import logging
 import os
 import threading
+import time
 from typing import Any
 
 import orbax.checkpoint as ocp
+from etils import epath
+
+from decoupled_diloco import integrity
 
 # Saves are synchronous: orbax's asynchronous saves from several threads of one process
 # (learners of the local runtime) fail or deadlock (measured with orbax-checkpoint 0.12.8:
@@ -23,14 +35,21 @@ import orbax.checkpoint as ocp
 # one thread at a time (its owner), guarded by its own lock.
 
 
+class CorruptCheckpointError(RuntimeError):
+    """No kept step of a checkpoint directory could be verified."""
+
+
 class Checkpointer:
     """One orbax CheckpointManager: an array tree plus a JSON side-car per step."""
 
     def __init__(self, directory: str, max_to_keep: int = 2):
         self._lock = threading.Lock()
         # Remote paths (gs://..., for multi-node Ray runs) go to orbax as they are.
+        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        # Steps refused on restore since the owner last looked: (step, reason, moved to).
+        self.refused: list[tuple[int, str, str]] = []
         self.manager = ocp.CheckpointManager(
-            directory if "://" in directory else os.path.abspath(directory),
+            self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
             ),
@@ -39,8 +58,14 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, arrays: Any, meta: dict, wait: bool = True) -> None:
+    def save(self, step: int, arrays: Any, meta: dict, wait: bool = True) -> bool:
+        """False (and logged) when the arrays are not finite: such a state is not saved."""
         del wait  # saves are synchronous (see the note at the top of this module)
+        try:
+            meta = integrity.seal(arrays, meta)
+        except ValueError as e:
+            logging.error("%s: step %d not saved: %s", self.directory, step, e)
+            return False
         with self._lock:
             self.manager.save(
                 step,
@@ -50,18 +75,67 @@ class Checkpointer:
                 force=True,
             )
             self.manager.wait_until_finished()
+        return True
 
     def restore(self, abstract_arrays: Any, step: int | None = None) -> tuple[Any, dict]:
-        """`abstract_arrays`: a tree of ShapeDtypeStruct (with .sharding) or numpy arrays."""
-        step = self.latest_step() if step is None else step
-        with self._lock:
+        """The newest verified step (at or before `step`): (arrays, side-car).
+        `abstract_arrays`: a tree of ShapeDtypeStruct (with .sharding) or numpy arrays."""
+
+        def read(s):
             restored = self.manager.restore(
-                step,
+                s,
                 args=ocp.args.Composite(
                     arrays=ocp.args.StandardRestore(abstract_arrays), meta=ocp.args.JsonRestore()
                 ),
             )
-        return restored["arrays"], restored["meta"]
+            arrays, meta = restored["arrays"], restored["meta"]
+            return (arrays, meta), integrity.check(arrays, meta)
+
+        return self._first_good(read, step)
+
+    def restore_meta(self, step: int | None = None) -> dict:
+        """The side-car JSON alone of the newest step whose side-car verifies."""
+
+        def read(s):
+            meta = self.manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            return meta.meta, integrity.check_meta(meta.meta)
+
+        return self._first_good(read, step)
+
+    def _first_good(self, read, step: int | None):
+        with self._lock:
+            steps = sorted(self.manager.all_steps(), reverse=True)
+            candidates = [s for s in steps if step is None or s <= step]
+            if not candidates:
+                raise FileNotFoundError(f"{self.directory}: no checkpoint at or before {step}")
+            refused = []
+            for s in candidates:
+                try:
+                    out, reason = read(s)
+                except Exception as e:  # unreadable files are a refused step, like bad bytes
+                    out, reason = None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
+                if not reason:
+                    return out
+                refused.append(f"{self.directory}/{s}: {reason}")
+                self._set_aside(s, reason)
+        raise CorruptCheckpointError(
+            "no kept checkpoint step can be trusted: " + "; ".join(refused)
+        )
+
+    def _set_aside(self, step: int, reason: str) -> None:
+        """Moves a refused step out of the manager's directory (kept for inspection)."""
+        src = epath.Path(self.directory) / str(step)
+        dst = epath.Path(self.directory).parent / "corrupt" / f"{src.parent.name}-{step}"
+        if dst.exists():
+            dst = dst.with_name(f"{dst.name}-{int(time.time())}")
+        logging.error("checkpoint %s refused (%s); moved to %s", src, reason, dst)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            src.rename(dst)
+        except OSError as e:  # a read-only copy: leave it, but never use it
+            logging.error("could not move %s aside: %s", src, e)
+        self.manager.reload()
+        self.refused.append((step, reason, str(dst)))
 
     def close(self) -> None:
         self.manager.wait_until_finished()
@@ -81,12 +155,10 @@ def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
     or None without one. Without `params_too` only the position is read: a learner restarting
     against a syncer takes its parameters from Θ."""
     ckpt.manager.wait_until_finished()
-    step = ckpt.latest_step()
-    if step is None:
+    if ckpt.latest_step() is None:
         return None
     if params_too:
         state, meta = ckpt.restore(abstract_state)
     else:
-        state = None
-        meta = ckpt.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        state, meta = None, ckpt.restore_meta()
     return int(meta["step"]), meta["data"], int(meta["incarnation"]) + 1, state

@@ -25,7 +25,7 @@ def export(workdir: str, out: str, step: int | None = None) -> str:
     import orbax.checkpoint as ocp
     from etils import epath
 
-    from decoupled_diloco import run_files
+    from decoupled_diloco import integrity, run_files
     from decoupled_diloco.loading import EXPORT_MARKER, PARAMS, load
 
     model = load(workdir, step)
@@ -39,7 +39,7 @@ def export(workdir: str, out: str, step: int | None = None) -> str:
         0,
         args=ocp.args.Composite(
             arrays=ocp.args.StandardSave(model.params),
-            meta=ocp.args.JsonSave({"source": model.source}),
+            meta=ocp.args.JsonSave(integrity.seal(model.params, {"source": model.source})),
         ),
     )
     manager.wait_until_finished()

@@ -22,7 +22,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from decoupled_diloco import models, run_files
+from decoupled_diloco import integrity, models, run_files
+from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import Tokenizer
 
@@ -85,6 +86,9 @@ def _manager(directory: epath.Path) -> ocp.CheckpointManager:
 def _restore(manager, n: int, arrays=None) -> tuple[dict, dict]:
     restore = ocp.args.StandardRestore(arrays) if arrays is not None else ocp.args.StandardRestore()
     out = manager.restore(n, args=ocp.args.Composite(arrays=restore, meta=ocp.args.JsonRestore()))
+    reason = integrity.check(out["arrays"], out["meta"])
+    if reason:  # read-only here: the run's own restore sets bad steps aside
+        raise CorruptCheckpointError(f"{manager.directory}/{n}: {reason}")
     return out["arrays"], out["meta"]
 
 

@@ -20,6 +20,12 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an ml_collections config file under configs/.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (metrics, checkpoints, summary).")
+_FORCE = flags.DEFINE_bool(
+    "force_resume",
+    False,
+    "Resume a workdir's run although config keys changed that change what it computes "
+    "(the old config is kept as run_config.<attempt>.json).",
+)
 
 
 def main(argv) -> None:
@@ -38,10 +44,18 @@ def main(argv) -> None:
         run = config_lib.validate(config)
     except ValueError as e:
         sys.exit(f"config error: {e}")
+    from decoupled_diloco.checkpoint import CorruptCheckpointError
+    from decoupled_diloco.runtime.workdir import WorkdirBusyError
+
     try:
-        summary = launch.run(run, _WORKDIR.value)
-    except ValueError as e:  # a workdir holding another run
-        sys.exit(f"error: {e}")
+        summary = launch.run(run, _WORKDIR.value, force=_FORCE.value)
+    except (ValueError, WorkdirBusyError, launch.ModelNotFiniteError) as e:
+        sys.exit(f"error: {e}")  # a workdir holding another run or in use; a NaN model
+    except RuntimeError as e:
+        corrupt = _cause(e, CorruptCheckpointError)
+        if corrupt is None:
+            raise
+        sys.exit(f"error: {corrupt}")
     print(
         f"done: final_eval_loss={summary['final_eval_loss']:.4f} steps={summary['steps']} "
         f"tokens={summary['tokens']} wall={summary['wall_seconds']:.1f}s "
@@ -49,6 +63,13 @@ def main(argv) -> None:
         f"-> {_WORKDIR.value}/summary.json",
         flush=True,
     )
+
+
+def _cause(e: BaseException | None, kind: type) -> BaseException | None:
+    """`e` or the first exception of type `kind` that it was raised from."""
+    while e is not None and not isinstance(e, kind):
+        e = e.__cause__
+    return e
 
 
 if __name__ == "__main__":

@@ -133,13 +133,19 @@ class Syncer:
         if reason:
             self._reject(None, reason, now, msg.learner)
             return []
+        earlier = {}  # what Θ holds of the learner's earlier lives: its snapshot says so
         for p in self.owned:  # offers of an earlier life are void
             self.pending[p].pop(msg.learner, None)
-            self.merged_into[p].pop(msg.learner, None)
+            entry = self.merged_into[p].pop(msg.learner, None)
+            if entry is not None:
+                earlier[p] = entry[:2]
         self.record(
             {"event": "join", "learner": msg.learner, "incarnation": msg.incarnation, "time": now}
         )
-        return [(msg.learner, self.snapshot(now))]
+        snap = self.snapshot(now)
+        for p, entry in earlier.items():
+            snap.merged[p][msg.learner] = entry
+        return [(msg.learner, snap)]
 
     def _reject(self, offer: Offer | None, reason: str, now: float, learner: int = -1) -> None:
         """A bad offer (or join): logged, counted, never merged; its learner is told."""

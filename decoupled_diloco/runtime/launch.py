@@ -1,54 +1,73 @@
 """Chooses the runtime named by the config and runs it in its workdir.
 
-A workdir holds one run: the runtime writes its config and tokenizer there when it starts
-(run_files.py), a re-run with the same config resumes it from its checkpoints, a re-run of a
-finished run (summary.json written) changes nothing, and a run with another config is refused.
+A workdir holds one run (runtime/workdir.py): one process at a time holds its lock; the
+runtime writes its config and tokenizer there when it starts (run_files.py); a re-run with
+the same config resumes it from its checkpoints (keys in `workdir.FREE_TO_CHANGE` may
+differ; others only with `force`), a re-run of a finished run (summary.json written)
+changes nothing, and summary.json adds up wall time and failures over every attempt.
+
+A run whose final global model is not finite has failed: its summary says so and `run`
+raises `ModelNotFiniteError` (the CLI exits non-zero), never returning a NaN model as a
+result.
 """
 
 import json
+import math
 import os
 
-from decoupled_diloco import run_files
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.metrics import write_json
+from decoupled_diloco.runtime import workdir as workdir_lib
 
 SUMMARY = "summary.json"
 
 
-def run(cfg: RunConfig, workdir: str, verbose: bool = True) -> dict:
+class ModelNotFiniteError(RuntimeError):
+    """The run ended with a non-finite global model."""
+
+
+def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False) -> dict:
+    """Runs (or resumes) the run in `workdir`; `force` continues it with changed config keys
+    that a resume would otherwise refuse."""
     os.makedirs(workdir, exist_ok=True)
     finished = os.path.join(workdir, SUMMARY)
-    _check_same_run(cfg, workdir)
-    if os.path.exists(finished):
-        if verbose:
-            print(f"{workdir} holds a finished run; its records are left as they were "
-                  "(use another --workdir for a new run)", flush=True)  # fmt: skip
-        with open(finished, encoding="utf-8") as f:
-            return json.load(f)
+    with workdir_lib.lock(workdir):
+        done = os.path.exists(finished)
+        changed = workdir_lib.check_resume(workdir, cfg, done, force)
+        if done:
+            if verbose:
+                print(f"{workdir} holds a finished run; its records are left as they were "
+                      "(use another --workdir for a new run)", flush=True)  # fmt: skip
+            with open(finished, encoding="utf-8") as f:
+                return _checked(json.load(f))
+        if changed and verbose:
+            print(f"resuming with changed {', '.join(changed)}", flush=True)
+        attempt = workdir_lib.Attempt(workdir, changed, forced=force)
+        try:
+            runtime = _runtime(cfg, workdir, verbose)
+            ledger = runtime.log.ledger
+            attempt.watch(lambda: {"failures": ledger.failures, "restarts": ledger.restarts})
+            summary = attempt.finish(runtime.run())
+        finally:
+            attempt.stop()  # a failed attempt's record says how far it got
+        loss = summary.get("final_eval_loss", math.nan)
+        if not (isinstance(loss, float | int) and math.isfinite(loss)):
+            summary["failed"] = f"the final global model is not finite (eval loss {loss})"
+        write_json(finished, summary)
+        return _checked(summary)
+
+
+def _runtime(cfg: RunConfig, workdir: str, verbose: bool):
     if cfg.runtime == "ray":
         from decoupled_diloco.runtime.ray.runtime import RayRuntime
 
-        return RayRuntime(cfg, workdir, verbose=verbose).run()
+        return RayRuntime(cfg, workdir, verbose=verbose)
     from decoupled_diloco.runtime.local import LocalRuntime
 
-    return LocalRuntime(cfg, workdir, verbose=verbose).run()
+    return LocalRuntime(cfg, workdir, verbose=verbose)
 
 
-def _check_same_run(cfg: RunConfig, workdir: str) -> None:
-    """A workdir's earlier run must have had this config (a resume), or there is none."""
-    if not os.path.exists(os.path.join(workdir, run_files.RUN_CONFIG)):
-        return
-    saved = run_files.config_to_json(run_files.read_config(workdir))
-    now = run_files.config_to_json(cfg)
-    diff = sorted(
-        f"{section}.{k}"
-        for section in now
-        for k in (now[section] if isinstance(now[section], dict) else [None])
-        if (saved.get(section) if k is None else saved.get(section, {}).get(k))
-        != (now[section] if k is None else now[section][k])
-    )
-    if diff:
-        raise ValueError(
-            f"{workdir} holds a run with another config (differs in {', '.join(diff[:8])}"
-            f"{' ...' if len(diff) > 8 else ''}): resume it with its own config, or use "
-            "another --workdir"
-        )
+def _checked(summary: dict) -> dict:
+    if summary.get("failed"):
+        raise ModelNotFiniteError(f"the run failed: {summary['failed']}")
+    return summary

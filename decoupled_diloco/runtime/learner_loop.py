@@ -74,7 +74,13 @@ class LearnerLoop:
         """Takes step, data position and incarnation from the last checkpoint, and with
         `params_too` its TrainState (a resumed run); a restarted process takes Θ instead.
         False without a checkpoint."""
-        out = checkpoint.restore_learner(self.ckpt, self.replica.abstract_state(), params_too)
+        try:
+            out = checkpoint.restore_learner(self.ckpt, self.replica.abstract_state(), params_too)
+        finally:
+            for step, reason, moved in self.ckpt.refused:
+                self.sink.event(self._event("checkpoint_refused", checkpoint_step=step,
+                                            reason=reason, moved_to=moved))  # fmt: skip
+            self.ckpt.refused.clear()
         if out is None:
             return False
         self.step, data_state, incarnation, self.restored = out
@@ -184,12 +190,38 @@ class LearnerLoop:
             for msg in self._receive(0.5):
                 (snapshots if isinstance(msg, Snapshot) else early).append(msg)
         params = self.proto.start(snapshots)
+        self._cut(snapshots)
         if self.restored is not None:
             self.replica.state = self.restored
             self.replica.set_params(params)
+            self.replica.set_step(self.step)
         else:
             self.replica.init_from_host(params, self.step)
         self._apply(self.proto.handle(early))
+
+    def _cut(self, snapshots) -> None:
+        """Meets the syncer at one consistent cut. Θ's vector clocks say up to which step of
+        ours each fragment holds our work (any earlier life's): a learner restored from an
+        older checkpoint than that (a resumed run, a restarted process) skips ahead to the
+        newest such step, so no step's work reaches Θ twice; steps after the oldest one
+        that some fragment lacks are lost with the state that held them. Both are
+        recorded (`resume_cut`)."""
+        held = [
+            clock.get(self.m, clock.get(str(self.m)))
+            for snap in snapshots
+            for clock in snap.merged.values()
+        ]
+        held = [int(h[1]) for h in held if h is not None]
+        if not held:
+            return
+        skipped = max(max(held) - self.step, 0)
+        lost = max(self.step + skipped - min(held), 0)  # most any fragment misses
+        if skipped:
+            for _ in range(skipped):  # the data Θ already holds is not read again
+                next(self.data)
+            self.step = self.proto.step = self.step + skipped
+        if skipped or lost:
+            self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost))
 
     def _boundary(self) -> None:
         self.wait_seconds += step_boundary(

@@ -148,7 +148,14 @@ class SyncerLoop:
         owned = owned_fragments(self.plan.num_fragments, run.diloco.syncer_shards, self.shard)
         syncer = Syncer(run.diloco, self.plan, self.init_params, owned, self.record, new_epoch())
         if self.ckpt.latest_step() is not None:
-            state, meta = self.ckpt.restore(jax.tree.map(np.asarray, syncer.state_dict()))
+            try:
+                state, meta = self.ckpt.restore(jax.tree.map(np.asarray, syncer.state_dict()))
+            finally:
+                for step, reason, moved in self.ckpt.refused:
+                    self.record({"event": "checkpoint_refused", "shard": self.shard,
+                                 "checkpoint_step": step, "reason": reason, "moved_to": moved,
+                                 "time": self.clock()})  # fmt: skip
+                self.ckpt.refused.clear()
             syncer.load_state_dict(state, meta, self.clock())
             self._saved_key = _saved_key(syncer)
         elif not after_failure:

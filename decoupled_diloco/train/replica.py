@@ -67,6 +67,11 @@ class Replica:
         params = unflatten_params(transfer.to_device(flat, self.flat_shardings))
         self.state = self.state._replace(params=params)
 
+    def set_step(self, step: int) -> None:
+        """Sets the inner step (the learning-rate schedule's position), keeping the rest."""
+        value = jax.device_put(np.int32(step), sharding.replicated(self.mesh))
+        self.state = self.state._replace(step=value)
+
     def _set(self, params, step: int) -> None:
         step = jax.device_put(np.int32(step), sharding.replicated(self.mesh))
         self.state = TrainState(step, params, self._init_opt(params))

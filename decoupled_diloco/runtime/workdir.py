@@ -1,0 +1,210 @@
+"""One run per workdir: its lock, the config a resume must keep, and the run's attempts.
+
+  <workdir>/run.lock         held while a process runs the run (who holds it: inside)
+  <workdir>/attempts.jsonl   one line per process that ran it: when it started, its own
+                             wall time and failure counters (kept current while it runs)
+
+A local workdir is locked with `fcntl.flock`, which the kernel releases when the process
+dies however it dies, so a killed run never leaves a stale lock. A remote workdir (gs://...)
+cannot be flocked: its lock is a file written with the holder's host and pid and removed
+when the run ends; after a hard kill the error says which file to delete.
+
+A resume must run the config the workdir's run started with (run_config.json); only keys that
+change how a run is observed or placed, not what it computes (`FREE_TO_CHANGE`), may differ.
+`force=True` (`--force_resume`) accepts any change: it is recorded in attempts.jsonl and the
+previous config is kept as run_config.<attempt>.json.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+
+from etils import epath
+
+from decoupled_diloco import run_files
+from decoupled_diloco.config import RunConfig
+
+LOCK = "run.lock"
+ATTEMPTS = "attempts.jsonl"
+FREE_TO_CHANGE = frozenset(
+    {
+        "name",
+        "train.eval_every",
+        "train.eval_batches",
+        "train.log_every",
+        "train.checkpoint_every",
+        "ray.address",
+        "ray.max_restarts",
+        "ray.num_cpus",
+        "ray.temp_dir",
+        "ray.poll_seconds",
+        "ray.evaluate",
+    }
+)
+# Counters a resumed run adds up over its attempts (each process counts its own).
+ACCUMULATED = ("wall_seconds", "failures", "restarts")
+
+
+class WorkdirBusyError(RuntimeError):
+    """Another process is running the run in this workdir."""
+
+
+@contextlib.contextmanager
+def lock(workdir: str):
+    """Holds the workdir's lock for the body; raises WorkdirBusyError if someone has it."""
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    if "://" in workdir:
+        path = epath.Path(workdir) / LOCK
+        if path.exists():
+            raise WorkdirBusyError(
+                f"{workdir} is locked by {path.read_text().strip()}; if that run is dead, "
+                f"delete {path}"
+            )
+        path.write_text(json.dumps(holder))
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+        return
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, LOCK)
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise WorkdirBusyError(
+                f"{workdir} is in use by another run ({f.read().strip() or 'unknown holder'}); "
+                "wait for it to end or use another --workdir"
+            ) from None
+        f.truncate(0)
+        f.write(json.dumps(holder))
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def config_changes(workdir: str, cfg: RunConfig) -> list[str]:
+    """The `section.key`s in which `cfg` differs from the config the workdir's run started
+    with ([] for a new workdir)."""
+    if not (epath.Path(workdir) / run_files.RUN_CONFIG).exists():
+        return []
+    saved = run_files.config_to_json(run_files.read_config(workdir))
+    now = run_files.config_to_json(cfg)
+    changed = []
+    for section in sorted(set(saved) | set(now)):
+        a, b = saved.get(section), now.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += [f"{section}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            changed.append(section)
+    return changed
+
+
+def check_resume(workdir: str, cfg: RunConfig, finished: bool, force: bool) -> list[str]:
+    """Refuses a config the workdir's run cannot continue with; returns the changes that are
+    accepted (free ones, or any with `force`)."""
+    changed = config_changes(workdir, cfg)
+    if finished and changed:
+        raise ValueError(
+            f"{workdir} holds a finished run with another config (differs in "
+            f"{_listed(changed)}): use another --workdir for a new run"
+        )
+    binding = [k for k in changed if k not in FREE_TO_CHANGE]
+    if binding and not force:
+        raise ValueError(
+            f"{workdir} holds a run with another config (differs in {_listed(binding)}): "
+            "resume it with its own config, use another --workdir, or pass --force_resume to "
+            "continue it with the new values"
+        )
+    return changed
+
+
+def _listed(keys: list[str]) -> str:
+    return ", ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
+
+
+def previous_attempts(workdir: str) -> list[dict]:
+    path = epath.Path(workdir) / ATTEMPTS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Attempt:
+    """This process's attempt at the run. While it runs, a daemon thread rewrites
+    attempts.jsonl's last line every `every` seconds with its counters so far, so an attempt
+    that is killed still leaves its wall time and failures (to within `every`)."""
+
+    def __init__(self, workdir: str, changed: list[str], forced: bool, every: float = 5.0):
+        self.workdir, self.every = workdir, every
+        self.records = previous_attempts(workdir)
+        self.number = len(self.records)
+        self.t0 = time.time()
+        root = epath.Path(workdir)
+        if forced and changed:  # keep the config this attempt replaces
+            (root / run_files.RUN_CONFIG).copy(root / f"run_config.{self.number}.json")
+        self.record = {"attempt": self.number, "started": self.t0, "pid": os.getpid(),
+                       "host": socket.gethostname(), "changed": changed, "forced": forced,
+                       "finished": False, "own": {}}  # fmt: skip
+        self.counters = lambda: {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._write()
+
+    def watch(self, counters) -> None:
+        """Starts the heartbeat; `counters()` returns this process's failures etc. so far."""
+        self.counters = counters
+        self._thread = threading.Thread(target=self._beat, name="attempt", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            self._write()
+
+    def stop(self) -> None:
+        """Ends the heartbeat with a last record (this attempt stays unfinished unless
+        `finish` recorded it); idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._write()
+
+    def _write(self) -> None:
+        with self._lock:
+            own = {k: v for k, v in self.counters().items() if k in ACCUMULATED}
+            self.record["own"] = {"wall_seconds": time.time() - self.t0, **own}
+            lines = [json.dumps(r) for r in [*self.records, self.record]]
+            path = epath.Path(self.workdir) / ATTEMPTS
+            tmp = epath.Path(self.workdir) / (ATTEMPTS + ".tmp")
+            tmp.write_text("\n".join(lines) + "\n")
+            tmp.replace(path)
+
+    def finish(self, summary: dict) -> dict:
+        """Records this attempt's own counters and returns `summary` with the run's totals
+        over every attempt: ACCUMULATED keys summed, `attempts`, and `interrupted_attempts`
+        (earlier processes that ended before the run finished: killed, crashed, preempted;
+        each counts as a failure). Goodput and uptime stay those of this attempt."""
+        self.counters = lambda: {k: summary.get(k, 0) for k in ACCUMULATED}
+        self.record["finished"] = True
+        self.stop()
+        own = dict(self.record["own"])
+        total = dict(summary)
+        for r in self.records:
+            for k in ACCUMULATED:
+                total[k] = total.get(k, 0) + r.get("own", {}).get(k, 0)
+        interrupted = sum(1 for r in self.records if not r.get("finished"))
+        total["attempts"] = len(self.records) + 1
+        total["interrupted_attempts"] = interrupted
+        total["failures"] = total.get("failures", 0) + interrupted
+        total["this_attempt"] = own
+        return total

@@ -1,0 +1,157 @@
+"""Checkpoints are verified on restore: checksums and finite values, a refused step is set
+aside and the previous kept step used, and with none good the restore names every file."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from decoupled_diloco import integrity
+from decoupled_diloco.checkpoint import Checkpointer, CorruptCheckpointError
+
+
+def _tree(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.normal(size=(3, 5, 7)).astype(np.float32),
+        "b": rng.normal(size=(11,)).astype(ml_dtypes.bfloat16),
+        "count": np.int32(seed),
+        "mask": rng.random((4, 4)) > 0.5,
+    }
+
+
+def test_device_and_host_checksums_agree():
+    tree = _tree(0)
+    host, _ = integrity.digest(tree)
+    device, _ = integrity.digest(jax.tree.map(jnp.asarray, tree))
+    assert host == device
+
+
+def test_any_single_changed_word_changes_the_checksum():
+    x = np.random.default_rng(1).normal(size=(6, 9)).astype(np.float32)
+    base = integrity.digest({"x": x})[0]["['x']"]
+    for i in range(x.size):
+        y = x.copy().reshape(-1)
+        y.view(np.uint32)[i] ^= np.uint32(1 << (i % 32))  # one flipped bit, anywhere
+        assert integrity.digest({"x": y.reshape(x.shape)})[0]["['x']"] != base, i
+    # Two swapped elements (same multiset of words) are caught by the position weights.
+    z = x.copy()
+    z[0, 0], z[0, 1] = x[0, 1], x[0, 0]
+    assert integrity.digest({"x": z})[0]["['x']"] != base
+
+
+def test_non_finite_leaves_are_named():
+    tree = _tree(0)
+    tree["w"][1, 2, 3] = np.nan
+    assert integrity.digest(tree)[1] == ["['w']"]
+    assert integrity.digest(jax.tree.map(jnp.asarray, tree))[1] == ["['w']"]
+
+
+def _save(directory, step, arrays, meta=None, seal=True):
+    """A step written with the manager directly (optionally without checksums)."""
+    ckpt = Checkpointer(str(directory), max_to_keep=3)
+    if seal:
+        assert ckpt.save(step, arrays, meta or {"step": step})
+    else:
+        import orbax.checkpoint as ocp
+
+        ckpt.manager.save(
+            step,
+            args=ocp.args.Composite(
+                arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta or {})
+            ),
+        )
+        ckpt.manager.wait_until_finished()
+    ckpt.close()
+
+
+def _flip_bytes(step_dir, count=64):
+    """Flips `count` bytes in the middle of the largest data file of a step (like a bad disk)."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs]
+    data = max((f for f in files if "arrays" in f), key=os.path.getsize)
+    with open(data, "r+b") as f:
+        raw = bytearray(f.read())
+        start = len(raw) // 2 - count // 2
+        for i in range(start, start + count):
+            raw[i] ^= 0xFF
+        f.seek(0)
+        f.write(raw)
+
+
+def test_a_corrupted_newest_step_falls_back_to_the_previous_kept_step(tmp_path):
+    d = tmp_path / "learner_0"
+    big = {"w": np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)}
+    _save(d, 1, big)
+    _save(d, 2, {"w": big["w"] + 1})
+    _flip_bytes(d / "2")
+    ckpt = Checkpointer(str(d))
+    arrays, meta = ckpt.restore({"w": np.zeros((256, 256), np.float32)})
+    assert meta["step"] == 1
+    np.testing.assert_array_equal(arrays["w"], big["w"])
+    [(step, reason, moved)] = ckpt.refused
+    assert step == 2 and reason and os.path.isdir(moved)
+    assert ckpt.latest_step() == 1  # set aside: a later save of step 2 is a fresh one
+    assert ckpt.save(2, {"w": big["w"] * 2}, {"step": 2})
+    ckpt.close()
+
+
+def test_readable_but_wrong_values_are_caught_by_the_checksum(tmp_path):
+    d = tmp_path / "syncer_0"
+    good = {"theta": np.ones((4, 4), np.float32), "version": np.int64(3)}
+    _save(d, 1, good)
+    # Step 2's side-car promises `good`, its arrays hold something else (finite).
+    tampered = {"theta": np.full((4, 4), 1e15, np.float32), "version": np.int64(3)}
+    _save(d, 2, tampered, integrity.seal(good, {"step": 2}), seal=False)
+    ckpt = Checkpointer(str(d))
+    arrays, meta = ckpt.restore(jax.tree.map(np.zeros_like, good))
+    assert meta["step"] == 1
+    assert "checksum mismatch in ['theta']" in ckpt.refused[0][1]
+
+
+def test_nan_values_are_refused_even_without_checksums(tmp_path):
+    d = tmp_path / "old_format"
+    _save(d, 1, {"w": np.zeros(3, np.float32)}, {"step": 1}, seal=False)
+    _save(d, 2, {"w": np.array([0.0, np.nan, 1e38], np.float32)}, {"step": 2}, seal=False)
+    ckpt = Checkpointer(str(d))
+    _, meta = ckpt.restore({"w": np.zeros(3, np.float32)})
+    assert meta["step"] == 1 and "non-finite" in ckpt.refused[0][1]
+
+
+def test_a_non_finite_state_is_not_saved(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "c"))
+    assert not ckpt.save(1, {"w": jnp.array([1.0, jnp.inf])}, {"step": 1})
+    assert ckpt.latest_step() is None
+
+
+def test_an_edited_side_car_is_refused(tmp_path):
+    d = tmp_path / "learner_1"
+    _save(d, 1, {"w": np.zeros(3, np.float32)}, {"step": 1, "data": {"position": 10}})
+    _save(d, 2, {"w": np.zeros(3, np.float32)}, {"step": 2, "data": {"position": 20}})
+    meta_file = next(
+        os.path.join(r, f) for r, _, fs in os.walk(d / "2" / "meta") for f in fs if "meta" in r
+    )
+    with open(meta_file, encoding="utf-8") as f:
+        meta = json.load(f)
+    meta["data"]["position"] = 999
+    with open(meta_file, "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    ckpt = Checkpointer(str(d))
+    assert ckpt.restore_meta()["data"]["position"] == 10
+    assert "metadata" in ckpt.refused[0][1]
+
+
+def test_no_good_step_stops_with_every_file_named(tmp_path):
+    d = tmp_path / "learner_0"
+    w = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
+    _save(d, 1, {"w": w})
+    _save(d, 2, {"w": w})
+    _flip_bytes(d / "1")
+    _flip_bytes(d / "2")
+    ckpt = Checkpointer(str(d))
+    with pytest.raises(CorruptCheckpointError) as e:
+        ckpt.restore({"w": np.zeros_like(w)})
+    assert f"{d}/2:" in str(e.value) and f"{d}/1:" in str(e.value)

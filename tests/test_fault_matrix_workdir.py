@@ -1,0 +1,192 @@
+"""Attacks on a run's workdir and checkpoints (issue 18, items 1 and 6): corrupted
+checkpoints, two runs on one workdir, resumes with another config, kills that must leave a
+trace, a Decoupled resume that must not count work twice, a NaN model that must not pass."""
+
+import collections
+import json
+import os
+import threading
+
+import pytest
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco.checkpoint import CorruptCheckpointError
+from decoupled_diloco.runtime import launch, workdir
+from decoupled_diloco.runtime.local import LocalRuntime
+
+DECOUPLED = {
+    "diloco.learners": 2,
+    "diloco.sync_every": 4,
+    "diloco.fragments": 2,
+    "diloco.overlap": 1,
+    "diloco.quorum": 1,
+    "diloco.max_wait": 0.0,
+}
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _halted(cfg, wd, after):
+    """A process that dies after `after` steps (no final checkpoint or summary), as the
+    launcher runs it: lock held, attempt recorded."""
+    run = config_lib.validate(cfg)
+    with workdir.lock(str(wd)):
+        attempt = workdir.Attempt(str(wd), [], forced=False)
+        rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after)
+        attempt.watch(lambda: {"failures": rt.log.ledger.failures})
+        assert rt.run() is None
+        attempt.stop()  # what its last heartbeat would have written
+
+
+def _flip(step_dir):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs]
+    data = max((f for f in files if "arrays" in f), key=os.path.getsize)
+    with open(data, "r+b") as f:
+        raw = bytearray(f.read())
+        for i in range(len(raw) // 2, len(raw) // 2 + 64):
+            raw[i] ^= 0xFF
+        f.seek(0)
+        f.write(raw)
+
+
+def _steps(ckpt_dir):
+    return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
+
+
+def test_a_corrupt_learner_checkpoint_falls_back_and_the_run_finishes(small_config, tmp_path):
+    cfg = small_config(**{"train.steps": 12, "train.checkpoint_every": 4})
+    _halted(cfg, tmp_path, after=10)
+    ckpt = tmp_path / "checkpoints" / "learner_0"
+    assert _steps(ckpt) == [4, 8]
+    _flip(ckpt / "8")
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    refused = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "checkpoint_refused"]
+    assert [e["checkpoint_step"] for e in refused] == [8]
+    assert os.path.isdir(refused[0]["moved_to"])
+    assert summary["steps"] == 12 and summary["final_eval_loss"] < 6.0
+    # The second attempt resumed from step 4: steps 5-12 ran in it.
+    rows = [r for r in _read(tmp_path / "metrics.jsonl") if r["learner"] == 0 and "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+
+
+def test_a_corrupt_syncer_checkpoint_falls_back_to_the_previous_one(small_config, tmp_path):
+    cfg = small_config(**{"train.steps": 16, "train.checkpoint_every": 4, **DECOUPLED,
+                          "diloco.syncer_checkpoint_seconds": 0.05})  # fmt: skip
+    _halted(cfg, tmp_path, after=8)
+    ckpt = tmp_path / "checkpoints" / "syncer_0"
+    kept = _steps(ckpt)
+    assert len(kept) == 2
+    _flip(ckpt / str(kept[-1]))
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    refused = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "checkpoint_refused"]
+    assert [(e.get("shard"), e["checkpoint_step"]) for e in refused] == [(0, kept[-1])]
+    assert summary["final_eval_loss"] < 6.0
+
+
+def test_no_good_checkpoint_stops_the_run_naming_the_files(small_config, tmp_path):
+    cfg = small_config(**{"train.steps": 12, "train.checkpoint_every": 4})
+    _halted(cfg, tmp_path, after=10)
+    ckpt = tmp_path / "checkpoints" / "learner_0"
+    for step in _steps(ckpt):
+        _flip(ckpt / str(step))
+    with pytest.raises(CorruptCheckpointError) as e:
+        launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    assert f"{ckpt}/8:" in str(e.value) and f"{ckpt}/4:" in str(e.value)
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_decoupled_resume_meets_the_syncer_at_one_cut(small_config, tmp_path):
+    """Learners checkpoint at step 8, the syncer's last save holds their work up to ~step 11:
+    the resumed learners skip what Θ holds instead of merging those steps a second time."""
+    cfg = small_config(**{"train.steps": 20, "train.checkpoint_every": 8, **DECOUPLED})
+    _halted(cfg, tmp_path, after=11)
+    held = collections.defaultdict(int)  # each learner's newest step in Θ
+    for rec in _read(tmp_path / "merges.jsonl"):
+        for m, step in zip(rec["learners"], rec["steps"], strict=True):
+            held[m] = max(held[m], step)
+    assert max(held.values()) > 8  # (offers of step 10 are sent before the kill at 11)
+    launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    cuts = {e["learner"]: e for e in _read(tmp_path / "events.jsonl") if e["event"] == "resume_cut"}
+    for m in (0, 1):
+        if held[m] > 8:
+            assert cuts[m]["skipped_steps"] == held[m] - 8 and cuts[m]["step"] == held[m]
+    # Every step of every learner reached each fragment's Θ at most once.
+    merged = collections.Counter()
+    for rec in _read(tmp_path / "merges.jsonl"):
+        for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
+            merged[(m, rec["fragment"])] += c
+    assert merged and max(merged.values()) <= 20, merged
+
+
+def test_two_runs_on_one_workdir_the_second_is_refused(tmp_path):
+    with workdir.lock(str(tmp_path)):
+        with pytest.raises(workdir.WorkdirBusyError, match="in use by another run"):  # noqa: SIM117
+            with workdir.lock(str(tmp_path)):
+                pass
+        # Another thread of this process is refused too (a lock per open file).
+        failed = []
+        t = threading.Thread(target=lambda: failed.append(_try_lock(tmp_path)))
+        t.start()
+        t.join()
+        assert failed == [True]
+    with workdir.lock(str(tmp_path)):  # released when the holder ends
+        pass
+
+
+def _try_lock(path) -> bool:
+    try:
+        with workdir.lock(str(path)):
+            return False
+    except workdir.WorkdirBusyError:
+        return True
+
+
+def test_a_resume_refuses_changed_config_unless_forced(small_config, tmp_path):
+    cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4})
+    _halted(cfg, tmp_path, after=6)
+    changed = small_config(**{"train.steps": 8, "train.checkpoint_every": 4, "seed": 3,
+                              "train.learning_rate": 1e-2})  # fmt: skip
+    with pytest.raises(ValueError, match="train.learning_rate, train.seed.*--force_resume"):
+        launch.run(config_lib.validate(changed), str(tmp_path), verbose=False)
+    # Keys that only change how the run is observed may change freely.
+    observed = small_config(**{"train.steps": 8, "train.checkpoint_every": 2, "name": "x"})
+    assert workdir.check_resume(str(tmp_path), config_lib.validate(observed), False, False) == [
+        "name",
+        "train.checkpoint_every",
+    ]
+    summary = launch.run(config_lib.validate(changed), str(tmp_path), verbose=False, force=True)
+    assert summary["steps"] == 8
+    assert (tmp_path / "run_config.1.json").exists()  # the config it replaced
+    saved = json.loads((tmp_path / "run_config.json").read_text())
+    assert saved["train"]["seed"] == 3
+    attempts = _read(tmp_path / "attempts.jsonl")
+    assert attempts[-1]["forced"] and "train.seed" in attempts[-1]["changed"]
+
+
+def test_summary_adds_up_every_attempt(small_config, tmp_path):
+    cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4})
+    _halted(cfg, tmp_path, after=6)
+    before = _read(tmp_path / "attempts.jsonl")[0]["own"]["wall_seconds"]
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    assert summary["attempts"] == 2 and summary["interrupted_attempts"] == 1
+    assert summary["failures"] == 1  # the killed process leaves a trace
+    assert summary["wall_seconds"] == pytest.approx(
+        summary["this_attempt"]["wall_seconds"] + before
+    )
+    # A finished run re-run: nothing changes, the totals stay.
+    again = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    assert again == json.loads((tmp_path / "summary.json").read_text())
+    assert again["attempts"] == 2
+
+
+def test_a_non_finite_model_is_a_failed_run(small_config, tmp_path):
+    cfg = small_config(**{"train.steps": 6, "train.learning_rate": 1e9, "train.grad_clip": 0.0,
+                          "train.warmup_steps": 0})  # fmt: skip
+    with pytest.raises(launch.ModelNotFiniteError, match="not finite"):
+        launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    assert "failed" in json.loads((tmp_path / "summary.json").read_text())
+    with pytest.raises(launch.ModelNotFiniteError):  # and stays failed when re-run
+        launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
