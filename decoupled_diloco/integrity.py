@@ -82,9 +82,18 @@ def _device_sums(leaves: list) -> tuple[list, jax.Array]:
     return sums, finite
 
 
+def _key_name(key) -> str:
+    for attr in ("name", "key", "idx"):  # GetAttrKey, DictKey, SequenceKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 def _leaves(tree: Any) -> list[tuple[str, Any]]:
+    """(path, leaf) with paths that do not depend on the container types ("opt_state/1/mu"
+    for a NamedTuple's field as for the dict orbax restores it as without a target)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+    return [("/".join(_key_name(k) for k in path), leaf) for path, leaf in flat]
 
 
 def digest(tree: Any) -> tuple[dict[str, str], list[str]]:
