@@ -32,6 +32,7 @@ def main(argv) -> None:
     config = _CONFIG.value
     cli.start(flags.FLAGS["verbosity"].present)
     from decoupled_diloco import config as config_lib
+    from decoupled_diloco.preflight import FatalRunError
     from decoupled_diloco.runtime import launch
 
     try:
@@ -40,7 +41,7 @@ def main(argv) -> None:
         sys.exit(f"config error: {e}")
     try:
         summary = launch.run(run, _WORKDIR.value)
-    except ValueError as e:  # a workdir holding another run
+    except (FatalRunError, ValueError) as e:  # bad data, run files; a workdir of another run
         sys.exit(f"error: {e}")
     print(
         f"done: final_eval_loss={summary['final_eval_loss']:.4f} steps={summary['steps']} "

@@ -8,13 +8,14 @@ finished run (summary.json written) changes nothing, and a run with another conf
 import json
 import os
 
-from decoupled_diloco import run_files
+from decoupled_diloco import preflight, run_files
 from decoupled_diloco.config import RunConfig
 
 SUMMARY = "summary.json"
 
 
 def run(cfg: RunConfig, workdir: str, verbose: bool = True) -> dict:
+    preflight.check(cfg, workdir)  # config, data and run-file errors, before any write
     os.makedirs(workdir, exist_ok=True)
     finished = os.path.join(workdir, SUMMARY)
     _check_same_run(cfg, workdir)
