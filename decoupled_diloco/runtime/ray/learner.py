@@ -159,12 +159,12 @@ class LearnerActor:
             self._train()
         except FatalRunError as e:  # a restart would fail the same way: stay up, report it
             print(f"learner {self.m}: fatal error: {e}", file=sys.stderr, flush=True)
-            with self._lock:
-                self._status["fatal"] = str(e)
-            self._emit(
+            self._emit(  # before the status: a poll that sees the error also gets its event
                 "events",
                 {"event": "fatal_error", "learner": self.m, "error": str(e), "time": self.now()},
             )
+            with self._lock:
+                self._status["fatal"] = str(e)
         except BaseException:
             err = traceback.format_exc()
             print(f"learner {self.m} failed:\n{err}", file=sys.stderr, flush=True)
