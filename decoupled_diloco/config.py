@@ -111,23 +111,38 @@ def _section(dc, skip=()) -> ml_collections.ConfigDict:
     )
 
 
+def _run_seed_placeholder() -> ml_collections.FieldReference:
+    """A section's `seed` placeholder: None = the run's top-level `seed` (an int sets it)."""
+    return ml_collections.FieldReference(None, field_type=int)
+
+
+def _seed_of(section: ml_collections.ConfigDict, run_seed: int) -> dict:
+    """{"seed": run_seed} when the section leaves its seed to the run, else {}."""
+    return {"seed": run_seed} if section.get("seed") is None else {}
+
+
 def default_config() -> ml_collections.ConfigDict:
     """Defaults of every key. Each section's keys are documented, with units and allowed
     values, in the dataclass it validates into (named below)."""
     c = ml_collections.ConfigDict()
     c.name = "run"  # free-form run name, written to summary.json
     c.runtime = "local"  # "local" (threads in one process) | "ray" (one actor per learner)
-    c.seed = 0  # seeds params, data order and fault schedule unless those set their own
+    # Seeds the model init (train.seed, always), the order of training data (data.seed) and
+    # the fault schedule (faults.seed) unless those are set; the order of eval windows is
+    # fixed (data/pipeline.py EVAL_SEED) so runs with different seeds share their eval set.
+    c.seed = 0
     c.devices_per_learner = 0  # devices in each learner's mesh; 0 = all devices / learners
     # Model: a preset name plus optional per-field overrides; None = the preset's value
     # (decoupled_diloco/models/config.py ModelConfig).
     c.model = _placeholders(models.ModelConfig)
     c.model.preset = "tiny"  # a key of models.PRESETS: tiny, tiny_moe, gemma_2b, gemma_5b, ...
     c.data = _section(DataConfig)  # decoupled_diloco/data/config.py DataConfig
+    c.data.seed = _run_seed_placeholder()  # None = the run's `seed`
     c.train = _section(TrainConfig, skip=("seed",))  # decoupled_diloco/train/optimizer.py
     c.mesh = _section(sharding.MeshConfig)  # each learner's own mesh (sharding.py MeshConfig)
     c.diloco = _section(DilocoConfig)  # decoupled_diloco/diloco/config.py DilocoConfig
     c.faults = _section(faults.FaultSpec)  # decoupled_diloco/faults.py FaultSpec (seconds)
+    c.faults.seed = _run_seed_placeholder()  # None = the run's `seed`
     c.ray = _section(RayConfig)  # RayConfig above (runtime = "ray" only)
     return c
 
@@ -161,8 +176,7 @@ def tiny_cpu_config(
     c = default_config()
     c.name = name
     c.model.preset = preset
-    c.data.source = "stdlib"
-    c.data.seq_len = 128
+    c.data.seq_len = 128  # (data.source left unset: stdlib, or data.path when one is given)
     c.train.steps = steps
     c.train.batch_size = batch_size  # per learner
     # Peak inner lr. These runs are short (a few hundred steps), so progress is limited by
@@ -208,6 +222,8 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
 
     if c.runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {RUNTIMES}, got {c.runtime!r}")
+    if not isinstance(c.seed, int) or isinstance(c.seed, bool) or c.seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {c.seed!r}")
 
     model_over = {k: v for k, v in c.model.items() if k != "preset" and v is not None}
     if isinstance(model_over.get("attention_pattern"), list):
@@ -215,7 +231,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     model_cfg = models.get_model_config(c.model.preset, **model_over)
     models.validate_model_config(model_cfg)
 
-    data_cfg = _dataclass_from(DataConfig, c.data, "data")
+    data_cfg = _dataclass_from(DataConfig, c.data, "data", **_seed_of(c.data, c.seed))
     validate_data_config(data_cfg)
     if model_cfg.vocab_size < _vocab(data_cfg):
         raise ValueError(
@@ -232,20 +248,9 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
 
     diloco_cfg = _dataclass_from(DilocoConfig, c.diloco, "diloco")
     diloco_cfg.validate()
+    _check_fragments_fit_the_period(diloco_cfg)
     m = diloco_cfg.learners
-    n_dev = jax.device_count()
-    # Ray learners own devices in their own processes (a TPU slice each), not the driver's.
-    if c.devices_per_learner < 0 or (c.runtime == "local" and c.devices_per_learner > n_dev):
-        raise ValueError(
-            f"devices_per_learner must be in [0, {n_dev}] (0 = all devices / learners), "
-            f"got {c.devices_per_learner}"
-        )
-    per = c.devices_per_learner or n_dev // m
-    if per < 1:
-        raise ValueError(
-            f"diloco.learners ({m}) exceeds the {n_dev} available devices; set "
-            "devices_per_learner (learners then share devices round-robin)"
-        )
+    per = _devices_per_learner(c.devices_per_learner, m, c.runtime, jax.device_count())
     mesh_cfg = _dataclass_from(sharding.MeshConfig, c.mesh, "mesh")
     shape = sharding.mesh_shape(mesh_cfg, per)
     batch_ways = math.prod(
@@ -257,7 +262,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             f"batch-parallel devices ({batch_ways} = mesh data*fsdp*expert)"
         )
 
-    fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults")
+    fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults", **_seed_of(c.faults, c.seed))
     faults.validate_fault_spec(fault_spec, m)
 
     ray_cfg = _dataclass_from(RayConfig, c.get("ray", ml_collections.ConfigDict()), "ray")
@@ -282,6 +287,43 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         name=c.name,
         ray=ray_cfg,
     )
+
+
+def _check_fragments_fit_the_period(d: DilocoConfig) -> None:
+    """H >= P: fragment p is due at offset p*H/P of every H-step period, so with H < P
+    several fragments share an offset and are synced on the same step, which defeats the
+    staggering fragments exist for (and P > H is never the paper's setting, P = H = 24)."""
+    if d.uses_syncer and d.sync_every < d.fragments:
+        raise ValueError(
+            f"diloco.fragments ({d.fragments}) must be <= diloco.sync_every ({d.sync_every}): "
+            "fragments are synced at staggered offsets p*H/P of each H-step period, and with "
+            "fewer steps than fragments several would be due on the same step"
+        )
+
+
+def _devices_per_learner(asked: int, m: int, runtime: str, n_dev: int) -> int:
+    """Devices in each learner's mesh. Local learners take disjoint groups of this many of
+    the process's devices (round-robin when there are more learners than groups), so the
+    group size must divide the device count: else the remainder would sit idle. Ray learners
+    own devices in their own processes (a TPU slice each), not the driver's."""
+    if asked < 0 or (runtime == "local" and asked > n_dev):
+        raise ValueError(
+            f"devices_per_learner must be in [0, {n_dev}] (0 = all devices / learners), got {asked}"
+        )
+    if runtime == "local" and asked and n_dev % asked:
+        raise ValueError(
+            f"devices_per_learner ({asked}) must divide the {n_dev} devices: learners take "
+            f"disjoint groups of {asked}, and the {n_dev % asked} left over would sit idle"
+        )
+    if asked:
+        return asked
+    if n_dev // m < 1:
+        raise ValueError(
+            f"diloco.learners ({m}) exceeds the {n_dev} available devices; set "
+            "devices_per_learner (learners then share devices round-robin)"
+        )
+    # The largest group size <= n_dev / m that tiles the devices.
+    return max(d for d in range(1, n_dev // m + 1) if n_dev % d == 0)
 
 
 def _vocab(data_cfg: DataConfig) -> int:

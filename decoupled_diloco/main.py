@@ -38,6 +38,7 @@ def main(argv) -> None:
     config = _CONFIG.value
     cli.start(flags.FLAGS["verbosity"].present)
     from decoupled_diloco import config as config_lib
+    from decoupled_diloco.preflight import FatalRunError
     from decoupled_diloco.runtime import launch
 
     try:
@@ -49,8 +50,8 @@ def main(argv) -> None:
 
     try:
         summary = launch.run(run, _WORKDIR.value, force=_FORCE.value)
-    except (ValueError, WorkdirBusyError, launch.ModelNotFiniteError) as e:
-        sys.exit(f"error: {e}")  # a workdir holding another run or in use; a NaN model
+    except (FatalRunError, ValueError, WorkdirBusyError, launch.ModelNotFiniteError) as e:
+        sys.exit(f"error: {e}")  # bad data or run files; a workdir of another run or in use
     except RuntimeError as e:
         corrupt = _cause(e, CorruptCheckpointError)
         if corrupt is None:

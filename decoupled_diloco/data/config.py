@@ -12,7 +12,8 @@ MIN_SPM_VOCAB_SIZE = 260
 class DataConfig:
     """Where tokens come from. Frozen, hence hashable: the in-process corpus cache keys on it."""
 
-    source: str = "stdlib"  # "stdlib" | "shakespeare" | "path" | "tfds"
+    # "stdlib" | "shakespeare" | "path" | "tfds"; "" = "path" when `path` is set, else "stdlib"
+    source: str = ""
     path: str = ""  # source="path": a text file, a folder (all text files below, sorted), or a glob
     tfds_name: str = ""  # source="tfds", e.g. "lm1b" or "c4/en:3.1.0"
     tfds_split: str = "train"  # TFDS split (slicing such as "train[:10%]" works) for training
@@ -26,7 +27,14 @@ class DataConfig:
     max_corpus_bytes: int = 0  # 0 = all; else keep only the first bytes (fast tests)
     eval_fraction: float = 0.02  # held-out fraction of documents (of characters if only one)
     seq_len: int = 128  # tokens per training example (windows hold seq_len + 1 tokens)
-    seed: int = 0  # seeds the per-epoch shuffle of training windows / records
+    seed: int = 0  # seeds the per-epoch shuffle of training windows / records (a run's
+    # config passes its top-level `seed` unless data.seed is set: decoupled_diloco/config.py)
+
+    def __post_init__(self):
+        # A path names a corpus: given without a source it selects the "path" source (a
+        # given path is never silently ignored; with another source it is an error).
+        if self.source == "":
+            object.__setattr__(self, "source", "path" if self.path else "stdlib")
 
 
 def _fail(field: str, value, why: str) -> ValueError:
@@ -43,6 +51,13 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise _fail("source", cfg.source, f"unknown source; choose one of {SOURCES}")
     if cfg.source == "path" and not cfg.path:
         raise _fail("path", cfg.path, "source='path' needs a file, folder or glob")
+    if cfg.path and cfg.source != "path":
+        raise _fail(
+            "path",
+            cfg.path,
+            f"a corpus path is only read with data.source='path', but data.source is "
+            f"{cfg.source!r}: drop one of the two (data.path alone selects the path source)",
+        )
     if cfg.source == "tfds":
         if not cfg.tfds_name:
             raise _fail("tfds_name", cfg.tfds_name, "source='tfds' needs a dataset name")

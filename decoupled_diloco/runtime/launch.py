@@ -15,6 +15,7 @@ import json
 import math
 import os
 
+from decoupled_diloco import preflight
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import write_json
 from decoupled_diloco.runtime import workdir as workdir_lib
@@ -29,6 +30,7 @@ class ModelNotFiniteError(RuntimeError):
 def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False) -> dict:
     """Runs (or resumes) the run in `workdir`; `force` continues it with changed config keys
     that a resume would otherwise refuse."""
+    preflight.check(cfg, workdir)  # config, data and run-file errors, before any write
     os.makedirs(workdir, exist_ok=True)
     finished = os.path.join(workdir, SUMMARY)
     with workdir_lib.lock(workdir):

@@ -18,36 +18,121 @@ Placement (pure functions, testable without a cluster):
 Importing this module does not import Ray; the runtime imports it lazily.
 """
 
+import contextlib
 import os
+import sys
+import time
 import warnings
 
 from decoupled_diloco.config import RayConfig
+from decoupled_diloco.preflight import FatalRunError
 
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"  # Ray's node label: a TPU VM's worker index
 SYNCER_RESOURCE = "syncer"  # the custom resource scripts/tpu puts on the head VM
 _STANDARD = {"CPU", "GPU", "TPU", "memory", "object_store_memory", SYNCER_RESOURCE}
+LOOPBACK = "127.0.0.1"  # where a single-host cluster listens
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray may bind the loopback address
+START_WAITS_S = (5.0, 15.0)  # seconds before the 2nd and 3rd attempt to start Ray
 
 
-def connect(cfg: RayConfig, verbose: bool) -> bool:
+def connect(
+    cfg: RayConfig, verbose: bool, init=None, sleep=time.sleep, waits_s=START_WAITS_S
+) -> bool:
     """Connects the driver; returns True when it started a local cluster it must stop.
 
-    An already connected driver (e.g. a test session's shared cluster) is reused as is.
+    An already connected driver (e.g. a test session's shared cluster) is reused as is. A
+    start that fails (on a loaded host Ray's 30 s limit for its node to register, fixed in
+    Ray's code, can pass) is retried after each of `waits_s` seconds, with a line on stderr
+    each time; then `FatalRunError` says what to do. `init` replaces `ray.init` in tests.
     """
     import ray
 
     if ray.is_initialized():
         return False
-    kw = dict(include_dashboard=False, log_to_driver=verbose, configure_logging=verbose)
-    with warnings.catch_warnings():
-        # Ray starts its daemons with fork+exec, which JAX (already up in the driver) warns
-        # about; the children exec at once and never run JAX.
-        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
-        if cfg.address:
-            ray.init(address=cfg.address, **kw)
-            return False
+    kw = init_kwargs(cfg, verbose)
+    if not cfg.address:
         os.makedirs(cfg.temp_dir, exist_ok=True)
-        ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), _temp_dir=cfg.temp_dir, **kw)
-    return True
+    init = init or ray.init
+    attempts = len(waits_s) + 1
+    for attempt in range(1, attempts + 1):
+        try:
+            with warnings.catch_warnings(), _loopback_only(not cfg.address):
+                # Ray starts its daemons with fork+exec, which JAX (already up in the driver)
+                # warns about; the children exec at once and never run JAX.
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+                init(**kw)
+            return not cfg.address
+        except Exception as e:  # Ray raises plain Exception, RuntimeError, ConnectionError...
+            why = _one_line(e)
+            if ray.is_initialized():
+                ray.shutdown()  # whatever half started goes before the next attempt
+        if attempt < attempts:
+            wait = waits_s[attempt - 1]
+            print(
+                f"Ray did not start (attempt {attempt}/{attempts}): {why}; retrying in "
+                f"{wait:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            sleep(wait)
+    where = (
+        f"the cluster at ray.address={cfg.address!r}"
+        if cfg.address
+        else f"a local cluster (logs: {cfg.temp_dir}/session_latest/logs)"
+    )
+    raise FatalRunError(
+        f"Ray did not start after {attempts} attempts ({where}); last error: {why}. On a "
+        "loaded host free CPU and memory, or start a cluster first (`ray start --head`) and "
+        "pass --config.ray.address"
+    )
+
+
+def init_kwargs(cfg: RayConfig, verbose: bool) -> dict:
+    """`ray.init` arguments: join `ray.address`, or start a cluster of this one host that
+    listens on the loopback interface only, with no dashboard and without the per-node
+    Prometheus metrics exporter (it has no authentication)."""
+    kw = dict(include_dashboard=False, log_to_driver=verbose, configure_logging=verbose)
+    if cfg.address:
+        return dict(address=cfg.address, **kw)
+    return dict(
+        num_cpus=cfg.num_cpus or os.cpu_count(),
+        _temp_dir=cfg.temp_dir,
+        _node_ip_address=LOOPBACK,
+        _system_config={"enable_metrics_collection": False},
+        **kw,
+    )
+
+
+@contextlib.contextmanager
+def _loopback_only(enabled: bool):
+    """While Ray starts a single-host cluster: let it bind 127.0.0.1. On Linux `ray.init`
+    replaces a loopback `_node_ip_address` by the host's outward address unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which its daemons read from the environment and
+    the driver's `ray_constants` read when Ray was imported (so both are set here)."""
+    if not enabled:
+        yield
+        return
+    from ray._private import ray_constants
+
+    old_env = os.environ.get(_LOCAL_ONLY_ENV)
+    old_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[_LOCAL_ONLY_ENV] = "0"
+    if old_flag is not None:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop(_LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[_LOCAL_ONLY_ENV] = old_env
+        if old_flag is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = old_flag
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def cpu_env(devices_per_learner: int) -> dict[str, str]:

@@ -9,6 +9,10 @@ that raises exits its process the same way, so Ray restarts it too (up to
 `deliver` (the syncer's replies), `poll` (the driver collects rows, events and status) and
 `evaluate` (Θ to evaluate between two steps, `ray.evaluate = "learner"`: eval.py).
 
+An error no restart can fix (a bad corpus, fragment plan or device count: a
+`preflight.FatalRunError`) does not exit the process: the actor reports it in its status and
+the driver stops the run with the message, instead of Ray restarting the learner forever.
+
 Crashes from the fault schedule are real: the driver kills this process at the scheduled
 time; the restarted process waits for the scheduled restart time before it rejoins.
 """
@@ -22,6 +26,7 @@ import time
 import traceback
 
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.preflight import FatalRunError, fatal_errors
 from decoupled_diloco.runtime.ray.eval import LearnerEvals
 
 
@@ -104,7 +109,7 @@ class LearnerActor:
         self.evals = LearnerEvals(
             host, hosts, self._make_evaluator, lambda r: self._emit("evals", r)
         )
-        self._status = {"step": 0, "incarnation": 0, "done": False, "error": None}
+        self._status = {"step": 0, "incarnation": 0, "done": False, "error": None, "fatal": None}
         self._finished_at = None
         self.loop = None
         self._thread = threading.Thread(target=self._main, name=f"learner{m}", daemon=True)
@@ -152,6 +157,14 @@ class LearnerActor:
         try:
             self._setup()
             self._train()
+        except FatalRunError as e:  # a restart would fail the same way: stay up, report it
+            print(f"learner {self.m}: fatal error: {e}", file=sys.stderr, flush=True)
+            self._emit(  # before the status: a poll that sees the error also gets its event
+                "events",
+                {"event": "fatal_error", "learner": self.m, "error": str(e), "time": self.now()},
+            )
+            with self._lock:
+                self._status["fatal"] = str(e)
         except BaseException:
             err = traceback.format_exc()
             print(f"learner {self.m} failed:\n{err}", file=sys.stderr, flush=True)
@@ -193,13 +206,16 @@ class LearnerActor:
         from decoupled_diloco.train.replica import Replica
 
         run, m, M = self.run, self.m, self.run.num_learners
-        devices = jax.devices()
-        if len(devices) < run.devices_per_learner:
-            raise ValueError(
-                f"learner {m} sees {len(devices)} devices, devices_per_learner is "
-                f"{run.devices_per_learner}"
-            )
-        self.mesh = sharding.make_mesh(devices[: run.devices_per_learner], run.mesh)
+        with fatal_errors(f"learner {m}"):  # the same in every restarted process
+            devices = jax.devices()
+            if len(devices) < run.devices_per_learner:
+                raise ValueError(
+                    f"learner {m} sees {len(devices)} devices, devices_per_learner is "
+                    f"{run.devices_per_learner}"
+                )
+            self.mesh = sharding.make_mesh(devices[: run.devices_per_learner], run.mesh)
+            data = make_iterator(run.data, "train", run.train.batch_size, m, M)
+            plan = model_plan(run.model, run.diloco)
         schedule = faults.FaultSchedule(run.faults, M, faults.HORIZON_S)
         link = None
         if self.host == 0:
@@ -216,8 +232,8 @@ class LearnerActor:
             m,
             run,
             Replica(run.model, run.train, self.mesh),
-            make_iterator(run.data, "train", run.train.batch_size, m, M),
-            model_plan(run.model, run.diloco),
+            data,
+            plan,
             link,
             schedule,
             self.now,

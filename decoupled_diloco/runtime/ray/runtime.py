@@ -21,7 +21,9 @@ transport, over Ray (`links.py`). The driver (this file) only launches, watches 
 
 A learner whose process dies more than `ray.max_restarts` times is lost: the run goes on
 with the others (an event `learner_lost` in events.jsonl, a warning on stderr) and fails
-only when every learner is lost.
+only when every learner is lost. An error no restart can fix (`preflight.FatalRunError`: a
+corpus, fragment plan or device count an actor cannot use) is reported by the actor's
+poll, and the driver stops the run at once with its message (an event `fatal_error`).
 
 Differences from the local runtime, all from real process boundaries: a killed learner
 redoes the steps since its last checkpoint (`train.checkpoint_every`), so metrics.jsonl can
@@ -42,6 +44,7 @@ import ray
 from decoupled_diloco import faults, run_files, sharding
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import Progress, write_json
+from decoupled_diloco.preflight import FatalRunError
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
 from decoupled_diloco.runtime.ray import links as ray_links
@@ -200,6 +203,11 @@ class RayRuntime:
                     self.log.record(rec)
             elif key[2] == 0:
                 self._learner_report(key[1], out)
+            if out.get("fatal"):  # learners log their own fatal_error event
+                if key[0] == "syncer":
+                    self.log.event({"event": "fatal_error", "shard": key[1],
+                                    "error": out["fatal"], "time": self.now()})  # fmt: skip
+                raise FatalRunError(out["fatal"])
 
     def _learner_report(self, m: int, out: dict) -> None:
         for seconds, t in out["steps"]:

@@ -8,7 +8,9 @@ deliver meanwhile (`links.SyncerPoster`).
 
 Merge and event records are buffered and collected by the driver's `poll`: the driver
 alone writes merges.jsonl and events.jsonl (records since the last poll die with the
-process).
+process). A fragment plan the shard cannot build is an error no restart fixes
+(`preflight.FatalRunError`): the shard stays up without serving and `poll` reports it, so
+the driver stops the run with the message.
 """
 
 import os
@@ -19,6 +21,7 @@ import time
 import traceback
 
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.preflight import FatalRunError, fatal_errors
 
 
 def initial_params(run: RunConfig) -> dict:
@@ -53,6 +56,14 @@ class SyncerActor:
         restarted = was_restarted()
         self._records: list[dict] = []
         self._records_lock = threading.Lock()
+        self.fatal = None
+        try:
+            with fatal_errors(f"syncer shard {shard}"):
+                plan = model_plan(run.model, run.diloco)
+        except FatalRunError as e:  # a restart would fail the same way: stay up, report it
+            print(f"syncer shard {shard}: fatal error: {e}", file=sys.stderr, flush=True)
+            self.fatal = str(e)
+            return
         schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         self.inbox: queue.Queue = queue.Queue()
         names = {m: links.actor_name(run_id, "learner", m) for m in range(run.num_learners)}
@@ -63,7 +74,7 @@ class SyncerActor:
         )
         ckpt = Checkpointer(os.path.join(ckpt_dir, f"syncer_{shard}"))
         self.loop = SyncerLoop(
-            shard, run, model_plan(run.model, run.diloco), initial_params(run), link, ckpt,
+            shard, run, plan, initial_params(run), link, ckpt,
             schedule, self.now, self._record, emulate_outages=False, restarted=restarted,
         )  # fmt: skip
         self._record(
@@ -102,6 +113,7 @@ class SyncerActor:
             "records": records,
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
+            "fatal": self.fatal,
         }
 
     def global_params(self) -> dict:

@@ -1,0 +1,109 @@
+"""What a run checks once, in the driver, before it writes or starts anything.
+
+`config.validate` checks the keys without touching files. `check` then opens what the run
+will read: the workdir's own JSON files (a resume reads them), the corpus with every
+learner's shard of it, and the fragment plan. A failure is a `FatalRunError` naming the file
+or key, raised before the workdir is created and before any process or Ray actor starts:
+
+    preflight.check(run, workdir)    # launch.run's first line, for every runtime
+
+Inside actors the same errors can still arise (a data path missing on one node of a
+cluster): `fatal_errors()` turns them into `FatalRunError`, which the Ray runtime answers by
+stopping the run with the message instead of restarting the process (runtime/ray/).
+"""
+
+import contextlib
+import json
+import os
+
+from decoupled_diloco import run_files
+from decoupled_diloco.config import RunConfig
+
+# Files of a workdir a re-run reads before it trains (runtime/launch.py, run_files.py).
+WORKDIR_JSON = (run_files.RUN_CONFIG, "summary.json")
+# Errors that come from the config or the data and so recur in every restarted process:
+# ValueError (bad values, bad files), ImportError (a missing optional package),
+# FileNotFoundError (a path this host does not have).
+CONFIG_ERRORS = (ValueError, ImportError, FileNotFoundError)
+
+
+class FatalRunError(Exception):
+    """The run cannot go on and no restart would help (a bad config, corpus or fragment
+    plan, an unreadable run file, a Ray cluster that would not start): stop with the
+    message, which names the key or file."""
+
+
+@contextlib.contextmanager
+def fatal_errors(where: str = ""):
+    """Inside the block, a config or data error (`CONFIG_ERRORS`) is a `FatalRunError`,
+    prefixed with `where` (e.g. "learner 2")."""
+    try:
+        yield
+    except FatalRunError:
+        raise
+    except CONFIG_ERRORS as e:
+        raise FatalRunError(f"{where}: {_one_line(e)}" if where else _one_line(e)) from e
+
+
+def check(run: RunConfig, workdir: str) -> None:
+    """Raises `FatalRunError` when the run could not start or would fail in every process;
+    reads, never writes."""
+    check_workdir_files(workdir)
+    check_data(run)
+    check_fragments(run)
+
+
+def check_workdir_files(workdir: str) -> None:
+    """Each JSON file of an existing workdir that a re-run reads must parse to an object."""
+    for name in WORKDIR_JSON:
+        path = os.path.join(workdir, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FatalRunError(
+                f"{path} is unreadable or not JSON ({_one_line(e)}): repair or remove it, or "
+                "use another --workdir"
+            ) from e
+        why = None if isinstance(value, dict) else f"a JSON {type(value).__name__}"
+        if why is None and name == run_files.RUN_CONFIG:
+            try:
+                run_files.config_from_json(value)
+            except (TypeError, ValueError, KeyError) as e:
+                why = f"not a run config ({_one_line(e)})"
+        if why is not None:
+            raise FatalRunError(
+                f"{path} holds {why}: repair or remove it, or use another --workdir"
+            )
+
+
+def check_data(run: RunConfig) -> None:
+    """Loads the corpus (cached: a local run's learners reuse it) and cuts every learner's
+    training shard and the eval split, so an unreadable, binary, empty or too small corpus
+    fails here. TFDS sources are opened, not read."""
+    from decoupled_diloco.data import load_corpus, make_iterator
+
+    cfg, batch, M = run.data, run.train.batch_size, run.num_learners
+    with fatal_errors():
+        load_corpus(cfg)
+        for m in range(M):
+            make_iterator(cfg, "train", batch, shard_index=m, num_shards=M)
+        make_iterator(cfg, "eval", batch)
+
+
+def check_fragments(run: RunConfig) -> None:
+    """Builds the fragment plan every learner and syncer shard derives (abstract shapes
+    only), so e.g. more fragments than parameter leaves fails here."""
+    if not run.uses_syncer:
+        return
+    from decoupled_diloco.diloco.fragments import model_plan
+
+    with fatal_errors():
+        model_plan(run.model, run.diloco)
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
