@@ -40,7 +40,10 @@ def evaluate(
 
     model = load(path, step)
     run = model.config
-    data = dataclasses.replace(run.data, **(data_overrides or {}))
+    overrides = dict(data_overrides or {})
+    if overrides.get("path") and "source" not in overrides:  # as in a run: path alone selects it
+        overrides["source"] = "path"
+    data = dataclasses.replace(run.data, **overrides)
     validate_data_config(data)
     # Learner 0's devices and mesh, as the run's own evaluations used (else what there is).
     per = min(run.devices_per_learner, jax.device_count())

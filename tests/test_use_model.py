@@ -64,6 +64,15 @@ def test_evaluate_on_another_corpus_differs(runs):
     assert np.isfinite(other) and other != pytest.approx(summary["final_eval_loss"], abs=1e-6)
 
 
+def test_evaluate_with_data_path_alone_scores_that_text(runs, tmp_path):
+    """As in a run, --config.data.path without a source selects the path corpus."""
+    workdir, summary = runs["dp"]
+    text = tmp_path / "held_out.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    loss, _ = evaluate(str(workdir), data_overrides={"path": str(text)})
+    assert np.isfinite(loss) and loss != pytest.approx(summary["final_eval_loss"], abs=1e-3)
+
+
 def test_export_round_trips_bit_exactly(runs, tmp_path):
     workdir, _ = runs["dec"]
     export(str(workdir), str(tmp_path / "model"))
