@@ -135,7 +135,9 @@ def test_an_offer_far_ahead_in_slots_is_rejected_and_k1_keeps_merging():
     run = Run()
     ahead = run.offer(0)
     before = run.theta()
-    out = run.send(dataclasses.replace(ahead, step=ahead.step + 64 * H))
+    # 63 slots ahead of its learner's reports (within the old 64-slot lead, which let it
+    # cover slot 64 and leave every later offer without a fresh round).
+    out = run.send(dataclasses.replace(ahead, step=ahead.step + 63 * H))
     assert_rejected(run, out, "step", before, "from the future")
     # K = 1: every slot's first offer closes its round at once, as before the attack.
     versions = []
