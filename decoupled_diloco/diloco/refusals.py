@@ -8,8 +8,9 @@ Three events (events.jsonl), each with the offending message's fields, a `kind` 
 - "drop_message": a Join, Heartbeat or Leave not acted on (malformed, implausible, of
   another life), or a message of a type the syncer does not know.
 The learner of a refused offer is told with `Dropped` (its work stays its own and goes into
-its next offer). Counts per event and kind are in the syncer's stats (`counts`), which
-runtime/summary.py sums over shards into summary.json.
+its next offer). The syncer's stats count them per event and per "event:kind" (a flat dict
+of ints, so a shallow copy is a snapshot); runtime/summary.py sums them over shards into
+summary.json.
 """
 
 from decoupled_diloco.diloco.messages import Dropped
@@ -22,8 +23,19 @@ _OFFER_FIELDS = ("learner", "fragment", "step", "incarnation")
 
 
 def new_stats() -> dict:
-    """The counters, inside the syncer's stats dict."""
-    return {**{c: 0 for c in _COUNTERS.values()}, "refusals": {e: {} for e in EVENTS}}
+    """The counters, inside the syncer's stats dict ("event:kind" keys are added as seen)."""
+    return {c: 0 for c in _COUNTERS.values()}
+
+
+def is_count(key: str) -> bool:
+    """Whether a stats key is one of the refusal counters."""
+    return key in _COUNTERS.values() or key.split(":")[0] in EVENTS
+
+
+def by_kind(stats: dict, event: str) -> dict[str, int]:
+    """{kind: count} of one event in a syncer's stats."""
+    prefix = event + ":"
+    return {k[len(prefix) :]: n for k, n in stats.items() if k.startswith(prefix)}
 
 
 def _loggable(v):
@@ -65,9 +77,9 @@ class Refusals:
         return out
 
     def _count(self, event: str, reason: Reason) -> None:
+        key = f"{event}:{reason.kind}"
         self.stats[_COUNTERS[event]] += 1
-        kinds = self.stats["refusals"][event]
-        kinds[reason.kind] = kinds.get(reason.kind, 0) + 1
+        self.stats[key] = self.stats.get(key, 0) + 1
 
     def _refuse(self, event: str, offer, reason: Reason, now: float) -> None:
         self._count(event, reason)

@@ -39,7 +39,7 @@ def meta_dict(syncer) -> dict:
             str(p): {str(m): list(v) for m, v in syncer.merged_into[p].items()}
             for p in syncer.owned
         },
-        "stats": json_copy(syncer.stats),
+        "stats": dict(syncer.stats),
         "offer_scale": syncer.scale.to_json(),
         # Records (merges.jsonl / events.jsonl lines) this shard had emitted: those after
         # it belong to merges a restore rolls back.
@@ -72,15 +72,6 @@ def load(syncer, state: dict, meta: dict, now: float) -> None:
         syncer.register(int(m), int(inc), bool(joined), now, int(step), *rest)
     syncer.log_position = int(meta.get("log_position", 0))
     syncer.scale.load_json(meta.get("offer_scale", {}))
-    stats = meta.get("stats", {})
-    for k in refusals.new_stats():  # in place: the syncer's refusals count into this dict
-        if k == "refusals":
-            for event, kinds in stats.get(k, {}).items():
-                syncer.stats[k].setdefault(event, {}).update(kinds)
-        elif k in stats:
-            syncer.stats[k] = int(stats[k])
-
-
-def json_copy(stats: dict) -> dict:
-    """A copy of the stats (its per-kind counts are nested dicts)."""
-    return {k: json_copy(v) if isinstance(v, dict) else v for k, v in stats.items()}
+    syncer.stats.update(
+        {k: int(n) for k, n in meta.get("stats", {}).items() if refusals.is_count(k)}
+    )

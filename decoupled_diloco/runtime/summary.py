@@ -1,6 +1,7 @@
 """summary.json of a run, the same keys for every runtime."""
 
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.diloco import refusals
 
 
 def run_summary(
@@ -44,7 +45,7 @@ def refusal_counts(syncer_stats: list[dict]) -> dict:
     for event, key in names.items():
         counts: dict[str, int] = {}
         for s in syncer_stats:
-            for kind, n in s.get("refusals", {}).get(event, {}).items():
+            for kind, n in refusals.by_kind(s, event).items():
                 counts[kind] = counts.get(kind, 0) + n
         out[key] = dict(sorted(counts.items()))
     return out
