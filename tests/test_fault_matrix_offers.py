@@ -112,6 +112,13 @@ def test_the_norm_bound_is_the_ratio_times_the_median_of_recent_offers():
     assert np.abs(off.syncer.global_params()["block_0/attn/q"]).max() > 1e13
 
 
+@pytest.mark.parametrize("ratio", [0.5, -1.0])
+def test_the_norm_ratio_knob_is_validated(ratio):
+    with pytest.raises(ValueError, match="diloco.max_offer_norm_ratio must be 0 .off. or >= 1"):
+        DilocoConfig(max_offer_norm_ratio=ratio).validate()
+    DilocoConfig(max_offer_norm_ratio=0.0).validate()  # off
+
+
 def test_an_offer_claiming_2_53_tokens_in_one_step_is_rejected():
     run = Run()
     before = run.theta()
@@ -282,3 +289,21 @@ def test_refusal_counts_survive_a_restore_and_reach_the_summary():
     assert counts["offer_drops_by_reason"] == {"epoch": 2}
     assert counts["message_drops_by_reason"] == {"implausible": 2, "malformed": 2}
     assert counts["dropped_messages"] == 4
+
+
+def test_an_honest_run_with_a_straggler_refuses_nothing(small_config, tmp_path):
+    """The bounds are generous: late offers holding many steps, final offers of one or two
+    steps and the learning-rate warmup stay within them in a real run, and summary.json
+    carries the (zero) counters."""
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    cfg = small_config(**{"diloco.learners": 2, "diloco.sync_every": 4, "diloco.fragments": 2,
+                          "diloco.overlap": 1, "diloco.quorum": 1, "train.steps": 16,
+                          "faults.speed_factors": [1.0, 4.0]})  # fmt: skip
+    summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    assert summary["merges"] >= 8
+    for key in ("rejected_offers", "dropped_offers", "dropped_messages"):
+        assert summary[key] == 0, key
+    for key in ("rejections_by_reason", "offer_drops_by_reason", "message_drops_by_reason"):
+        assert summary[key] == {}, key

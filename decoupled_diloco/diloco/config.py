@@ -61,7 +61,8 @@ class DilocoConfig:
     # Offers whose outer gradient (RMS per parameter and step of work) is more than this
     # many times the median of the fragment's recent accepted offers are rejected: finite
     # poison (1e15s) passes every other check. 0 = off. Generous: honest offers stay within
-    # a few times the median (diloco/offer_scale.py).
+    # a few times the median (at most 4.3x in the tiny CPU runs, a learner crash and rejoin
+    # included; diloco/offer_scale.py).
     max_offer_norm_ratio: float = 100.0
     # Seconds of silence before a learner counts as dead. Generous: the first step of an
     # incarnation includes XLA compilation, minutes for large models.

@@ -16,7 +16,9 @@ Honest r varies far less than the default ratio allows: AdamW moves each paramet
 about lr per step; a learner that restarted with fresh AdamW moments takes steps up to a
 few times larger; an offer of a single step (a final offer) is up to √H times the per-step
 RMS of an H-step offer whose steps partly cancel; the learning-rate warmup changes r by
-the lr's growth over the few rounds the history spans.
+the lr's growth over the few rounds the history spans. Measured: at most 3.5x the median
+over configs/tiny_decoupled.py (300 steps, warmup included) and 4.3x in tests/test_chaos.py
+(a learner crashes and rejoins with fresh moments, the syncer restores).
 
 Before `MIN_HISTORY` offers of a fragment were accepted (a fresh syncer; the history is
 checkpointed, so a restored one keeps it) there is no scale yet: an offer is then bounded
