@@ -225,7 +225,8 @@ def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path
     syncer_events = [
         e
         for e in events
-        if e["event"] in ("join", "leave", "reject", "drop_offer") and e["time"] < crash["time"]
+        if e["event"] in ("join", "leave", "reject", "drop_offer", "drop_message")
+        and e["time"] < crash["time"]
     ]
     assert len(only(events, "join")) < restore["log_position"] <= len(before) + len(syncer_events)
     # Evaluations of Θ went on around the outage (none while Θ was partly gone).

@@ -14,6 +14,7 @@ from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Join, Merged, Offer, Snapshot
+from decoupled_diloco.diloco.offer_checks import SLOT_WINDOW
 from decoupled_diloco.diloco.syncer import Syncer
 
 SHAPES = {
@@ -57,17 +58,22 @@ class Harness:
     def offer(self, p: int = 1, learner: int = 0, payload=None, **kw) -> Offer:
         # Every offer at a step of the next schedule slot (H = 4), so each can open a round.
         self.offers_made += 1
+        step = 4 * self.offers_made
         fields = dict(
             learner=learner,
             incarnation=0,
             fragment=p,
-            step=4 * self.offers_made,
+            step=step,
             c_steps=4,
             c_tokens=4 * 64,
             base_version=self.syncer.version.get(p, 0),
             time=self.now,
         )
         fields.update(kw)
+        info = self.syncer.learners.get(learner) if isinstance(learner, int) else None
+        if info is not None and info.incarnation == fields["incarnation"]:
+            # As a learner's heartbeats do: the syncer knows its step before this offer.
+            self.send(Heartbeat(learner, info.incarnation, step - 4, 0.1, self.now))
         if payload is None:
             payload = compression.encode(self.outer_grad(p), "none")
         return Offer(payload=payload, nbytes=1, **fields)
@@ -266,6 +272,7 @@ def test_restored_syncer_readmits_learners_that_rejoined_after_its_checkpoint():
     h = Harness(num_learners=3)
     # Restored registry: learner 0 in incarnation 0, learner 1 still in its old life 0,
     # learner 2 unknown (it joined after the checkpoint was written).
+    h.syncer.register(1, 0, True, h.now)  # as a checkpoint restores it: unconfirmed
     h.syncer.learners.pop(2)
     assert not merges(h.send(h.offer(learner=1, incarnation=1)))  # newer life: not admitted
     assert "incarnation" in h.rejections()[-1]["reason"]
@@ -274,12 +281,19 @@ def test_restored_syncer_readmits_learners_that_rejoined_after_its_checkpoint():
         out = h.send(Heartbeat(m, inc, step=2, step_seconds=0.1, time=h.now))
         assert [(to, type(msg)) for to, msg in out] == [(m, Snapshot)]
         assert h.syncer.learners[m].incarnation == inc and h.syncer.learners[m].joined
-    assert h.send(h.offer(learner=1, incarnation=1))  # K = 1: merges at once
-    assert h.send(h.offer(learner=2, incarnation=0))
-    # Heartbeats of older lives or of learners outside the run change nothing.
+    assert merges(h.send(h.offer(learner=1, incarnation=1)))  # K = 1: merges at once
+    assert merges(h.send(h.offer(learner=2, incarnation=0)))
+    # Heartbeats of older lives or of learners outside the run change nothing (logged).
     assert h.send(Heartbeat(1, 0, step=10, step_seconds=0.1, time=h.now)) == []
     assert h.send(Heartbeat(7, 0, step=10, step_seconds=0.1, time=h.now)) == []
     assert 7 not in h.syncer.learners
+    drops = [r["kind"] for r in h.log if r["event"] == "drop_message"]
+    assert drops == ["old_incarnation", "unknown_learner"]
+    # Learner 1's new life is confirmed now: a heartbeat of yet another life without a Join
+    # is not its join (it would lock the live learner's real life out).
+    assert h.send(Heartbeat(1, 5, step=10, step_seconds=0.1, time=h.now)) == []
+    assert h.syncer.learners[1].incarnation == 1
+    assert merges(h.send(h.offer(learner=1, incarnation=1)))
 
 
 def test_a_far_future_step_cannot_starve_later_rounds():
@@ -287,8 +301,8 @@ def test_a_far_future_step_cannot_starve_later_rounds():
     so it cannot mark the fragment's later slots as merged already."""
     h = Harness()
     h.send(Heartbeat(0, 0, step=400, step_seconds=0.1, time=h.now))
-    assert h.send(h.offer(step=400 + 4 * 64))  # within the lead of its reported step
-    assert not merges(h.send(h.offer(step=400 + 4 * 64 + 4 * 65)))
+    assert merges(h.send(h.offer(step=400 + 4 * SLOT_WINDOW)))  # within the window
+    assert not merges(h.send(h.offer(step=400 + 4 * SLOT_WINDOW + 4 * (SLOT_WINDOW + 1))))
     assert "from the future" in h.rejections()[-1]["reason"]
 
 
@@ -313,6 +327,8 @@ def test_a_delayed_join_of_an_older_life_does_not_roll_the_registry_back():
     h.send(Join(1, 2, h.now))  # learner 1 restarted twice
     assert h.send(Join(1, 1, h.now)) == []  # its second life's Join, delivered late
     assert h.syncer.learners[1].incarnation == 2
-    assert "old incarnation" in h.rejections()[-1]["reason"]
+    (drop,) = [r for r in h.log if r["event"] == "drop_message"]
+    assert "old incarnation" in drop["reason"] and drop["message"] == "Join"
     assert h.syncer.stats["rejected_offers"] == 0  # a join is not an offer
-    assert h.send(h.offer(learner=1, incarnation=2))
+    assert h.syncer.stats["dropped_messages"] == 1
+    assert merges(h.send(h.offer(learner=1, incarnation=2)))

@@ -26,6 +26,7 @@ from decoupled_diloco.config import RayConfig  # noqa: E402
 from decoupled_diloco.diloco import compression  # noqa: E402
 from decoupled_diloco.diloco.fragments import model_plan  # noqa: E402
 from decoupled_diloco.diloco.messages import Heartbeat, Join, Offer  # noqa: E402
+from decoupled_diloco.diloco.offer_checks import RunBounds  # noqa: E402
 from decoupled_diloco.diloco.syncer import Syncer  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
 from decoupled_diloco.runtime.ray import cluster as ray_cluster  # noqa: E402
@@ -529,7 +530,9 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
     plan = model_plan(run.model, run.diloco)
     log: list[dict] = []
     theta0 = initial_params(run)
-    local = Syncer(run.diloco, plan, theta0, record=log.append)
+    # The actor's syncer is bounded by the run's config (syncer_loop.py): so is this one.
+    bounds = RunBounds(run.train.batch_size * run.data.seq_len, run.train.steps)
+    local = Syncer(run.diloco, plan, theta0, record=log.append, bounds=bounds)
 
     rng = np.random.default_rng(0)
 
@@ -538,7 +541,7 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
             k: (scale * rng.standard_normal(theta0[k].shape)).astype(dtype) for k in plan.names[p]
         }
 
-    steps = iter(range(4, 10_000, 4))
+    steps = iter(range(4, run.train.steps + 1, 4))
     # The actor's syncer is a new life with an epoch of its own (the local one's is 0): learn
     # it from the Snapshot a Join brings, as a learner does, and give the local one the same.
     for msg in (Join(0, 0, 0.0), Join(1, 0, 0.0)):
@@ -551,15 +554,16 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
         time.sleep(0.1)
     local.epoch = epoch = snapshots[0].epoch
 
-    def offer(p, payload, learner=0, base=0, incarnation=0):
-        # Each offer at a step of the next schedule slot (H = 4), so each can open a round
-        # (as in tests/test_offer_validation.py's harness).
+    def offer(p, payload, learner=0, base=0, incarnation=0, bad=False):
+        # Each good offer at a step of the next schedule slot (H = 4), so each can open a
+        # round (as in tests/test_offer_validation.py's harness); bad ones at step 4 (a
+        # step far ahead of what its learner reported would be rejected for that).
         enc = (
             payload
             if isinstance(payload, compression.Encoded)
             else compression.encode(payload, "none")
         )
-        step = next(steps)
+        step = 4 if bad else next(steps)
         return Offer(
             learner, incarnation, p, step, 4, 256, base, 0.0, enc, enc.nbytes(), epoch=epoch
         )
@@ -570,12 +574,12 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
     wrong_shape = grad(1)
     wrong_shape[plan.names[1][0]] = np.zeros((3, 3), np.float32)
     msgs = [
-        offer(1, nan),
-        offer(1, wrong_shape),
-        offer(1, compression.Encoded("none", dict([next(iter(good.tensors.items()))]))),
-        offer(1, grad(1), learner=5),
-        offer(1, grad(1), incarnation=3),
-        offer(1, grad(1), base=7),
+        offer(1, nan, bad=True),
+        offer(1, wrong_shape, bad=True),
+        offer(1, compression.Encoded("none", dict([next(iter(good.tensors.items()))])), bad=True),
+        offer(1, grad(1), learner=5, bad=True),
+        offer(1, grad(1), incarnation=3, bad=True),
+        offer(1, grad(1), base=7, bad=True),
         offer(1, grad(1)),  # good: version 1
         offer(1, grad(1), learner=1, base=1),  # good: version 2
         offer(1, grad(1), base=0),  # good: base 0 is 2 versions old, max_staleness 1 -> stale

@@ -58,6 +58,12 @@ class DilocoConfig:
     # are anchored on their own base version, so staleness is safe for the math and the
     # bound only guards against zombies.
     max_staleness: int = 64
+    # Offers whose outer gradient (RMS per parameter and step of work) is more than this
+    # many times the median of the fragment's recent accepted offers are rejected: finite
+    # poison (1e15s) passes every other check. 0 = off. Generous: honest offers stay within
+    # a few times the median (at most 4.3x in the tiny CPU runs, a learner crash and rejoin
+    # included; diloco/offer_scale.py).
+    max_offer_norm_ratio: float = 100.0
     # Seconds of silence before a learner counts as dead. Generous: the first step of an
     # incarnation includes XLA compilation, minutes for large models.
     heartbeat_timeout: float = 300.0
@@ -115,6 +121,8 @@ class DilocoConfig:
             (self.outer_lr > 0, "outer_lr", "> 0"),
             (0 <= self.outer_momentum < 1, "outer_momentum", "in [0, 1)"),
             (self.max_staleness >= 0, "max_staleness", ">= 0"),
+            (self.max_offer_norm_ratio == 0 or self.max_offer_norm_ratio >= 1,
+             "max_offer_norm_ratio", "0 (off) or >= 1 (a multiple of the median offer)"),
             (self.heartbeat_timeout > 0, "heartbeat_timeout", "> 0"),
             (self.heartbeat_every > 0, "heartbeat_every", "> 0"),
             (self.join_timeout > 0, "join_timeout", "> 0"),

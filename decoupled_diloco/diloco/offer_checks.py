@@ -1,14 +1,32 @@
 """Why the syncer must not merge an offer: its envelope, its versions and counters, its payload.
 
-Pure functions of the offer and the syncer's view of its learner; each returns the reason
-("" if good), which the syncer logs with the rejection.
+Pure functions of the offer and the syncer's view of its learner; each returns a `Reason`
+(None if good), which the syncer logs with the rejection and counts by its `kind`:
+"envelope" (a field of the wrong type), "sender" (unknown learner, fragment not owned),
+"incarnation", "base_version" (negative, or from the future), "stale", "counters" (c_steps
+or c_tokens out of range), "tokens_per_step", "step" (past the run's steps, or further
+ahead of the learner's reports than `SLOT_WINDOW` slots), "merged_work", "payload"
+(undecodable, leaves, shapes, dtypes), "non_finite"; `offer_scale.py` adds "norm".
+
+What is plausible comes from the run's config (`RunBounds`) and from what the learner
+reported: its join and heartbeats (`registry.LearnerInfo.step`) and its merged offers.
 """
 
+import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from decoupled_diloco.diloco import compression, merge
+
+
+class Reason(NamedTuple):
+    """Why a message is not acted on: `kind` is counted (summary.json), `text` is logged."""
+
+    kind: str
+    text: str
+
 
 INTEGER_FIELDS = (
     "learner",
@@ -19,74 +37,125 @@ INTEGER_FIELDS = (
     "c_tokens",
     "base_version",
     "epoch",
+    "nbytes",
 )
-MAX_TOKENS = 2**53  # c_tokens² must stay a finite float64
-# Schedule slots an offer may be ahead of the last step its learner reported (join,
-# heartbeats every ~0.5 s, offers): far more than a healthy learner gets ahead.
-MAX_SLOT_LEAD = 64
+MAX_TOKENS = 2**53  # c_tokens² must stay a finite float64 (a ceiling when no bound is known)
+MAX_STEP = 2**53  # the step ceiling when the run's step count is not known
+# Schedule slots an offer's step may be ahead of the last step its learner reported. A
+# learner's messages arrive in order, and at each due step of any fragment it sends an
+# offer or a heartbeat (heartbeats also go every `heartbeat_every` s), so an honest offer
+# is at most about one slot (H steps) ahead; the window leaves room for a few messages
+# rejected or dropped in between. An offer further ahead would push the fragment's covered
+# slot forward and leave the other learners' offers without a round (K = 1 would wait for
+# everyone) for as many slots.
+SLOT_WINDOW = 4
 
 
-def check_sender(offer, info, num_learners: int, owned) -> str:
+@dataclasses.dataclass(frozen=True)
+class RunBounds:
+    """What the run's config makes plausible for any learner; 0 = not known (a syncer built
+    without the run config: only the ceilings above apply)."""
+
+    tokens_per_step: int = 0  # train.batch_size × data.seq_len: tokens in one learner step
+    max_step: int = 0  # train.steps: no learner reports a step past it
+
+    @property
+    def step_ceiling(self) -> int:
+        return self.max_step or MAX_STEP
+
+    @property
+    def tokens_ceiling(self) -> int:
+        return self.tokens_per_step or MAX_TOKENS
+
+
+def check_sender(offer, info, num_learners: int, owned) -> Reason | None:
     """The offer's learner, life and fragment (`info`: the registry entry or None). A learner
     that left may still offer: its final offers carry work its earlier offers did not."""
     for field in INTEGER_FIELDS:
         v = getattr(offer, field, None)
         if isinstance(v, bool) or not isinstance(v, int | np.integer):
-            return f"{field} must be an integer, got {v!r}"
+            return Reason("envelope", f"{field} must be an integer, got {v!r}")
     if not 0 <= offer.learner < num_learners or info is None:
-        return f"unknown learner {offer.learner}"
+        return Reason("sender", f"unknown learner {offer.learner}")
     if offer.incarnation != info.incarnation:
-        return f"incarnation {offer.incarnation} != current {info.incarnation}"
+        why = f"incarnation {offer.incarnation} != current {info.incarnation}"
+        return Reason("incarnation", why)
     if offer.fragment not in owned:
-        return f"fragment {offer.fragment} is not owned by this syncer"
-    return ""
+        return Reason("sender", f"fragment {offer.fragment} is not owned by this syncer")
+    return None
 
 
-def check_counters(offer, info, version: int, max_staleness: int, sync_every: int, merged) -> str:
+def check_counters(
+    offer, info, version: int, max_staleness: int, sync_every: int, merged, bounds: RunBounds
+) -> Reason | None:
     """Versions, counters and step. `merged`: (incarnation, step, version) of this learner's
     latest merged offer of the fragment, or None."""
-    if offer.base_version > version:
-        return f"base version {offer.base_version} is from the future (now {version})"
-    if version - offer.base_version > max_staleness:
-        return f"stale: base {offer.base_version}, now {version}"
+    base = offer.base_version
+    if base < 0:
+        return Reason("base_version", f"negative base version {base} (versions start at 0)")
+    if base > version:
+        return Reason("base_version", f"base version {base} is from the future (now {version})")
+    if version - base > max_staleness:
+        return Reason("stale", f"stale: base {base}, now {version}")
     if not 1 <= offer.c_steps <= offer.step or not 0 <= offer.c_tokens <= MAX_TOKENS:
-        return (
-            f"counters out of range: c_steps={offer.c_steps} (step {offer.step}), "
-            f"c_tokens={offer.c_tokens}"
+        return Reason(
+            "counters",
+            f"counters out of range: c_steps={offer.c_steps} (step {offer.step}; an offer holds "
+            f"at least one step of work), c_tokens={offer.c_tokens}",
         )
-    # A step far beyond what the learner last reported would push the fragment's
-    # schedule slot ahead and starve later rounds of fresh offers.
-    if offer.step > info.step + sync_every * MAX_SLOT_LEAD:
-        return f"step {offer.step} is from the future (learner reported {info.step})"
+    # Its weight in merges grows with tokens per step: no more than a step's batch can hold.
+    if offer.c_tokens > offer.c_steps * bounds.tokens_ceiling:
+        return Reason(
+            "tokens_per_step",
+            f"c_tokens={offer.c_tokens} in c_steps={offer.c_steps} is more than "
+            f"{bounds.tokens_ceiling} tokens per step (train.batch_size x data.seq_len)",
+        )
+    if offer.step > bounds.step_ceiling:
+        return Reason("step", f"step {offer.step} is past the run's {bounds.step_ceiling} steps")
+    lead = sync_every * SLOT_WINDOW
+    if offer.step > info.step + lead:
+        return Reason(
+            "step",
+            f"step {offer.step} is from the future (learner reported {info.step}; an offer may "
+            f"lead its learner's reports by {SLOT_WINDOW} slots, {lead} steps)",
+        )
     # A learner offers again only after applying the version that holds its last merged
     # offer: anything else holds work Θ already has (it would count twice).
     same_life = merged is not None and merged[0] == offer.incarnation
-    if same_life and (offer.step <= merged[1] or offer.base_version < merged[2]):
-        return (
+    if same_life and (offer.step <= merged[1] or base < merged[2]):
+        return Reason(
+            "merged_work",
             f"holds work already merged (offer at step {merged[1]} is in version "
-            f"{merged[2]}; this one: step {offer.step}, base {offer.base_version})"
+            f"{merged[2]}; this one: step {offer.step}, base {base})",
         )
-    return ""
+    # ...so its work is the steps since that offer.
+    if same_life and offer.c_steps > offer.step - merged[1]:
+        return Reason(
+            "counters",
+            f"counters out of range: c_steps={offer.c_steps} at step {offer.step}, but its "
+            f"offer at step {merged[1]} is merged already",
+        )
+    return None
 
 
-def check_payload(offer, expected: dict) -> tuple[str, tuple[dict, dict] | None]:
+def check_payload(offer, expected: dict) -> tuple[Reason | None, tuple[dict, dict] | None]:
     """Decodes the payload against the fragment's leaves: (reason, (arrays, ‖v‖² per leaf))."""
     try:
         arrays = compression.decode(offer.payload)
     except Exception as e:  # a malformed payload is a rejection, never a crash
-        return f"undecodable payload: {e!r}", None
+        return Reason("payload", f"undecodable payload: {e!r}"), None
     if set(arrays) != set(expected):
-        return f"leaf names {sorted(arrays)[:3]}... do not match fragment", None
+        return Reason("payload", f"leaf names {sorted(arrays)[:3]}... do not match fragment"), None
     for k, v in arrays.items():
         if v.shape != expected[k].shape:
-            return f"{k}: shape {v.shape} != {expected[k].shape}", None
+            return Reason("payload", f"{k}: shape {v.shape} != {expected[k].shape}"), None
         if v.dtype != np.float32:
-            return f"{k}: dtype {v.dtype} != float32", None
+            return Reason("payload", f"{k}: dtype {v.dtype} != float32"), None
     # ‖v‖² per leaf is the finiteness check (NaN/inf propagate into it; so does a float32
     # overflow of values > ~1e19, which RDA could not merge either) and, kept with the
     # offer, spares the merge one of RDA's read passes over the offers.
     sq_norms = merge.offer_sq_norms(arrays)
     for k, q in sq_norms.items():
         if not math.isfinite(q):
-            return f"{k}: non-finite values", None
-    return "", (arrays, sq_norms)
+            return Reason("non_finite", f"{k}: non-finite values"), None
+    return None, (arrays, sq_norms)

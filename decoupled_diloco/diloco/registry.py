@@ -3,6 +3,13 @@
 Liveness comes from messages: a learner silent for longer than `heartbeat_timeout` seconds
 is dead until it speaks again. The roster, which merge weights are normalised by
 (`merge.weigh`), holds the live learners and those that finished their step budget.
+
+Lives. A learner's new life starts with a Join. A heartbeat of a life the registry never saw
+also counts as that life's join when the registry may have missed its Join (it is restored
+from a checkpoint older than the join, or the learner is unknown or silent past the
+timeout); from a learner live in a life the registry has heard from, it is dropped, so a
+stray heartbeat cannot lock the learner's real life out. No message may claim a life more
+than `MAX_INCARNATION_LEAD` ahead of the registered one: lives are restarts.
 """
 
 import dataclasses
@@ -10,6 +17,12 @@ import dataclasses
 import numpy as np
 
 from decoupled_diloco.diloco import merge
+from decoupled_diloco.diloco.offer_checks import Reason
+
+# Lives a Join or heartbeat may claim beyond the registered life (or beyond 0 for a learner
+# the registry does not know): restarts since the syncer's last checkpoint, or of a
+# learner whose checkpoint outlived the syncer's, are far fewer.
+MAX_INCARNATION_LEAD = 1024
 
 
 @dataclasses.dataclass
@@ -20,6 +33,8 @@ class LearnerInfo:
     step: int = 0  # the highest step the learner reported (join, heartbeats, offers)
     tokens_per_step: int = 0  # 0 = unknown
     finished: bool = False  # left after its step budget: still in the weights' roster
+    # False for an entry restored from a checkpoint until a message of that life arrives
+    confirmed: bool = True
 
 
 class Registry:
@@ -33,49 +48,74 @@ class Registry:
 
     def register(self, m: int, incarnation: int, joined: bool, now: float, step: int = 0,
                  tokens_per_step: int = 0, finished: bool = False) -> None:  # fmt: skip
-        """Restores an entry (after the syncer itself was restored)."""
+        """Restores an entry (after the syncer itself was restored): unconfirmed."""
         self.learners[m] = LearnerInfo(
-            int(incarnation), now, bool(joined), int(step), int(tokens_per_step), bool(finished)
-        )
+            int(incarnation), now, bool(joined), int(step), int(tokens_per_step), bool(finished),
+            confirmed=False,
+        )  # fmt: skip
 
     def touch(self, m: int, now: float) -> LearnerInfo:
         info = self.learners.setdefault(m, LearnerInfo())
         info.last_seen = max(info.last_seen, now)
         return info
 
-    def join(self, m: int, incarnation: int, step: int, tokens_per_step: int, now: float) -> str:
-        """Admits a (re)joining learner; returns why not ("" if admitted)."""
-        if not 0 <= m < self.num_learners:
-            return f"join from unknown learner {m}"
+    def _too_far(self, m: int, incarnation: int) -> Reason | None:
+        known = self.learners.get(m)
+        limit = (known.incarnation if known is not None else 0) + MAX_INCARNATION_LEAD
+        if incarnation > limit:
+            return Reason("implausible", f"incarnation {incarnation} of learner {m} is more than "
+                          f"{MAX_INCARNATION_LEAD} lives ahead of its registered one")  # fmt: skip
+        return None
+
+    def join(self, m: int, incarnation: int, step: int, tokens_per_step: int, now: float):
+        """Admits a (re)joining learner (fields validated: message_checks.py); returns why
+        not (None if admitted)."""
         known = self.learners.get(m)
         if known is not None and incarnation < known.incarnation:
             # A delayed Join of an earlier life must not roll the registry back.
-            return f"join from old incarnation {incarnation}"
+            return Reason("old_incarnation", f"join from old incarnation {incarnation}")
+        reason = self._too_far(m, incarnation)
+        if reason:
+            return reason
         info = self.touch(m, now)
         info.incarnation, info.joined, info.finished = incarnation, True, False
+        info.confirmed = True
         info.step = max(info.step, int(step))
         info.tokens_per_step = int(tokens_per_step) or info.tokens_per_step
-        return ""
+        return None
 
-    def leave(self, m: int, incarnation: int, finished: bool) -> bool:
-        """A learner stops training; False if the message is not of its current life."""
+    def leave(self, m: int, incarnation: int, finished: bool) -> Reason | None:
+        """A learner stops training; why not, if the message is not of its current life."""
         info = self.learners.get(m)
         if info is None or info.incarnation != incarnation:
-            return False
-        info.joined, info.finished = False, bool(finished)
-        return True
+            return self._other_life(m, incarnation, info)
+        info.joined, info.finished, info.confirmed = False, bool(finished), True
+        return None
 
-    def heartbeat(self, m: int, incarnation: int, step: int, now: float) -> str:
-        """ "join": a life this registry never saw (it comes from an older checkpoint), to
-        be treated as that life's join; "ok": recorded; "": ignored (old life, unknown)."""
+    def heartbeat(self, m: int, incarnation: int, step: int, now: float) -> str | Reason:
+        """ "join": a life the registry may have missed the Join of (module docstring), to
+        be treated as that life's join; "ok": recorded; else why it was dropped."""
         info = self.learners.get(m)
-        if (info is None or incarnation > info.incarnation) and 0 <= m < self.num_learners:
+        if info is None or incarnation > info.incarnation:
+            too_far = self._too_far(m, incarnation)
+            if too_far:
+                return too_far
+            if info is not None and info.confirmed and m in self.live(now):
+                why = (f"heartbeat of incarnation {incarnation} without a join: learner {m} "
+                       f"is live in incarnation {info.incarnation}")  # fmt: skip
+                return Reason("new_incarnation", why)
             return "join"
-        if info is None or info.incarnation != incarnation:
-            return ""
+        if info.incarnation != incarnation:
+            return self._other_life(m, incarnation, info)
         self.touch(m, now)
-        info.step = max(info.step, int(step))
+        info.step, info.confirmed = max(info.step, int(step)), True
         return "ok"
+
+    @staticmethod
+    def _other_life(m: int, incarnation: int, info) -> Reason:
+        current = "none" if info is None else info.incarnation
+        return Reason("old_incarnation", f"learner {m} incarnation {incarnation} is not its "
+                      f"current one ({current})")  # fmt: skip
 
     def live(self, now: float) -> list[int]:
         return sorted(

@@ -23,6 +23,10 @@ A merge sends the new version with the fragment's vector clock (messages.py): wh
 holds each learner's offer. An offer that will never be merged (rejected, stale, its
 learner timed out) is answered with `Dropped`: the learner keeps the work for its next one.
 
+Trust no message: every one is validated before it changes anything (offer_checks.py,
+message_checks.py, registry.py), an offer's size is held against the recent offers' scale
+(offer_scale.py), and whatever is refused is logged and counted (refusals.py), never raised.
+
 Every life of a syncer has an `epoch` (a restored syncer gets a new one): it re-creates
 version numbers its lost life had used, so offers anchored in a lost life are dropped (the
 learner rebases on the new life's snapshot and offers its unmerged work again).
@@ -33,25 +37,21 @@ from collections.abc import Callable
 
 import numpy as np
 
-from decoupled_diloco.diloco import compression, merge, rounds, syncer_state
+from decoupled_diloco.diloco import compression, merge, refusals, rounds, syncer_state
 from decoupled_diloco.diloco import offer_checks as checks
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import FragmentPlan
 from decoupled_diloco.diloco.grace import GraceWindow
-from decoupled_diloco.diloco.messages import (
-    Dropped,
-    Heartbeat,
-    Join,
-    Leave,
-    Merged,
-    Offer,
-    Snapshot,
-)
+from decoupled_diloco.diloco.message_checks import check_message
+from decoupled_diloco.diloco.messages import Join, Leave, Merged, Offer, Snapshot
+from decoupled_diloco.diloco.offer_checks import Reason, RunBounds
+from decoupled_diloco.diloco.offer_scale import OfferScale
 from decoupled_diloco.diloco.registry import Registry
 
 
 class Syncer:
-    """Owns the global fragments `fragments` (all of them unless the syncer is sharded)."""
+    """Owns the global fragments `fragments` (all of them unless the syncer is sharded).
+    `bounds`: what the run's config makes plausible for a learner's reports."""
 
     def __init__(
         self,
@@ -61,8 +61,10 @@ class Syncer:
         fragments: list[int] | None = None,
         record: Callable[[dict], None] | None = None,
         epoch: int = 0,
+        bounds: RunBounds | None = None,
     ):
         self.cfg, self.plan, self.num_learners = cfg, plan, cfg.learners
+        self.bounds = bounds or RunBounds()
         self.epoch = epoch  # this life of the syncer (a restored syncer gets a new one)
         self.owned = list(range(plan.num_fragments)) if fragments is None else list(fragments)
         self._emit = record or (lambda r: None)
@@ -81,12 +83,11 @@ class Syncer:
         self.registry = Registry(cfg.learners, cfg.heartbeat_timeout)
         self.learners = self.registry.learners  # learner -> LearnerInfo
         self.grace = GraceWindow(cfg.grace_gamma, cfg.max_grace, cfg.overlap, cfg.ema_decay)
-        self.stats = dict(
-            merges=0, rejected_offers=0, dropped_offers=0, bytes_in=0, bytes_out=0, offers=0
-        )
+        self.stats = dict(merges=0, bytes_in=0, bytes_out=0, offers=0, **refusals.new_stats())
+        self.refusals = refusals.Refusals(self.stats, self.record, self.num_learners)
+        self.scale = OfferScale(cfg.max_offer_norm_ratio, self.owned)
         self._sizes = {p: sum(v.size for v in self.theta[p].values()) for p in self.owned}
         self._total = sum(int(np.size(v)) for v in params.values())
-        self._notices: list[tuple[int, Dropped]] = []
 
     def record(self, rec: dict) -> None:
         """Emits one merge / event record (the runtime writes it to merges or events.jsonl)."""
@@ -103,35 +104,44 @@ class Syncer:
 
     # --- messages --------------------------------------------------------------------
     def handle(self, msg, now: float) -> list[tuple[int, object]]:
-        """Processes one incoming message; returns (learner, message) pairs to send."""
-        if isinstance(msg, Join):
-            return self._join(msg, now) + self._sent()
-        if isinstance(msg, Leave):
-            if self.registry.leave(msg.learner, msg.incarnation, msg.finished):
-                self.record({"event": "leave", "learner": msg.learner,
-                             "finished": bool(msg.finished), "time": now})  # fmt: skip
-            return self.tick(now)
-        if isinstance(msg, Heartbeat):
-            seen = self.registry.heartbeat(msg.learner, msg.incarnation, msg.step, now)
-            if seen == "join":
-                # A live learner in a life this syncer never saw: its registry comes from a
-                # checkpoint older than the learner's (re)join, so treat it as that join.
-                join = Join(msg.learner, msg.incarnation, msg.time, msg.step)
-                return self._join(join, now) + self._sent()
-            if seen == "ok" and msg.step_seconds > 0:
-                self.grace.step.update(msg.step_seconds)
-            return self.tick(now) if seen == "ok" else []  # a waiting offer may be fresh now
+        """Processes one incoming message; returns (learner, message) pairs to send. A message
+        it cannot act on is logged and dropped (refusals.py), never raised."""
         if isinstance(msg, Offer):
             self._accept(msg, now)
             return self.tick(now)
-        raise TypeError(f"syncer cannot handle {type(msg).__name__}")
+        reason = check_message(msg, self.num_learners, self.bounds)
+        if reason:
+            self.refusals.drop_message(msg, reason, now)
+            return []
+        if isinstance(msg, Join):
+            return self._join(msg, now) + self._sent()
+        if isinstance(msg, Leave):
+            reason = self.registry.leave(msg.learner, msg.incarnation, msg.finished)
+            if reason:
+                self.refusals.drop_message(msg, reason, now)
+                return []
+            self.record({"event": "leave", "learner": msg.learner,
+                         "finished": bool(msg.finished), "time": now})  # fmt: skip
+            return self.tick(now)
+        seen = self.registry.heartbeat(msg.learner, msg.incarnation, msg.step, now)
+        if seen == "join":
+            # A learner in a life this syncer may have missed the Join of (its registry comes
+            # from a checkpoint older than the learner's (re)join): treat it as that join.
+            join = Join(msg.learner, msg.incarnation, msg.time, msg.step)
+            return self._join(join, now) + self._sent()
+        if isinstance(seen, Reason):
+            self.refusals.drop_message(msg, seen, now)
+            return []
+        if msg.step_seconds > 0:
+            self.grace.step.update(msg.step_seconds)
+        return self.tick(now)  # a waiting offer may be fresh now
 
     def _join(self, msg: Join, now: float) -> list[tuple[int, object]]:
         reason = self.registry.join(
             msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now
         )
         if reason:
-            self._reject(None, reason, now, msg.learner)
+            self.refusals.drop_message(msg, reason, now)
             return []
         earlier = {}  # what Θ holds of the learner's earlier lives: its snapshot says so
         for p in self.owned:  # offers of an earlier life are void
@@ -147,59 +157,40 @@ class Syncer:
             snap.merged[p][msg.learner] = entry
         return [(msg.learner, snap)]
 
-    def _reject(self, offer: Offer | None, reason: str, now: float, learner: int = -1) -> None:
-        """A bad offer (or join): logged, counted, never merged; its learner is told."""
-        self.stats["rejected_offers"] += offer is not None
-        self._refuse("reject", offer, reason, now, learner)
-
-    def _drop(self, offer: Offer, reason: str, now: float) -> None:
-        """Not a bad offer, but one that will not be merged (its learner keeps the work)."""
-        self.stats["dropped_offers"] += 1
-        self._refuse("drop_offer", offer, reason, now)
-
-    def _refuse(self, event: str, offer, reason: str, now: float, learner: int = -1) -> None:
-        fields = ("learner", "fragment", "step", "incarnation")
-        rec = {k: getattr(offer, k, None) for k in fields} if offer else {"learner": learner}
-        self.record({"event": event, **rec, "reason": reason, "time": now})
-        try:  # a malformed envelope names nobody to tell
-            m, inc, p, step = (
-                int(getattr(offer, k)) for k in fields[:1] + fields[3:] + fields[1:3]
-            )
-        except (TypeError, ValueError, AttributeError):
-            return
-        if 0 <= m < self.num_learners:
-            self._notices.append((m, Dropped(m, inc, p, step, reason, now)))
-
     def _sent(self) -> list[tuple[int, object]]:
-        out, self._notices = self._notices, []
-        return out
+        return self.refusals.sent()
 
     def _accept(self, offer: Offer, now: float) -> None:
         self.stats["offers"] += 1
-        self.stats["bytes_in"] += offer.nbytes
-        info = self.registry.get(offer.learner)
+        info = self.registry.get(getattr(offer, "learner", None))
         reason = checks.check_sender(offer, info, self.num_learners, self.version)
         if reason:
-            self._reject(offer, reason, now)
+            self.refusals.reject(offer, reason, now)
             return
+        self.stats["bytes_in"] += offer.nbytes
         p = offer.fragment
         if offer.epoch != self.epoch:
             # Made before this syncer life's snapshot reached the learner: its base version
             # belongs to a lost life. The learner rebases on the snapshot and offers again.
-            self._drop(offer, f"epoch {offer.epoch}: made before the syncer restore", now)
+            why = f"epoch {offer.epoch}: made before the syncer restore"
+            self.refusals.drop_offer(offer, Reason("epoch", why), now)
             return
         merged = self.merged_into[p].get(offer.learner)
-        cfg = self.cfg
+        cfg, bounds = self.cfg, self.bounds
         version, H = self.version[p], self.plan.sync_every
-        reason = checks.check_counters(offer, info, version, cfg.max_staleness, H, merged)
-        decoded = None
+        reason = checks.check_counters(offer, info, version, cfg.max_staleness, H, merged, bounds)
+        decoded = size = None
         if not reason:
             reason, decoded = checks.check_payload(offer, self.theta[p])
+        if not reason:
+            size = self.scale.size(decoded[1], offer.c_steps, self._sizes[p])
+            reason = self.scale.check(p, size, self.theta[p])
         if reason:
-            self._reject(offer, reason, now)
+            self.refusals.reject(offer, reason, now)
             return
+        self.scale.add(p, size)
         self.registry.touch(offer.learner, now)
-        info.step = max(info.step, offer.step)
+        info.step, info.confirmed = max(info.step, offer.step), True
         if offer.c_steps:
             info.tokens_per_step = round(offer.c_tokens / offer.c_steps)
         fresh = self.cfg.rounds == "eager" or self.slot(offer) > self.last_slot[p]
@@ -220,7 +211,7 @@ class Syncer:
         for p in self.owned:
             for m in [m for m in self.pending[p] if m in dead]:
                 offer = self.pending[p].pop(m)[0]
-                self._drop(offer, "learner not live", now)
+                self.refusals.drop_offer(offer, Reason("not_live", "learner not live"), now)
 
     def slot(self, offer: Offer) -> int:
         """The schedule slot an offer stands for (diloco/rounds.py)."""
@@ -291,7 +282,8 @@ class Syncer:
                 vs.append(a)
                 sq_norms.append(q)
             else:
-                self._reject(o, f"stale at merge: base {o.base_version}, now {version}", now)
+                why = f"stale at merge: base {o.base_version}, now {version}"
+                self.refusals.reject(o, Reason("stale", why), now)
         quorum_wait = (self.quorum_at[p] or now) - (self.round_open[p] or now)
         grace_used = now - (self.quorum_at[p] or now)
         self.round_open[p] = self.quorum_at[p] = None

@@ -2,14 +2,15 @@
 
 Arrays (`state_dict`): Θ, outer momenta, versions and schedule slots per owned fragment.
 JSON (`meta_dict`): the fragment plan (a resume must not change it), the learner registry,
-every fragment's vector clock, the counters and the event-log position. `load` restores
+every fragment's vector clock, the counters (a new life continues those of refusals), the
+recent offers' sizes (offer_scale.py) and the event-log position. `load` restores
 both into a freshly built `Syncer` (pending offers and open rounds are not saved: offers
 of a lost life are void, learners offer again).
 """
 
 import numpy as np
 
-from decoupled_diloco.diloco import merge
+from decoupled_diloco.diloco import merge, refusals
 from decoupled_diloco.diloco.fragments import FragmentPlan
 
 
@@ -39,6 +40,7 @@ def meta_dict(syncer) -> dict:
             for p in syncer.owned
         },
         "stats": dict(syncer.stats),
+        "offer_scale": syncer.scale.to_json(),
         # Records (merges.jsonl / events.jsonl lines) this shard had emitted: those after
         # it belong to merges a restore rolls back.
         "log_position": syncer.log_position,
@@ -69,3 +71,7 @@ def load(syncer, state: dict, meta: dict, now: float) -> None:
     for m, (inc, joined, step, *rest) in meta.get("learners", {}).items():
         syncer.register(int(m), int(inc), bool(joined), now, int(step), *rest)
     syncer.log_position = int(meta.get("log_position", 0))
+    syncer.scale.load_json(meta.get("offer_scale", {}))
+    syncer.stats.update(
+        {k: int(n) for k, n in meta.get("stats", {}).items() if refusals.is_count(k)}
+    )

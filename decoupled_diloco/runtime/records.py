@@ -7,7 +7,7 @@ membership), learner_down (a crash: emitted where the crash happens, by the lear
 when crashes are emulated, by the Ray driver when it kills the process), learner_leave,
 nan_restart, learner_done, learner_error, learner_lost (Ray: restarts exhausted).
 Syncer records (diloco/syncer.py, runtime/syncer_loop.py): merge, join, leave, reject,
-drop_offer, syncer_crash, syncer_restore, syncer_start.
+drop_offer, drop_message (diloco/refusals.py), syncer_crash, syncer_restore, syncer_start.
 """
 
 import os

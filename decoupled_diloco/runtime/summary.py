@@ -1,6 +1,7 @@
 """summary.json of a run, the same keys for every runtime."""
 
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.diloco import refusals
 
 
 def run_summary(
@@ -22,6 +23,7 @@ def run_summary(
         "learners": run.num_learners,
     }
     summary.update(accounting)
+    summary.update(refusal_counts(syncer_stats))
     if run.uses_syncer:
         communicated = sum(s["bytes_in"] + s["bytes_out"] for s in syncer_stats)
         summary["bytes_communicated"] = int(communicated)
@@ -30,3 +32,20 @@ def run_summary(
         summary["bytes_communicated"] = 0
         summary["bytes_per_token"] = 0.0
     return summary
+
+
+def refusal_counts(syncer_stats: list[dict]) -> dict:
+    """What the syncer shards refused, by kind (diloco/refusals.py), summed over shards: a
+    control message goes to every shard and is counted by each that drops it. Counts are
+    the syncer's, kept in its checkpoints (a restored shard continues them), while
+    `rejected_offers` / `dropped_offers` count events.jsonl's records."""
+    names = {"reject": "rejections_by_reason", "drop_offer": "offer_drops_by_reason",
+             "drop_message": "message_drops_by_reason"}  # fmt: skip
+    out = {"dropped_messages": sum(s.get("dropped_messages", 0) for s in syncer_stats)}
+    for event, key in names.items():
+        counts: dict[str, int] = {}
+        for s in syncer_stats:
+            for kind, n in refusals.by_kind(s, event).items():
+                counts[kind] = counts.get(kind, 0) + n
+        out[key] = dict(sorted(counts.items()))
+    return out

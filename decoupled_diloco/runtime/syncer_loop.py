@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco.checkpoint import Checkpointer
+from decoupled_diloco.diloco.offer_checks import RunBounds
 from decoupled_diloco.diloco.syncer import Syncer
 from decoupled_diloco.diloco.transport import SyncerLink
 
@@ -146,7 +147,10 @@ class SyncerLoop:
         """A new life: a new epoch, then the latest checkpoint if there is one."""
         run = self.run_cfg
         owned = owned_fragments(self.plan.num_fragments, run.diloco.syncer_shards, self.shard)
-        syncer = Syncer(run.diloco, self.plan, self.init_params, owned, self.record, new_epoch())
+        bounds = RunBounds(tokens_per_step=run.train.batch_size * run.data.seq_len,
+                           max_step=run.train.steps)  # fmt: skip
+        syncer = Syncer(run.diloco, self.plan, self.init_params, owned, self.record, new_epoch(),
+                        bounds)  # fmt: skip
         if self.ckpt.latest_step() is not None:
             try:
                 state, meta = self.ckpt.restore(jax.tree.map(np.asarray, syncer.state_dict()))
