@@ -26,7 +26,11 @@ only when every learner is lost.
 Differences from the local runtime, all from real process boundaries: a killed learner
 redoes the steps since its last checkpoint (`train.checkpoint_every`), so metrics.jsonl can
 hold a step twice; rows and records buffered in a process when it dies are lost; a
-scheduled crash lasts at least as long as Ray needs to restart the process (seconds).
+scheduled crash lasts at least as long as Ray needs to restart the process (seconds). A
+step schedule (`faults.unit = "steps"`) fires at the steps the driver polls, so within one
+`ray.poll_seconds` after the step; its crashes last as long as Ray's restart (the restarted
+process cannot know when its predecessor died, so `restart_delay_s` is not added), and its
+membership windows are refused (only the local runtime sees the run's lead step).
 """
 
 import math
@@ -42,6 +46,7 @@ import ray
 from decoupled_diloco import faults, run_files, sharding
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import Progress, write_json
+from decoupled_diloco.runtime import accounting
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
 from decoupled_diloco.runtime.ray import links as ray_links
@@ -54,9 +59,14 @@ from decoupled_diloco.train.evaluate import Evaluator
 
 class RayRuntime:
     def __init__(self, run: RunConfig, workdir: str, verbose: bool = True):
+        if run.faults.unit == "steps" and run.faults.membership:
+            raise ValueError(
+                'faults.membership with faults.unit="steps" needs the local runtime: a Ray '
+                "learner cannot see the run's lead step (give its membership in seconds)"
+            )
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         os.makedirs(workdir, exist_ok=True)
-        self.log = RunLog(workdir, run.num_learners, run.train.uptime_window)
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run))
         self.ledger = self.log.ledger
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         ckpt_dir = run.ray.checkpoint_dir or os.path.join(workdir, "checkpoints")
@@ -275,7 +285,13 @@ class RayRuntime:
     # --- faults -----------------------------------------------------------------------
     def _apply_faults(self) -> None:
         now = self.now()
-        for ev in self.schedule.events_between(self._fault_t, now):
+        # A step schedule's faults land at the steps polled (fault_steps.py).
+        for m, s in enumerate(self.status):
+            if "incarnation" in s and not s["done"]:  # it has reported its step
+                self.schedule.learner_reached(m, s["step"], now)
+        self.schedule.run_reached(max(s["step"] for s in self.status), now)
+        end = math.nextafter(now, math.inf)  # the events placed at `now` included
+        for ev in self.schedule.events_between(self._fault_t, end):
             if ev.kind == "crash" and not self.status[ev.learner]["done"]:
                 m = ev.learner
                 for h in range(self.hosts[m]):
@@ -293,7 +309,7 @@ class RayRuntime:
                 for s, actor in enumerate(self.syncers):
                     self._kill(("syncer", s, 0), actor)
                     self.log.event({"event": "syncer_crash", "shard": s, "time": ev.time})
-        self._fault_t = now
+        self._fault_t = end
 
     def _kill(self, key: tuple, actor) -> None:
         """SIGKILL the actor's process: by pid on this node, through Ray elsewhere."""
