@@ -11,27 +11,30 @@ that survive to the end (not lost to a restore) are useful.
 
 uptime and global_downtime_seconds are measured in the run's own time scale, so that a
 slow host is not downtime: a wall-clock window cannot tell a slow step from a stall, the
-learners' steps can. With everyone healthy the global model advances at least once per H/P
-steps of the learner that paces the rounds (each of the P fragments closes one round per
-sync period of H steps, staggered; rounds go at the pace of the K-th fastest live learner,
+learners' steps can. With everyone healthy every fragment merges once per sync period of
+H steps (the P fragments staggered, so the global model advances about every H/P steps;
 diloco/syncer.py; data-parallel: every step is an advance). So time is cut at the advances
 (merges, DP steps), and the gap between two consecutive advances is *down* when
 
-  (a) the pacing learner completed more than `tolerance = H + ceil(H/P)` steps in it: a
-      whole sync period plus one fragment interval of slack for grace windows and
-      transfers (data-parallel: 1). Pacing: the min(K, n)-th highest per-learner step
-      count in the gap, over the n learners that stepped in it and were not down in it.
-      A syncer outage shows this way (learners step on, nothing merges), as does a quorum
-      that cannot fill while a learner is down; or
+  (a) the learners training through it (stepping in it, not down in it) completed on
+      average more than `tolerance = 2·H` steps in it: two whole sync periods in which no
+      fragment merged (data-parallel: 1). One period of slack absorbs what does not scale
+      with the step time: transfers, the syncer's turn, grace windows, a fast learner's
+      many steps against a slow one's. A syncer outage shows this way (learners step on,
+      nothing merges), as does a quorum that cannot fill while a learner is down; or
   (b) no learner stepped for longer than `tolerance` median step times while a learner or
-      a syncer shard was down (between its failure and its restart): every learner down,
-      a data-parallel job restarting, learners blocked on a dead syncer. A stretch without
-      steps while nothing is down is a slow or stalled host, not downtime.
+      a syncer shard was down (between its failure and its restart): every learner down
+      or done while one is down, a data-parallel job restarting, learners blocked on a
+      dead syncer. A stretch without steps while nothing is down is a slow or stalled
+      host, not downtime.
 
 global_downtime_seconds = the wall seconds of the down gaps, each counted whole (from the
 advance before the outage to the first one after it: restore and recompilation included).
-uptime = 1 - that / the horizon, the wall time from the first advance to the last learner
-step (extended to the end of the run when a learner is still down then; the tail after
+uptime = 1 - that / the horizon. The horizon starts once every fragment has merged once
+(data-parallel: at the first step): before that the run is starting up, compiling its
+copy, merge and apply paths and calibrating its grace windows, and a loaded host takes
+seconds over it (if some fragment never merges, at the first advance). It ends at the last
+learner step (at the end of the run when a learner is still down then; the tail after
 training, final merges, checkpoints and evaluation, is not in it). Both rules scale with
 the step time, so a uniformly k-times slower host gives the same uptime (and k times the
 downtime seconds, zero stays zero). An outage shorter than the tolerance is not seen: it
@@ -41,8 +44,9 @@ The simulator (decoupled_diloco/simulator/core.py) predicts the fraction of time
 the model *can* advance (the job runs; Decoupled: >= K learners run and the syncer is up).
 The measured number differs by design: it counts the whole gap around an outage (up to
 one merge interval plus the rejoin more than the outage), it does not see outages shorter
-than the tolerance, and with fewer than K live learners it counts downtime only when the
-rounds really stall (the syncer also closes a round once every live learner has offered).
+than the tolerance, and with fewer than K learners running it counts downtime only when
+the rounds really stall (the syncer also closes a round once every live learner has
+offered).
 """
 
 import bisect
@@ -51,12 +55,10 @@ import statistics
 import threading
 
 
-def tolerance_steps(sync_every: int, fragments: int) -> int:
-    """Steps of the pacing learner a healthy run never goes without an advance: H + ceil(H/P)
+def tolerance_steps(sync_every: int) -> int:
+    """Steps without an advance that a healthy run does not reach: two sync periods, 2·H
     (data-parallel, H = 0: 1, every step advances)."""
-    if sync_every <= 0:
-        return 1
-    return sync_every + math.ceil(sync_every / max(fragments, 1))
+    return 2 * sync_every if sync_every > 0 else 1
 
 
 def _union(intervals) -> list[tuple[float, float]]:
@@ -84,7 +86,6 @@ def down_gaps(
     outages: list[tuple[object, float, float]],
     horizon: tuple[float, float],
     tolerance: int,
-    quorum: int = 1,
 ) -> list[tuple[float, float]]:
     """The down gaps (start, end) of [horizon): see the module docstring. `step_times`: per
     learner, when each of its steps finished; `outages`: (who, failure, restart) of any
@@ -101,16 +102,13 @@ def down_gaps(
     for a, b in zip(cuts, cuts[1:], strict=False):
         if b <= a:
             continue
-        counts = sorted(
-            (
-                bisect.bisect_right(ts, b) - bisect.bisect_right(ts, a)
-                for ts, down in zip(steps, own, strict=True)
-                if _overlap(down, a, b) == 0.0  # a learner down in the gap does not pace it
-            ),
-            reverse=True,
-        )
-        active = sum(c > 0 for c in counts)
-        pace = counts[min(quorum, active) - 1] if active else 0
+        counts = [
+            bisect.bisect_right(ts, b) - bisect.bisect_right(ts, a)
+            for ts, down in zip(steps, own, strict=True)
+            if _overlap(down, a, b) == 0.0  # a learner down in the gap does not pace it
+        ]
+        counts = [c for c in counts if c > 0]
+        pace = sum(counts) / len(counts) if counts else 0.0
         stretch = [
             a,
             *every_step[bisect.bisect_right(every_step, a) : bisect.bisect_left(every_step, b)],
@@ -123,10 +121,9 @@ def down_gaps(
 
 
 class Ledger:
-    def __init__(self, num_learners: int, sync_every: int = 0, fragments: int = 1, quorum: int = 1):
-        """`sync_every`, `fragments`, `quorum`: the run's H, P and K (H = 0: data-parallel)."""
-        self.tolerance = tolerance_steps(sync_every, fragments)
-        self.quorum = quorum
+    def __init__(self, num_learners: int, sync_every: int = 0, fragments: int = 1):
+        """`sync_every`, `fragments`: the run's H and P (H = 0: data-parallel)."""
+        self.tolerance = tolerance_steps(sync_every)
         self._lock = threading.Lock()
         self.merges = 0
         self.merged_learners = 0
@@ -136,6 +133,8 @@ class Ledger:
         self.restarts = 0
         self.syncer_failures = 0
         self.advances: list[float] = []
+        self.fragments = fragments
+        self.first_merge: dict[int, float] = {}  # fragment -> when it first merged
         self.useful_steps = [0.0] * num_learners
         self.step_seconds = [0.0] * num_learners
         self.steps = [0] * num_learners
@@ -149,9 +148,9 @@ class Ledger:
 
     @classmethod
     def of_run(cls, run) -> "Ledger":
-        """The ledger of a RunConfig: its M, and H, P, K when it has a syncer."""
+        """The ledger of a RunConfig: its M, and H and P when it has a syncer."""
         d = run.diloco
-        return cls(run.num_learners, d.sync_every if run.uses_syncer else 0, d.fragments, d.quorum)
+        return cls(run.num_learners, d.sync_every if run.uses_syncer else 0, d.fragments)
 
     def step(self, m: int, seconds: float, now: float) -> None:
         with self._lock:
@@ -175,6 +174,7 @@ class Ledger:
             self.merges += 1
             self.merged_learners += len(rec["learners"])
             self.advances.append(rec["time"])
+            self.first_merge.setdefault(rec.get("fragment", 0), rec["time"])
             share = rec.get("share", 0.0)
             for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
                 self.useful_steps[m] += c * share
@@ -208,18 +208,18 @@ class Ledger:
                 self.last_step = max(self.last_step, now)
 
     def uptime(self, wall: float) -> tuple[float, float]:
-        """(uptime fraction, downtime seconds) of the horizon after the first advance."""
+        """(uptime fraction, downtime seconds) of the horizon (module docstring)."""
         if not self.advances:
             return 0.0, wall
         start = min(self.advances)
+        if len(self.first_merge) == self.fragments:  # started up: every fragment merged
+            start = max(self.first_merge.values())
         end = min(wall, self.last_step) if math.isfinite(self.last_step) else wall
         if end <= start:
             return 1.0, 0.0
         with self._lock:
             outages = self.outages + [(w, t, math.inf) for w, t in self._down.items()]
-            gaps = down_gaps(
-                self.advances, self.step_times, outages, (start, end), self.tolerance, self.quorum
-            )
+            gaps = down_gaps(self.advances, self.step_times, outages, (start, end), self.tolerance)
         down = sum(b - a for a, b in gaps)
         return 1.0 - down / (end - start), down
 
