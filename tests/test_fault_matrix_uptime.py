@@ -15,7 +15,7 @@ import pytest
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import fault_steps
 from decoupled_diloco.faults import FaultSchedule, FaultSpec, validate_fault_spec
-from decoupled_diloco.runtime.accounting import Ledger
+from decoupled_diloco.runtime.accounting import Ledger, down_gaps
 from decoupled_diloco.simulator import SimParams, simulate
 
 STEP_S = 0.1  # seconds per step of the synthetic fast host
@@ -232,3 +232,10 @@ def test_local_run_crashes_a_fast_and_a_slow_learner_at_their_scheduled_steps(
         assert backs[m]["time"] >= downs[m]["time"] + 1.0 and backs[m]["step"] == 5
     assert summary["failures"] == 2 and summary["restarts"] == 2
     assert summary["steps"] == 10 and summary["downtime_gap_steps"] == 2 * 2
+
+
+def test_a_learner_down_in_a_gap_does_not_pace_it():
+    """Learner 1 took 2 steps, then crashed: the gap is paced by learner 0's 10 steps."""
+    steps = [[0.1 * i for i in range(1, 11)], [0.1, 0.2]]
+    gaps = down_gaps([0.0, 1.05], steps, [(1, 0.25, 2.0)], (0.0, 1.05), tolerance=8)
+    assert gaps == [(0.0, 1.05)]
