@@ -32,7 +32,6 @@ def get_config(arg="decoupled"):
     c.train.eval_every = 25  # steps: enough points for the loss-vs-wall-time plot
     c.train.eval_batches = 4
     c.train.checkpoint_every = 50  # steps: what a crashed DP job falls back to
-    c.train.uptime_window = 2.0  # seconds
 
     c.faults.seed = 0
     c.faults.chip_mtbf_hours = 1 / 3  # per chip: 20 min, so 64 chips fail every ~19 s

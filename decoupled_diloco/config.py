@@ -141,7 +141,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train = _section(TrainConfig, skip=("seed",))  # decoupled_diloco/train/optimizer.py
     c.mesh = _section(sharding.MeshConfig)  # each learner's own mesh (sharding.py MeshConfig)
     c.diloco = _section(DilocoConfig)  # decoupled_diloco/diloco/config.py DilocoConfig
-    c.faults = _section(faults.FaultSpec)  # decoupled_diloco/faults.py FaultSpec (seconds)
+    c.faults = _section(faults.FaultSpec)  # faults.py FaultSpec (seconds, or steps: faults.unit)
     c.faults.seed = _run_seed_placeholder()  # None = the run's `seed`
     c.ray = _section(RayConfig)  # RayConfig above (runtime = "ray" only)
     return c
@@ -273,6 +273,11 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         raise ValueError(
             "runtime='ray' runs learners against a syncer: set diloco.sync_every > 0 "
             "(data-parallel training without a syncer uses runtime='local')"
+        )
+    if c.runtime == "ray" and fault_spec.unit == "steps" and fault_spec.membership:
+        raise ValueError(
+            'faults.membership with faults.unit="steps" needs the local runtime: a Ray '
+            "learner cannot see the run's lead step (give its membership in seconds)"
         )
 
     return RunConfig(

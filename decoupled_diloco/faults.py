@@ -18,15 +18,26 @@ thinning is exact).
 Independent random streams (crashes, stragglers) are derived from the seed, so enabling
 stragglers does not move the crash times. Per-step speed noise is not drawn from a stream
 at all: it is a hash of (seed, learner, step), so any process can recompute it.
+
+Step schedules (`unit = "steps"`): the explicit `crashes`, `membership` and
+`syncer_crashes` are then given in training steps, so that they hit the same training
+point on a fast and on a slow host (`fault_steps.py` says when each one fires). They are not
+on the timeline in advance: `learner_reached` and `run_reached` place each one on it, at
+the wall time the run reaches its step, and from there on the runtime sees an ordinary
+timed event. Every other time stays in seconds: restart delays (a repair takes wall time
+whatever the host), straggler episodes and the chip-MTBF crash process.
 """
 
 import bisect
 import dataclasses
 import math
+import threading
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
+
+from decoupled_diloco import fault_random, fault_steps
 
 # Ties at equal times resolve in this order, so a zero-delay crash precedes its restart.
 _KIND_ORDER = (
@@ -40,17 +51,23 @@ _KIND_ORDER = (
     "join",
 )
 _STREAM_CRASH, _STREAM_STRAGGLE = 1, 2
+UNITS = ("seconds", "steps")
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultSpec:
-    """What can go wrong in a run; all times in seconds of wall (or simulated) time."""
+    """What can go wrong in a run; times in seconds of wall (or simulated) time, except the
+    explicit schedule (crashes, membership, syncer_crashes) with `unit = "steps"`."""
 
     seed: int = 0
-    crashes: tuple[tuple[int, float], ...] = ()  # explicit (learner, time_s) crashes
+    # "seconds" | "steps": unit of the times in crashes, membership and syncer_crashes
+    # (steps: a learner's own completed steps for its crashes, the run's lead step for the
+    # others; see fault_steps.py). Delays and durations stay in seconds.
+    unit: str = "seconds"
+    crashes: tuple[tuple[int, float], ...] = ()  # explicit (learner, time) crashes
     chip_mtbf_hours: float = 0.0  # 0 = no random crashes; else exponential per chip
     chips_per_learner: int = 1  # a learner crashes when any of its chips fails
-    restart_delay_s: float = 5.0  # crash -> learner back (rejoins)
+    restart_delay_s: float = 5.0  # seconds, in either unit: crash -> learner back (rejoins)
     straggler_rate_per_hour: float = 0.0  # Poisson rate of slowdown episodes per learner
     straggler_duration_s: float = 10.0
     straggler_slowdown: float = 2.0  # step-time multiplier during an episode
@@ -60,9 +77,9 @@ class FaultSpec:
     speed_noise: float = 0.0  # std of the multiplicative per-step log-normal noise (0.10)
     link_latency_s: tuple[float, ...] = ()  # per-learner one-way latency to the syncer; () = 0
     link_bandwidth_bps: tuple[float, ...] = ()  # per-learner bits/s; () or 0 = unlimited
-    membership: tuple[tuple[int, float, float], ...] = ()  # (learner, join_s, leave_s)
+    membership: tuple[tuple[int, float, float], ...] = ()  # (learner, join, leave) times
     syncer_crashes: tuple[float, ...] = ()  # times the syncer crashes
-    syncer_restart_delay_s: float = 5.0
+    syncer_restart_delay_s: float = 5.0  # seconds, in either unit
 
 
 class FaultEvent(NamedTuple):
@@ -72,6 +89,13 @@ class FaultEvent(NamedTuple):
     kind: str  # one of _KIND_ORDER
     learner: int
     factor: float = 1.0  # step-time multiplier, for straggle_start
+
+
+_ORDER = {k: i for i, k in enumerate(_KIND_ORDER)}
+
+
+def _event_key(e: FaultEvent) -> tuple:
+    return (e.time, _ORDER[e.kind], e.learner)
 
 
 def _fail(field: str, msg: str):
@@ -88,9 +112,12 @@ def validate_fault_spec(spec: FaultSpec, num_learners: int) -> None:
         if int(i) != i or not 0 <= i < m:
             _fail(field, f"names learner {i!r}, but learners are 0..{m - 1}")
 
+    if spec.unit not in UNITS:
+        _fail("unit", f"must be one of {UNITS}, got {spec.unit!r}")
+    steps = spec.unit == "steps"
     for entry in spec.crashes:
         if len(entry) != 2:
-            _fail("crashes", f"entries must be (learner, time_s), got {entry!r}")
+            _fail("crashes", f"entries must be (learner, {spec.unit}), got {entry!r}")
         learner_ok(entry[0], "crashes")
         if not entry[1] >= 0:
             _fail("crashes", f"times must be >= 0, got {entry!r}")
@@ -122,12 +149,14 @@ def validate_fault_spec(spec: FaultSpec, num_learners: int) -> None:
         _fail("link_latency_s", "and faults.link_bandwidth_bps values must be >= 0")
     for entry in spec.membership:
         if len(entry) != 3:
-            _fail("membership", f"entries must be (learner, join_s, leave_s), got {entry!r}")
+            _fail("membership", f"entries must be (learner, join, leave), got {entry!r}")
         learner_ok(entry[0], "membership")
         if not 0 <= entry[1] < entry[2]:
-            _fail("membership", f"needs 0 <= join_s < leave_s, got {entry!r}")
+            _fail("membership", f"needs 0 <= join < leave, got {entry!r}")
     if any(not t >= 0 for t in spec.syncer_crashes):
         _fail("syncer_crashes", f"times must be >= 0, got {spec.syncer_crashes}")
+    if steps:
+        fault_steps.validate(spec)
 
 
 def fault_spec_from_dict(d: Mapping) -> FaultSpec:
@@ -141,27 +170,6 @@ def fault_spec_from_dict(d: Mapping) -> FaultSpec:
         return tuple(tup(x) for x in v) if isinstance(v, (list, tuple)) else v
 
     return FaultSpec(**{k: tup(v) for k, v in d.items()})
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """A 64-bit mixing hash; uint64 arithmetic wraps on overflow, which is the point."""
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def hashed_normal(seed: int, learner, step) -> np.ndarray:
-    """Standard normals that are a pure function of (seed, learner, step); broadcasts."""
-    learner = np.asarray(learner, dtype=np.int64).astype(np.uint64)
-    step = np.asarray(step, dtype=np.int64).astype(np.uint64)
-    h = _splitmix64(np.full(np.broadcast(learner, step).shape, seed % 2**64, dtype=np.uint64))
-    h = _splitmix64(_splitmix64(h ^ learner) ^ step)
-    g = _splitmix64(h ^ np.uint64(0xD1B54A32D192ED03))
-    u1 = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
-    u2 = (g >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 
 def _merge_intervals(pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -178,28 +186,6 @@ def _inside(intervals: list[tuple[float, float]], t: float) -> bool:
     """Whether t lies in one of the sorted, disjoint [a, b) intervals."""
     i = bisect.bisect_right(intervals, (t, math.inf)) - 1
     return i >= 0 and intervals[i][0] <= t < intervals[i][1]
-
-
-def _rng(seed: int, *stream: int) -> np.random.Generator:
-    return np.random.default_rng([seed % 2**63, *stream])
-
-
-def _poisson_times(
-    rng: np.random.Generator, rate: float, horizon: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """(arrival times in [0, horizon) of a rate-`rate` Poisson process, a uniform [0, 1) mark
-    per arrival). Drawn in fixed-size chunks of exponential gaps, so a longer horizon only
-    appends: a short run's timeline is a prefix of a long one's (a run and its simulation
-    may use different horizons)."""
-    times, marks, t = [], [], 0.0
-    while t < horizon:
-        arrivals = t + np.cumsum(rng.exponential(1.0 / rate, 1024))
-        times.append(arrivals)
-        marks.append(rng.uniform(0.0, 1.0, 1024))
-        t = arrivals[-1]
-    times_all, marks_all = np.concatenate(times), np.concatenate(marks)
-    inside = times_all < horizon
-    return times_all[inside], marks_all[inside]
 
 
 HORIZON_S = 7 * 24 * 3600.0  # fault timelines of a run are drawn this far ahead
@@ -224,9 +210,14 @@ class FaultSchedule:
         elif spec.slow_fraction > 0:
             n_slow = round(spec.slow_fraction * m)
             self.speed[m - n_slow :] = spec.slow_factor
+        self._lock = threading.Lock()  # step-scheduled events are added while the run goes
+        self.steps = fault_steps.StepTriggers(spec, m) if spec.unit == "steps" else None
         windows: dict[int, list] = {}
-        for learner, join, leave in spec.membership:
+        for learner, join, leave in spec.membership if self.steps is None else ():
             windows.setdefault(int(learner), []).append((float(join), float(leave)))
+        if self.steps is not None:  # in steps: only a window from step 0 is open at the start
+            for learner, wins in self.steps.windows.items():
+                windows[learner] = [(0.0, math.inf)] if wins[0][0] == 0 else []
         self.member_windows = [
             _merge_intervals(windows.get(i, [(0.0, math.inf)])) for i in range(m)
         ]
@@ -249,7 +240,8 @@ class FaultSchedule:
                 if b < self.horizon_s:
                     events.append(FaultEvent(b, "straggle_end", learner))
         self.syncer_down: list[tuple[float, float]] = []
-        for t in sorted(float(x) for x in spec.syncer_crashes if x < self.horizon_s):
+        timed_syncer_crashes = spec.syncer_crashes if self.steps is None else ()
+        for t in sorted(float(x) for x in timed_syncer_crashes if x < self.horizon_s):
             if self.syncer_down and t < self.syncer_down[-1][1]:
                 continue
             back = t + spec.syncer_restart_delay_s
@@ -263,17 +255,18 @@ class FaultSchedule:
                     events.append(FaultEvent(join, "join", learner))
                 if leave < self.horizon_s:
                     events.append(FaultEvent(leave, "leave", learner))
-        order = {k: i for i, k in enumerate(_KIND_ORDER)}
-        self.events = sorted(events, key=lambda e: (e.time, order[e.kind], e.learner))
-        self._times = [e.time for e in self.events]
+        self.events = sorted(events, key=_event_key)
+        self._keys = [_event_key(e) for e in self.events]
 
     def _crash_candidates(self) -> list[tuple[float, int]]:
         """Explicit crashes plus the Poisson superposition of every chip's failure clock."""
         spec, m, horizon = self.spec, self.num_learners, self.horizon_s
-        out = [(float(t), int(i)) for i, t in spec.crashes if t < horizon]
+        out = [(float(t), int(i)) for i, t in spec.crashes if t < horizon and self.steps is None]
         if spec.chip_mtbf_hours > 0:
             rate = m * spec.chips_per_learner / (spec.chip_mtbf_hours * 3600.0)
-            times, marks = _poisson_times(_rng(spec.seed, _STREAM_CRASH), rate, horizon)
+            times, marks = fault_random.poisson_times(
+                fault_random.rng(spec.seed, _STREAM_CRASH), rate, horizon
+            )
             # A uniformly random chip; chips are split evenly, so its learner is uniform too.
             learners = np.minimum((marks * m).astype(np.int64), m - 1)
             out += zip(times.tolist(), learners.tolist(), strict=True)
@@ -286,16 +279,66 @@ class FaultSchedule:
         rate = spec.straggler_rate_per_hour / 3600.0
         out = []
         for learner in range(self.num_learners):
-            rng = _rng(spec.seed, _STREAM_STRAGGLE, learner)
-            starts = _poisson_times(rng, rate, self.horizon_s)[0].tolist()
+            rng = fault_random.rng(spec.seed, _STREAM_STRAGGLE, learner)
+            starts = fault_random.poisson_times(rng, rate, self.horizon_s)[0].tolist()
             out.append(_merge_intervals([(s, s + spec.straggler_duration_s) for s in starts]))
         return out
 
     def events_between(self, t0: float, t1: float) -> list[FaultEvent]:
         """Events with t0 <= time < t1, in timeline order."""
-        lo = bisect.bisect_left(self._times, t0)
-        hi = bisect.bisect_left(self._times, t1)
-        return self.events[lo:hi]
+        with self._lock:
+            lo = bisect.bisect_left(self._keys, (t0,))
+            hi = bisect.bisect_left(self._keys, (t1,))
+            return self.events[lo:hi]
+
+    # --- step schedules (fault_steps.py): placed on the timeline as the run reaches them ----
+    def learner_reached(self, learner: int, step: int, t: float) -> bool:
+        """Learner `learner` has completed `step` steps at time t. A crash scheduled for that
+        step becomes a crash at t, back at t + restart_delay_s (ignored, as on the timeline,
+        while the learner is down or not a member). True if one fired."""
+        if self.steps is None or not self.steps.learner_reached(learner, step):
+            return False
+        if not self.is_up(learner, t):
+            return False
+        back = t + self.spec.restart_delay_s
+        with self._lock:
+            bisect.insort(self.down[learner], (t, back))
+        self._add(FaultEvent(t, "crash", learner))
+        if self.is_member(learner, back):
+            self._add(FaultEvent(back, "restart", learner))
+        return True
+
+    def run_reached(self, step: int, t: float) -> None:
+        """Some learner has completed `step` steps at time t (the run's lead step follows):
+        syncer crashes and membership changes scheduled up to it happen at t."""
+        if self.steps is None:
+            return
+        for kind, learner in self.steps.run_reached(step):
+            if kind == "syncer_crash":
+                if not self.syncer_up(t):
+                    continue
+                back = t + self.spec.syncer_restart_delay_s
+                self.syncer_down.append((t, back))
+                self._add(FaultEvent(back, "syncer_restart", -1))
+            elif kind == "join":
+                self.member_windows[learner].append((t, math.inf))
+            else:
+                join, _ = self.member_windows[learner][-1]
+                self.member_windows[learner][-1] = (join, t)
+            self._add(FaultEvent(t, kind, learner))
+
+    def never_member_again(self, learner: int, t: float, last_step: int) -> bool:
+        """Whether the learner's membership has ended by t for good (a step schedule's joins
+        up to `last_step`, the run's step budget, may still come)."""
+        if any(end > t for _, end in self.member_windows[learner]):
+            return False
+        return self.steps is None or not self.steps.joins_pending(learner, last_step)
+
+    def _add(self, event: FaultEvent) -> None:
+        with self._lock:
+            i = bisect.bisect_right(self._keys, _event_key(event))
+            self._keys.insert(i, _event_key(event))
+            self.events.insert(i, event)
 
     def is_member(self, learner: int, t: float) -> bool:
         """Whether the learner exists at t (scavenging windows; unlisted = always)."""
@@ -319,7 +362,7 @@ class FaultSchedule:
     def step_noise(self, learner, step) -> np.ndarray:
         """Mean-one log-normal noise exp(s*z - s^2/2), z hashed from (seed, learner, step)."""
         s = self.spec.speed_noise
-        return np.exp(s * hashed_normal(self.spec.seed, learner, step) - 0.5 * s * s)
+        return np.exp(s * fault_random.hashed_normal(self.spec.seed, learner, step) - 0.5 * s * s)
 
     def step_time_factors(self, step, t) -> np.ndarray:
         """Vectorised `step_time_factor` for all learners: [learners, len(step)] (step, t: [n])."""

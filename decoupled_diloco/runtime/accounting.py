@@ -1,30 +1,129 @@
-"""Goodput accounting of real runs (the same quantities the simulator predicts).
+"""Goodput and uptime accounting of real runs (the quantities the simulator predicts).
 
-goodput  = useful learner compute / allocated learner compute (from a learner's first step
-           to its last, minus time it spends evaluating, which is not training; the tail
-           after its last step, final offers and checkpoint, is not allocation), where a
-           learner's step is useful once its work reached a merged global fragment (per
-           fragment, weighted by the fragment's share of the parameters; a merge record's
-           c_steps are the steps its offers brought, and each step travels in exactly one
-           merged offer per fragment, see diloco/learner.py; work lost to a crash does not
-           count); in a run without a syncer, steps that survive to
-           the end (not lost to a restore) are useful.
-uptime   = fraction of windows of `window` seconds, from the first advance of the global
-           model to the last learner step, in which the global model advanced (a merge, or
-           a DP step). The tail after training (final merges, checkpoints, evaluation) is
-           not downtime; advances in it count for the last window. A learner still down
-           when the run ends (stopped early) extends the horizon to that end, so its outage
-           counts as downtime.
-global_downtime_seconds = the windows in which it did not, times the window length.
+goodput = useful learner compute / allocated learner compute (from a learner's first step
+to its last, minus time it spends evaluating, which is not training; the tail after its
+last step, final offers and checkpoint, is not allocation), where a learner's step is
+useful once its work reached a merged global fragment (per fragment, weighted by the
+fragment's share of the parameters; a merge record's c_steps are the steps its offers
+brought, and each step travels in exactly one merged offer per fragment, see
+diloco/learner.py; work lost to a crash does not count); in a run without a syncer, steps
+that survive to the end (not lost to a restore) are useful.
+
+uptime and global_downtime_seconds are measured in the run's own time scale, so that a
+slow host is not downtime: a wall-clock window cannot tell a slow step from a stall, the
+learners' steps can. With everyone healthy every fragment merges once per sync period of
+H steps (the P fragments staggered, so the global model advances about every H/P steps;
+diloco/syncer.py; data-parallel: every step is an advance). So time is cut at the advances
+(merges, DP steps), and the gap between two consecutive advances is *down* when
+
+  (a) the learners training through it (stepping in it, not down in it) completed on
+      average more than `tolerance = 2·H` steps in it: two whole sync periods in which no
+      fragment merged (data-parallel: 1). One period of slack absorbs what does not scale
+      with the step time: transfers, the syncer's turn, grace windows, a fast learner's
+      many steps against a slow one's. A syncer outage shows this way (learners step on,
+      nothing merges), as does a quorum that cannot fill while a learner is down; or
+  (b) no learner stepped for longer than `tolerance` median step times while a learner or
+      a syncer shard was down (between its failure and its restart): every learner down
+      or done while one is down, a data-parallel job restarting, learners blocked on a
+      dead syncer. A stretch without steps while nothing is down is a slow or stalled
+      host, not downtime.
+
+global_downtime_seconds = the wall seconds of the down gaps, each counted whole (from the
+advance before the outage to the first one after it: restore and recompilation included).
+uptime = 1 - that / the horizon. The horizon starts once every fragment has merged once
+(data-parallel: at the first step): before that the run is starting up, compiling its
+copy, merge and apply paths and calibrating its grace windows, and a loaded host takes
+seconds over it (if some fragment never merges, at the first advance). It ends at the last
+learner step (at the end of the run when a learner is still down then; the tail after
+training, final merges, checkpoints and evaluation, is not in it). Both rules scale with
+the step time, so a uniformly k-times slower host gives the same uptime (and k times the
+downtime seconds, zero stays zero). An outage shorter than the tolerance is not seen: it
+delayed no advance beyond what a healthy run shows.
+
+The simulator (decoupled_diloco/simulator/core.py) predicts the fraction of time in which
+the model *can* advance (the job runs; Decoupled: >= K learners run and the syncer is up).
+The measured number differs by design: it counts the whole gap around an outage (up to
+one merge interval plus the rejoin more than the outage), it does not see outages shorter
+than the tolerance, and with fewer than K learners running it counts downtime only when
+the rounds really stall (the syncer also closes a round once every live learner has
+offered).
 """
 
+import bisect
 import math
+import statistics
 import threading
 
 
+def tolerance_steps(sync_every: int) -> int:
+    """Steps without an advance that a healthy run does not reach: two sync periods, 2·H
+    (data-parallel, H = 0: 1, every step advances)."""
+    return 2 * sync_every if sync_every > 0 else 1
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _overlap(union: list[tuple[float, float]], u: float, v: float) -> float:
+    """Length of (u, v) inside the sorted disjoint intervals."""
+    total, i = 0.0, max(bisect.bisect_right(union, (u, math.inf)) - 1, 0)
+    while i < len(union) and union[i][0] < v:
+        total += max(min(union[i][1], v) - max(union[i][0], u), 0.0)
+        i += 1
+    return total
+
+
+def down_gaps(
+    advances: list[float],
+    step_times: list[list[float]],
+    outages: list[tuple[object, float, float]],
+    horizon: tuple[float, float],
+    tolerance: int,
+) -> list[tuple[float, float]]:
+    """The down gaps (start, end) of [horizon): see the module docstring. `step_times`: per
+    learner, when each of its steps finished; `outages`: (who, failure, restart) of any
+    learner (who = its index) or syncer shard (restart inf while still down)."""
+    start, end = horizon
+    cuts = [start, *sorted(t for t in advances if start < t < end), end]
+    steps = [sorted(ts) for ts in step_times]
+    every_step = sorted(t for ts in steps for t in ts)
+    durations = [b - a for ts in steps for a, b in zip(ts, ts[1:], strict=False)]
+    step_s = statistics.median(durations) if durations else math.inf
+    down_union = _union((a, b) for _, a, b in outages)
+    own = [_union((a, b) for who, a, b in outages if who == m) for m in range(len(steps))]
+    out = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        if b <= a:
+            continue
+        counts = [
+            bisect.bisect_right(ts, b) - bisect.bisect_right(ts, a)
+            for ts, down in zip(steps, own, strict=True)
+            if _overlap(down, a, b) == 0.0  # a learner down in the gap does not pace it
+        ]
+        counts = [c for c in counts if c > 0]
+        pace = sum(counts) / len(counts) if counts else 0.0
+        stretch = [
+            a,
+            *every_step[bisect.bisect_right(every_step, a) : bisect.bisect_left(every_step, b)],
+            b,
+        ]
+        idle = max(_overlap(down_union, u, v) for u, v in zip(stretch, stretch[1:], strict=False))
+        if pace > tolerance or idle > tolerance * step_s:
+            out.append((a, b))
+    return out
+
+
 class Ledger:
-    def __init__(self, num_learners: int, window: float = 2.0):
-        self.window = window
+    def __init__(self, num_learners: int, sync_every: int = 0, fragments: int = 1):
+        """`sync_every`, `fragments`: the run's H and P (H = 0: data-parallel)."""
+        self.tolerance = tolerance_steps(sync_every)
         self._lock = threading.Lock()
         self.merges = 0
         self.merged_learners = 0
@@ -34,14 +133,24 @@ class Ledger:
         self.restarts = 0
         self.syncer_failures = 0
         self.advances: list[float] = []
+        self.fragments = fragments
+        self.first_merge: dict[int, float] = {}  # fragment -> when it first merged
         self.useful_steps = [0.0] * num_learners
         self.step_seconds = [0.0] * num_learners
         self.steps = [0] * num_learners
+        self.step_times: list[list[float]] = [[] for _ in range(num_learners)]
         self.started = [math.nan] * num_learners
         self.last_step = -math.inf  # when any learner last finished a step
-        self._down: set = set()  # learners (or ("syncer", shard)) failed and not yet restarted
+        self._down: dict = {}  # learner (or ("syncer", shard)) failed and not restarted -> when
+        self.outages: list[tuple] = []  # (who, failure, restart) of learners and syncer shards
         self.finished = [math.nan] * num_learners
         self.idle_seconds = [0.0] * num_learners  # allocated but not training (evaluation)
+
+    @classmethod
+    def of_run(cls, run) -> "Ledger":
+        """The ledger of a RunConfig: its M, and H and P when it has a syncer."""
+        d = run.diloco
+        return cls(run.num_learners, d.sync_every if run.uses_syncer else 0, d.fragments)
 
     def step(self, m: int, seconds: float, now: float) -> None:
         with self._lock:
@@ -49,6 +158,7 @@ class Ledger:
                 self.started[m] = now - seconds
             self.steps[m] += 1
             self.step_seconds[m] += seconds
+            self.step_times[m].append(now)
             self.last_step = max(self.last_step, now)
 
     def idle(self, m: int, seconds: float) -> None:
@@ -64,6 +174,7 @@ class Ledger:
             self.merges += 1
             self.merged_learners += len(rec["learners"])
             self.advances.append(rec["time"])
+            self.first_merge.setdefault(rec.get("fragment", 0), rec["time"])
             share = rec.get("share", 0.0)
             for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
                 self.useful_steps[m] += c * share
@@ -78,12 +189,13 @@ class Ledger:
             if isinstance(who, tuple):
                 self.syncer_failures += 1
             self.failures += 1
-            self._down.add(who)
+            self._down.setdefault(who, now)
 
     def restart(self, who, now: float) -> None:
         with self._lock:
             self.restarts += 1
-            self._down.discard(who)
+            if who in self._down:
+                self.outages.append((who, self._down.pop(who), now))
 
     def finish(self, m: int, now: float) -> None:
         """Learner m's allocation ends at `now` (the first call wins: a runtime reports the
@@ -96,14 +208,20 @@ class Ledger:
                 self.last_step = max(self.last_step, now)
 
     def uptime(self, wall: float) -> tuple[float, float]:
-        """(uptime fraction, downtime seconds) over windows after the first advance."""
+        """(uptime fraction, downtime seconds) of the horizon (module docstring)."""
         if not self.advances:
             return 0.0, wall
         start = min(self.advances)
+        if len(self.first_merge) == self.fragments:  # started up: every fragment merged
+            start = max(self.first_merge.values())
         end = min(wall, self.last_step) if math.isfinite(self.last_step) else wall
-        n = max(math.ceil((end - start) / self.window), 1)
-        hit = {min(int((t - start) / self.window), n - 1) for t in self.advances}
-        return len(hit) / n, (n - len(hit)) * self.window
+        if end <= start:
+            return 1.0, 0.0
+        with self._lock:
+            outages = self.outages + [(w, t, math.inf) for w, t in self._down.items()]
+            gaps = down_gaps(self.advances, self.step_times, outages, (start, end), self.tolerance)
+        down = sum(b - a for a, b in gaps)
+        return 1.0 - down / (end - start), down
 
     def summary(self, wall: float, uses_syncer: bool, learner_steps: list[int]) -> dict:
         """`learner_steps`: each learner's final step (a run without a syncer counts the
@@ -124,6 +242,7 @@ class Ledger:
             "goodput": min(useful / allocated, 1.0) if allocated else 0.0,
             "uptime": uptime,
             "global_downtime_seconds": downtime,
+            "downtime_gap_steps": self.tolerance,
             "failures": self.failures,
             "restarts": self.restarts,
             "rejected_offers": self.rejected,

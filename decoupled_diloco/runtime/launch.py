@@ -53,7 +53,8 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
         finally:
             attempt.stop()  # a failed attempt's record says how far it got
         loss = summary.get("final_eval_loss", math.nan)
-        if not (isinstance(loss, float | int) and math.isfinite(loss)):
+        evaluated = not (cfg.runtime == "ray" and cfg.ray.evaluate == "off")  # NaN = not run
+        if evaluated and not (isinstance(loss, float | int) and math.isfinite(loss)):
             summary["failed"] = f"the final global model is not finite (eval loss {loss})"
         write_json(finished, summary)
         return _checked(summary)

@@ -100,6 +100,9 @@ class LearnerLoop:
         previous = None  # the previous step's (step, device metrics), reported one step late
         while self.step < run.train.steps and not stop.is_set():
             t = self.clock()
+            if self.emulate_crashes:  # step-scheduled faults land here (Ray: in the driver)
+                self.schedule.run_reached(self.step, t)
+                self.schedule.learner_reached(m, self.step, t)
             missed = self.emulate_crashes and any(  # a whole outage inside one slow step
                 e.kind == "crash" and e.learner == m for e in self.schedule.events_between(seen, t)
             )
@@ -252,7 +255,7 @@ class LearnerLoop:
                 self._finish(finished=False)
                 self.sink.event(self._event("learner_leave"))
                 self._crash("leave")
-        if not member and all(end <= t for _, end in self.schedule.member_windows[self.m]):
+        if not member and self.schedule.never_member_again(self.m, t, self.run_cfg.train.steps):
             return False
         time.sleep(POLL_S)
         return True

@@ -20,6 +20,7 @@ from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
 from decoupled_diloco.diloco.fragments import model_plan
 from decoupled_diloco.metrics import Progress, write_json
+from decoupled_diloco.runtime import accounting
 from decoupled_diloco.runtime.learner_loop import LearnerLoop
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.runtime.records import RunLog
@@ -73,7 +74,7 @@ class LocalRuntime:
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         self.halt_after = halt_after
         os.makedirs(workdir, exist_ok=True)
-        self.log = RunLog(workdir, run.num_learners, run.train.uptime_window)
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run))
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         self.stop = threading.Event()  # learners stop (a budget, a test, a failure)
         self._syncers_stop = threading.Event()  # set once every learner has finished

@@ -17,11 +17,11 @@ from decoupled_diloco.runtime import accounting
 
 
 class RunLog:
-    def __init__(self, workdir: str, num_learners: int, uptime_window: float):
+    def __init__(self, workdir: str, ledger: accounting.Ledger):
         self.metrics = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
         self.merges = JsonlWriter(os.path.join(workdir, "merges.jsonl"))
         self.events = JsonlWriter(os.path.join(workdir, "events.jsonl"))
-        self.ledger = accounting.Ledger(num_learners, uptime_window)
+        self.ledger = ledger
 
     def row(self, rec: dict) -> None:
         self.metrics.write(rec)

@@ -17,6 +17,9 @@ Accounting, identical for every method:
 * uptime = fraction of the horizon in which the global model advances: the job runs (DP,
   elastic DP), or >= K learners run and the syncer is up (Decoupled DiLoCo).
 * downtime_seconds = (1 - uptime) * horizon; failures = failures that hit hardware in service.
+  Real runs measure uptime from the advances they see (runtime/accounting.py): the same
+  quantity, except that a measured outage counts the whole gap between the advances around
+  it, and outages shorter than a merge interval (H + H/P steps) are not seen.
 
 Consequences worth knowing: Decoupled DiLoCo with M = 1 and K = 1 is *exactly* elastic DP
 (same trace, same numbers) as long as the job never loses every unit at once (then elastic
@@ -30,7 +33,7 @@ import dataclasses
 
 import numpy as np
 
-from decoupled_diloco import faults
+from decoupled_diloco import fault_steps, faults
 from decoupled_diloco.simulator import timeline as tlm
 from decoupled_diloco.simulator.params import METHODS, SimParams, validate_sim_params
 from decoupled_diloco.simulator.trace import Trace, chip_trace, schedule_trace
@@ -181,9 +184,12 @@ def simulate(
     on N chips in slices; with it, from `FaultSchedule(fault_spec, learners, horizon)`, each
     learner one unit of chips_per_learner chips (the comparison with real runs). The
     schedule then has its own seed (`fault_spec.seed`, also the result's `seed`) and speeds:
-    params.seed and the other chip-MTBF fields (simulate.CHIP_MTBF_ONLY) are not used."""
+    params.seed and the other chip-MTBF fields (simulate.CHIP_MTBF_ONLY) are not used. A
+    step schedule (`unit = "steps"`) is placed in time at params.step_s seconds per step."""
     p = SimParams() if params is None else params
     _check(method, chips, learners, p, fault_spec)
+    if fault_spec is not None:
+        fault_spec = fault_steps.in_seconds(fault_spec, p.step_s)
     horizon = p.horizon_s
     if fault_spec is None:
         trace = chip_trace(chips, learners, p, spares=method == "dp" and p.hot_spares)

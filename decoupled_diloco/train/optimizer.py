@@ -31,7 +31,6 @@ class TrainConfig:
     eval_batches: int = 8  # held-out batches per evaluation
     log_every: int = 10  # steps between metrics.jsonl lines / progress updates
     checkpoint_every: int = 100  # steps between orbax checkpoints; 0 = only at the end
-    uptime_window: float = 2.0  # seconds: uptime counts windows in which the model advanced
     seed: int = 0  # model init; the run's `seed` unless set
 
 

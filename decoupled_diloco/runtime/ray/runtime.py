@@ -19,16 +19,15 @@ transport, over Ray (`links.py`). The driver (this file) only launches, watches 
   them. Checkpoints are written by the actors themselves under `ray.checkpoint_dir`, which
   must be reachable from every node of a multi-node cluster.
 
-A learner whose process dies more than `ray.max_restarts` times is lost: the run goes on
-with the others (an event `learner_lost` in events.jsonl, a warning on stderr) and fails
-only when every learner is lost. An error no restart can fix (`preflight.FatalRunError`: a
-corpus, fragment plan or device count an actor cannot use) is reported by the actor's
-poll, and the driver stops the run at once with its message (an event `fatal_error`).
+A learner whose process dies more than `ray.max_restarts` times is lost (`learner_lost`):
+the run goes on, and fails only when every learner is lost. An error no restart can fix
+(`preflight.FatalRunError`) is reported by the actor's poll and stops the run at once.
 
-Differences from the local runtime, all from real process boundaries: a killed learner
-redoes the steps since its last checkpoint (`train.checkpoint_every`), so metrics.jsonl can
-hold a step twice; rows and records buffered in a process when it dies are lost; a
-scheduled crash lasts at least as long as Ray needs to restart the process (seconds).
+Differences from the local runtime, from real process boundaries: rows and records buffered
+in a process when it dies are lost; a scheduled crash lasts at least as long as Ray needs
+to restart the process. A step schedule (`faults.unit = "steps"`) fires within one
+`ray.poll_seconds` of its step; its crashes last as long as Ray's restart (a new process
+cannot know when its predecessor died: no `restart_delay_s`); step membership is refused.
 """
 
 import math
@@ -45,6 +44,7 @@ from decoupled_diloco import faults, run_files, sharding
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.preflight import FatalRunError
+from decoupled_diloco.runtime import accounting
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
 from decoupled_diloco.runtime.ray import links as ray_links
@@ -59,7 +59,7 @@ class RayRuntime:
     def __init__(self, run: RunConfig, workdir: str, verbose: bool = True):
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         os.makedirs(workdir, exist_ok=True)
-        self.log = RunLog(workdir, run.num_learners, run.train.uptime_window)
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run))
         self.ledger = self.log.ledger
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         ckpt_dir = run.ray.checkpoint_dir or os.path.join(workdir, "checkpoints")
@@ -283,7 +283,13 @@ class RayRuntime:
     # --- faults -----------------------------------------------------------------------
     def _apply_faults(self) -> None:
         now = self.now()
-        for ev in self.schedule.events_between(self._fault_t, now):
+        # A step schedule's faults land at the steps polled (fault_steps.py).
+        for m, s in enumerate(self.status):
+            if "incarnation" in s and not s["done"]:  # it has reported its step
+                self.schedule.learner_reached(m, s["step"], now)
+        self.schedule.run_reached(max(s["step"] for s in self.status), now)
+        end = math.nextafter(now, math.inf)  # the events placed at `now` included
+        for ev in self.schedule.events_between(self._fault_t, end):
             if ev.kind == "crash" and not self.status[ev.learner]["done"]:
                 m = ev.learner
                 for h in range(self.hosts[m]):
@@ -301,7 +307,7 @@ class RayRuntime:
                 for s, actor in enumerate(self.syncers):
                     self._kill(("syncer", s, 0), actor)
                     self.log.event({"event": "syncer_crash", "shard": s, "time": ev.time})
-        self._fault_t = now
+        self._fault_t = end
 
     def _kill(self, key: tuple, actor) -> None:
         """SIGKILL the actor's process: by pid on this node, through Ray elsewhere."""

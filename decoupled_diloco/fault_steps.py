@@ -1,0 +1,134 @@
+"""Fault schedules in training steps (`FaultSpec.unit = "steps"`): when each entry fires.
+
+A schedule in wall seconds lands at different training points on a fast and on a slow
+host; one in steps does not. Two clocks, both counted in completed steps:
+
+* a learner's crash `(learner, s)` fires when that learner has completed s steps (at the
+  step boundary after step s, before step s + 1). Its own clock: a slow learner crashes
+  at the same point of its training as a fast one. It fires once: a learner that redoes
+  steps after a restore (data-parallel restarts from its last checkpoint) does not crash
+  again, and a run resumed past s does not replay it;
+* the syncer's crashes and the membership windows `(learner, join, leave)` follow the
+  run's lead step: the highest step any learner has completed so far. It never goes back
+  (a restore rolls one learner back, not the run), it advances while some learners are
+  down, and it exists before a scavenged learner's first step (which it must trigger).
+
+A fired entry becomes a wall-clock event at the time it fired (`FaultSchedule.
+learner_reached` / `run_reached`): the crash's restart comes `restart_delay_s` seconds
+later (delays stay in seconds: a repair takes wall time whatever the host's speed). The
+local runtime's learner loops report their steps as they complete them; under Ray the
+driver reports the steps it polls (a crash then lands within one `ray.poll_seconds` of its
+step), and the restarted process comes back as soon as Ray restarts it.
+
+`in_seconds` turns a step schedule into a seconds one at a fixed step time: what the
+simulator, which has a step time but no steps, predicts for it.
+"""
+
+import dataclasses
+import threading
+
+
+def _integral(x) -> bool:
+    return not isinstance(x, bool) and float(x) == int(x)
+
+
+def validate(spec) -> None:
+    """Checks a `unit = "steps"` FaultSpec's explicit schedule (raises ValueError naming the
+    field): whole steps, crashes at step >= 1 (a learner that has trained)."""
+
+    def fail(field: str, msg: str):
+        raise ValueError(f'faults.{field} with faults.unit="steps" {msg}')
+
+    for entry in spec.crashes:
+        if not _integral(entry[1]) or entry[1] < 1:
+            fail("crashes", f"needs whole steps >= 1 (the crash follows that step), got {entry!r}")
+    for entry in spec.membership:
+        if not (_integral(entry[1]) and _integral(entry[2])):
+            fail("membership", f"needs whole steps, got {entry!r}")
+    for s in spec.syncer_crashes:
+        if not _integral(s) or s < 1:
+            fail("syncer_crashes", f"needs whole steps >= 1, got {spec.syncer_crashes}")
+
+
+def in_seconds(spec, step_s: float):
+    """The same FaultSpec with its step schedule at `step_s` seconds per step (unit seconds)."""
+    if spec.unit != "steps":
+        return spec
+    if not step_s > 0:
+        raise ValueError(f"step_s must be > 0 to place a step schedule in time, got {step_s}")
+    return dataclasses.replace(
+        spec,
+        unit="seconds",
+        crashes=tuple((i, s * step_s) for i, s in spec.crashes),
+        membership=tuple((i, a * step_s, b * step_s) for i, a, b in spec.membership),
+        syncer_crashes=tuple(s * step_s for s in spec.syncer_crashes),
+    )
+
+
+def merge_windows(pairs) -> list[tuple[int, int]]:
+    """Sorted, disjoint (join, leave) step windows (overlapping or touching ones merged)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in pairs):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class StepTriggers:
+    """The entries of a step schedule that have not fired yet. Thread-safe: the local
+    runtime's learner threads report their steps concurrently."""
+
+    def __init__(self, spec, num_learners: int):
+        self._lock = threading.Lock()
+        self._crashes = [
+            sorted(int(s) for i, s in spec.crashes if int(i) == m) for m in range(num_learners)
+        ]
+        self._first_seen: list[int | None] = [None] * num_learners
+        self._syncer = sorted(int(s) for s in spec.syncer_crashes)
+        self.windows = {}  # learner -> merged (join, leave) step windows
+        for i, a, b in spec.membership:
+            self.windows.setdefault(int(i), []).append((a, b))
+        self.windows = {i: merge_windows(w) for i, w in self.windows.items()}
+        # Membership changes still to come: (step, 0 = leave / 1 = join, learner).
+        self._member = sorted(
+            (s, kind, i)
+            for i, wins in self.windows.items()
+            for a, b in wins
+            for s, kind in ((a, 1), (b, 0))
+            if s > 0
+        )
+        self.lead = 0  # the run's lead step
+
+    def learner_reached(self, m: int, step: int) -> bool:
+        """Learner m has completed `step` steps: whether one of its crashes fires now."""
+        with self._lock:
+            pending = self._crashes[m]
+            if self._first_seen[m] is None:  # a resumed run does not replay passed crashes
+                self._first_seen[m] = step
+                while pending and pending[0] < step:
+                    pending.pop(0)
+            fired = False
+            while pending and pending[0] <= step:
+                pending.pop(0)
+                fired = True
+            return fired
+
+    def run_reached(self, step: int) -> list[tuple[str, int]]:
+        """Some learner has completed `step` steps: the (kind, learner) entries that fire now,
+        in step order; kind is "syncer_crash" (learner -1), "leave" or "join"."""
+        with self._lock:
+            self.lead = max(self.lead, int(step))
+            out = []
+            while self._syncer and self._syncer[0] <= self.lead:
+                out.append((self._syncer.pop(0), 0, "syncer_crash", -1))
+            while self._member and self._member[0][0] <= self.lead:
+                s, kind, i = self._member.pop(0)
+                out.append((s, kind, "join" if kind else "leave", i))
+            return [(kind, i) for *_, kind, i in sorted(out)]
+
+    def joins_pending(self, m: int, last_step: int) -> bool:
+        """Whether learner m has a join still to come at a step <= last_step."""
+        with self._lock:
+            return any(k == 1 and i == m and s <= last_step for s, k, i in self._member)

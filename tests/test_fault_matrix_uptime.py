@@ -1,0 +1,238 @@
+"""Issue 18, item 7: downtime in the run's own time scale, fault schedules in steps.
+
+Attacks: a slow host (every step k times slower) must not turn into downtime; a syncer
+outage must show as downtime of about its length; a data-parallel run is up unless its job
+is down; a step-scheduled crash hits the same training step on a fast and a slow learner;
+malformed step schedules are refused with the field named. Ledger tests replay synthetic
+timelines (pure, milliseconds); one tiny local run checks the crash steps end to end.
+"""
+
+import json
+import os
+
+import pytest
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco import fault_steps
+from decoupled_diloco.faults import FaultSchedule, FaultSpec, validate_fault_spec
+from decoupled_diloco.runtime.accounting import Ledger, down_gaps
+from decoupled_diloco.simulator import SimParams, simulate
+
+STEP_S = 0.1  # seconds per step of the synthetic fast host
+
+
+def decoupled_run(scale: float, syncer_outage=None, crash=None, steps=300) -> Ledger:
+    """Two learners (H = 4, P = 2, K = 1) stepping every STEP_S * scale s, with a little
+    per-step jitter; a merge every H/P steps, none while the syncer is down. `crash`:
+    (learner, start, end) in fast-host seconds; `syncer_outage`: (start, end)."""
+    ledger = Ledger(2, sync_every=4, fragments=2)
+    down = syncer_outage or (float("inf"), float("inf"))
+    for m in range(2):
+        t = 0.0
+        for i in range(steps):
+            t += STEP_S * (1.0 + 0.3 * ((7 * i + 3 * m) % 5) / 5)  # uneven, deterministic
+            if crash and crash[0] == m and crash[1] <= t < crash[2]:
+                continue
+            ledger.step(m, STEP_S * scale, t * scale)
+            if m == 0 and i % 2 == 1 and not down[0] <= t < down[1]:
+                rec = {"time": (t + 0.01) * scale, "fragment": i // 2 % 2}
+                ledger.merge({**rec, "learners": [0], "c_steps": [2]})
+    if crash:
+        ledger.failure(crash[0], crash[1] * scale)
+        ledger.restart(crash[0], crash[2] * scale)
+    if syncer_outage:
+        ledger.failure(("syncer", 0), down[0] * scale)
+        ledger.restart(("syncer", 0), down[1] * scale)
+    return ledger
+
+
+def test_uniformly_slow_host_is_not_downtime():
+    fast = decoupled_run(1.0, crash=(1, 10.0, 14.0))  # K = 1: learner 0 keeps merging
+    slow = decoupled_run(5.0, crash=(1, 10.0, 14.0))
+    for ledger in (fast, slow):
+        uptime, down = ledger.uptime(wall=1e9)
+        assert uptime == 1.0 and down == 0.0
+
+
+def test_a_syncer_outage_is_downtime_of_about_its_length_on_any_host():
+    fast_up, fast_down = decoupled_run(1.0, syncer_outage=(10.0, 14.0)).uptime(1e9)
+    slow_up, slow_down = decoupled_run(5.0, syncer_outage=(10.0, 14.0)).uptime(1e9)
+    # The whole gap between the merges around it: 4 s plus at most ~2 merge intervals.
+    assert 4.0 <= fast_down <= 4.0 + 4 * 2 * STEP_S
+    assert slow_down == pytest.approx(5 * fast_down)
+    assert slow_up == pytest.approx(fast_up) and 0.8 < fast_up < 0.9
+    # Shorter than the tolerance (2H = 8 steps): no advance came later than usual.
+    assert decoupled_run(1.0, syncer_outage=(10.0, 10.3)).uptime(1e9) == (1.0, 0.0)
+
+
+def test_quorum_that_cannot_fill_is_downtime():
+    """K = 2 of 2: learner 1 is down, merges stop although learner 0 steps on."""
+    ledger = Ledger(2, sync_every=4, fragments=1)
+    for i in range(200):
+        t = (i + 1) * STEP_S
+        ledger.step(0, STEP_S, t)
+        if not 8.0 <= t < 12.0:
+            ledger.step(1, STEP_S, t)
+            if i % 4 == 3:
+                ledger.merge({"time": t, "learners": [0, 1], "c_steps": [4, 4]})
+    ledger.failure(1, 8.0)
+    ledger.restart(1, 12.0)
+    _, down = ledger.uptime(1e9)
+    assert 4.0 <= down <= 4.0 + 2 * 4 * STEP_S
+
+
+def test_start_up_until_every_fragment_merged_is_not_downtime():
+    """A loaded host compiles the merge paths slowly: fragment 1 first merges 4 s after
+    fragment 0 while the learners step on; from then on merges come as usual."""
+    ledger = Ledger(1, sync_every=4, fragments=2)
+    for i in range(200):
+        t = (i + 1) * STEP_S
+        ledger.step(0, STEP_S, t)
+        if i % 2 == 1 and (t > 5.0 or i == 1):
+            ledger.merge({"time": t, "fragment": i // 2 % 2, "learners": [0], "c_steps": [2]})
+    assert ledger.uptime(1e9) == (1.0, 0.0)
+    ledger.fragments = 3  # a fragment that never merges: measured from the first advance
+    assert ledger.uptime(1e9)[1] == pytest.approx(5.0, abs=STEP_S)
+
+
+def dp_run(scale: float, crash=None, stall=None) -> Ledger:
+    """Data-parallel: one learner, every step an advance. `crash`/`stall`: (start, end) in
+    fast-host seconds without steps; a crash is a failure, a stall (slow host) is not."""
+    ledger = Ledger(1)
+    for i in range(200):
+        t = (i + 1) * STEP_S
+        if any(gap and gap[0] <= t < gap[1] for gap in (crash, stall)):
+            continue
+        ledger.step(0, STEP_S * scale, t * scale)
+        ledger.advance(t * scale)
+    if crash:
+        ledger.failure(0, crash[0] * scale)
+        ledger.restart(0, (crash[1] - 1.0) * scale)  # back, then 1 s to its first step
+    return ledger
+
+
+def test_data_parallel_is_up_unless_its_job_is_down():
+    assert dp_run(1.0).uptime(1e9) == (1.0, 0.0)
+    assert dp_run(5.0, stall=(5.0, 9.0)).uptime(1e9) == (1.0, 0.0)  # a stall, nobody down
+    for scale in (1.0, 5.0):
+        uptime, down = dp_run(scale, crash=(5.0, 9.0)).uptime(1e9)
+        assert down == pytest.approx(4.0 * scale, abs=STEP_S * scale)
+        assert uptime == pytest.approx(1 - 4.0 / 20.0, abs=0.01)
+
+
+def test_the_run_ending_during_an_outage_counts_it():
+    ledger = dp_run(1.0)
+    ledger.failure(0, 20.0)
+    ledger.finish(0, 26.0)  # stopped while down
+    _, down = ledger.uptime(26.0)
+    assert down == pytest.approx(6.0, abs=STEP_S)
+
+
+# --- fault schedules in steps ------------------------------------------------------------------
+def test_step_crash_fires_at_its_step_on_a_fast_and_a_slow_host():
+    spec = FaultSpec(unit="steps", crashes=((0, 30),), restart_delay_s=2.0)
+    for step_s in (0.01, 0.5):
+        schedule = FaultSchedule(spec, 2, 1e6)
+        fired = [s for s in range(1, 60) if schedule.learner_reached(0, s, s * step_s)]
+        assert fired == [30]
+        t = 30 * step_s
+        assert not schedule.is_up(0, t) and schedule.is_up(0, t + 2.0) and schedule.is_up(1, t)
+        assert [(e.kind, e.time) for e in schedule.events_between(0, 1e6)] == [
+            ("crash", t),
+            ("restart", t + 2.0),
+        ]
+
+
+def test_step_crash_fires_once_and_not_when_resumed_past_it():
+    schedule = FaultSchedule(FaultSpec(unit="steps", crashes=((0, 5),)), 1, 1e6)
+    assert [s for s in range(10) if schedule.learner_reached(0, s, float(s))] == [5]
+    assert not schedule.learner_reached(0, 5, 100.0)  # redone after a restore
+    resumed = FaultSchedule(FaultSpec(unit="steps", crashes=((0, 5), (0, 12))), 1, 1e6)
+    assert [s for s in range(8, 15) if resumed.learner_reached(0, s, float(s))] == [12]
+
+
+def test_syncer_crash_and_membership_follow_the_runs_lead_step():
+    spec = FaultSpec(
+        unit="steps",
+        syncer_crashes=(20,),
+        syncer_restart_delay_s=3.0,
+        membership=((1, 10, 40), (2, 0, 15)),
+    )
+    schedule = FaultSchedule(spec, 3, 1e6)
+    assert not schedule.is_member(1, 0.0) and schedule.is_member(2, 0.0)
+    for step in range(1, 50):
+        schedule.run_reached(step, float(step))
+        schedule.run_reached(step // 2, float(step))  # a slower learner: the lead counts
+    assert schedule.syncer_down == [(20.0, 23.0)]
+    assert schedule.member_windows[1] == [(10.0, 40.0)]
+    assert schedule.member_windows[2] == [(0.0, 15.0)]
+    assert schedule.never_member_again(2, 16.0, last_step=100)
+    late = FaultSchedule(FaultSpec(unit="steps", membership=((0, 30, 40),)), 1, 1e6)
+    assert not late.never_member_again(0, 5.0, last_step=100)  # its join is still to come
+    assert late.never_member_again(0, 5.0, last_step=20)  # beyond the step budget: never
+
+
+def test_simulator_places_a_step_schedule_at_its_step_time():
+    p = SimParams(horizon_days=0.01, step_s=0.5)
+    steps = FaultSpec(unit="steps", crashes=((0, 100),), restart_delay_s=30.0)
+    seconds = FaultSpec(crashes=((0, 50.0),), restart_delay_s=30.0)
+    assert fault_steps.in_seconds(steps, 0.5) == seconds
+    assert simulate("dp", 1, 1, p, steps) == simulate("dp", 1, 1, p, seconds)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(unit="minutes"), "faults.unit must be one of"),
+        (dict(unit="steps", crashes=((0, 2.5),)), "faults.crashes .*whole steps"),
+        (dict(unit="steps", crashes=((0, 0),)), "faults.crashes .*>= 1"),
+        (dict(unit="steps", syncer_crashes=(0.5,)), "faults.syncer_crashes"),
+        (dict(unit="steps", membership=((0, 1.5, 4),)), "faults.membership .*whole steps"),
+        (dict(unit="steps", membership=((0, 4, 4),)), "faults.membership needs 0 <= join"),
+    ],
+)
+def test_bad_step_schedules_are_refused_naming_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        validate_fault_spec(FaultSpec(**fields), 2)
+
+
+def test_seconds_schedules_keep_fractional_times():
+    validate_fault_spec(FaultSpec(crashes=((0, 2.5),), syncer_crashes=(0.5,)), 2)
+
+
+def test_ray_refuses_step_membership_before_starting_anything(small_config, tmp_path):
+    pytest.importorskip("ray")
+    cfg = small_config(**{"diloco.learners": 2, "diloco.sync_every": 4, "runtime": "ray",
+                          "faults.unit": "steps", "faults.membership": [[1, 2, 8]]})  # fmt: skip
+    with pytest.raises(ValueError, match="membership .*local runtime"):
+        config_lib.validate(cfg)  # at start-up, before any workdir
+
+
+def test_local_run_crashes_a_fast_and_a_slow_learner_at_their_scheduled_steps(
+    small_config, tmp_path
+):
+    """Learner 1 runs 4x slower; each crashes after its step 5 and rejoins 1 s later."""
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    cfg = small_config(**{"train.steps": 10, "diloco.learners": 2, "diloco.sync_every": 2,
+                          "diloco.fragments": 2, "diloco.grace_gamma": 0.0,
+                          "faults.unit": "steps", "faults.crashes": [[0, 5], [1, 5]],
+                          "faults.restart_delay_s": 1.0,
+                          "faults.speed_factors": [1.0, 4.0]})  # fmt: skip
+    summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    with open(tmp_path / "events.jsonl", encoding="utf-8") as f:
+        events = [json.loads(line) for line in f]
+    downs = {e["learner"]: e for e in events if e["event"] == "learner_down"}
+    backs = {e["learner"]: e for e in events if e["event"] == "rejoin"}
+    assert {m: e["step"] for m, e in downs.items()} == {0: 5, 1: 5}
+    for m in (0, 1):
+        assert backs[m]["time"] >= downs[m]["time"] + 1.0 and backs[m]["step"] == 5
+    assert summary["failures"] == 2 and summary["restarts"] == 2
+    assert summary["steps"] == 10 and summary["downtime_gap_steps"] == 2 * 2
+
+
+def test_a_learner_down_in_a_gap_does_not_pace_it():
+    """Learner 1 took 2 steps, then crashed: the gap is paced by learner 0's 10 steps."""
+    steps = [[0.1 * i for i in range(1, 11)], [0.1, 0.2]]
+    gaps = down_gaps([0.0, 1.05], steps, [(1, 0.25, 2.0)], (0.0, 1.05), tolerance=8)
+    assert gaps == [(0.0, 1.05)]
