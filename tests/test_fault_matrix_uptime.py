@@ -8,7 +8,6 @@ timelines (pure, milliseconds); one tiny local run checks the crash steps end to
 """
 
 import json
-import os
 
 import pytest
 
