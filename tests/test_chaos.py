@@ -253,8 +253,12 @@ def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path
     gap = min(r["time"] for r in merges if r["time"] > restore["time"]) - max(
         r["time"] for r in before
     )
+    # Time after the learners' last step is not downtime (the tail of a run): on a fast host
+    # the learners finish their budget while the syncer is still down.
+    last_step = max(r["time"] for r in out["metrics"] if r["learner"] in (0, 1))
+    seen = min(SYNCER_DELAY, last_step - crash["time"]) - 0.5  # rows come a step late
     if all(n > 2 * P for n in steps_during):  # longer than the tolerance: seen
-        assert SYNCER_DELAY <= s["global_downtime_seconds"] <= gap + 1e-9
+        assert seen <= s["global_downtime_seconds"] <= gap + 1e-9
     else:  # a host so slow that the outage lasted less than two sync periods of steps
         assert s["global_downtime_seconds"] == 0.0
     assert s["failures"] == 1 and s["restarts"] == 1

@@ -248,8 +248,8 @@ class LearnerLoop:
         False once this learner will never be a member again."""
         member = self.schedule.is_member(self.m, t)
         if self.replica.state is not None and (self.emulate_crashes or not member):
-            if member:
-                self.sink.event(self._event("learner_down"))
+            if member:  # down since t (the event carries when it happened, not when seen)
+                self.sink.event({**self._event("learner_down"), "time": t})
                 self._crash("crash")
             else:
                 self._finish(finished=False)
