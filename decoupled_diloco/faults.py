@@ -172,7 +172,8 @@ def fault_spec_from_dict(d: Mapping) -> FaultSpec:
     return FaultSpec(**{k: tup(v) for k, v in d.items()})
 
 
-def _merge_intervals(pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_intervals(pairs) -> list[tuple[float, float]]:
+    """(start, end) pairs as their union: sorted disjoint intervals."""
     out: list[tuple[float, float]] = []
     for a, b in sorted(pairs):
         if out and a <= out[-1][1]:
@@ -218,9 +219,7 @@ class FaultSchedule:
         if self.steps is not None:  # in steps: only a window from step 0 is open at the start
             for learner, wins in self.steps.windows.items():
                 windows[learner] = [(0.0, math.inf)] if wins[0][0] == 0 else []
-        self.member_windows = [
-            _merge_intervals(windows.get(i, [(0.0, math.inf)])) for i in range(m)
-        ]
+        self.member_windows = [merge_intervals(windows.get(i, [(0.0, math.inf)])) for i in range(m)]
 
         events: list[FaultEvent] = []
         self.down = [[] for _ in range(m)]  # per learner: sorted [crash, restart) intervals
@@ -281,7 +280,7 @@ class FaultSchedule:
         for learner in range(self.num_learners):
             rng = fault_random.rng(spec.seed, _STREAM_STRAGGLE, learner)
             starts = fault_random.poisson_times(rng, rate, self.horizon_s)[0].tolist()
-            out.append(_merge_intervals([(s, s + spec.straggler_duration_s) for s in starts]))
+            out.append(merge_intervals([(s, s + spec.straggler_duration_s) for s in starts]))
         return out
 
     def events_between(self, t0: float, t1: float) -> list[FaultEvent]:

@@ -54,21 +54,13 @@ import math
 import statistics
 import threading
 
+from decoupled_diloco import faults
+
 
 def tolerance_steps(sync_every: int) -> int:
     """Steps without an advance that a healthy run does not reach: two sync periods, 2·H
     (data-parallel, H = 0: 1, every step advances)."""
     return 2 * sync_every if sync_every > 0 else 1
-
-
-def _union(intervals) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def _overlap(union: list[tuple[float, float]], u: float, v: float) -> float:
@@ -96,8 +88,9 @@ def down_gaps(
     every_step = sorted(t for ts in steps for t in ts)
     durations = [b - a for ts in steps for a, b in zip(ts, ts[1:], strict=False)]
     step_s = statistics.median(durations) if durations else math.inf
-    down_union = _union((a, b) for _, a, b in outages)
-    own = [_union((a, b) for who, a, b in outages if who == m) for m in range(len(steps))]
+    down_union = faults.merge_intervals((a, b) for _, a, b in outages)
+    union = faults.merge_intervals
+    own = [union((a, b) for who, a, b in outages if who == m) for m in range(len(steps))]
     out = []
     for a, b in zip(cuts, cuts[1:], strict=False):
         if b <= a:
