@@ -37,7 +37,13 @@ HEAD_IP_PLACEHOLDER = "HEAD_IP"
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--project", required=True, help="Google Cloud project id")
-    common.add_argument("--zone", required=True, help="e.g. us-west4-a (v5e), us-east5-a (v5p)")
+    common.add_argument("--zone", required=True, help="the head VM's (and default slices') zone")
+    common.add_argument(
+        "--zones",
+        default="",
+        help="comma-separated zones of the slices: slice i in zone i mod their count "
+        "(cross-region runs); default: every slice in --zone",
+    )
     common.add_argument("--name", default="dd", help="prefix of every resource name")
     common.add_argument("--execute", action="store_true", help="run the commands (default: print)")
     slices = argparse.ArgumentParser(add_help=False)
@@ -56,7 +62,6 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--runtime-version", default="", help="default: the generation's JAX image")
     c.add_argument("--spot", action="store_true", help="Spot TPUs: cheaper, preemptible")
     c.add_argument("--reserved", action="store_true", help="use the project's TPU reservation")
-    c.add_argument("--multislice", action="store_true", help="one all-or-nothing request")
     c.add_argument("--valid-until-duration", default="", help="e.g. 6h: give up waiting after")
     c.add_argument("--head-machine-type", default="n2-highmem-32", help="CPU VM of the syncer")
     c.add_argument("--head-disk-size", default="200GB")
@@ -83,9 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("overrides", nargs="*", help="after --: --config.<key>=<value> overrides")
     sub.add_parser("status", parents=[common], help="queued resources, Ray status, driver log")
     d = sub.add_parser("delete", parents=[common, slices, one], help="delete slices, head VM")
-    d.add_argument("--multislice", action="store_true", help="slices were created --multislice")
     d.add_argument("--keep-head", action="store_true", help="delete only the TPU slices")
     return p
+
+
+def _cloud(args) -> provision.Cloud:
+    zones = tuple(z.strip() for z in args.zones.split(",") if z.strip())
+    return provision.Cloud(args.project, args.zone, zones)
 
 
 def _needs_head_ip_lookup(args) -> bool:
@@ -108,7 +117,7 @@ def _head_ip(args, cloud: provision.Cloud) -> str:
 def plan(args) -> list[list[str]]:
     """The commands of one step, from parsed arguments; ValueError on bad arguments."""
     name = check_name(args.name)
-    cloud = provision.Cloud(args.project, args.zone)
+    cloud = _cloud(args)
     spec = parse_accelerator(args.accelerator) if hasattr(args, "accelerator") else None
     if args.step == "create":
         cmds = provision.queued_resource_commands(
@@ -119,7 +128,6 @@ def plan(args) -> list[list[str]]:
             runtime_version=args.runtime_version,
             spot=args.spot,
             reserved=args.reserved,
-            multislice=args.multislice,
             valid_until_duration=args.valid_until_duration,
             only=args.slice,
         )
@@ -151,9 +159,7 @@ def plan(args) -> list[list[str]]:
         return [cluster.launch_command(name, cloud, main)]
     if args.step == "status":
         return cluster.status_commands(name, cloud)
-    return provision.delete_commands(
-        name, args.slices, cloud, args.multislice, args.keep_head, args.slice
-    )
+    return provision.delete_commands(name, args.slices, cloud, args.keep_head, args.slice)
 
 
 def run(commands: list[list[str]], execute: bool) -> None:
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.execute:
             print(DRY_RUN_NOTE)
         if not args.execute and _needs_head_ip_lookup(args):
-            lookup = provision.head_ip_command(args.name, provision.Cloud(args.project, args.zone))
+            lookup = provision.head_ip_command(args.name, _cloud(args))
             print(f"# {HEAD_IP_PLACEHOLDER} is the output of: {shlex.join(lookup)}")
         run(commands, args.execute)
     except ValueError as e:

@@ -123,8 +123,9 @@ class RayRuntime:
                 )
                 name = ray_links.actor_name(self.run_id, "learner", m, host)
                 actor = ray.remote(LearnerActor).options(name=name, **o)
+                slice_id = "" if layout is None else layout["slice"]
                 self.learners[(m, host)] = actor.remote(
-                    m, run, self.ckpt_dir, self.run_id, self.t0, host, self.hosts[m]
+                    m, run, self.ckpt_dir, self.run_id, self.t0, host, self.hosts[m], slice_id
                 )
 
     def _build_evaluator(self) -> None:
