@@ -29,6 +29,10 @@ def get_config(arg=None):
     # Spot slices are preempted again and again over a long run, and every preemption costs a
     # learner process one restart: never give up on a learner (-1 = unlimited restarts).
     c.ray.max_restarts = -1
+    # ...except one that raises the same error 3 times in a row without training past the step
+    # of the last one (a missing package, a bad path): it is stopped and reported, and the
+    # run goes on without it (runtime/ray/failures.py).
+    c.ray.max_same_failures = 3
     # Θ is evaluated on learner 0's slice between two of its steps, not on the head VM's CPU.
     c.ray.evaluate = "learner"
     # Required: a path every VM reaches, e.g. gs://BUCKET/checkpoints/RUN (the launcher's

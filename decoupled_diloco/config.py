@@ -33,6 +33,9 @@ class RayConfig:
     address: str = ""  # "" = start a local cluster for the run; "auto" / "host:port" joins one
     max_restarts: int = 3  # Ray restarts of each learner and syncer process; -1 = unlimited
     # (a learner whose restarts are exhausted is lost: the run goes on without it)
+    max_same_failures: int = 3  # a learner raising the same error (type + message, numbers
+    # normalised) this many times in a row, without training past the step of the last one,
+    # is stopped, not restarted (runtime/ray/failures.py); the run goes on without it; 0 = never
     accelerator: str = "cpu"  # "cpu" (fake CPU devices per process) | "tpu" (a slice each)
     num_cpus: int = 0  # CPUs a local cluster advertises; 0 = os.cpu_count()
     temp_dir: str = "/tmp/ray_dd"  # a local cluster's session files (Ray's socket paths are
@@ -50,6 +53,10 @@ class RayConfig:
             )
         if self.max_restarts < -1:
             raise ValueError(f"ray.max_restarts must be >= -1, got {self.max_restarts}")
+        if self.max_same_failures < 0:
+            raise ValueError(
+                f"ray.max_same_failures must be >= 0 (0 = never stop), got {self.max_same_failures}"
+            )
         if self.num_cpus < 0:
             raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
         if not self.poll_seconds > 0:

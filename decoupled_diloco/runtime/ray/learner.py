@@ -180,6 +180,7 @@ class LearnerActor:
                     "event": "learner_error",
                     "learner": self.m,
                     "error": err.strip().splitlines()[-1],
+                    "step": None if self.loop is None else self.loop.step,
                     "time": self.now(),
                 },
             )
