@@ -33,7 +33,7 @@ SIGNATURE_CHARS = 300  # a signature's length cap (a huge message is still one s
 
 
 def signature(error: str) -> str:
-    """"Type: message" with what changes from one occurrence to the next (numbers, addresses,
+    """`Type: message` with what changes from one occurrence to the next (numbers, addresses,
     whitespace) normalised: `ValueError: bad shard 17 at 0x7f3a` -> `ValueError: bad shard #
     at @`."""
     text = _HEX.sub("@", error.strip())
