@@ -19,6 +19,7 @@ import ml_collections
 from decoupled_diloco import faults, models, sharding
 from decoupled_diloco.data import DataConfig, validate_data_config
 from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.runtime.jax_world import DistributedConfig
 from decoupled_diloco.train.optimizer import TrainConfig
 
 RUNTIMES = ("local", "ray")
@@ -86,6 +87,7 @@ class RunConfig:
     runtime: str
     name: str
     ray: RayConfig = RayConfig()  # only read by runtime == "ray"
+    distributed: DistributedConfig = DistributedConfig()  # one JAX world over several hosts
 
     @property
     def num_learners(self) -> int:
@@ -151,6 +153,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.faults = _section(faults.FaultSpec)  # faults.py FaultSpec (seconds, or steps: faults.unit)
     c.faults.seed = _run_seed_placeholder()  # None = the run's `seed`
     c.ray = _section(RayConfig)  # RayConfig above (runtime = "ray" only)
+    # A multi-host data-parallel run's JAX world (runtime/jax_world.py DistributedConfig).
+    c.distributed = _section(DistributedConfig)
     return c
 
 
@@ -287,6 +291,15 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             "learner cannot see the run's lead step (give its membership in seconds)"
         )
 
+    dist_cfg = distributed_config(c)
+    if dist_cfg.enabled and (c.runtime != "local" or diloco_cfg.uses_syncer):
+        raise ValueError(
+            "distributed.num_processes > 1 (one JAX world over several hosts) is for the "
+            "data-parallel baseline: runtime='local' and diloco.sync_every=0 (one learner). "
+            "Decoupled DiLoCo over several hosts uses runtime='ray' (each learner is a world "
+            "of its own slice's hosts)"
+        )
+
     return RunConfig(
         model=model_cfg,
         data=data_cfg,
@@ -298,7 +311,17 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         runtime=c.runtime,
         name=c.name,
         ray=ray_cfg,
+        distributed=dist_cfg,
     )
+
+
+def distributed_config(c: ml_collections.ConfigDict) -> DistributedConfig:
+    """The validated `distributed.*` section alone: the entry point joins the JAX world it
+    names before anything starts JAX's backend (which `validate` does)."""
+    section = c.get("distributed", ml_collections.ConfigDict())
+    dist = _dataclass_from(DistributedConfig, section, "distributed")
+    dist.validate()
+    return dist
 
 
 def _check_fragments_fit_the_period(d: DilocoConfig) -> None:
