@@ -47,7 +47,8 @@ class RayConfig:
     evaluate: str = "driver"  # where Θ is evaluated: "driver" (its own devices) | "learner"
     # (the lowest live learner's devices, between its steps) | "off"
 
-    def validate(self) -> None:
+    def validate(self, runtime: str = "ray") -> None:
+        """Every key's range; what a Ray run needs on top only when `runtime` is "ray"."""
         if self.accelerator not in RAY_ACCELERATORS:
             raise ValueError(
                 f"ray.accelerator must be one of {RAY_ACCELERATORS}, got {self.accelerator!r}"
@@ -65,7 +66,7 @@ class RayConfig:
         if self.evaluate not in RAY_EVALUATE:
             raise ValueError(f"ray.evaluate must be one of {RAY_EVALUATE}, got {self.evaluate!r}")
         shared = "://" in self.checkpoint_dir or os.path.isabs(self.checkpoint_dir)
-        if self.accelerator == "tpu" and not shared:
+        if runtime == "ray" and self.accelerator == "tpu" and not shared:
             raise ValueError(
                 "ray.accelerator='tpu' needs ray.checkpoint_dir: a path every node of the "
                 "cluster reaches, e.g. gs://BUCKET/checkpoints/RUN (got "
@@ -277,7 +278,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     faults.validate_fault_spec(fault_spec, m)
 
     ray_cfg = _dataclass_from(RayConfig, c.get("ray", ml_collections.ConfigDict()), "ray")
-    ray_cfg.validate()
+    ray_cfg.validate(c.runtime)  # (a TPU config run as runtime "local" needs no Ray paths)
     if c.runtime == "ray" and importlib.util.find_spec("ray") is None:
         raise ValueError('runtime="ray" needs Ray: pip install -e ".[ray]"')
     if c.runtime == "ray" and not diloco_cfg.uses_syncer:

@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "tpu"))
 
 import tpu_cluster as cluster  # noqa: E402
+import tpu_dp as dp  # noqa: E402
 import tpu_provision as provision  # noqa: E402
 from tpu_slices import check_name, node_ids, parse_accelerator  # noqa: E402
 
@@ -274,6 +275,72 @@ def test_cli_zones_flag_reaches_every_slice_command(monkeypatch, capsys):
     assert printed[-1][3:5] == ["create", "dd-head"]
 
 
+def _apply(c, overrides):
+    """--config.<key>=<value> words applied to a ConfigDict (values typed as the key's)."""
+    for word in overrides:
+        key, _, value = word.removeprefix("--config.").partition("=")
+        *parents, leaf = key.split(".")
+        node = c
+        for part in parents:
+            node = node[part]
+        node[leaf] = type(node[leaf])(value)
+    return c
+
+
+def test_dp_baseline_runs_on_every_host_of_a_slice_as_one_world():
+    """`dp`: the config file to every host of the slice, then one process per TPU worker w
+    with process id w in a world of the slice's hosts, coordinator on worker 0, in the
+    slice's own zone; the command's overrides turn a TPU config into a valid DP run."""
+    from decoupled_diloco.runtime import jax_world
+
+    assert dp.COORDINATOR_PORT == jax_world.COORDINATOR_PORT
+    spec = parse_accelerator("v5litepod-16")  # 4 hosts
+    config = "configs/tpu_dense_multislice.py:2b"
+    cmds = dp.dp_commands(
+        spec, "dd", 2, 1, config, "gs://b/dp", "10.0.1.5", CROSS, ("--config.seed=2",)
+    )
+    assert cmds[0] == [
+        *provision.TPU_VM, "scp", "configs/tpu_dense_multislice.py", "dd-1:", "--worker=all",
+        "--zone=europe-west4-a", "--project=my-proj",
+    ]  # fmt: skip
+    runs = cmds[1:]
+    assert [c[:7] for c in runs] == [[*TPU_SSH, "dd-1", f"--worker={w}"] for w in range(4)]
+    assert all(_zone(c) == "europe-west4-a" for c in runs)
+    for w, cmd in enumerate(runs):
+        words = _remote_args(cmd)
+        assert words[:5] == ["(nohup", "dd-venv/bin/python", "-m", "decoupled_diloco.main",
+                             "--config=tpu_dense_multislice.py:2b"]  # fmt: skip
+        main = dp.dp_main_command(config, "gs://b/dp", spec, w, "10.0.1.5", ("--config.seed=2",))
+        assert words[1 : 1 + len(main)] == main and words[1 + len(main)] == ">"
+        assert "--config.distributed.coordinator_address=10.0.1.5:8482" in main
+        assert "--config.distributed.num_processes=4" in main
+        assert f"--config.distributed.process_id={w}" in main
+        run = config_lib.validate(_apply(_tpu_config("tpu_dense_multislice.py"), main[5:]))
+        assert (run.runtime, run.num_learners, run.uses_syncer) == ("local", 1, False)
+        assert run.distributed.world() == jax_world.World("10.0.1.5:8482", 4, w)
+    # A single-host slice is a world of one: no jax.distributed arguments.
+    one = dp.dp_main_command(config, "/mnt/d", parse_accelerator("v5litepod-8"), 0, "")
+    assert not any("distributed" in w for w in one)
+    with pytest.raises(ValueError, match="--workdir"):
+        dp.dp_main_command(config, "runs/dp", spec, 0, "10.0.1.5")
+
+
+def test_dp_execute_looks_up_worker_0(monkeypatch, capsys):
+    calls = []
+
+    def fake_run(cmd, check=False, capture_output=False, text=False):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="10.9.8.7\n" if "describe" in cmd else "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    argv = ["dp", *COMMON, "--accelerator=v5p-16", "--slices=1", "--workdir=gs://b/x", "--execute"]
+    assert launch.main(argv) == 0
+    assert calls[0] == dp.worker0_ip_command("dd-0", V5E)
+    assert calls[0][-1] == "--format=value(networkEndpoints[0].ipAddress)"
+    assert len(calls) == 1 + 1 + 2  # look-up, scp, one ssh per host of v5p-16
+    assert all("--config.distributed.coordinator_address=10.9.8.7:8482" in c[-1] for c in calls[2:])
+
+
 @pytest.mark.parametrize("wheel", ["", "dist/decoupled_diloco-0.1.0-py3-none-any.whl"])
 def test_setup_installs_the_same_versions_everywhere(wheel):
     source = cluster.Source(git_url="" if wheel else "https://example.com/dd.git", wheel=wheel)
@@ -318,6 +385,8 @@ STEPS = [
     ["setup", *COMMON, "--slices=2", "--slice=0", "--wheel=dist/dd-0.1-py3-none-any.whl"],
     ["delete", *COMMON, "--slices=2", "--slice=1"],
     ["status", *COMMON],
+    ["dp", *COMMON, "--accelerator=v5litepod-16", "--slices=1", "--workdir=gs://b/dp", "--"],
+    ["dp", *COMMON, "--accelerator=v5litepod-8", "--slices=2", "--slice=1", "--workdir=/mnt/d"],
     ["delete", *COMMON, "--slices=2"],
 ]
 
