@@ -534,3 +534,17 @@ def test_moe_config_needs_a_slice_of_at_least_8_chips():
     c.devices_per_learner = parse_accelerator("v5p-8").chips  # 4 chips < expert axis 8
     with pytest.raises(ValueError, match="mesh"):
         config_lib.validate(c)
+
+
+def test_memory_table_counts_each_devices_shards(small_config):
+    """memory_table.py on this backend: params and AdamW moments are the per-device shards
+    of the model (fp32; moments 2x params), XLA's scratch is positive, the total holds all."""
+    table = _load(ROOT / "scripts" / "tpu" / "memory_table.py", "memory_table")
+    c = small_config(**{"mesh.fsdp": -1, "mesh.data": 1})
+    r = table.measure(c, 16, jax.devices()[:8])
+    run = config_lib.validate(small_config(**{"devices_per_learner": 8}))
+    params = models.count_params(run.model) * 4
+    assert params / 8 <= r["params"] < params  # FSDP over 8: about an eighth each
+    assert 2 * r["params"] <= r["optimizer"] <= 2 * r["params"] + 64  # mu, nu (+ counters)
+    assert r["temp"] > 0 and r["total"] >= r["params"] + r["optimizer"]
+    assert (r["batch"], r["devices"], r["backend"]) == (16, 8, jax.default_backend())

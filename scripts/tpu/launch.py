@@ -19,6 +19,13 @@ the run goes on (`ray-up` restarts the head and would kill the run).
       --accelerator=v5litepod-16 --slices=4 --slice=2
   python scripts/tpu/launch.py status --project=P --zone=us-west4-a
   python scripts/tpu/launch.py delete --project=P --zone=us-west4-a --slices=4
+
+`--zones=Z0,Z1,...` places slice i in zone Z(i mod count), the head staying in --zone (cross-
+region learners); give the same --zones to every step. `dp` starts the data-parallel
+baseline on one slice, without Ray (one JAX world over the slice's hosts):
+
+  python scripts/tpu/launch.py dp --project=P --zone=us-west4-a --accelerator=v5litepod-32 \
+      --slices=1 --workdir=gs://BUCKET/runs/dp1 -- --config.train.steps=1000
 """
 
 import argparse

@@ -26,6 +26,7 @@ On CPU, `--devices` fake devices are created (before JAX starts) to stand in for
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -40,6 +41,12 @@ def _args(argv):
         "--batch", default="", help="comma-separated sequences per step (default: config's)"
     )
     p.add_argument("--devices", type=int, default=8, help="chips of one learner (its mesh)")
+    p.add_argument(
+        "--topology",
+        default="",
+        help="compile for this TPU topology instead, e.g. v5e:4x8 (v5litepod-32), v5p:2x2x4 "
+        "(v5p-32): needs libtpu (pip install 'jax[tpu]'), not a TPU",
+    )
     p.add_argument("--seq-len", type=int, default=0, help="override data.seq_len (0: config's)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     return p.parse_args(argv)
@@ -68,8 +75,20 @@ def _shard_bytes(tree) -> int:
     return total
 
 
-def measure(config, batch: int, devices: int, seq_len: int = 0) -> dict:
-    """Compiles the train step of `config` at `batch` on `devices` devices; bytes per device."""
+def target_devices(devices: int, topology: str = "") -> list:
+    """The devices to compile for: `devices` of this backend's, or every device of the TPU
+    `topology` (e.g. "v5e:4x8"; XLA:TPU's compile-only client: needs libtpu, not a TPU)."""
+    import jax
+
+    if not topology:
+        return jax.devices()[:devices]
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+
+
+def measure(config, batch: int, devices: list, seq_len: int = 0) -> dict:
+    """Compiles the train step of `config` at `batch` on `devices`; bytes per device."""
     import jax
 
     from decoupled_diloco import config as config_lib
@@ -78,12 +97,12 @@ def measure(config, batch: int, devices: int, seq_len: int = 0) -> dict:
 
     c = config.copy_and_resolve_references()
     # Memory is the learner's alone: validate as a one-process run of one learner.
-    c.runtime, c.devices_per_learner, c.train.batch_size = "local", devices, batch
+    c.runtime, c.devices_per_learner, c.train.batch_size = "local", len(devices), batch
     c.ray.accelerator = "cpu"  # (the ray.* section is not read by a one-process run)
     if seq_len:
         c.data.seq_len = seq_len
     run = config_lib.validate(c)
-    mesh = sharding.make_mesh(jax.devices()[:devices], run.mesh)
+    mesh = sharding.make_mesh(devices, run.mesh)
     replica = Replica(run.model, run.train, mesh)
     state = replica.abstract_state()
     batch_arg = jax.ShapeDtypeStruct(
@@ -98,13 +117,13 @@ def measure(config, batch: int, devices: int, seq_len: int = 0) -> dict:
         "preset": c.model.preset,
         "batch": batch,
         "seq_len": run.data.seq_len,
-        "devices": devices,
+        "devices": len(devices),
         "params": _shard_bytes(state.params),
         "optimizer": _shard_bytes(state.opt_state) + _shard_bytes(state.step),
         "temp": mem.temp_size_in_bytes,
         "total": args + mem.temp_size_in_bytes + out - mem.alias_size_in_bytes,
         "compile_s": seconds,
-        "backend": jax.default_backend(),
+        "backend": devices[0].platform,
     }
 
 
@@ -125,6 +144,11 @@ HEADER = ["preset", "batch", "seq", "devices", "params", "optimizer", "temp", "t
 
 def main(argv=None) -> int:
     args = _args(argv)
+    if args.topology:  # the validation of a config counts devices: fake as many as chips
+        dims = args.topology.partition(":")[2].split("x")
+        if not all(d.isdigit() for d in dims):
+            raise SystemExit(f"--topology={args.topology}: expected e.g. v5e:4x8 or v5p:2x2x4")
+        args.devices = math.prod(int(d) for d in dims)
     if args.devices < 1:
         raise SystemExit(f"--devices={args.devices}: need at least 1")
     # Fake CPU devices must exist before JAX starts its backend (a TPU VM ignores this flag).
@@ -134,7 +158,9 @@ def main(argv=None) -> int:
 
     if jax.device_count() < args.devices:
         raise SystemExit(f"--devices={args.devices}: only {jax.device_count()} devices here")
-    print(f"# backend: {jax.default_backend()} ({jax.devices()[0].device_kind}); GiB per device")
+    devices = target_devices(args.devices, args.topology)
+    kind = f"{devices[0].platform} ({devices[0].device_kind})"
+    print(f"# compiled for: {kind} x {len(devices)}; GiB per device")
     sep = "| " + " | ".join(HEADER) + " |" if args.markdown else "\t".join(HEADER)
     print(sep)
     if args.markdown:
@@ -144,7 +170,7 @@ def main(argv=None) -> int:
         batches = [int(b) for b in args.batch.split(",") if b] or [config.train.batch_size]
         for b in batches:
             try:
-                r = measure(config, b, args.devices, args.seq_len)
+                r = measure(config, b, devices, args.seq_len)
             except ValueError as e:  # e.g. a batch the mesh cannot split
                 print(f"# {spec} batch {b}: {e}", flush=True)
                 continue
