@@ -12,7 +12,8 @@ bytes per device. Columns (GiB per device):
   temp       XLA's scratch for the step: activations kept for the backward pass, gradients,
              collectives' buffers
   total      arguments + temp + outputs not aliased to arguments (the train step donates its
-             state, so the new state reuses the old one's buffers)
+             state, so the new state reuses the old one's buffers); "OOM": XLA:TPU refused to
+             compile it, temp then being what its temporaries would need
 
 The numbers are those of the backend present. On a machine without TPUs that is XLA:CPU, whose
 buffer assignment, fusion and layouts differ from XLA:TPU's: params and optimizer are exact for
@@ -28,10 +29,13 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 import sys
 import time
 
 GIB = 2**30
+# XLA:TPU's refusal: "... HLO temporaries (102.04G) exceeds available HBM (15.75G)."
+_OOM = re.compile(r"temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
 
 def _args(argv):
@@ -108,22 +112,32 @@ def measure(config, batch: int, devices: list, seq_len: int = 0) -> dict:
     batch_arg = jax.ShapeDtypeStruct(
         (batch, run.data.seq_len + 1), "int32", sharding=replica.batch_sharding
     )
-    t0 = time.perf_counter()
-    compiled = replica._train_step.lower(state, batch_arg).compile()
-    seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
-    return {
+    row = {
         "preset": c.model.preset,
         "batch": batch,
         "seq_len": run.data.seq_len,
         "devices": len(devices),
         "params": _shard_bytes(state.params),
         "optimizer": _shard_bytes(state.opt_state) + _shard_bytes(state.step),
+        "backend": devices[0].platform,
+    }
+    t0 = time.perf_counter()
+    try:
+        compiled = replica._train_step.lower(state, batch_arg).compile()
+    except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a step that cannot fit
+        need = _OOM.search(str(e))
+        if need is None:
+            raise
+        temp = float(need.group(1)) * GIB  # XLA prints "G" meaning GiB
+        return {**row, "temp": temp, "total": None, "compile_s": time.perf_counter() - t0,
+                "hbm": float(need.group(2)) * GIB}  # fmt: skip
+    mem = compiled.memory_analysis()
+    args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
+    return {
+        **row,
         "temp": mem.temp_size_in_bytes,
         "total": args + mem.temp_size_in_bytes + out - mem.alias_size_in_bytes,
-        "compile_s": seconds,
-        "backend": devices[0].platform,
+        "compile_s": time.perf_counter() - t0,
     }
 
 
@@ -133,7 +147,8 @@ def _row(r: dict, markdown: bool) -> str:
         str(r["batch"]),
         str(r["seq_len"]),
         str(r["devices"]),
-        *(f"{r[k] / GIB:.2f}" for k in ("params", "optimizer", "temp", "total")),
+        *(f"{r[k] / GIB:.2f}" for k in ("params", "optimizer", "temp")),
+        f"{r['total'] / GIB:.2f}" if r["total"] is not None else f"OOM (HBM {r['hbm'] / GIB:.2f})",
         f"{r['compile_s']:.0f}",
     ]
     return "| " + " | ".join(cells) + " |" if markdown else "\t".join(cells)
