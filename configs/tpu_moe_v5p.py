@@ -48,6 +48,11 @@ def get_config(arg=None):
     )
     c.data.tfds_text_key = "text"
     c.data.tokenizer = "sentencepiece"
+    # A pre-trained model, local or gs://, read by every host: pass
+    # --config.data.spm_model_path=gs://BUCKET/tokenizers/bpe32k.model (make one with
+    # `python -m decoupled_diloco.tokenizer --config=<this file> --out=gs://...`). Left "",
+    # the driver trains one on the corpus once and shares it through ray.checkpoint_dir.
+    c.data.spm_model_path = ""
     c.data.spm_vocab_size = 32_768
     c.data.seq_len = 2048
 

@@ -17,7 +17,6 @@ the previous kept step is tried; when no kept step is good the restore raises
 """
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
-from decoupled_diloco import integrity
+from decoupled_diloco import integrity, paths
 
 # Saves are synchronous: orbax's asynchronous saves from several threads of one process
 # (learners of the local runtime) fail or deadlock (measured with orbax-checkpoint 0.12.8:
@@ -42,10 +41,10 @@ class CorruptCheckpointError(RuntimeError):
 class Checkpointer:
     """One orbax CheckpointManager: an array tree plus a JSON side-car per step."""
 
-    def __init__(self, directory: str, max_to_keep: int = 2):
+    def __init__(self, directory: "str | epath.Path", max_to_keep: int = 2):
         self._lock = threading.Lock()
         # Remote paths (gs://..., for multi-node Ray runs) go to orbax as they are.
-        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        self.directory = paths.resolve(directory)
         # Steps refused on restore since the owner last looked: (step, reason, moved to).
         self.refused: list[tuple[int, str, str]] = []
         self.manager = ocp.CheckpointManager(
@@ -124,14 +123,13 @@ class Checkpointer:
 
     def _set_aside(self, step: int, reason: str) -> None:
         """Moves a refused step out of the manager's directory (kept for inspection)."""
-        src = epath.Path(self.directory) / str(step)
-        dst = epath.Path(self.directory).parent / "corrupt" / f"{src.parent.name}-{step}"
+        src = self.directory / str(step)
+        dst = self.directory.parent / "corrupt" / f"{src.parent.name}-{step}"
         if dst.exists():
             dst = dst.with_name(f"{dst.name}-{int(time.time())}")
         logging.error("checkpoint %s refused (%s); moved to %s", src, reason, dst)
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            src.rename(dst)
+            paths.move_tree(src, dst)
         except OSError as e:  # a read-only copy: leave it, but never use it
             logging.error("could not move %s aside: %s", src, e)
         self.manager.reload()

