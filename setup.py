@@ -28,5 +28,9 @@ setuptools.setup(
         "ray": ["ray[default]>=2.30"],
         # data.tokenizer = "sentencepiece" (trained locally on the corpus; TPU configs use it)
         "spm": ["sentencepiece>=0.2"],
+        # A Cloud TPU host or head VM (scripts/tpu/): gs:// paths without TensorFlow (gcsfs,
+        # for etils.epath / orbax / TFDS) and the TPU configs' tokenizer. jax[tpu] and Ray are
+        # installed by the launcher, pinned to one version on every host.
+        "tpu": ["gcsfs>=2024.2", "sentencepiece>=0.2"],
     },
 )
