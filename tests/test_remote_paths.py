@@ -66,6 +66,8 @@ def test_a_run_with_its_workdir_on_gcs_keeps_everything_there(gcs, small_config,
         rows = [json.loads(x) for x in f]
     assert {r["step"] for r in rows if r["learner"] == 0} == set(range(1, 9))
     assert any(f.startswith("spm/bpe512-") for f in _objects(gcs, "bkt/cache"))
+    for run_name in ("learner_0", "learner_1", "global"):  # TensorBoard beside the JSONL
+        assert any(f.startswith(f"tensorboard/{run_name}/events.out.tfevents.") for f in written)
     assert os.listdir(os.getcwd()) == []  # no ./gs:/... (nor anything else) locally
 
     # What reads a run reads it from gs:// too: a re-run finds it finished, load() its model.

@@ -73,7 +73,7 @@ class LocalRuntime:
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         self.halt_after = halt_after
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
-        self.log = RunLog(workdir, accounting.Ledger.of_run(run))
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         self.stop = threading.Event()  # learners stop (a budget, a test, a failure)
         self._syncers_stop = threading.Event()  # set once every learner has finished

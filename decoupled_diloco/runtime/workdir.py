@@ -36,6 +36,7 @@ FREE_TO_CHANGE = frozenset(
         "train.eval_batches",
         "train.log_every",
         "train.checkpoint_every",
+        "train.tensorboard",
         "ray.address",
         "ray.max_restarts",
         "ray.num_cpus",

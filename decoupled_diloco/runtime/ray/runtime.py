@@ -59,7 +59,7 @@ class RayRuntime:
     def __init__(self, run: RunConfig, workdir: str, verbose: bool = True):
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
-        self.log = RunLog(workdir, accounting.Ledger.of_run(run))
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
         self.ledger = self.log.ledger
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         # Actors resolve paths from their own working directory: give them an absolute one.
