@@ -164,3 +164,22 @@ def test_gcs_paths_without_gcsfs_fail_before_the_run_with_the_install_hint(
     with pytest.raises(preflight.FatalRunError, match=r"--workdir=.*decoupled_diloco\[tpu\]"):
         preflight.check(run, "gs://bkt/nowhere")
     assert paths.resolve("rel/dir") == epath.Path(os.path.abspath("rel/dir"))
+
+
+def test_a_text_corpus_on_gcs_is_read_as_a_local_one(gcs, tmp_path):
+    from decoupled_diloco.data import DataConfig, sources
+
+    texts = {"a.txt": "first document\n" * 50, "sub/b.txt": "second one\n" * 50}
+    for name, text in texts.items():
+        epath.Path(f"gs://bkt/corpus/{name}").write_text(text)
+        (tmp_path / "local" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "local" / name).write_text(text)
+    epath.Path("gs://bkt/corpus/.hidden").write_text("not a document")
+    remote = sources.path_files("gs://bkt/corpus")
+    local = sources.path_files(str(tmp_path / "local"))
+    assert [n for n, _ in remote] == [n for n, _ in local] == ["a.txt", "sub/b.txt"]
+    docs = sources.read_documents(remote)
+    assert [d.text for d in docs] == [texts["a.txt"], texts["sub/b.txt"]]
+    globbed = sources.path_files("gs://bkt/corpus/**/*.txt")
+    assert [n for n, _ in globbed] == ["gs://bkt/corpus/a.txt", "gs://bkt/corpus/sub/b.txt"]
+    sources.corpus_files(DataConfig(path="gs://bkt/corpus"))  # the config route

@@ -34,6 +34,7 @@ def test_crc32c_and_records_follow_the_tfrecord_format(tmp_path):
 
 def test_tensorboard_itself_reads_the_files(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator as accumulator
+
     w = tbe.RunWriter(tmp_path)
     for step in (1, 2, 3):
         w.row({"learner": 0, "step": step, "loss": 1.0 / step, "ok": True, "note": "x"})

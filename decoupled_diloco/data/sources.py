@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import posixpath
 import site
 import sysconfig
 
@@ -102,14 +103,7 @@ def path_files(path: str) -> list[tuple[str, epath.Path]]:
                 )
             files = [(root.name, root)]
         elif root.is_dir():
-            files = []
-            for dirpath, dirnames, filenames in root.walk():
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                for name in filenames:
-                    p = dirpath / name
-                    if not name.startswith(".") and text(p):
-                        files.append((p.relative_to(root).as_posix(), p))
-            files.sort()
+            files = sorted((name, p) for name, p in _files_below(root) if text(p))
         else:
             raise ValueError(f"data.path={path!r}: no such file or folder")
     if binary:
@@ -122,6 +116,29 @@ def path_files(path: str) -> list[tuple[str, epath.Path]]:
             + (f" ({len(binary)} binary, e.g. {binary[0]})" if binary else "")
         )
     return files
+
+
+def _files_below(root: epath.Path) -> list[tuple[str, epath.Path]]:
+    """(path relative to `root`, path) of every file below the folder `root`, hidden files
+    and folders (".name") left out; local or remote."""
+    out = []
+    if not paths.is_remote(root):
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                p = pathlib.Path(dirpath, name)
+                if not name.startswith("."):
+                    out.append((p.relative_to(root).as_posix(), epath.Path(p)))
+        return out
+    import fsspec  # epath's walk drops the gs:// of the folders it yields: list objects
+
+    scheme, base = str(root).split("://", 1)
+    fs, _ = fsspec.core.url_to_fs(str(root))
+    for key in fs.find(str(root)):  # "bucket/key" names, as gcsfs gives them
+        rel = posixpath.relpath(key, base.rstrip("/"))
+        if not any(part.startswith(".") for part in rel.split("/")):
+            out.append((rel, epath.Path(f"{scheme}://{key}")))
+    return out
 
 
 def _glob(pattern: str) -> list[str]:
