@@ -183,3 +183,18 @@ def test_a_text_corpus_on_gcs_is_read_as_a_local_one(gcs, tmp_path):
     globbed = sources.path_files("gs://bkt/corpus/**/*.txt")
     assert [n for n, _ in globbed] == ["gs://bkt/corpus/a.txt", "gs://bkt/corpus/sub/b.txt"]
     sources.corpus_files(DataConfig(path="gs://bkt/corpus"))  # the config route
+
+
+def test_a_tokenizer_is_pre_trained_once_onto_gcs_and_used_from_there(gcs, small_config):
+    from decoupled_diloco import tokenizer as tokenizer_cli
+    from decoupled_diloco.data import get_tokenizer
+
+    spm = {"data.tokenizer": "sentencepiece", "data.spm_vocab_size": 512, "model.vocab_size": 512}
+    cfg = small_config(**spm)
+    assert tokenizer_cli.train_and_save(config_lib.data_config(cfg), "gs://bkt/t/bpe.model") == 512
+    cfg.data.spm_model_path = "gs://bkt/t/bpe.model"
+    run = config_lib.validate(cfg)  # reads the model's vocabulary size from gs://
+    text = "def f(x):\n    return x\n"
+    assert get_tokenizer(run.data).decode(get_tokenizer(run.data).encode(text)) == text
+    with pytest.raises(ValueError, match="only sentencepiece"):
+        tokenizer_cli.train_and_save(config_lib.data_config(small_config()), "gs://bkt/t/x")
