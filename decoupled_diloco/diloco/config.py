@@ -77,6 +77,11 @@ class DilocoConfig:
     # seconds), then offers all its unmerged work; the syncer merges it: Θ holds all work.
     final_sync: bool = True
     final_wait: float = 120.0  # seconds
+    # True: a merged version's update is computed (decode, Θ_new − G + v̂) and placed on the
+    # learner's devices by a worker thread as soon as it arrives, so the step boundary that
+    # applies it only dispatches the add (runtime/boundary.py). False: all of it happens at
+    # that boundary, on the learner's thread. Same result either way.
+    stage_merges: bool = True
 
     @property
     def wait_seconds(self) -> float:

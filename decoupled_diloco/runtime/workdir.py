@@ -37,6 +37,8 @@ FREE_TO_CHANGE = frozenset(
         "train.eval_batches",
         "train.log_every",
         "train.checkpoint_every",
+        "train.prefetch",
+        "diloco.stage_merges",
         "ray.address",
         "ray.max_restarts",
         "ray.num_cpus",

@@ -31,6 +31,9 @@ class TrainConfig:
     eval_batches: int = 8  # held-out batches per evaluation
     log_every: int = 10  # steps between metrics.jsonl lines / progress updates
     checkpoint_every: int = 100  # steps between orbax checkpoints; 0 = only at the end
+    # Batches a background thread reads and places on the devices ahead of the step that
+    # trains on them (data/prefetch.py); 0 = read and transfer inside the step.
+    prefetch: int = 2
     seed: int = 0  # model init; the run's `seed` unless set
 
 

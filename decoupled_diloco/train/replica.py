@@ -102,9 +102,19 @@ class Replica:
         return transfer.to_host(copies)
 
     # --- steps and protocol operations -------------------------------------------------
-    def step(self, batch: np.ndarray) -> dict:
-        """One inner step; returns its metrics as device scalars (fetch when needed)."""
-        batch = transfer.to_device({"b": batch}, {"b": self.batch_sharding})["b"]
+    def put_batch(self, batch: np.ndarray) -> jax.Array:
+        """A host batch [B, T + 1] placed with the step's batch sharding."""
+        return transfer.to_device({"b": batch}, {"b": self.batch_sharding})["b"]
+
+    def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host leaves placed with their parameters' shardings (a merge staged ahead)."""
+        return transfer.to_device(arrays, {k: self.flat_shardings[k] for k in arrays})
+
+    def step(self, batch) -> dict:
+        """One inner step on a host batch or one `put_batch` placed; returns its metrics as
+        device scalars (fetch when needed)."""
+        if not isinstance(batch, jax.Array):
+            batch = self.put_batch(batch)
         self.state, metrics = self._train_step(self.state, batch)
         return metrics
 
@@ -120,10 +130,12 @@ class Replica:
         transfer.start_to_host(copies)
         return copies
 
-    def apply(self, kind: str, arrays: dict[str, np.ndarray], alpha: float = 0.0) -> None:
-        """θ ← θ + x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named leaves."""
+    def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
+        """θ ← θ + x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named leaves; x host
+        arrays, or device arrays from `place`."""
         flat = flatten_params(self.state.params)
-        x = transfer.to_device(arrays, {k: self.flat_shardings[k] for k in arrays})
+        placed = all(isinstance(a, jax.Array) for a in arrays.values())
+        x = dict(arrays) if placed else self.place(arrays)
         mine = {k: flat[k] for k in x}
         if kind == "add":
             flat.update(self._add(mine, x))
