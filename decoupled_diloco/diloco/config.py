@@ -73,6 +73,9 @@ class DilocoConfig:
     # Seconds between the syncer's orbax checkpoints: a syncer crash loses the merges since.
     syncer_checkpoint_seconds: float = 5.0
     syncer_shards: int = 1  # S: syncer shards, each owning a subset of fragments
+    # Threads one merge splits each leaf over (numpy releases the GIL): 0 = every core of
+    # the syncer's host. Any count gives the same bits (diloco/chunks.py).
+    merge_threads: int = 0
     # At the end every learner resolves its offers in flight (waiting up to final_wait
     # seconds), then offers all its unmerged work; the syncer merges it: Θ holds all work.
     final_sync: bool = True
@@ -136,6 +139,7 @@ class DilocoConfig:
             (1 <= self.syncer_shards <= self.fragments, "syncer_shards",
              "in [1, diloco.fragments]"),
             (self.final_wait >= 0, "final_wait", ">= 0"),
+            (self.merge_threads >= 0, "merge_threads", ">= 0 (0 = the host's cores)"),
         ]  # fmt: skip
         for ok, key, want in checks:
             if not ok:

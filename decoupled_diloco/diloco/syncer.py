@@ -302,7 +302,7 @@ class Syncer:
                      clock=cfg.momentum_clock, scale=scale, work=work)  # fmt: skip
         self.theta[p], self.outer[p], delta_norm = merge.merge_outer_step(
             self.theta[p], vs, w, rule, self.outer[p], **outer, inplace=True,
-            sq_norms=sq_norms, return_delta_norm=True,
+            sq_norms=sq_norms, return_delta_norm=True, threads=cfg.merge_threads,
         )  # fmt: skip
         self.version[p] = version + 1
         for o in kept:

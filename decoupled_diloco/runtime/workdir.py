@@ -39,6 +39,7 @@ FREE_TO_CHANGE = frozenset(
         "train.checkpoint_every",
         "train.prefetch",
         "diloco.stage_merges",
+        "diloco.merge_threads",
         "ray.address",
         "ray.max_restarts",
         "ray.num_cpus",
