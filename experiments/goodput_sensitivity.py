@@ -120,7 +120,7 @@ def plot(res: dict, path) -> None:
     for k, n in enumerate(CHIPS):
         ax.text((k + 0.5) * len(COLUMNS) - 0.5, -0.9, f"{n / 1e6:g}M chips", ha="center")
     fig.colorbar(im, ax=ax, label="goodput swing, low vs high end (points)", shrink=0.8)
-    ax.set_title("Which assumption drives which cell", pad=22)
+    fig.suptitle("Which assumption drives which cell")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

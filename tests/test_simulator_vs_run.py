@@ -10,7 +10,7 @@ side is taken over the learners' training time too: step time plus outages, i.e.
 allocation less the time a learner was neither stepping nor down. What is compared is what
 the simulator claims to model: the outage, the work lost with the crashed state (unmerged
 fragments; DP's steps since its checkpoint) and the allocation they are charged against.
-~30 s on a quiet machine (compilation mostly comes from the persistent cache).
+~50 s on a quiet machine (compilation mostly comes from the persistent cache), so `slow`.
 """
 
 import json
