@@ -16,7 +16,8 @@ Two recovery policies, one loop each (pure functions; one pass over the job's ev
 Shared rule: a failure that arrives while the job is already recovering is folded into
 that recovery without extending it (the recovery's final health check excludes or
 replaces every unit found dead), except that a non-elastic job cannot finish recovering
-before its failed unit (or that unit's replacement) is back.
+before the unit whose failure started the recovery (or its replacement) is back, nor,
+without spares (FaultSpec mode), before any unit that failed meanwhile is back.
 """
 
 import dataclasses
