@@ -13,6 +13,7 @@ import pytest
 from decoupled_diloco.faults import FaultSpec
 from decoupled_diloco.simulator import SimParams, simulate
 from decoupled_diloco.simulator.core import snapshot_interval_s
+from decoupled_diloco.simulator.params import plausible_ranges
 from decoupled_diloco.simulator.timeline import fragment_loss
 from decoupled_diloco.simulator.trace import drop_failures_while_down
 
@@ -101,6 +102,20 @@ def test_small_clusters_have_no_repair_floor():
     assert spares - repair.goodput == pytest.approx(64 * 8 * 3600 / p.chip_mtbf_s, abs=0.01)
     noisy = simulate("decoupled", 150_000, 16, SHORT).goodput  # 1% jitter per slice and step
     assert 0.95 < noisy < spares
+
+
+def test_every_assumption_is_marked_and_has_a_plausible_range():
+    """params.py marks each default as the paper's, sourced, or an assumption; every
+    assumption carries the (low, high) range experiments/goodput_sensitivity.py sweeps."""
+    ranges = plausible_ranges()
+    for f in dataclasses.fields(SimParams):
+        if f.metadata["help"].startswith("[assumption"):
+            assert f.name in ranges, f.name
+        if f.name in ranges:
+            low, high = ranges[f.name]
+            assert low <= f.default <= high and low < high, (f.name, f.default, ranges[f.name])
+    assert {"detect_s", "reconfig_s", "restart_s", "restore_s", "replace_s"} <= ranges.keys()
+    assert {"checkpoint_cost_s", "step_noise_std", "chip_mtbf_years"} <= ranges.keys()
 
 
 def test_syncer_crash_costs_uptime_not_goodput():
