@@ -5,8 +5,9 @@ Layout under `<workdir>/checkpoints/`: `learner_<m>/<step>/` holds a learner's T
 bookkeeping is not saved: a learner restarting against a syncer starts from the syncer's
 snapshot (its parameters, counters at zero), keeping only its step, data position and, in a
 resumed run, its AdamW state. `syncer_<s>/<n>/` holds shard s's Θ, outer
-momenta, versions and schedule slots, plus the fragment plan, the learner registry, its
-counters and its event-log position. Restores go straight onto the target shardings.
+momenta, versions, schedule slots and vector clocks, plus the fragment plan, the learner
+registry, its counters and its event-log position, written one fragment at a time
+(fragment_checkpoint.py). Restores go straight onto the target shardings.
 
 Trust no byte: every save writes the checksums of its arrays and of its side-car into the
 side-car (integrity.py), and every restore verifies them and that the values are finite. A
@@ -123,23 +124,28 @@ class Checkpointer:
         )
 
     def _set_aside(self, step: int, reason: str) -> None:
-        """Moves a refused step out of the manager's directory (kept for inspection)."""
-        src = epath.Path(self.directory) / str(step)
-        dst = epath.Path(self.directory).parent / "corrupt" / f"{src.parent.name}-{step}"
-        if dst.exists():
-            dst = dst.with_name(f"{dst.name}-{int(time.time())}")
-        logging.error("checkpoint %s refused (%s); moved to %s", src, reason, dst)
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            src.rename(dst)
-        except OSError as e:  # a read-only copy: leave it, but never use it
-            logging.error("could not move %s aside: %s", src, e)
+        moved = set_aside(epath.Path(self.directory) / str(step), reason)
         self.manager.reload()
-        self.refused.append((step, reason, str(dst)))
+        self.refused.append((step, reason, moved))
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def set_aside(src: epath.Path, reason: str) -> str:
+    """Moves a refused step directory `<checkpoints>/<name>/<step>` out of its manager's
+    sight to `<checkpoints>/corrupt/<name>-<step>` (kept for inspection); returns where."""
+    dst = src.parent.parent / "corrupt" / f"{src.parent.name}-{src.name}"
+    if dst.exists():
+        dst = dst.with_name(f"{dst.name}-{int(time.time())}")
+    logging.error("checkpoint %s refused (%s); moved to %s", src, reason, dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        src.rename(dst)
+    except OSError as e:  # a read-only copy: leave it, but never use it
+        logging.error("could not move %s aside: %s", src, e)
+    return str(dst)
 
 
 def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarnation: int) -> None:

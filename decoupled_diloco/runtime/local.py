@@ -19,6 +19,7 @@ from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
 from decoupled_diloco.diloco.fragments import model_plan
+from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.runtime import accounting
 from decoupled_diloco.runtime.learner_loop import LearnerLoop
@@ -152,7 +153,7 @@ class LocalRuntime:
                 self.learner_inboxes,
                 reply_seconds=lambda m, n: self.schedule.transfer_seconds(m, n),
             )
-            ckpt = Checkpointer(os.path.join(self.ckpt_dir, f"syncer_{s}"))
+            ckpt = FragmentCheckpointer(os.path.join(self.ckpt_dir, f"syncer_{s}"))
             loops.append(
                 SyncerLoop(
                     s,
