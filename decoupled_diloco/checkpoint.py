@@ -17,12 +17,14 @@ the previous kept step is tried; when no kept step is good the restore raises
 `CorruptCheckpointError` naming every directory and why it was refused.
 """
 
+import json
 import logging
 import os
 import threading
 import time
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -154,6 +156,39 @@ def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarna
     if state is None or ckpt.latest_step() == step:
         return
     ckpt.save(step, state, {"step": step, "data": data_state, "incarnation": incarnation})
+    host, hosts = _process()
+    if hosts > 1:
+        _save_host_data(ckpt, step, data_state, host)
+
+
+def _process() -> tuple[int, int]:
+    """(this process, processes) of the learner's JAX world (a multi-host learner's slice)."""
+    return jax.process_index(), jax.process_count()
+
+
+def _host_data(ckpt: Checkpointer) -> epath.Path:
+    """Data positions of each host of a multi-host learner, `<name>.hosts/<step>/<h>.json`:
+    host h reads its own rows (data/pipeline.py), so its position is its own, while the
+    side-car JSON is written by process 0 alone."""
+    directory = epath.Path(ckpt.directory)
+    return directory.parent / f"{directory.name}.hosts"
+
+
+def _save_host_data(ckpt: Checkpointer, step: int, data_state: dict, host: int) -> None:
+    folder = _host_data(ckpt) / str(step)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{host}.json").write_text(json.dumps(data_state))
+    kept = {str(s) for s in ckpt.manager.all_steps()} | {str(step)}
+    for old in _host_data(ckpt).iterdir():  # each host drops its own of the dropped steps
+        if old.name not in kept and (old / f"{host}.json").exists():
+            (old / f"{host}.json").unlink()
+
+
+def _restore_host_data(ckpt: Checkpointer, step: int, host: int) -> dict:
+    path = _host_data(ckpt) / str(step) / f"{host}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no data position of host {host} at step {step}")
+    return json.loads(path.read_text())
 
 
 def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
@@ -167,4 +202,7 @@ def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
         state, meta = ckpt.restore(abstract_state)
     else:
         state, meta = None, ckpt.restore_meta()
-    return int(meta["step"]), meta["data"], int(meta["incarnation"]) + 1, state
+    data, (host, hosts) = meta["data"], _process()
+    if hosts > 1:
+        data = _restore_host_data(ckpt, int(meta["step"]), host)
+    return int(meta["step"]), data, int(meta["incarnation"]) + 1, state

@@ -103,8 +103,9 @@ class Replica:
 
     # --- steps and protocol operations -------------------------------------------------
     def put_batch(self, batch: np.ndarray) -> jax.Array:
-        """A host batch [B, T + 1] placed with the step's batch sharding."""
-        return transfer.to_device({"b": batch}, {"b": self.batch_sharding})["b"]
+        """This host's rows of a batch [B / hosts, T + 1] (all of it on one host) placed
+        as the global batch with the step's batch sharding (transfer.batch_to_device)."""
+        return transfer.batch_to_device(batch, self.batch_sharding)
 
     def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host leaves placed with their parameters' shardings (a merge staged ahead)."""
