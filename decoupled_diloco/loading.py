@@ -26,6 +26,7 @@ from decoupled_diloco import integrity, models, run_files
 from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import Tokenizer
+from decoupled_diloco.diloco.fragment_members import join_members
 from decoupled_diloco.fragment_checkpoint import MANIFEST, FragmentCheckpointer
 
 EXPORT_MARKER = "export.json"  # written by decoupled_diloco/export.py
@@ -117,7 +118,7 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
             params.update({k: np.asarray(v, np.float32) for k, v in arrays["theta"].items()})
         picked.append(f"#{n} (learner step {reached[n]})")
         ckpt.close()
-    return params, "syncer checkpoints " + ", ".join(picked)
+    return join_members(params), "syncer checkpoints " + ", ".join(picked)
 
 
 def _learner_step(ckpt: FragmentCheckpointer, n: int) -> int:

@@ -18,6 +18,7 @@ from decoupled_diloco import faults, run_files, sharding
 from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
+from decoupled_diloco.diloco.fragment_members import join_members
 from decoupled_diloco.diloco.fragments import model_plan
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
@@ -264,7 +265,7 @@ class LocalRuntime:
             if part is None:
                 return None
             out.update(part)
-        return out
+        return join_members(out)  # whole leaves from fragment members
 
     def total_tokens(self) -> int:
         return sum(loop.step * loop.tokens_per_step for loop in self.loops)

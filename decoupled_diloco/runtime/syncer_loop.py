@@ -138,7 +138,8 @@ class SyncerLoop:
 
     # --- Θ for evaluation and stats ---------------------------------------------------
     def global_params(self) -> dict | None:
-        """A copy of this shard's Θ; None while the shard is down."""
+        """A copy of this shard's Θ, keyed by fragment member (join the shards' with
+        `fragment_members.join_members` for whole leaves); None while the shard is down."""
         with self.lock:
             if self.syncer is None:
                 return None
