@@ -70,7 +70,8 @@ class DilocoConfig:
     heartbeat_every: float = 0.5  # seconds between a learner's heartbeats
     join_timeout: float = 600.0  # seconds a (re)joining learner waits for the snapshot
     ema_decay: float = 0.8  # of the syncer's step / quorum / merge time averages (grace)
-    # Seconds between the syncer's orbax checkpoints: a syncer crash loses the merges since.
+    # Seconds between the syncer's orbax checkpoints (streamed from a saver thread one
+    # fragment at a time, fragment_checkpoint.py): a syncer crash loses the merges since.
     syncer_checkpoint_seconds: float = 5.0
     syncer_shards: int = 1  # S: syncer shards, each owning a subset of fragments
     # Threads one merge splits each leaf over (numpy releases the GIL): 0 = every core of

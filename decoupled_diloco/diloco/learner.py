@@ -43,6 +43,7 @@ import numpy as np
 
 from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.diloco.fragment_members import join_members
 from decoupled_diloco.diloco.fragments import FragmentPlan
 from decoupled_diloco.diloco.messages import (
     Dropped,
@@ -180,7 +181,8 @@ class Learner:
 
     def start(self, snapshots: list[Snapshot]) -> dict[str, np.ndarray]:
         """Takes the syncer's snapshots (one per shard, covering every fragment) as G and
-        returns the parameters to start from: the global model, counters at zero."""
+        returns the parameters to start from (whole leaves): the global model, counters at
+        zero."""
         params = {}
         self.frags = [None] * self.plan.num_fragments
         for snap in snapshots:
@@ -193,7 +195,7 @@ class Learner:
             raise ValueError(f"learner {self.id}: no snapshot of fragments {missing}")
         self.started = True
         self._last_heartbeat = -math.inf
-        return params
+        return join_members(params)  # whole leaves (the embedding may come in row slices)
 
     @staticmethod
     def covered(snapshots: list[Snapshot]) -> set[int]:

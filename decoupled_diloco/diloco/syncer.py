@@ -293,7 +293,8 @@ class Syncer:
         others = self._others_weight(kept, now)
         H = self.plan.sync_every
         w, scale, work = merge.weigh(tokens, steps, cfg.weights, cfg.normalize, H, others)
-        rule = self.cfg.embedding_merge if p == self.plan.embedding_fragment else self.cfg.merge
+        embedding = p in self.plan.embedding_fragments
+        rule = self.cfg.embedding_merge if embedding else self.cfg.merge
         # Against Θ before this step: the router the offers' outer gradients started from.
         router_divergence = merge.router_divergence(vs, w, self.theta[p])
         # In place: Θ and the momenta are the syncer's alone (snapshot() and the reply's
