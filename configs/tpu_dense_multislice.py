@@ -112,4 +112,7 @@ def get_config(arg=None):
     c.diloco.outer_momentum = 0.9
     # The first step compiles the 2B model for minutes; a learner must not be declared dead then.
     c.diloco.heartbeat_timeout = 600.0
+    # Syncer checkpoints every 10 minutes (streamed one fragment at a time, off the serving
+    # thread): a syncer crash rolls Θ back by at most the merges of the last 10 minutes.
+    c.diloco.syncer_checkpoint_seconds = 600.0
     return c

@@ -89,4 +89,7 @@ def get_config(arg=None):
     c.diloco.outer_lr = 0.7
     c.diloco.outer_momentum = 0.9
     c.diloco.heartbeat_timeout = 600.0  # first-step compilation of a 15.7e9-param MoE
+    # Syncer checkpoints every 10 minutes (streamed one fragment at a time, off the serving
+    # thread): a syncer crash rolls Θ back by at most the merges of the last 10 minutes.
+    c.diloco.syncer_checkpoint_seconds = 600.0
     return c

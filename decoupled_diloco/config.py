@@ -251,6 +251,8 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             raise ValueError(f"train.{key} must be >= 1, got {getattr(train_cfg, key)}")
     if train_cfg.learning_rate <= 0:
         raise ValueError(f"train.learning_rate must be > 0, got {train_cfg.learning_rate}")
+    if train_cfg.prefetch < 0:
+        raise ValueError(f"train.prefetch must be >= 0 (batches ahead), got {train_cfg.prefetch}")
     if not isinstance(train_cfg.tensorboard, bool):
         raise ValueError(f"train.tensorboard must be True or False, got {train_cfg.tensorboard!r}")
 

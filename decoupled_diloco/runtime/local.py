@@ -17,7 +17,9 @@ from decoupled_diloco import faults, paths, run_files, sharding
 from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
+from decoupled_diloco.diloco.fragment_members import join_members
 from decoupled_diloco.diloco.fragments import model_plan
+from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.runtime import accounting
 from decoupled_diloco.runtime.learner_loop import LearnerLoop
@@ -151,7 +153,7 @@ class LocalRuntime:
                 self.learner_inboxes,
                 reply_seconds=lambda m, n: self.schedule.transfer_seconds(m, n),
             )
-            ckpt = Checkpointer(self.ckpt_dir / f"syncer_{s}")
+            ckpt = FragmentCheckpointer(self.ckpt_dir / f"syncer_{s}")
             loops.append(
                 SyncerLoop(
                     s,
@@ -262,7 +264,7 @@ class LocalRuntime:
             if part is None:
                 return None
             out.update(part)
-        return out
+        return join_members(out)  # whole leaves from fragment members
 
     def total_tokens(self) -> int:
         return sum(loop.step * loop.tokens_per_step for loop in self.loops)

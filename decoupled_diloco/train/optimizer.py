@@ -31,6 +31,9 @@ class TrainConfig:
     eval_batches: int = 8  # held-out batches per evaluation
     log_every: int = 10  # steps between metrics.jsonl lines / progress updates
     checkpoint_every: int = 100  # steps between orbax checkpoints; 0 = only at the end
+    # Batches a background thread reads and places on the devices ahead of the step that
+    # trains on them (data/prefetch.py); 0 = read and transfer inside the step.
+    prefetch: int = 2
     # Also write the metrics rows as TensorBoard event files (no TensorFlow needed) under
     # <workdir>/tensorboard/{learner_<m>,global}/ (decoupled_diloco/tensorboard_events.py).
     tensorboard: bool = True

@@ -322,10 +322,12 @@ class RayRuntime:
 
     # --- report -----------------------------------------------------------------------
     def _global_params(self) -> dict:
+        from decoupled_diloco.diloco.fragment_members import join_members
+
         out = {}
         for actor in self.syncers:
             out.update(_call(actor.global_params))
-        return out
+        return join_members(out)  # whole leaves from fragment members
 
     def _tokens(self) -> int:
         tokens_per_batch = self.run_cfg.train.batch_size * self.run_cfg.data.seq_len
