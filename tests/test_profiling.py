@@ -66,3 +66,32 @@ def test_bad_profile_steps_are_refused(text):
 
 def test_profile_steps_parse():
     assert profiling.parse_steps("10:13") == (10, 13)
+
+
+def _main(tmp_path, *flags):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "decoupled_diloco.main", "--config=configs/tiny_dense.py",
+               f"--workdir={tmp_path / 'run'}", "--config.train.steps=6",
+               "--config.train.eval_every=0", *flags]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [("--profile=5:3", "needs 0 <= START < STOP"), ("--profile=2:9", "ends after train.steps")],
+)
+def test_main_refuses_a_bad_profile_window(tmp_path, flag, message):
+    out = _main(tmp_path, flag)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert message in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_main_writes_a_trace_of_the_profiled_steps(tmp_path):
+    """The learner loop calls profiling.step before each step (runtime/learner_loop.py)."""
+    out = _main(tmp_path, "--profile=2:4")
+    assert out.returncode == 0, out.stderr
+    assert _trace_files(str(tmp_path / "run" / "profile"))
