@@ -236,3 +236,31 @@ def test_knobs_flow_from_the_run_config(small_config):
     c.model.remat = "dots"
     run = validate(c)
     assert run.train.microbatches == 2 and run.model.remat == "dots"
+
+
+# --- initial state --------------------------------------------------------------------------
+
+
+def test_initial_state_is_built_on_its_shardings():
+    """No leaf passes through the host or one device: each device computes only its shard
+    (FSDP over 4 devices), and the values are those of an unsharded init from the same key
+    (the syncer's host-side Θ_0, runtime/ray/syncer.py), by the partitionable threefry."""
+    cfg = models.get_model_config("tiny")
+    mesh = sharding.make_mesh(jax.devices()[:4], sharding.MeshConfig(data=1, fsdp=4))
+    replica = Replica(cfg, TrainConfig(batch_size=8), mesh)
+    key = jax.device_put(jax.random.key(3), sharding.replicated(mesh))  # 2 words, explicit
+    with jax.transfer_guard("disallow"):
+        replica.init_from_rng(key)
+    params = models.flatten_params(replica.state.params)
+    embedding = params["embedder/embedding"]
+    assert embedding.sharding == replica.flat_shardings["embedder/embedding"]
+    assert {s.data.shape for s in embedding.addressable_shards} == {(256, 16)}  # D 64 / 4
+    for leaf, sh in zip(
+        jax.tree.leaves(replica.state.opt_state),
+        jax.tree.leaves(replica.opt_shardings),
+        strict=True,
+    ):
+        assert leaf.sharding == sh
+    expected = models.flatten_params(jax.jit(lambda k: models.init_params(cfg, k))(key))
+    for name, value in replica.host_params().items():
+        np.testing.assert_array_equal(value, np.asarray(expected[name]), err_msg=name)
