@@ -271,6 +271,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             f"train.batch_size ({train_cfg.batch_size}) must be divisible by the learner's "
             f"batch-parallel devices ({batch_ways} = mesh data*fsdp*expert)"
         )
+    _check_microbatches(train_cfg, batch_ways)
 
     fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults", **_seed_of(c.faults, c.seed))
     faults.validate_fault_spec(fault_spec, m)
@@ -302,6 +303,19 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         name=c.name,
         ray=ray_cfg,
     )
+
+
+def _check_microbatches(t: TrainConfig, batch_ways: int) -> None:
+    """Every microbatch must split evenly over the batch-parallel devices, as a batch does."""
+    n = t.microbatches
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"train.microbatches must be an int >= 1, got {n!r}")
+    if t.batch_size % n or (t.batch_size // n) % batch_ways:
+        raise ValueError(
+            f"train.batch_size ({t.batch_size}) must be divisible by train.microbatches ({n}) "
+            f"times the learner's batch-parallel devices ({batch_ways} = mesh "
+            "data*fsdp*expert): each microbatch is split over those devices"
+        )
 
 
 def _check_fragments_fit_the_period(d: DilocoConfig) -> None:

@@ -32,6 +32,11 @@ ATTEMPTS = "attempts.jsonl"
 FREE_TO_CHANGE = frozenset(
     {
         "name",
+        # Memory and speed knobs: the same math to float tolerance (an OOM run may resume
+        # with remat or microbatches).
+        "model.remat",
+        "model.attention_impl",
+        "train.microbatches",
         "train.eval_every",
         "train.eval_batches",
         "train.log_every",

@@ -19,6 +19,11 @@ class TrainConfig:
 
     steps: int = 200  # inner steps per learner
     batch_size: int = 32  # sequences per inner step per learner
+    # Gradient accumulation: each inner step runs its batch as this many equal microbatches
+    # (batch_size / microbatches sequences each) and applies their mean gradient once, so
+    # activation memory shrinks and the math stays the step's; steps, H and tau still
+    # count inner steps (train/step.py). 1 = no accumulation.
+    microbatches: int = 1
     learning_rate: float = 3e-3  # peak inner AdamW lr
     warmup_steps: int = 20  # linear warmup steps
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak lr

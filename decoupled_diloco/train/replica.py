@@ -40,7 +40,7 @@ class Replica:
             sharding.replicated(mesh), self.param_shardings, self.opt_shardings
         )
         self._train_step = jax.jit(
-            make_train_step(model_cfg, self.optimizer, schedule, mesh),
+            make_train_step(model_cfg, self.optimizer, schedule, mesh, train_cfg.microbatches),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, sharding.replicated(mesh)),
             donate_argnums=0,
