@@ -48,6 +48,12 @@ _MFU_SEQ = flags.DEFINE_integer("mfu_seq_len", None, "MFU tokens per sequence (1
 _MFU_STEPS = flags.DEFINE_integer("mfu_steps", None, "Timed MFU steps (10; quick 3).")
 _REMAT = flags.DEFINE_list("remat", ["none", "dots", "full"], "Remat policies compared.")
 _DTYPE = flags.DEFINE_string("dtype", None, "Compute dtype (bfloat16; quick float32).")
+_ATTN = flags.DEFINE_enum("attention_impl", "xla", ["xla", "dot_product_attention"],
+                          "model.attention_impl of the MFU runs.")  # fmt: skip
+_SOFTCAP = flags.DEFINE_float(
+    "attn_softcap", None, "Override model.attn_logit_softcap of the MFU runs (0: off, which "
+    "the fused attention kernels need)."
+)  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dd_bench_accelerator", "Run directories.")
 
 ARMS = ("plain", "decoupled", "no-pipeline")
@@ -62,11 +68,18 @@ def _quick_setup() -> None:
 
 _quick_setup()
 
+import time  # noqa: E402
+
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco.mfu import peak_flops  # noqa: E402
+from decoupled_diloco.models.flops import train_flops_per_token  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
+from decoupled_diloco.sharding import make_mesh  # noqa: E402
+from decoupled_diloco.train.replica import Replica  # noqa: E402
 
 
 def _pick(flag, full, quick):
@@ -156,6 +169,115 @@ def overhead() -> None:
               f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.95 for decoupled)")  # fmt: skip
 
 
+# --- (b) MFU and memory at the largest batch that fits ---------------------------------------
+def mfu_run(preset: str, batch: int, seq_len: int, remat: str, devices: int):
+    """The validated RunConfig and a Replica of one learner for an MFU measurement."""
+    c = config_lib.tiny_cpu_config("bench_mfu", preset=preset, batch_size=batch)
+    c.data.seq_len = seq_len
+    c.model.dtype = _pick(_DTYPE, "bfloat16", "float32")
+    c.model.remat = remat
+    c.model.attention_impl = _ATTN.value
+    if _SOFTCAP.value is not None:
+        c.model.attn_logit_softcap = _SOFTCAP.value
+    c.devices_per_learner = devices
+    run = config_lib.validate(c)
+    return run, Replica(run.model, run.train, make_mesh(jax.devices()[:devices], run.mesh))
+
+
+def compiled_bytes(replica: Replica, batch: int, seq_len: int) -> int:
+    """Peak device bytes of one train step as XLA plans it (arguments + outputs + temporaries,
+    less the donated state the outputs reuse), without allocating anything."""
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), np.int32, sharding=replica.batch_sharding)
+    mem = replica._train_step.lower(replica.abstract_state(), tokens).compile().memory_analysis()
+    if mem is None:  # a backend without the analysis
+        return 0
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+    return int(total - mem.alias_size_in_bytes)
+
+
+def device_limit() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def largest_batch(preset, seq_len, remat, devices, first, cap) -> tuple[int, int] | None:
+    """(batch, planned bytes) of the largest batch first·2^k <= cap whose step fits."""
+    limit, best, batch = device_limit(), None, first
+    while batch <= cap:
+        try:
+            _, replica = mfu_run(preset, batch, seq_len, remat, devices)
+            need = compiled_bytes(replica, batch, seq_len)
+        except Exception as e:  # noqa: BLE001 - a compile that fails to fit ends the search
+            if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
+                raise
+            break
+        if limit is not None and need > 0.95 * limit * devices:
+            break
+        best, batch = (batch, need), batch * 2
+    return best
+
+
+def measure_mfu(preset, batch, seq_len, remat, devices, steps) -> dict:
+    run, replica = mfu_run(preset, batch, seq_len, remat, devices)
+    t0 = time.perf_counter()
+    replica.init_from_rng(jax.random.key(0))
+    replica.ready()
+    init_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    vocab = min(run.model.vocab_size, 256)
+    batches = [replica.put_batch(rng.integers(0, vocab, (batch, seq_len + 1), dtype=np.int32))
+               for _ in range(2)]  # fmt: skip
+    t0 = time.perf_counter()
+    jax.block_until_ready(replica.step(batches[0]))  # compiles
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(replica.step(batches[1]))
+    t0 = time.perf_counter()
+    for i in range(steps):
+        metrics = replica.step(batches[i % 2])
+    jax.block_until_ready((metrics, replica.state))
+    step_s = (time.perf_counter() - t0) / steps
+    tokens_s = batch * seq_len / step_s
+    flops = train_flops_per_token(run.model, seq_len)
+    peak = peak_flops(jax.devices()[0].device_kind)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "step_ms": 1e3 * step_s,
+        "tokens_s": tokens_s,
+        "mfu": tokens_s * flops / (devices * peak) if peak else None,
+        "tflops": tokens_s * flops / devices / 1e12,
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "init_s": init_s,
+        "compile_s": compile_s,
+    }
+
+
+def mfu() -> None:
+    preset, seq_len = _pick(_MFU_PRESET, "gemma_2b", "tiny"), _pick(_MFU_SEQ, 1024, 64)
+    devices, steps = _pick(_DEVICES, 1, 4), _pick(_MFU_STEPS, 10, 3)
+    first, cap = _pick(_MFU_BATCH, 4, 4), _pick(_MAX_BATCH, 256, 16)
+    kind = jax.devices()[0].device_kind
+    peak = peak_flops(kind)
+    print(f"\n(b) {preset}, seq_len {seq_len}, {devices} x {kind} (peak "
+          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown: no MFU'}), "
+          f"attention {_ATTN.value}", flush=True)  # fmt: skip
+    head = ("remat", "batch", "tokens", "plan GiB", "step ms", "tokens/s", "TFLOP/s/dev", "MFU",
+            "peak GiB", "init s", "compile s")  # fmt: skip
+    print("{:<6} {:>5} {:>7} {:>8} {:>8} {:>9} {:>11} {:>5} {:>8} {:>6} {:>9}".format(*head))
+    for remat in _REMAT.value:
+        found = largest_batch(preset, seq_len, remat, devices, first, cap)
+        if found is None:
+            print(f"{remat:<6} batch {first} does not fit")
+            continue
+        batch, need = found
+        r = measure_mfu(preset, batch, seq_len, remat, devices, steps)
+        mfu_text = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
+        cells = (remat, batch, batch * seq_len, need / 2**30, r["step_ms"], r["tokens_s"],
+                 r["tflops"], mfu_text, r["peak_gib"], r["init_s"], r["compile_s"])  # fmt: skip
+        row = "{:<6} {:>5} {:>7} {:>8.2f} {:>8.1f} {:>9.0f} {:>11.3f} {:>5} {:>8.2f} {:>6.1f}"
+        row += " {:>9.1f}"
+        print(row.format(*cells), flush=True)
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
@@ -164,6 +286,8 @@ def main(argv):
           f"({jax.default_backend()}); load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     if _PART.value in ("all", "overhead"):
         overhead()
+    if _PART.value in ("all", "mfu"):
+        mfu()
 
 
 if __name__ == "__main__":

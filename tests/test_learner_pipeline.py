@@ -4,6 +4,7 @@ when host work happens, never what the learner computes."""
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 from protocol_sim import Sim
@@ -119,3 +120,45 @@ def test_staged_merges_give_bit_identical_models(kw):
     hits = sum(lr.stager.hits for lr in runs[True].learners)
     misses = sum(lr.stager.misses for lr in runs[True].learners)
     assert hits > 0 and hits >= misses, (hits, misses)
+
+
+def test_a_decoupled_runs_rows_carry_host_share_and_mfu(small_config, tmp_path, monkeypatch):
+    """A real run with the pipeline on (prefetch, staged merges): merges were staged and
+    applied from the devices, and each learner row reports host_share in [0, 1] and, where
+    the device's peak is known (here pretended for CPU), mfu = tokens/s · FLOPs/token /
+    (devices · peak)."""
+    import json
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco import mfu
+    from decoupled_diloco.models.flops import train_flops_per_token
+    from decoupled_diloco.runtime import boundary
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    monkeypatch.setattr(mfu, "peak_flops", lambda kind: 1e9)
+    hits = []
+    take = boundary.MergeStager.take
+
+    def counting(self, u):
+        out = take(self, u)
+        hits.append(out is not None)
+        return out
+
+    monkeypatch.setattr(boundary.MergeStager, "take", counting)
+    over = {"diloco.learners": 2, "diloco.sync_every": 4, "diloco.fragments": 2,
+            "diloco.overlap": 1, "train.steps": 12, "train.log_every": 1}  # fmt: skip
+    cfg = small_config(**over)
+    run = config_lib.validate(cfg)
+    LocalRuntime(run, str(tmp_path), verbose=False).run()
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if isinstance(r.get("learner"), int) and "loss" in r]
+    assert rows and any(hits), "no merge was applied from staged device arrays"
+    flops = train_flops_per_token(run.model, run.data.seq_len)
+    devices = jax.device_count() // 2
+    for r in rows:
+        assert 0.0 <= r.get("host_share", 0.0) <= 1.0
+        if r["tokens_per_second"] > 0:
+            want = r["tokens_per_second"] * flops / (devices * 1e9)
+            assert r["mfu"] == pytest.approx(want, rel=1e-6)
+    assert sum("host_share" in r for r in rows) >= len(rows) - 2

@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from decoupled_diloco import checkpoint, faults
+from decoupled_diloco import checkpoint, faults, mfu, profiling
 from decoupled_diloco.data.prefetch import Prefetch
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Snapshot
@@ -125,6 +125,7 @@ class LearnerLoop:
             if self.replica.state is None:
                 self._start()
             t_step, waited = time.perf_counter(), self.wait_seconds
+            profiling.step(m, self.step, self.replica.ready)  # --profile's window
             metrics = self.replica.step(next(self.data))
             self.step += 1
             if self.proto is not None:
@@ -341,6 +342,7 @@ class LearnerLoop:
             "tokens_per_second": rate,
             "time": now,
         }
+        rec.update(mfu.row_fields(self.run_cfg, self.replica.mesh, rate))
         if self._wall > 0:
             # Share of the steps' wall time this thread was busy on the host (data, the
             # protocol's boundary, dispatch, rows) instead of waiting for the device: near
