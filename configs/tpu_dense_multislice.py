@@ -25,11 +25,11 @@ learner processes restart without limit (Spot preemptions).
 
 Data: TFDS "c4/en:3.1.0" read through tfds.data_source, which needs the array_record file
 format (the public gs://tensorflow-datasets copy is TFRecord; see scripts/tpu/README.md).
-Memory (estimated, not measured): fp32 params + AdamW moments + grads of 2.1e9 params are
-~34 GB per slice; the model has no rematerialisation, so activations dominate. On v5e (16 GB
-HBM per chip) use v5litepod-32 or larger (2 sequences per chip) or lower train.batch_size;
-v5p-16 (8 chips x 95 GB) fits comfortably. Sizes below (batch, steps, lr) are a starting point,
-not tuned on TPU.
+Memory (XLA:TPU compile-only, scripts/tpu/README.md "Memory per chip"): with no
+rematerialisation the 2B step needs ~94 GiB of temporaries per chip at one 2048-token sequence
+per chip: it fits v5p-32 at train.batch_size=16 (95 of 95.7 GiB), no v5e slice, and the
+batch of 64 below fits none of them. Run scripts/tpu/memory_table.py before choosing a size.
+Sizes below (batch, steps, lr) are a starting point, not tuned on TPU.
 """
 
 from decoupled_diloco.config import default_config
@@ -49,6 +49,10 @@ def get_config(arg=None):
     # Spot slices are preempted again and again over a long run, and every preemption costs a
     # learner process one restart: never give up on a learner (-1 = unlimited restarts).
     c.ray.max_restarts = -1
+    # ...except one that raises the same error 3 times in a row without training past the step
+    # of the last one (a missing package, a bad path): it is stopped and reported, and the
+    # run goes on without it (runtime/ray/failures.py).
+    c.ray.max_same_failures = 3
     # Θ is evaluated on learner 0's slice between two of its steps, not on the head VM's CPU.
     c.ray.evaluate = "learner"
     # Required: a path every VM reaches, e.g. gs://BUCKET/checkpoints/RUN (the launcher's

@@ -6,6 +6,9 @@ over an 8-way expert axis and everything else FSDP over the rest. fp32 params + 
 grads of 15.2e9 params are ~245 GB, so a v5p-32 slice (16 chips x 95 GB HBM, mesh fsdp 2 x
 expert 8) leaves most HBM to activations; v5p-16 (8 chips, fsdp 1 x expert 8) is the smallest
 slice this mesh fits on. The syncer's fp32 Θ and outer momentum need ~125 GB of head-VM RAM.
+Activation memory is not measured (scripts/tpu/README.md): the dense 2B backbone alone needs
+~94 GiB of temporaries per v5p chip at one sequence per chip, so expect train.batch_size=64
+not to fit; run scripts/tpu/memory_table.py --topology=v5p:2x2x4 before choosing a size.
 
   python scripts/tpu/launch.py launch --project=P --zone=us-east5-a \
       --accelerator=v5p-32 --slices=4 --config=configs/tpu_moe_v5p.py \
@@ -29,6 +32,10 @@ def get_config(arg=None):
     # Spot slices are preempted again and again over a long run, and every preemption costs a
     # learner process one restart: never give up on a learner (-1 = unlimited restarts).
     c.ray.max_restarts = -1
+    # ...except one that raises the same error 3 times in a row without training past the step
+    # of the last one (a missing package, a bad path): it is stopped and reported, and the
+    # run goes on without it (runtime/ray/failures.py).
+    c.ray.max_same_failures = 3
     # Θ is evaluated on learner 0's slice between two of its steps, not on the head VM's CPU.
     c.ray.evaluate = "learner"
     # Required: a path every VM reaches, e.g. gs://BUCKET/checkpoints/RUN (the launcher's

@@ -19,6 +19,7 @@ import ml_collections
 from decoupled_diloco import faults, models, sharding
 from decoupled_diloco.data import DataConfig, validate_data_config
 from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.runtime.jax_world import DistributedConfig
 from decoupled_diloco.train.optimizer import TrainConfig
 
 RUNTIMES = ("local", "ray")
@@ -33,6 +34,9 @@ class RayConfig:
     address: str = ""  # "" = start a local cluster for the run; "auto" / "host:port" joins one
     max_restarts: int = 3  # Ray restarts of each learner and syncer process; -1 = unlimited
     # (a learner whose restarts are exhausted is lost: the run goes on without it)
+    max_same_failures: int = 3  # a learner raising the same error (type + message, numbers
+    # normalised) this many times in a row, without training past the step of the last one,
+    # is stopped, not restarted (runtime/ray/failures.py); the run goes on without it; 0 = never
     accelerator: str = "cpu"  # "cpu" (fake CPU devices per process) | "tpu" (a slice each)
     num_cpus: int = 0  # CPUs a local cluster advertises; 0 = os.cpu_count()
     temp_dir: str = "/tmp/ray_dd"  # a local cluster's session files (Ray's socket paths are
@@ -43,13 +47,18 @@ class RayConfig:
     evaluate: str = "driver"  # where Θ is evaluated: "driver" (its own devices) | "learner"
     # (the lowest live learner's devices, between its steps) | "off"
 
-    def validate(self) -> None:
+    def validate(self, runtime: str = "ray") -> None:
+        """Every key's range; what a Ray run needs on top only when `runtime` is "ray"."""
         if self.accelerator not in RAY_ACCELERATORS:
             raise ValueError(
                 f"ray.accelerator must be one of {RAY_ACCELERATORS}, got {self.accelerator!r}"
             )
         if self.max_restarts < -1:
             raise ValueError(f"ray.max_restarts must be >= -1, got {self.max_restarts}")
+        if self.max_same_failures < 0:
+            raise ValueError(
+                f"ray.max_same_failures must be >= 0 (0 = never stop), got {self.max_same_failures}"
+            )
         if self.num_cpus < 0:
             raise ValueError(f"ray.num_cpus must be >= 0, got {self.num_cpus}")
         if not self.poll_seconds > 0:
@@ -57,7 +66,7 @@ class RayConfig:
         if self.evaluate not in RAY_EVALUATE:
             raise ValueError(f"ray.evaluate must be one of {RAY_EVALUATE}, got {self.evaluate!r}")
         shared = "://" in self.checkpoint_dir or os.path.isabs(self.checkpoint_dir)
-        if self.accelerator == "tpu" and not shared:
+        if runtime == "ray" and self.accelerator == "tpu" and not shared:
             raise ValueError(
                 "ray.accelerator='tpu' needs ray.checkpoint_dir: a path every node of the "
                 "cluster reaches, e.g. gs://BUCKET/checkpoints/RUN (got "
@@ -79,6 +88,7 @@ class RunConfig:
     runtime: str
     name: str
     ray: RayConfig = RayConfig()  # only read by runtime == "ray"
+    distributed: DistributedConfig = DistributedConfig()  # one JAX world over several hosts
 
     @property
     def num_learners(self) -> int:
@@ -144,6 +154,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.faults = _section(faults.FaultSpec)  # faults.py FaultSpec (seconds, or steps: faults.unit)
     c.faults.seed = _run_seed_placeholder()  # None = the run's `seed`
     c.ray = _section(RayConfig)  # RayConfig above (runtime = "ray" only)
+    # A multi-host data-parallel run's JAX world (runtime/jax_world.py DistributedConfig).
+    c.distributed = _section(DistributedConfig)
     return c
 
 
@@ -277,7 +289,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     faults.validate_fault_spec(fault_spec, m)
 
     ray_cfg = _dataclass_from(RayConfig, c.get("ray", ml_collections.ConfigDict()), "ray")
-    ray_cfg.validate()
+    ray_cfg.validate(c.runtime)  # (a TPU config run as runtime "local" needs no Ray paths)
     if c.runtime == "ray" and importlib.util.find_spec("ray") is None:
         raise ValueError('runtime="ray" needs Ray: pip install -e ".[ray]"')
     if c.runtime == "ray" and not diloco_cfg.uses_syncer:
@@ -291,6 +303,15 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             "learner cannot see the run's lead step (give its membership in seconds)"
         )
 
+    dist_cfg = distributed_config(c)
+    if dist_cfg.enabled and (c.runtime != "local" or diloco_cfg.uses_syncer):
+        raise ValueError(
+            "distributed.num_processes > 1 (one JAX world over several hosts) is for the "
+            "data-parallel baseline: runtime='local' and diloco.sync_every=0 (one learner). "
+            "Decoupled DiLoCo over several hosts uses runtime='ray' (each learner is a world "
+            "of its own slice's hosts)"
+        )
+
     return RunConfig(
         model=model_cfg,
         data=data_cfg,
@@ -302,6 +323,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         runtime=c.runtime,
         name=c.name,
         ray=ray_cfg,
+        distributed=dist_cfg,
     )
 
 
@@ -316,6 +338,15 @@ def _check_microbatches(t: TrainConfig, batch_ways: int) -> None:
             f"times the learner's batch-parallel devices ({batch_ways} = mesh "
             "data*fsdp*expert): each microbatch is split over those devices"
         )
+
+
+def distributed_config(c: ml_collections.ConfigDict) -> DistributedConfig:
+    """The validated `distributed.*` section alone: the entry point joins the JAX world it
+    names before anything starts JAX's backend (which `validate` does)."""
+    section = c.get("distributed", ml_collections.ConfigDict())
+    dist = _dataclass_from(DistributedConfig, section, "distributed")
+    dist.validate()
+    return dist
 
 
 def _check_fragments_fit_the_period(d: DilocoConfig) -> None:

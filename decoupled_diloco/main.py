@@ -50,6 +50,7 @@ def main(argv) -> None:
     from decoupled_diloco.runtime import launch
 
     try:
+        join_world(config)
         run = config_lib.validate(config)
     except ValueError as e:
         sys.exit(f"config error: {e}")
@@ -90,6 +91,16 @@ def _install_profiler(run) -> None:
         sys.exit(f"error: --profile={_PROFILE.value} ends after train.steps ({run.train.steps})")
     directory = os.path.join(_WORKDIR.value, "profile")
     profiling.install(profiling.StepProfiler(directory, start, stop))
+
+
+def join_world(config) -> None:
+    """Joins the JAX world of `distributed.*` (a multi-host data-parallel run; nothing for
+    one process), before validation starts JAX's backend. ValueError: a bad section."""
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime import jax_world
+
+    dist = config_lib.distributed_config(config)
+    jax_world.initialize(dist.world(), dist.initialization_timeout)
 
 
 def _cause(e: BaseException | None, kind: type) -> BaseException | None:

@@ -492,6 +492,53 @@ def test_raising_learner_restarts_then_is_lost_when_its_restarts_run_out(
     assert math.isfinite(summary["final_eval_loss"])
 
 
+def _missing_package_learner(failing: tuple[int, ...]):
+    """A learner actor class whose learners `failing` raise the same ImportError in every
+    process (a TPU host without a package); defined here so cloudpickle sends it by value."""
+    from decoupled_diloco.runtime.ray.learner import LearnerActor
+
+    class MissingPackage(LearnerActor):
+        def _setup(self):
+            if self.m in failing:
+                raise ModuleNotFoundError("No module named 'sentencepiece'")
+            super()._setup()
+
+    return MissingPackage
+
+
+def test_learner_failing_the_same_way_is_stopped_not_restarted_forever(
+    cluster, small_config, tmp_path, monkeypatch
+):
+    """Unlimited restarts (the TPU configs' setting) and learner 1 raising the same error in
+    every process: after ray.max_same_failures = 2 it is stopped, reported once, and the run
+    finishes with learner 0."""
+    from decoupled_diloco.runtime.ray import runtime as ray_runtime
+
+    monkeypatch.setattr(ray_runtime, "LearnerActor", _missing_package_learner((1,)))
+    over = {"diloco.learners": 2, "diloco.quorum": 1, "ray.max_restarts": -1}
+    cfg = _ray_config(small_config, **over, **{"ray.max_same_failures": 2})
+    summary = RayRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    errors = _events(tmp_path, "learner_error", learner=1)
+    assert len(errors) == 2 and all("sentencepiece" in e["error"] for e in errors)
+    (stopped,) = _events(tmp_path, "learner_stopped", learner=1)
+    assert stopped["failures"] == 2 and stopped["time"] >= errors[1]["time"]
+    assert stopped["error"] == "ModuleNotFoundError: No module named 'sentencepiece'"
+    assert not _events(tmp_path, "learner_lost") and not _events(tmp_path, "rejoin", learner=1)
+    assert _events(tmp_path, "learner_done", learner=0, step=STEPS)
+    assert summary["steps"] == STEPS and math.isfinite(summary["final_eval_loss"])
+
+
+def test_run_fails_when_every_learner_is_stopped(cluster, small_config, tmp_path, monkeypatch):
+    from decoupled_diloco.runtime.ray import runtime as ray_runtime
+
+    monkeypatch.setattr(ray_runtime, "LearnerActor", _missing_package_learner((0, 1)))
+    over = {"diloco.learners": 2, "ray.max_restarts": -1, "ray.max_same_failures": 1}
+    runtime = RayRuntime(config_lib.validate(_ray_config(small_config, **over)), str(tmp_path))
+    with pytest.raises(RuntimeError, match="every learner is out for good.*max_same_failures=1"):
+        runtime.run()
+    assert {e["learner"] for e in _events(tmp_path, "learner_stopped")} == {0, 1}
+
+
 # --- offer validation across the process boundary -------------------------------------------
 @ray.remote(num_cpus=0)
 class _Inbox:

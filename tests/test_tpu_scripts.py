@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "tpu"))
 
 import tpu_cluster as cluster  # noqa: E402
+import tpu_dp as dp  # noqa: E402
 import tpu_provision as provision  # noqa: E402
 from tpu_slices import check_name, node_ids, parse_accelerator  # noqa: E402
 
@@ -83,10 +84,11 @@ def test_bad_arguments_raise():
         node_ids("dd", 0)
     with pytest.raises(ValueError, match="--spot and --reserved"):
         provision.queued_resource_commands(spec, "dd", 2, V5P, spot=True, reserved=True)
-    with pytest.raises(ValueError, match="--multislice"):
-        provision.queued_resource_commands(spec, "dd", 1, V5P, multislice=True)
     with pytest.raises(ValueError, match="--zone"):
         provision.Cloud("my-proj", "")
+    for bad in (("us-east5",), ("us-east5-a", "US-WEST4-A"), ("us-east5-a;rm",)):
+        with pytest.raises(ValueError, match="--zone/--zones"):
+            provision.Cloud("my-proj", "us-east5-a", bad)
     with pytest.raises(ValueError, match="exactly one of --git-url or --wheel"):
         cluster.Source()
     with pytest.raises(ValueError, match="exactly one of --git-url or --wheel"):
@@ -100,10 +102,10 @@ def test_bad_arguments_raise():
             cluster.main_command("c.py", "w", 2, spec, "h:1", relative)
     with pytest.raises(ValueError, match="--slice=2"):
         cluster.join_commands(spec, "dd", 2, 2, "10.0.0.2", V5P)
-    with pytest.raises(ValueError, match="--multislice"):
-        provision.queued_resource_commands(spec, "dd", 2, V5P, multislice=True, only=1)
-    with pytest.raises(ValueError, match="--multislice"):
-        provision.delete_commands("dd", 2, V5P, multislice=True, only=0)
+    with pytest.raises(ValueError, match="--slice=2"):
+        provision.queued_resource_commands(spec, "dd", 2, V5P, only=2)
+    with pytest.raises(ValueError, match="--slice=3"):
+        provision.delete_commands("dd", 2, V5P, only=3)
 
 
 def test_v5e_commands():
@@ -149,22 +151,26 @@ def test_v5e_commands():
     assert f"--config.ray.checkpoint_dir={CKPT}" in main
 
 
-def test_v5p_multislice_commands():
+def test_v5p_commands():
     spec = parse_accelerator("v5p-32")
     create = provision.queued_resource_commands(
-        spec, "dd", 3, V5P, reserved=True, multislice=True, valid_until_duration="6h"
+        spec, "dd", 3, V5P, reserved=True, valid_until_duration="6h"
     )
     assert create == [
         [
-            "gcloud", "compute", "tpus", "queued-resources", "create", "dd-qr",
-            "--node-count=3", "--node-prefix=dd", "--accelerator-type=v5p-32",
+            "gcloud", "compute", "tpus", "queued-resources", "create", f"dd-{i}-qr",
+            f"--node-id=dd-{i}", "--accelerator-type=v5p-32",
             "--runtime-version=v2-alpha-tpuv5", "--zone=us-east5-a", "--project=my-proj",
             "--reserved", "--valid-until-duration=6h",
         ]
+        for i in range(3)
     ]  # fmt: skip
-    assert provision.delete_commands("dd", 3, V5P, multislice=True) == [
-        ["gcloud", "compute", "tpus", "queued-resources", "delete", "dd-qr",
-         "--zone=us-east5-a", "--project=my-proj", "--force"],
+    # One queued resource per slice, never one all-or-nothing multislice request: its
+    # MEGASCALE_* settings would join every slice into one JAX world (one fate).
+    assert not any(a.startswith(("--node-count", "--node-prefix")) for c in create for a in c)
+    assert provision.delete_commands("dd", 3, V5P) == [
+        *[["gcloud", "compute", "tpus", "queued-resources", "delete", f"dd-{i}-qr",
+           "--zone=us-east5-a", "--project=my-proj", "--force"] for i in range(3)],
         ["gcloud", "compute", "instances", "delete", "dd-head",
          "--zone=us-east5-a", "--project=my-proj"],
     ]  # fmt: skip
@@ -210,6 +216,129 @@ def test_one_slice_is_replaced_without_touching_the_head():
     assert join[:7] == [*TPU_SSH, "dd-2", "--worker=all"]
     for cmd in [create, *setup, join]:
         assert not any("dd-head" in word for word in cmd)
+
+
+CROSS = provision.Cloud("my-proj", "us-central2-b", ("us-central2-b", "europe-west4-a"))
+
+
+def _zone(cmd: list[str]) -> str:
+    (zone,) = [a.removeprefix("--zone=") for a in cmd if a.startswith("--zone=")]
+    return zone
+
+
+def test_each_slice_is_placed_in_its_own_zone():
+    """--zones cycles over the slices: every command acting on slice i names slice i's zone;
+    the head's commands name --zone (the syncer's region)."""
+    spec = parse_accelerator("v5litepod-16")
+    zone_of = ["us-central2-b", "europe-west4-a", "us-central2-b"]
+    assert [CROSS.zone_of(i) for i in range(3)] == zone_of
+    create = provision.queued_resource_commands(spec, "dd", 3, CROSS, spot=True)
+    assert [_zone(c) for c in create] == zone_of
+    assert [c[5] for c in create] == ["dd-0-qr", "dd-1-qr", "dd-2-qr"]
+    source = cluster.Source(git_url="https://example.com/dd.git")
+    setup = cluster.setup_commands("dd", 3, CROSS, source)
+    assert [_zone(c) for c in setup] == ["us-central2-b", *zone_of]  # head first
+    up = cluster.ray_up_commands(spec, "dd", 3, "10.0.0.9", CROSS)
+    assert [(c[5] if c[:5] == TPU_SSH else c[3], _zone(c)) for c in up] == [
+        ("dd-head", "us-central2-b"),
+        *[(f"dd-{i}", z) for i, z in enumerate(zone_of)],
+    ]
+    (join,) = cluster.join_commands(spec, "dd", 3, 1, "10.0.0.9", CROSS)
+    assert join[5] == "dd-1" and _zone(join) == "europe-west4-a"
+    (create1,) = provision.queued_resource_commands(spec, "dd", 3, CROSS, only=1)
+    assert create1[5] == "dd-1-qr" and _zone(create1) == "europe-west4-a"
+    delete = provision.delete_commands("dd", 3, CROSS)
+    assert [_zone(c) for c in delete] == [*zone_of, "us-central2-b"]
+    assert delete[-1][3:5] == ["delete", "dd-head"]
+    status = cluster.status_commands("dd", CROSS)
+    assert [_zone(c) for c in status] == ["us-central2-b", "europe-west4-a", "us-central2-b"]
+    assert all(c[:5] == [*provision.QUEUED, "list"] for c in status[:2])
+    # No --zones: every slice in --zone, exactly as before.
+    assert [_zone(c) for c in provision.queued_resource_commands(spec, "dd", 3, V5E)] == [
+        "us-west4-a"
+    ] * 3
+
+
+def test_cli_zones_flag_reaches_every_slice_command(monkeypatch, capsys):
+    monkeypatch.setattr(subprocess, "run", _no_subprocess)
+    argv = ["create", "--project=my-proj", "--zone=us-east5-a", "--accelerator=v5p-16",
+            "--slices=4", "--zones=us-east5-a, europe-west4-b,asia-east1-c"]  # fmt: skip
+    assert launch.main(argv) == 0
+    printed = [shlex.split(x) for x in capsys.readouterr().out.splitlines() if x[0] != "#"]
+    assert [_zone(c) for c in printed] == [
+        "us-east5-a",
+        "europe-west4-b",
+        "asia-east1-c",
+        "us-east5-a",
+        "us-east5-a",  # + head
+    ]
+    assert printed[-1][3:5] == ["create", "dd-head"]
+
+
+def _apply(c, overrides):
+    """--config.<key>=<value> words applied to a ConfigDict (values typed as the key's)."""
+    for word in overrides:
+        key, _, value = word.removeprefix("--config.").partition("=")
+        *parents, leaf = key.split(".")
+        node = c
+        for part in parents:
+            node = node[part]
+        node[leaf] = type(node[leaf])(value)
+    return c
+
+
+def test_dp_baseline_runs_on_every_host_of_a_slice_as_one_world():
+    """`dp`: the config file to every host of the slice, then one process per TPU worker w
+    with process id w in a world of the slice's hosts, coordinator on worker 0, in the
+    slice's own zone; the command's overrides turn a TPU config into a valid DP run."""
+    from decoupled_diloco.runtime import jax_world
+
+    assert dp.COORDINATOR_PORT == jax_world.COORDINATOR_PORT
+    spec = parse_accelerator("v5litepod-16")  # 4 hosts
+    config = "configs/tpu_dense_multislice.py:2b"
+    cmds = dp.dp_commands(
+        spec, "dd", 2, 1, config, "gs://b/dp", "10.0.1.5", CROSS, ("--config.seed=2",)
+    )
+    assert cmds[0] == [
+        *provision.TPU_VM, "scp", "configs/tpu_dense_multislice.py", "dd-1:", "--worker=all",
+        "--zone=europe-west4-a", "--project=my-proj",
+    ]  # fmt: skip
+    runs = cmds[1:]
+    assert [c[:7] for c in runs] == [[*TPU_SSH, "dd-1", f"--worker={w}"] for w in range(4)]
+    assert all(_zone(c) == "europe-west4-a" for c in runs)
+    for w, cmd in enumerate(runs):
+        words = _remote_args(cmd)
+        assert words[:5] == ["(nohup", "dd-venv/bin/python", "-m", "decoupled_diloco.main",
+                             "--config=tpu_dense_multislice.py:2b"]  # fmt: skip
+        main = dp.dp_main_command(config, "gs://b/dp", spec, w, "10.0.1.5", ("--config.seed=2",))
+        assert words[1 : 1 + len(main)] == main and words[1 + len(main)] == ">"
+        assert "--config.distributed.coordinator_address=10.0.1.5:8482" in main
+        assert "--config.distributed.num_processes=4" in main
+        assert f"--config.distributed.process_id={w}" in main
+        run = config_lib.validate(_apply(_tpu_config("tpu_dense_multislice.py"), main[5:]))
+        assert (run.runtime, run.num_learners, run.uses_syncer) == ("local", 1, False)
+        assert run.distributed.world() == jax_world.World("10.0.1.5:8482", 4, w)
+    # A single-host slice is a world of one: no jax.distributed arguments.
+    one = dp.dp_main_command(config, "/mnt/d", parse_accelerator("v5litepod-8"), 0, "")
+    assert not any("distributed" in w for w in one)
+    with pytest.raises(ValueError, match="--workdir"):
+        dp.dp_main_command(config, "runs/dp", spec, 0, "10.0.1.5")
+
+
+def test_dp_execute_looks_up_worker_0(monkeypatch, capsys):
+    calls = []
+
+    def fake_run(cmd, check=False, capture_output=False, text=False):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="10.9.8.7\n" if "describe" in cmd else "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    argv = ["dp", *COMMON, "--accelerator=v5p-16", "--slices=1", "--workdir=gs://b/x", "--execute"]
+    assert launch.main(argv) == 0
+    assert calls[0] == dp.worker0_ip_command("dd-0", V5E)
+    assert calls[0][-1] == "--format=value(networkEndpoints[0].ipAddress)"
+    assert len(calls) == 1 + 1 + 2  # look-up, scp, one ssh per host of v5p-16
+    assert all("--config.distributed.coordinator_address=10.9.8.7:8482" in c[-1] for c in calls[2:])
 
 
 @pytest.mark.parametrize("wheel", ["", "dist/decoupled_diloco-0.1.0-py3-none-any.whl"])
@@ -270,6 +399,8 @@ STEPS = [
     ["setup", *COMMON, "--slices=2", "--slice=0", "--wheel=dist/dd-0.1-py3-none-any.whl"],
     ["delete", *COMMON, "--slices=2", "--slice=1"],
     ["status", *COMMON],
+    ["dp", *COMMON, "--accelerator=v5litepod-16", "--slices=1", "--workdir=gs://b/dp", "--"],
+    ["dp", *COMMON, "--accelerator=v5litepod-8", "--slices=2", "--slice=1", "--workdir=/mnt/d"],
     ["delete", *COMMON, "--slices=2"],
 ]
 
@@ -344,6 +475,8 @@ def test_execute_stops_at_the_first_failure(monkeypatch):
         ),
         (["join", *COMMON, "--accelerator=v5p-8", "--slices=2"], "--slice"),
         (["join", *COMMON, "--accelerator=v5p-8", "--slices=2", "--slice=2"], "--slice=2"),
+        (["create", *COMMON, "--accelerator=v5p-8", "--slices=2", "--multislice"], "--multislice"),
+        (["status", *COMMON, "--zones=us-west4-a,mars-1"], "--zones"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message, monkeypatch, capsys):
@@ -415,3 +548,17 @@ def test_moe_config_needs_a_slice_of_at_least_8_chips():
     c.devices_per_learner = parse_accelerator("v5p-8").chips  # 4 chips < expert axis 8
     with pytest.raises(ValueError, match="mesh"):
         config_lib.validate(c)
+
+
+def test_memory_table_counts_each_devices_shards(small_config):
+    """memory_table.py on this backend: params and AdamW moments are the per-device shards
+    of the model (fp32; moments 2x params), XLA's scratch is positive, the total holds all."""
+    table = _load(ROOT / "scripts" / "tpu" / "memory_table.py", "memory_table")
+    c = small_config(**{"mesh.fsdp": -1, "mesh.data": 1})
+    r = table.measure(c, 16, jax.devices()[:8])
+    run = config_lib.validate(small_config(**{"devices_per_learner": 8}))
+    params = models.count_params(run.model) * 4
+    assert params / 8 <= r["params"] < params  # FSDP over 8: about an eighth each
+    assert 2 * r["params"] <= r["optimizer"] <= 2 * r["params"] + 64  # mu, nu (+ counters)
+    assert r["temp"] > 0 and r["total"] >= r["params"] + r["optimizer"]
+    assert (r["batch"], r["devices"], r["backend"]) == (16, 8, jax.default_backend())

@@ -6,6 +6,12 @@ the same config resumes it from its checkpoints (keys in `workdir.FREE_TO_CHANGE
 differ; others only with `force`), a re-run of a finished run (summary.json written)
 changes nothing, and summary.json adds up wall time and failures over every attempt.
 
+A data-parallel run over several hosts (`distributed.*`, one JAX world) runs this on every
+host: process 0 keeps the workdir's records, process i its own under `process_<i>/` (the
+same rows: every process computes the same global step), and all of them write and read one
+checkpoint directory, `<workdir>/checkpoints` (so the workdir must be one path every host
+reaches: a bucket or a shared mount).
+
 A run whose final global model is not finite has failed: its summary says so and `run`
 raises `ModelNotFiniteError` (the CLI exits non-zero), never returning a NaN model as a
 result.
@@ -29,6 +35,7 @@ class ModelNotFiniteError(RuntimeError):
 def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False) -> dict:
     """Runs (or resumes) the run in `workdir`; `force` continues it with changed config keys
     that a resume would otherwise refuse."""
+    shared, workdir = workdir, records_dir(cfg, workdir)
     preflight.check(cfg, workdir)  # config, data and run-file errors, before any write
     workdir = str(paths.resolve(workdir))  # local: absolute; gs://...: as it is
     finished = paths.resolve(workdir) / SUMMARY
@@ -45,7 +52,7 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
             print(f"resuming with changed {', '.join(changed)}", flush=True)
         attempt = workdir_lib.Attempt(workdir, changed, forced=force)
         try:
-            runtime = _runtime(cfg, workdir, verbose)
+            runtime = _runtime(cfg, workdir, verbose, str(paths.resolve(shared) / "checkpoints"))
             ledger = runtime.log.ledger
             attempt.watch(lambda: {"failures": ledger.failures, "restarts": ledger.restarts})
             summary = attempt.finish(runtime.run())
@@ -59,14 +66,21 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
         return _checked(summary)
 
 
-def _runtime(cfg: RunConfig, workdir: str, verbose: bool):
+def records_dir(cfg: RunConfig, workdir: str) -> str:
+    """This process's records: the workdir, or `process_<i>` in it for process i > 0 of a
+    multi-host world (each with its own lock, run files and summary)."""
+    i = cfg.distributed.process_id if cfg.distributed.enabled else 0
+    return workdir if i == 0 else f"{workdir.rstrip('/')}/process_{i}"
+
+
+def _runtime(cfg: RunConfig, workdir: str, verbose: bool, ckpt_dir: str):
     if cfg.runtime == "ray":
         from decoupled_diloco.runtime.ray.runtime import RayRuntime
 
         return RayRuntime(cfg, workdir, verbose=verbose)
     from decoupled_diloco.runtime.local import LocalRuntime
 
-    return LocalRuntime(cfg, workdir, verbose=verbose)
+    return LocalRuntime(cfg, workdir, verbose=verbose, ckpt_dir=ckpt_dir)
 
 
 def _checked(summary: dict) -> dict:

@@ -68,10 +68,16 @@ class _Sink:
 
 class LocalRuntime:
     def __init__(
-        self, run: RunConfig, workdir: str, verbose: bool = True, halt_after: int | None = None
+        self,
+        run: RunConfig,
+        workdir: str,
+        verbose: bool = True,
+        halt_after: int | None = None,
+        ckpt_dir: str | None = None,
     ):
         """`halt_after`: stop every learner abruptly after that many steps, with no final
-        checkpoint or summary (tests use it to emulate a killed job)."""
+        checkpoint or summary (tests use it to emulate a killed job). `ckpt_dir`: default
+        <workdir>/checkpoints; every process of a multi-host world passes the same one."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         self.halt_after = halt_after
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
@@ -81,7 +87,7 @@ class LocalRuntime:
         self._syncers_stop = threading.Event()  # set once every learner has finished
         self.errors: list[BaseException] = []
         self.t0 = 0.0
-        self.ckpt_dir = paths.resolve(workdir) / "checkpoints"
+        self.ckpt_dir = paths.resolve(ckpt_dir or f"{workdir}/checkpoints")
 
     def now(self) -> float:
         return time.monotonic() - self.t0

@@ -51,6 +51,9 @@ FREE_TO_CHANGE = frozenset(
         "ray.temp_dir",
         "ray.poll_seconds",
         "ray.evaluate",
+        "ray.max_same_failures",
+        "distributed.coordinator_address",  # host 0's address: a replaced VM has a new one
+        "distributed.initialization_timeout",
     }
 )
 # Counters a resumed run adds up over its attempts (each process counts its own).

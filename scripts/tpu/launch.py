@@ -19,6 +19,13 @@ the run goes on (`ray-up` restarts the head and would kill the run).
       --accelerator=v5litepod-16 --slices=4 --slice=2
   python scripts/tpu/launch.py status --project=P --zone=us-west4-a
   python scripts/tpu/launch.py delete --project=P --zone=us-west4-a --slices=4
+
+`--zones=Z0,Z1,...` places slice i in zone Z(i mod count), the head staying in --zone (cross-
+region learners); give the same --zones to every step. `dp` starts the data-parallel
+baseline on one slice, without Ray (one JAX world over the slice's hosts):
+
+  python scripts/tpu/launch.py dp --project=P --zone=us-west4-a --accelerator=v5litepod-32 \
+      --slices=1 --workdir=gs://BUCKET/runs/dp1 -- --config.train.steps=1000
 """
 
 import argparse
@@ -27,8 +34,9 @@ import subprocess
 import sys
 
 import tpu_cluster as cluster
+import tpu_dp as dp
 import tpu_provision as provision
-from tpu_slices import check_name, parse_accelerator
+from tpu_slices import check_name, one_slice, parse_accelerator
 
 DRY_RUN_NOTE = "# dry run: nothing was executed; add --execute to run these commands"
 HEAD_IP_PLACEHOLDER = "HEAD_IP"
@@ -37,7 +45,13 @@ HEAD_IP_PLACEHOLDER = "HEAD_IP"
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--project", required=True, help="Google Cloud project id")
-    common.add_argument("--zone", required=True, help="e.g. us-west4-a (v5e), us-east5-a (v5p)")
+    common.add_argument("--zone", required=True, help="the head VM's (and default slices') zone")
+    common.add_argument(
+        "--zones",
+        default="",
+        help="comma-separated zones of the slices: slice i in zone i mod their count "
+        "(cross-region runs); default: every slice in --zone",
+    )
     common.add_argument("--name", default="dd", help="prefix of every resource name")
     common.add_argument("--execute", action="store_true", help="run the commands (default: print)")
     slices = argparse.ArgumentParser(add_help=False)
@@ -56,7 +70,6 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--runtime-version", default="", help="default: the generation's JAX image")
     c.add_argument("--spot", action="store_true", help="Spot TPUs: cheaper, preemptible")
     c.add_argument("--reserved", action="store_true", help="use the project's TPU reservation")
-    c.add_argument("--multislice", action="store_true", help="one all-or-nothing request")
     c.add_argument("--valid-until-duration", default="", help="e.g. 6h: give up waiting after")
     c.add_argument("--head-machine-type", default="n2-highmem-32", help="CPU VM of the syncer")
     c.add_argument("--head-disk-size", default="200GB")
@@ -81,34 +94,52 @@ def _parser() -> argparse.ArgumentParser:
         help="where learners and syncer checkpoint, reachable from every VM: gs://BUCKET/...",
     )
     la.add_argument("overrides", nargs="*", help="after --: --config.<key>=<value> overrides")
+    b = sub.add_parser("dp", parents=[common, slices, accel], help="DP baseline on one slice")
+    b.add_argument("--slice", type=int, default=0, help="the slice I that runs it")
+    b.add_argument("--config", default="configs/tpu_dense_multislice.py")
+    b.add_argument("--workdir", required=True, help="gs://BUCKET/runs/RUN: every host's path")
+    b.add_argument("--worker0-ip", default="", help="the slice's worker 0 IP (default: look up)")
+    b.add_argument("overrides", nargs="*", help="after --: --config.<key>=<value> overrides")
     sub.add_parser("status", parents=[common], help="queued resources, Ray status, driver log")
     d = sub.add_parser("delete", parents=[common, slices, one], help="delete slices, head VM")
-    d.add_argument("--multislice", action="store_true", help="slices were created --multislice")
     d.add_argument("--keep-head", action="store_true", help="delete only the TPU slices")
     return p
 
 
-def _needs_head_ip_lookup(args) -> bool:
-    return args.step in ("ray-up", "join", "launch") and not args.head_ip
+def _cloud(args) -> provision.Cloud:
+    zones = tuple(z.strip() for z in args.zones.split(",") if z.strip())
+    return provision.Cloud(args.project, args.zone, zones)
 
 
-def _head_ip(args, cloud: provision.Cloud) -> str:
-    """--head-ip, else the head VM's internal IP from gcloud (a placeholder in a dry run)."""
-    if not _needs_head_ip_lookup(args):
-        return args.head_ip
+def _lookup(args, cloud: provision.Cloud) -> tuple[str, list[str]] | None:
+    """(placeholder, gcloud command printing it) of the address the step needs and was not
+    given: the head VM's IP (Ray), or a multi-host DP slice's worker 0 IP."""
+    if args.step in ("ray-up", "join", "launch") and not args.head_ip:
+        return HEAD_IP_PLACEHOLDER, provision.head_ip_command(args.name, cloud)
+    if args.step == "dp" and not args.worker0_ip and parse_accelerator(args.accelerator).hosts > 1:
+        node = one_slice(args.name, args.slices, args.slice)
+        return dp.WORKER0_IP_PLACEHOLDER, dp.worker0_ip_command(node, cloud.of_slice(args.slice))
+    return None
+
+
+def _address(args, cloud: provision.Cloud, given: str) -> str:
+    """`given`, else looked up with gcloud (a placeholder in a dry run)."""
+    lookup = _lookup(args, cloud)
+    if lookup is None:
+        return given
+    placeholder, command = lookup
     if not args.execute:
-        return HEAD_IP_PLACEHOLDER
-    lookup = provision.head_ip_command(args.name, cloud)
-    ip = subprocess.run(lookup, check=True, capture_output=True, text=True).stdout.strip()
+        return placeholder
+    ip = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
     if not ip:
-        raise ValueError(f"no internal IP for the head VM from: {shlex.join(lookup)}")
+        raise ValueError(f"no internal IP from: {shlex.join(command)}")
     return ip
 
 
 def plan(args) -> list[list[str]]:
     """The commands of one step, from parsed arguments; ValueError on bad arguments."""
     name = check_name(args.name)
-    cloud = provision.Cloud(args.project, args.zone)
+    cloud = _cloud(args)
     spec = parse_accelerator(args.accelerator) if hasattr(args, "accelerator") else None
     if args.step == "create":
         cmds = provision.queued_resource_commands(
@@ -119,7 +150,6 @@ def plan(args) -> list[list[str]]:
             runtime_version=args.runtime_version,
             spot=args.spot,
             reserved=args.reserved,
-            multislice=args.multislice,
             valid_until_duration=args.valid_until_duration,
             only=args.slice,
         )
@@ -133,15 +163,15 @@ def plan(args) -> list[list[str]]:
         versions = cluster.Versions(args.python_version, args.jax_version, args.ray_version)
         return cluster.setup_commands(name, args.slices, cloud, source, versions, args.slice)
     if args.step == "ray-up":
-        ip = _head_ip(args, cloud)
+        ip = _address(args, cloud, args.head_ip)
         return cluster.ray_up_commands(spec, name, args.slices, ip, cloud, args.ray_port)
     if args.step == "join":
-        ip = _head_ip(args, cloud)
+        ip = _address(args, cloud, args.head_ip)
         return cluster.join_commands(spec, name, args.slices, args.slice, ip, cloud, args.ray_port)
     if args.step == "launch":
         cluster.check_overrides(args.overrides)  # before any look-up
         cluster.check_checkpoint_dir(args.checkpoint_dir)
-        address = f"{_head_ip(args, cloud)}:{args.ray_port}"
+        address = f"{_address(args, cloud, args.head_ip)}:{args.ray_port}"
         workdir = args.workdir or f"runs/{name}"
         python = f"../{cluster.VENV}/bin/python"
         overrides = tuple(args.overrides)
@@ -149,11 +179,18 @@ def plan(args) -> list[list[str]]:
             args.config, workdir, args.slices, spec, address, args.checkpoint_dir, overrides, python
         )
         return [cluster.launch_command(name, cloud, main)]
+    if args.step == "dp":
+        cluster.check_overrides(args.overrides)  # before any look-up
+        dp.check_workdir(args.workdir)
+        one_slice(name, args.slices, args.slice)
+        ip = _address(args, cloud, args.worker0_ip)
+        return dp.dp_commands(
+            spec, name, args.slices, args.slice, args.config, args.workdir, ip, cloud,
+            tuple(args.overrides),
+        )  # fmt: skip
     if args.step == "status":
         return cluster.status_commands(name, cloud)
-    return provision.delete_commands(
-        name, args.slices, cloud, args.multislice, args.keep_head, args.slice
-    )
+    return provision.delete_commands(name, args.slices, cloud, args.keep_head, args.slice)
 
 
 def run(commands: list[list[str]], execute: bool) -> None:
@@ -171,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         commands = plan(args)
         if not args.execute:
             print(DRY_RUN_NOTE)
-        if not args.execute and _needs_head_ip_lookup(args):
-            lookup = provision.head_ip_command(args.name, provision.Cloud(args.project, args.zone))
-            print(f"# {HEAD_IP_PLACEHOLDER} is the output of: {shlex.join(lookup)}")
+        lookup = None if args.execute else _lookup(args, _cloud(args))
+        if lookup is not None:
+            print(f"# {lookup[0]} is the output of: {shlex.join(lookup[1])}")
         run(commands, args.execute)
     except ValueError as e:
         parser.error(str(e))

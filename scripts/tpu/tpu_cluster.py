@@ -71,7 +71,9 @@ def setup_commands(
 ) -> list[list[str]]:
     """Install on the head VM (first), then on every host of every slice; `only` = i: on
     every host of slice i alone (a replaced slice), never on the head."""
-    nodes = node_ids(name, num_slices) if only is None else [one_slice(name, num_slices, only)]
+    nodes = list(enumerate(node_ids(name, num_slices)))
+    if only is not None:
+        nodes = [(only, one_slice(name, num_slices, only))]
     ray = f"ray[default]=={versions.ray}"
     head: list[list[str]] = []
     package = f"decoupled_diloco[{EXTRA}] @ "  # uv takes a path or URL after the "@"
@@ -97,11 +99,12 @@ def setup_commands(
     head.append(head_ssh(name, cloud, f"{apt} && {head_prep} && {head_install}"))
     out = head if only is None else []
     tpu_install = install_script([f"jax[tpu]=={versions.jax}", ray, tpu_pkg], versions)
-    for node in nodes:
+    for i, node in nodes:
+        where = cloud.of_slice(i)
         if source.wheel:
             scp = ["gcloud", "compute", "tpus", "tpu-vm", "scp", source.wheel, f"{node}:"]
-            out.append([*scp, "--worker=all", *cloud.flags])
-        out.append(tpu_ssh(node, cloud, tpu_install))
+            out.append([*scp, "--worker=all", *where.flags])
+        out.append(tpu_ssh(node, where, tpu_install))
     return out
 
 
@@ -134,7 +137,10 @@ def ray_up_commands(
 ) -> list[list[str]]:
     """A fresh cluster: the head, then every slice. Never while a run is going (`join`)."""
     nodes = node_ids(name, num_slices)
-    workers = [ray_worker_command(node, spec, head_ip, cloud, port) for node in nodes]
+    workers = [
+        ray_worker_command(node, spec, head_ip, cloud.of_slice(i), port)
+        for i, node in enumerate(nodes)
+    ]
     return [ray_head_command(name, cloud, port), *workers]
 
 
@@ -148,7 +154,8 @@ def join_commands(
     port: int = RAY_PORT,
 ) -> list[list[str]]:
     """(Re)joins slice `index` alone to the running cluster; the head is not touched."""
-    return [ray_worker_command(one_slice(name, num_slices, index), spec, head_ip, cloud, port)]
+    node = one_slice(name, num_slices, index)
+    return [ray_worker_command(node, spec, head_ip, cloud.of_slice(index), port)]
 
 
 def check_overrides(overrides) -> None:
@@ -210,7 +217,9 @@ def launch_command(name: str, cloud: Cloud, main: list[str]) -> list[str]:
 
 
 def status_commands(name: str, cloud: Cloud) -> list[list[str]]:
-    """Queued-resource states, then the Ray cluster and the tail of the driver log."""
-    qr_list = ["gcloud", "compute", "tpus", "queued-resources", "list", *cloud.flags]
+    """Queued-resource states in every zone in use, then the Ray cluster and the tail of the
+    driver log."""
+    qr_list = ["gcloud", "compute", "tpus", "queued-resources", "list"]
+    lists = [[*qr_list, *Cloud(cloud.project, z).flags] for z in cloud.zones()]
     ray_status = f"{VENV}/bin/ray status; tail -n 20 {driver_log(name)}"
-    return [qr_list, head_ssh(name, cloud, ray_status)]
+    return [*lists, head_ssh(name, cloud, ray_status)]

@@ -4,7 +4,14 @@ CPU head VM. Each returns argv lists for `subprocess.run` (no local shell); noth
 
 import dataclasses
 
-from tpu_slices import SliceSpec, head_vm_name, node_ids, one_slice, queued_resource_ids
+from tpu_slices import (
+    SliceSpec,
+    check_zones,
+    head_vm_name,
+    node_ids,
+    one_slice,
+    queued_resource_ids,
+)
 
 QUEUED = ["gcloud", "compute", "tpus", "queued-resources"]
 TPU_VM = ["gcloud", "compute", "tpus", "tpu-vm"]
@@ -13,19 +20,40 @@ INSTANCES = ["gcloud", "compute", "instances"]
 
 @dataclasses.dataclass(frozen=True)
 class Cloud:
-    """Where resources live; every gcloud command gets both flags explicitly."""
+    """Where resources live; every gcloud command gets its zone and project explicitly.
+
+    `zone` holds the head VM, and every slice unless `slice_zones` is given (--zones): slice i
+    is then placed in `slice_zones[i % len(slice_zones)]`, so learners can sit in different
+    zones and regions (the paper's cross-region setting; the syncer stays on the head)."""
 
     project: str
     zone: str
+    slice_zones: tuple[str, ...] = ()
 
     def __post_init__(self):
         for key in ("project", "zone"):
             if not getattr(self, key):
                 raise ValueError(f"--{key} is required (no gcloud default is assumed)")
+        check_zones([self.zone, *self.slice_zones])
 
     @property
     def flags(self) -> list[str]:
         return [f"--zone={self.zone}", f"--project={self.project}"]
+
+    def zone_of(self, index: int) -> str:
+        """The zone of slice `index`."""
+        return self.slice_zones[index % len(self.slice_zones)] if self.slice_zones else self.zone
+
+    def of_slice(self, index: int) -> "Cloud":
+        """Where slice `index` lives (its commands take this Cloud's flags)."""
+        return Cloud(self.project, self.zone_of(index))
+
+    def zones(self, num_slices: int | None = None) -> list[str]:
+        """Distinct zones in use, the head's first: all of `slice_zones` when `num_slices` is
+        None, else those of slices 0..num_slices-1."""
+        n = len(self.slice_zones) if num_slices is None else num_slices
+        used = [self.zone, *(self.zone_of(i) for i in range(n))]
+        return list(dict.fromkeys(used))
 
 
 def queued_resource_commands(
@@ -36,50 +64,35 @@ def queued_resource_commands(
     runtime_version: str = "",
     spot: bool = False,
     reserved: bool = False,
-    multislice: bool = False,
     valid_until_duration: str = "",
     only: int | None = None,
 ) -> list[list[str]]:
-    """`gcloud compute tpus queued-resources create` for M slices named `<name>-<i>`.
+    """`gcloud compute tpus queued-resources create` for M slices named `<name>-<i>`, each in
+    its zone (`cloud.zone_of(i)`).
 
-    Default: one queued resource per slice, so each slice is provisioned, preempted and
-    replaced on its own (the failure isolation Decoupled DiLoCo relies on). `multislice`
-    requests all M in one resource (`--node-count`: all or nothing; gcloud needs M >= 2).
-    `only` = i: slice i alone (re-creating a preempted slice).
+    One queued resource per slice, so each slice is provisioned, preempted and replaced on its
+    own (the failure isolation Decoupled DiLoCo relies on). `only` = i: slice i alone
+    (re-creating a preempted slice).
     """
     if spot and reserved:
         raise ValueError("--spot and --reserved are exclusive: pick one provisioning model")
     nodes = node_ids(name, num_slices)
-    if multislice and num_slices < 2:
-        raise ValueError("--multislice needs --slices >= 2 (gcloud --node-count > 1), got 1")
-    _check_only(name, num_slices, multislice, only)
+    if only is not None:
+        one_slice(name, num_slices, only)
     flags = [
         f"--accelerator-type={spec.accelerator_type}",
         f"--runtime-version={runtime_version or spec.runtime_version}",
-        *cloud.flags,
     ]
-    flags += ["--spot"] if spot else []
-    flags += ["--reserved"] if reserved else []
-    flags += [f"--valid-until-duration={valid_until_duration}"] if valid_until_duration else []
-    qrs = queued_resource_ids(name, num_slices, multislice)
-    if multislice:
-        count = [f"--node-count={num_slices}", f"--node-prefix={name}"]
-        return [[*QUEUED, "create", qrs[0], *count, *flags]]
-    pairs = list(zip(qrs, nodes, strict=True))
-    if only is not None:
-        pairs = [pairs[only]]
-    return [[*QUEUED, "create", qr, f"--node-id={node}", *flags] for qr, node in pairs]
-
-
-def _check_only(name: str, num_slices: int, multislice: bool, only: int | None) -> None:
-    if only is None:
-        return
-    one_slice(name, num_slices, only)
-    if multislice:
-        raise ValueError(
-            "--slice works on slices created one queued resource each; a --multislice "
-            "request is all or nothing (delete and re-create it whole)"
-        )
+    extra = ["--spot"] if spot else []
+    extra += ["--reserved"] if reserved else []
+    extra += [f"--valid-until-duration={valid_until_duration}"] if valid_until_duration else []
+    qrs = queued_resource_ids(name, num_slices)
+    out = []
+    for i, (qr, node) in enumerate(zip(qrs, nodes, strict=True)):
+        if only is None or i == only:
+            where = cloud.of_slice(i).flags
+            out.append([*QUEUED, "create", qr, f"--node-id={node}", *flags, *where, *extra])
+    return out
 
 
 def head_vm_command(name: str, cloud: Cloud, machine_type: str, disk_size: str) -> list[str]:
@@ -110,18 +123,19 @@ def delete_commands(
     name: str,
     num_slices: int,
     cloud: Cloud,
-    multislice: bool = False,
     keep_head: bool = False,
     only: int | None = None,
 ) -> list[list[str]]:
-    """Deletes the queued resources together with their TPU VMs (--force), then the head VM;
-    `only` = i: slice i's queued resource alone, never the head. No --quiet on purpose:
-    gcloud asks for confirmation before each deletion."""
-    _check_only(name, num_slices, multislice, only)
-    qrs = queued_resource_ids(name, num_slices, multislice)
+    """Deletes the queued resources together with their TPU VMs (--force), each in its zone,
+    then the head VM; `only` = i: slice i's queued resource alone, never the head. No --quiet
+    on purpose: gcloud asks for confirmation before each deletion."""
     if only is not None:
-        qrs = [qrs[only]]
-    out = [[*QUEUED, "delete", qr, *cloud.flags, "--force"] for qr in qrs]
+        one_slice(name, num_slices, only)
+    out = [
+        [*QUEUED, "delete", qr, *cloud.of_slice(i).flags, "--force"]
+        for i, qr in enumerate(queued_resource_ids(name, num_slices))
+        if only is None or i == only
+    ]
     if not keep_head and only is None:
         out.append([*INSTANCES, "delete", head_vm_name(name), *cloud.flags])
     return out

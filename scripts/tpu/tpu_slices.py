@@ -94,8 +94,7 @@ def check_name(name: str) -> str:
 
 
 def node_ids(name: str, num_slices: int) -> list[str]:
-    """TPU node (slice) ids `<name>-0 .. <name>-<M-1>`: the same ids gcloud gives a multislice
-    request with --node-prefix=<name>, so every later step works for both create modes."""
+    """TPU node (slice) ids `<name>-0 .. <name>-<M-1>`."""
     if not isinstance(num_slices, int) or num_slices < 1:
         raise ValueError(f"--slices={num_slices!r}: need at least one slice (one per learner)")
     return [f"{name}-{i}" for i in range(num_slices)]
@@ -111,11 +110,28 @@ def one_slice(name: str, num_slices: int, index: int) -> str:
     return nodes[index]
 
 
-def queued_resource_ids(name: str, num_slices: int, multislice: bool) -> list[str]:
-    """One queued resource per slice, or one for all slices with --multislice."""
-    if multislice:
-        return [f"{name}-qr"]
+def queued_resource_ids(name: str, num_slices: int) -> list[str]:
+    """One queued resource per slice: each slice is granted, preempted and replaced alone.
+
+    There is deliberately no multislice request (`--node-count`): its slices are one
+    all-or-nothing allocation, and its hosts get `MEGASCALE_*` settings with which
+    `jax.distributed` and the TPU runtime join every slice into one world, so that one slice's
+    failure stops every learner (decoupled_diloco/runtime/jax_world.py)."""
     return [f"{node}-qr" for node in node_ids(name, num_slices)]
+
+
+_ZONE = re.compile(r"[a-z]+-[a-z]+[0-9]+-[a-z]")
+
+
+def check_zones(zones: list[str]) -> list[str]:
+    """Zone names like us-central2-b; ValueError naming the flag otherwise."""
+    bad = [z for z in zones if not _ZONE.fullmatch(z)]
+    if bad or not zones:
+        raise ValueError(
+            f"--zone/--zones: {bad or zones!r} are not zone names like us-west4-a (a region and "
+            "a letter; `gcloud compute tpus locations list` lists them)"
+        )
+    return zones
 
 
 def head_vm_name(name: str) -> str:

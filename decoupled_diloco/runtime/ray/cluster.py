@@ -5,8 +5,8 @@ Placement (pure functions, testable without a cluster):
   own fake CPU devices (`--xla_force_host_platform_device_count=<devices_per_learner>`).
 - TPU (`"tpu"`): learner m is the slice whose hosts carry the custom resource named by the
   m-th slice id (scripts/tpu registers `{"TPU": chips per host, "<node-id>": 1}` on every
-  host); a slice of h hosts is h processes running the same program (multi-controller JAX,
-  `jax.distributed.initialize()` inside the slice only when h > 1), each asking for one
+  host); a slice of h hosts is h processes running the same program (multi-controller JAX:
+  when h > 1 a world of this slice's hosts alone, runtime/jax_world.py), each asking for one
   host's `{"TPU": chips, "<node-id>": 1}`. Process `host` of a multi-host learner is pinned
   to TPU worker `host` with the node label `ray.io/tpu-worker-id` (Ray sets it from the TPU
   VM metadata), because JAX numbers a slice's processes by TPU worker id too: host 0, the
@@ -241,3 +241,15 @@ def learner_hosts(slices: dict[str, dict], num_learners: int, chips: int) -> lis
                 "hosts joined?"
             )
     return out
+
+
+def slice_coordinator(nodes: list[dict], slice_id: str) -> str | None:
+    """The address of TPU worker 0 of slice `slice_id` in `ray.nodes()`: the coordinator of
+    the slice's own JAX world (runtime/jax_world.py); None while that host has not joined.
+    Looked up by each learner process when it starts, so a replaced slice's new VMs count."""
+    for node in nodes:
+        res, labels = node.get("Resources", {}), node.get("Labels", {})
+        on_slice = node.get("Alive", True) and res.get(slice_id, 0) > 0
+        if on_slice and str(labels.get(WORKER_ID_LABEL)) == "0":
+            return node.get("NodeManagerAddress")
+    return None

@@ -27,7 +27,10 @@ import traceback
 
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.preflight import FatalRunError, fatal_errors
+from decoupled_diloco.runtime import jax_world
 from decoupled_diloco.runtime.ray.eval import LearnerEvals
+
+COORDINATOR_WAIT_S = 300  # how long a slice's hosts wait for worker 0 (to join Ray, to serve)
 
 
 def was_restarted() -> bool:
@@ -99,9 +102,10 @@ class LearnerActor:
         t0: float,
         host: int = 0,
         hosts: int = 1,
+        slice_id: str = "",
     ):
         self.m, self.run, self.ckpt_dir, self.run_id, self.t0 = m, run, ckpt_dir, run_id, t0
-        self.host, self.hosts = host, hosts
+        self.host, self.hosts, self.slice_id = host, hosts, slice_id
         self.restarted = was_restarted()
         self.inbox: queue.Queue = queue.Queue()  # the link's inbox, exists before the link
         self._lock = threading.Lock()
@@ -176,6 +180,7 @@ class LearnerActor:
                     "event": "learner_error",
                     "learner": self.m,
                     "error": err.strip().splitlines()[-1],
+                    "step": None if self.loop is None else self.loop.step,
                     "time": self.now(),
                 },
             )
@@ -189,13 +194,8 @@ class LearnerActor:
         compile_cache.enable()
         import jax
 
-        if self.hosts > 1:
-            jax.distributed.initialize()  # within this slice only (TPU metadata)
-            if jax.process_index() != self.host:  # cluster.py pins host h to TPU worker h
-                raise RuntimeError(
-                    f"learner {self.m}: host {self.host} runs as JAX process "
-                    f"{jax.process_index()}; host 0 owns the link and must be process 0"
-                )
+        if self.run.ray.accelerator == "tpu":  # this slice's hosts alone (jax_world.py)
+            jax_world.initialize(self._slice_world(), timeout_s=COORDINATOR_WAIT_S)
 
         from decoupled_diloco import faults, sharding
         from decoupled_diloco.checkpoint import Checkpointer
@@ -253,6 +253,25 @@ class LearnerActor:
         self.loop.incarnation = max(self.loop.incarnation, lives)
         self.loop.away = "process_restart" if self.restarted else "start"
         self._set_status()
+
+    def _slice_world(self) -> jax_world.World:
+        """Process `host` of a world of this slice's hosts, coordinated by its TPU worker 0
+        (process 0: cluster.py pins host h to worker h), whatever slice it belongs to."""
+        if self.hosts == 1:
+            return jax_world.SINGLE
+        import ray
+
+        from decoupled_diloco.runtime.ray.cluster import slice_coordinator
+
+        deadline = time.monotonic() + COORDINATOR_WAIT_S
+        while (address := slice_coordinator(ray.nodes(), self.slice_id)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"learner {self.m}: TPU worker 0 of slice {self.slice_id!r} has not joined "
+                    f"the Ray cluster within {COORDINATOR_WAIT_S} s (it coordinates the slice)"
+                )
+            time.sleep(2.0)
+        return jax_world.slice_world(address, self.hosts, self.host)
 
     def _between_steps(self) -> None:
         self._set_status()

@@ -19,8 +19,10 @@ transport, over Ray (`links.py`). The driver (this file) only launches, watches 
   them. Checkpoints are written by the actors themselves under `ray.checkpoint_dir`, which
   must be reachable from every node of a multi-node cluster.
 
-A learner whose process dies more than `ray.max_restarts` times is lost (`learner_lost`):
-the run goes on, and fails only when every learner is lost. An error no restart can fix
+A learner whose process dies more than `ray.max_restarts` times is lost (`learner_lost`), one
+that raises the same error `ray.max_same_failures` times in a row is stopped
+(`learner_stopped`, failures.py): the run goes on without it, and fails only when no learner
+is left. An error no restart can fix
 (`preflight.FatalRunError`) is reported by the actor's poll and stops the run at once.
 
 Differences from the local runtime, from real process boundaries: rows and records buffered
@@ -33,7 +35,6 @@ cannot know when its predecessor died: no `restart_delay_s`); step membership is
 import math
 import os
 import signal
-import sys
 import time
 import uuid
 
@@ -42,11 +43,13 @@ import ray
 
 from decoupled_diloco import faults, paths, run_files, sharding
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.diloco.messages import Leave
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.preflight import FatalRunError
 from decoupled_diloco.runtime import accounting
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
+from decoupled_diloco.runtime.ray import failures
 from decoupled_diloco.runtime.ray import links as ray_links
 from decoupled_diloco.runtime.ray.learner import LearnerActor
 from decoupled_diloco.runtime.ray.syncer import SyncerActor
@@ -70,8 +73,9 @@ class RayRuntime:
         self.learners: dict[tuple[int, int], object] = {}  # (m, host) -> actor handle
         self.syncers: list = []
         self.status = [{"step": 0, "done": False} for _ in range(M)]
-        self.lost: set[int] = set()  # learners whose restarts are exhausted
-        self.errors: dict[int, str] = {}  # learner -> its last error
+        rc = run.ray
+        self.fates = failures.LearnerFates(M, rc.max_same_failures, rc.max_restarts, self.log)
+        self.lost = self.fates.out  # learners out of the run for good: lost or stopped
         self.pids: dict[tuple, tuple[int, str]] = {}  # (role, index, host) -> (pid, node)
         self._pending: dict[tuple, object] = {}  # in-flight poll per actor
         self._fault_t = 0.0
@@ -123,8 +127,9 @@ class RayRuntime:
                 )
                 name = ray_links.actor_name(self.run_id, "learner", m, host)
                 actor = ray.remote(LearnerActor).options(name=name, **o)
+                slice_id = "" if layout is None else layout["slice"]
                 self.learners[(m, host)] = actor.remote(
-                    m, run, self.ckpt_dir, self.run_id, self.t0, host, self.hosts[m]
+                    m, run, self.ckpt_dir, self.run_id, self.t0, host, self.hosts[m], slice_id
                 )
 
     def _build_evaluator(self) -> None:
@@ -168,8 +173,9 @@ class RayRuntime:
                     self.evals.request(self._processes(m), self.syncers, row)
         if len(self.lost) == run.num_learners:
             raise RuntimeError(
-                f"every learner died for good (ray.max_restarts={run.ray.max_restarts}); "
-                f"last errors: {self.errors}"
+                f"every learner is out for good (ray.max_restarts={run.ray.max_restarts}, "
+                f"ray.max_same_failures={run.ray.max_same_failures}); last errors: "
+                f"{self.fates.errors}"
             )
 
     def _collect(self, wait: float | None = None) -> None:
@@ -193,7 +199,8 @@ class RayRuntime:
                 out = ray.get(ref)
             except ray.exceptions.ActorDiedError as e:  # restarts exhausted: gone for good
                 if key[0] == "learner":
-                    self._learner_lost(key[1], e)
+                    m = key[1]
+                    self.fates.remove(m, self.status[m]["step"], self.now(), False, str(e))
                 continue
             except ray.exceptions.RayActorError:
                 continue  # down or restarting; the next poll tells
@@ -229,13 +236,27 @@ class RayRuntime:
                     f"merges {self.ledger.merges}",
                 )
         self.status[m] = {k: out[k] for k in ("step", "done", "incarnation")}
+        self.fates.repeats.progressed(m, out["step"])
         if out["done"]:
             self.ledger.finish(m, out["finished_at"])
 
     def _learner_event(self, m: int, ev: dict) -> None:
         self.log.event(ev)
         if ev["event"] == "learner_error":
-            self.errors[m] = ev["error"]
+            step = self.status[m]["step"] if ev.get("step") is None else ev["step"]
+            if self.fates.error(m, ev["error"], step):
+                self._stop(m)
+
+    def _stop(self, m: int) -> None:
+        """Learner m failed the same way too often (failures.py): its processes go without
+        a restart, and every syncer shard hears that it left (no round waits for it)."""
+        for h in range(self.hosts[m]):
+            ray.kill(self.learners[(m, h)], no_restart=True)
+        if "incarnation" in self.status[m]:  # it has joined the syncer (else: nothing to do)
+            leave = Leave(m, self.status[m]["incarnation"], self.now())
+            for actor in self.syncers:
+                actor.post.remote(leave)
+        self.fates.remove(m, self.status[m]["step"], self.now(), stopped=True)
 
     def _seen_pid(self, key: tuple, pid: int, node: str) -> None:
         """Tracks processes; a restarted host of a multi-host slice takes its siblings down
@@ -248,29 +269,6 @@ class RayRuntime:
         for h in range(self.hosts[m]):
             if h != host:
                 ray.kill(self.learners[(m, h)], no_restart=False)
-
-    def _learner_lost(self, m: int, err: BaseException) -> None:
-        self.lost.add(m)
-        if not self.ledger.is_down(m):  # died by itself: its last death is a failure too
-            self.ledger.failure(m, self.now())
-        self.ledger.finish(m, self.now())
-        last = self.errors.get(m, str(err).strip().splitlines()[0][:300])
-        self.log.event(
-            {
-                "event": "learner_lost",
-                "learner": m,
-                "step": self.status[m]["step"],
-                "error": last,
-                "time": self.now(),
-            }
-        )
-        print(
-            f"learner {m} is lost for good at step {self.status[m]['step']} "
-            f"(ray.max_restarts={self.run_cfg.ray.max_restarts} exhausted; last error: {last}); "
-            f"the run goes on with {self.run_cfg.num_learners - len(self.lost)} learners",
-            file=sys.stderr,
-            flush=True,
-        )
 
     def _eval_learner(self) -> int | None:
         """The learner that evaluates Θ with `ray.evaluate = "learner"`: the lowest-numbered
