@@ -24,9 +24,19 @@ setuptools.setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "ray[default]>=2.30"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "ruff>=0.6",
+            "ray[default]>=2.30",
+            "tensorboard>=2.16",  # only to read back the event files the run writes
+        ],
         "ray": ["ray[default]>=2.30"],
         # data.tokenizer = "sentencepiece" (trained locally on the corpus; TPU configs use it)
         "spm": ["sentencepiece>=0.2"],
+        # A Cloud TPU host or head VM (scripts/tpu/): gs:// paths without TensorFlow (gcsfs,
+        # for etils.epath / orbax / TFDS) and the TPU configs' tokenizer. jax[tpu] and Ray are
+        # installed by the launcher, pinned to one version on every host.
+        "tpu": ["gcsfs>=2024.2", "sentencepiece>=0.2"],
     },
 )

@@ -75,6 +75,11 @@ def get_config(arg=None):
     )
     c.data.tfds_text_key = "text"
     c.data.tokenizer = "sentencepiece"
+    # A pre-trained model, local or gs://, read by every host: pass
+    # --config.data.spm_model_path=gs://BUCKET/tokenizers/bpe32k.model (make one with
+    # `python -m decoupled_diloco.tokenizer --config=<this file> --out=gs://...`). Left "",
+    # the driver trains one on the corpus once and shares it through ray.checkpoint_dir.
+    c.data.spm_model_path = ""
     c.data.spm_vocab_size = 32_768  # = model.vocab_size
     c.data.seq_len = 2048  # tokens per example
 
@@ -111,4 +116,7 @@ def get_config(arg=None):
     c.diloco.outer_momentum = 0.9
     # The first step compiles the 2B model for minutes; a learner must not be declared dead then.
     c.diloco.heartbeat_timeout = 600.0
+    # Syncer checkpoints every 10 minutes (streamed one fragment at a time, off the serving
+    # thread): a syncer crash rolls Θ back by at most the merges of the last 10 minutes.
+    c.diloco.syncer_checkpoint_seconds = 600.0
     return c

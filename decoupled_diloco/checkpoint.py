@@ -5,8 +5,9 @@ Layout under `<workdir>/checkpoints/`: `learner_<m>/<step>/` holds a learner's T
 bookkeeping is not saved: a learner restarting against a syncer starts from the syncer's
 snapshot (its parameters, counters at zero), keeping only its step, data position and, in a
 resumed run, its AdamW state. `syncer_<s>/<n>/` holds shard s's Θ, outer
-momenta, versions and schedule slots, plus the fragment plan, the learner registry, its
-counters and its event-log position. Restores go straight onto the target shardings.
+momenta, versions, schedule slots and vector clocks, plus the fragment plan, the learner
+registry, its counters and its event-log position, written one fragment at a time
+(fragment_checkpoint.py). Restores go straight onto the target shardings.
 
 Trust no byte: every save writes the checksums of its arrays and of its side-car into the
 side-car (integrity.py), and every restore verifies them and that the values are finite. A
@@ -16,16 +17,17 @@ the previous kept step is tried; when no kept step is good the restore raises
 `CorruptCheckpointError` naming every directory and why it was refused.
 """
 
+import json
 import logging
-import os
 import threading
 import time
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from decoupled_diloco import integrity
+from decoupled_diloco import integrity, paths
 
 # Saves are synchronous: orbax's asynchronous saves from several threads of one process
 # (learners of the local runtime) fail or deadlock (measured with orbax-checkpoint 0.12.8:
@@ -42,10 +44,10 @@ class CorruptCheckpointError(RuntimeError):
 class Checkpointer:
     """One orbax CheckpointManager: an array tree plus a JSON side-car per step."""
 
-    def __init__(self, directory: str, max_to_keep: int = 2):
+    def __init__(self, directory: "str | epath.Path", max_to_keep: int = 2):
         self._lock = threading.Lock()
         # Remote paths (gs://..., for multi-node Ray runs) go to orbax as they are.
-        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        self.directory = paths.resolve(directory)
         # Steps refused on restore since the owner last looked: (step, reason, moved to).
         self.refused: list[tuple[int, str, str]] = []
         self.manager = ocp.CheckpointManager(
@@ -123,23 +125,27 @@ class Checkpointer:
         )
 
     def _set_aside(self, step: int, reason: str) -> None:
-        """Moves a refused step out of the manager's directory (kept for inspection)."""
-        src = epath.Path(self.directory) / str(step)
-        dst = epath.Path(self.directory).parent / "corrupt" / f"{src.parent.name}-{step}"
-        if dst.exists():
-            dst = dst.with_name(f"{dst.name}-{int(time.time())}")
-        logging.error("checkpoint %s refused (%s); moved to %s", src, reason, dst)
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            src.rename(dst)
-        except OSError as e:  # a read-only copy: leave it, but never use it
-            logging.error("could not move %s aside: %s", src, e)
+        moved = set_aside(self.directory / str(step), reason)
         self.manager.reload()
-        self.refused.append((step, reason, str(dst)))
+        self.refused.append((step, reason, moved))
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def set_aside(src: epath.Path, reason: str) -> str:
+    """Moves a refused step directory `<checkpoints>/<name>/<step>` out of its manager's
+    sight to `<checkpoints>/corrupt/<name>-<step>` (kept for inspection); returns where."""
+    dst = src.parent.parent / "corrupt" / f"{src.parent.name}-{src.name}"
+    if dst.exists():
+        dst = dst.with_name(f"{dst.name}-{int(time.time())}")
+    logging.error("checkpoint %s refused (%s); moved to %s", src, reason, dst)
+    try:
+        paths.move_tree(src, dst)  # on GCS object by object: no folders, no renames
+    except OSError as e:  # a read-only copy: leave it, but never use it
+        logging.error("could not move %s aside: %s", src, e)
+    return str(dst)
 
 
 def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarnation: int) -> None:
@@ -148,6 +154,39 @@ def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarna
     if state is None or ckpt.latest_step() == step:
         return
     ckpt.save(step, state, {"step": step, "data": data_state, "incarnation": incarnation})
+    host, hosts = _process()
+    if hosts > 1:
+        _save_host_data(ckpt, step, data_state, host)
+
+
+def _process() -> tuple[int, int]:
+    """(this process, processes) of the learner's JAX world (a multi-host learner's slice)."""
+    return jax.process_index(), jax.process_count()
+
+
+def _host_data(ckpt: Checkpointer) -> epath.Path:
+    """Data positions of each host of a multi-host learner, `<name>.hosts/<step>/<h>.json`:
+    host h reads its own rows (data/pipeline.py), so its position is its own, while the
+    side-car JSON is written by process 0 alone."""
+    directory = epath.Path(ckpt.directory)
+    return directory.parent / f"{directory.name}.hosts"
+
+
+def _save_host_data(ckpt: Checkpointer, step: int, data_state: dict, host: int) -> None:
+    folder = _host_data(ckpt) / str(step)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{host}.json").write_text(json.dumps(data_state))
+    kept = {str(s) for s in ckpt.manager.all_steps()} | {str(step)}
+    for old in _host_data(ckpt).iterdir():  # each host drops its own of the dropped steps
+        if old.name not in kept and (old / f"{host}.json").exists():
+            (old / f"{host}.json").unlink()
+
+
+def _restore_host_data(ckpt: Checkpointer, step: int, host: int) -> dict:
+    path = _host_data(ckpt) / str(step) / f"{host}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no data position of host {host} at step {step}")
+    return json.loads(path.read_text())
 
 
 def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
@@ -161,4 +200,7 @@ def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
         state, meta = ckpt.restore(abstract_state)
     else:
         state, meta = None, ckpt.restore_meta()
-    return int(meta["step"]), meta["data"], int(meta["incarnation"]) + 1, state
+    data, (host, hosts) = meta["data"], _process()
+    if hosts > 1:
+        data = _restore_host_data(ckpt, int(meta["step"]), host)
+    return int(meta["step"]), data, int(meta["incarnation"]) + 1, state

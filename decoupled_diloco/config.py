@@ -228,6 +228,13 @@ def set_decoupled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def data_config(c: ml_collections.ConfigDict) -> DataConfig:
+    """The validated `data` section alone (tools that only read the corpus)."""
+    data_cfg = _dataclass_from(DataConfig, c.data, "data", **_seed_of(c.data, c.seed))
+    validate_data_config(data_cfg)
+    return data_cfg
+
+
 def validate(c: ml_collections.ConfigDict) -> RunConfig:
     """Checks every section and returns the frozen RunConfig; ValueError names the key."""
     import jax
@@ -243,8 +250,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     model_cfg = models.get_model_config(c.model.preset, **model_over)
     models.validate_model_config(model_cfg)
 
-    data_cfg = _dataclass_from(DataConfig, c.data, "data", **_seed_of(c.data, c.seed))
-    validate_data_config(data_cfg)
+    data_cfg = data_config(c)
     if model_cfg.vocab_size < _vocab(data_cfg):
         raise ValueError(
             f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's "
@@ -257,6 +263,10 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             raise ValueError(f"train.{key} must be >= 1, got {getattr(train_cfg, key)}")
     if train_cfg.learning_rate <= 0:
         raise ValueError(f"train.learning_rate must be > 0, got {train_cfg.learning_rate}")
+    if train_cfg.prefetch < 0:
+        raise ValueError(f"train.prefetch must be >= 0 (batches ahead), got {train_cfg.prefetch}")
+    if not isinstance(train_cfg.tensorboard, bool):
+        raise ValueError(f"train.tensorboard must be True or False, got {train_cfg.tensorboard!r}")
 
     diloco_cfg = _dataclass_from(DilocoConfig, c.diloco, "diloco")
     diloco_cfg.validate()
@@ -273,6 +283,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             f"train.batch_size ({train_cfg.batch_size}) must be divisible by the learner's "
             f"batch-parallel devices ({batch_ways} = mesh data*fsdp*expert)"
         )
+    _check_microbatches(train_cfg, batch_ways)
 
     fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults", **_seed_of(c.faults, c.seed))
     faults.validate_fault_spec(fault_spec, m)
@@ -314,6 +325,19 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         ray=ray_cfg,
         distributed=dist_cfg,
     )
+
+
+def _check_microbatches(t: TrainConfig, batch_ways: int) -> None:
+    """Every microbatch must split evenly over the batch-parallel devices, as a batch does."""
+    n = t.microbatches
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"train.microbatches must be an int >= 1, got {n!r}")
+    if t.batch_size % n or (t.batch_size // n) % batch_ways:
+        raise ValueError(
+            f"train.batch_size ({t.batch_size}) must be divisible by train.microbatches ({n}) "
+            f"times the learner's batch-parallel devices ({batch_ways} = mesh "
+            "data*fsdp*expert): each microbatch is split over those devices"
+        )
 
 
 def distributed_config(c: ml_collections.ConfigDict) -> DistributedConfig:

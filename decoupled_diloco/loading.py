@@ -26,6 +26,8 @@ from decoupled_diloco import integrity, models, run_files
 from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import Tokenizer
+from decoupled_diloco.diloco.fragment_members import join_members
+from decoupled_diloco.fragment_checkpoint import MANIFEST, FragmentCheckpointer
 
 EXPORT_MARKER = "export.json"  # written by decoupled_diloco/export.py
 PARAMS = "params"  # an export's orbax checkpoint of the flat parameters
@@ -96,15 +98,14 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
     """Θ from every syncer shard: each shard's newest checkpoint (at or before `step`)."""
     params, picked = {}, []
     for shard in range(config.diloco.syncer_shards):
-        manager = _manager(ckpt_dir / f"syncer_{shard}")
-        saves = manager.all_steps()
+        directory = ckpt_dir / f"syncer_{shard}"
+        if not directory.exists():
+            raise FileNotFoundError(f"no checkpoints at {directory}")
+        ckpt = FragmentCheckpointer(str(directory), read_only=True)
+        saves = ckpt.all_steps()
         if not saves:
             raise FileNotFoundError(f"syncer shard {shard}: no checkpoint in {ckpt_dir}")
-        metas = {n: _restore_meta(manager, n) for n in saves}
-        reached = {
-            n: max((e[2] for e in m.get("learners", {}).values()), default=0)
-            for n, m in metas.items()
-        }
+        reached = {n: _learner_step(ckpt, n) for n in saves}
         ok = [n for n in saves if step is None or reached[n] <= step]
         if not ok:
             raise ValueError(
@@ -112,16 +113,19 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
                 f"{saves} at learner steps {[reached[n] for n in saves]}"
             )
         n = max(ok)
-        arrays, _ = _restore(manager, n)
-        for fragment in arrays["theta"].values():
-            params.update({k: np.asarray(v, np.float32) for k, v in fragment.items()})
+        parts, _ = ckpt.read(n, momentum=False)
+        for arrays, _ in parts.values():
+            params.update({k: np.asarray(v, np.float32) for k, v in arrays["theta"].items()})
         picked.append(f"#{n} (learner step {reached[n]})")
-        manager.close()
-    return params, "syncer checkpoints " + ", ".join(picked)
+        ckpt.close()
+    return join_members(params), "syncer checkpoints " + ", ".join(picked)
 
 
-def _restore_meta(manager, n: int) -> dict:
-    return manager.restore(n, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+def _learner_step(ckpt: FragmentCheckpointer, n: int) -> int:
+    """The newest learner step the registry of syncer checkpoint n had seen."""
+    manifest = json.loads((ckpt.path / str(n) / MANIFEST).read_text())
+    learners = manifest["meta"].get("learners", {}).values()
+    return max((e[2] for e in learners), default=0)
 
 
 def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):

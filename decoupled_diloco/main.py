@@ -16,6 +16,8 @@ import sys  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from decoupled_diloco import profiling  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an ml_collections config file under configs/.", lock_config=True
 )
@@ -25,6 +27,12 @@ _FORCE = flags.DEFINE_bool(
     False,
     "Resume a workdir's run although config keys changed that change what it computes "
     "(the old config is kept as run_config.<attempt>.json).",
+)
+_PROFILE = flags.DEFINE_string(
+    "profile",
+    "",
+    "START:STOP: a jax.profiler trace of learner steps START..STOP-1 into <workdir>/profile "
+    "(e.g. 10:13, after compilation); local runtime only. Empty: no trace.",
 )
 
 
@@ -49,6 +57,7 @@ def main(argv) -> None:
     from decoupled_diloco.checkpoint import CorruptCheckpointError
     from decoupled_diloco.runtime.workdir import WorkdirBusyError
 
+    _install_profiler(run)
     try:
         summary = launch.run(run, _WORKDIR.value, force=_FORCE.value)
     except (FatalRunError, ValueError, WorkdirBusyError, launch.ModelNotFiniteError) as e:
@@ -58,6 +67,8 @@ def main(argv) -> None:
         if corrupt is None:
             raise
         sys.exit(f"error: {corrupt}")
+    finally:
+        profiling.close()
     print(
         f"done: final_eval_loss={summary['final_eval_loss']:.4f} steps={summary['steps']} "
         f"tokens={summary['tokens']} wall={summary['wall_seconds']:.1f}s "
@@ -65,6 +76,21 @@ def main(argv) -> None:
         f"-> {_WORKDIR.value}/summary.json",
         flush=True,
     )
+
+
+def _install_profiler(run) -> None:
+    if not _PROFILE.value:
+        return
+    try:
+        start, stop = profiling.parse_steps(_PROFILE.value)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if run.runtime != "local":
+        sys.exit("error: --profile traces this process's learners: runtime 'local' only")
+    if stop > run.train.steps:
+        sys.exit(f"error: --profile={_PROFILE.value} ends after train.steps ({run.train.steps})")
+    directory = os.path.join(_WORKDIR.value, "profile")
+    profiling.install(profiling.StepProfiler(directory, start, stop))
 
 
 def join_world(config) -> None:

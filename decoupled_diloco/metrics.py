@@ -2,10 +2,11 @@
 
 import json
 import math
-import os
 import sys
 import threading
 import time
+
+from decoupled_diloco import paths
 
 
 def _clean(x):
@@ -17,45 +18,35 @@ def _clean(x):
 
 
 class JsonlWriter:
-    """Thread-safe append-only JSON-lines file (one object per line, flushed per line)."""
+    """Thread-safe append-only JSON-lines file (one object per line), local or remote
+    (paths.AppendFile: flushed per line locally, uploaded every few seconds remotely)."""
 
     def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open for the run)
+        self._file = paths.AppendFile(path)
         self._lock = threading.Lock()
 
     def write(self, record: dict) -> None:
         line = json.dumps({k: _clean(v) for k, v in record.items()})
         with self._lock:
-            self._f.write(line + "\n")
-            self._f.flush()
+            self._file.append((line + "\n").encode())
 
     def retain(self, keep) -> int:
         """Drops the lines whose record fails `keep(record)` (e.g. steps a resumed run will
         redo); returns how many were dropped."""
         with self._lock:
-            self._f.close()
-            path = self._f.name
-            with open(path, encoding="utf-8") as f:
-                lines = [line for line in f if line.strip()]
-            kept = [line for line in lines if keep(json.loads(line))]
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(tmp, path)
-            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115
+            lines = [ln for ln in self._file.content().decode().splitlines() if ln.strip()]
+            kept = [ln + "\n" for ln in lines if keep(json.loads(ln))]
+            self._file.replace_content("".join(kept).encode())
         return len(lines) - len(kept)
 
     def close(self) -> None:
         with self._lock:
-            self._f.close()
+            self._file.close()
 
 
 def write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({k: _clean(v) for k, v in obj.items()}, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    text = json.dumps({k: _clean(v) for k, v in obj.items()}, indent=2, sort_keys=True)
+    paths.write_atomic(path, text)
 
 
 class Progress:

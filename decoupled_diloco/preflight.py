@@ -14,9 +14,8 @@ stopping the run with the message instead of restarting the process (runtime/ray
 
 import contextlib
 import json
-import os
 
-from decoupled_diloco import run_files
+from decoupled_diloco import paths, run_files
 from decoupled_diloco.config import RunConfig
 
 # Files of a workdir a re-run reads before it trains (runtime/launch.py, run_files.py).
@@ -48,20 +47,35 @@ def fatal_errors(where: str = ""):
 def check(run: RunConfig, workdir: str) -> None:
     """Raises `FatalRunError` when the run could not start or would fail in every process;
     reads, never writes."""
+    check_filesystems(run, workdir)
     check_workdir_files(workdir)
     check_data(run)
     check_fragments(run)
 
 
+def check_filesystems(run: RunConfig, workdir: str) -> None:
+    """Every remote path the run names (gs://...) must have its filesystem installed."""
+    named = {
+        "--workdir": workdir,
+        "ray.checkpoint_dir": run.ray.checkpoint_dir,
+        "data.spm_model_path": run.data.spm_model_path,
+        "data.cache_dir": run.data.cache_dir,
+        "data.tfds_data_dir": run.data.tfds_data_dir,
+        "data.path": run.data.path,
+    }
+    with fatal_errors():
+        for what, path in named.items():
+            paths.check_reachable(path, what)
+
+
 def check_workdir_files(workdir: str) -> None:
     """Each JSON file of an existing workdir that a re-run reads must parse to an object."""
     for name in WORKDIR_JSON:
-        path = os.path.join(workdir, name)
-        if not os.path.isfile(path):
+        path = paths.resolve(workdir) / name
+        if not path.is_file():
             continue
         try:
-            with open(path, encoding="utf-8") as f:
-                value = json.load(f)
+            value = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FatalRunError(
                 f"{path} is unreadable or not JSON ({_one_line(e)}): repair or remove it, or "

@@ -10,12 +10,11 @@ and written to report.md) gives the run's summary and per-learner figures.
 """
 
 import json
-import os
 import sys
 
 from absl import flags
 
-from decoupled_diloco import cli
+from decoupled_diloco import cli, paths
 
 FAULT_MARKS = {  # event -> (colour, label) on the time axes
     "learner_down": ("tab:red", "learner down"),
@@ -29,11 +28,10 @@ FAULT_MARKS = {  # event -> (colour, label) on the time axes
 
 
 def _rows(workdir: str, name: str) -> list[dict]:
-    path = os.path.join(workdir, name)
-    if not os.path.exists(path):
+    path = paths.resolve(workdir) / name
+    if not path.exists():
         return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _marks(ax, events: list[dict]) -> None:
@@ -130,21 +128,21 @@ def plot(workdir: str, out: str) -> list[str]:
         _expert_load(fig, axes[-1], moe)
     summary = _summary(workdir)
     fig.suptitle(
-        f"{summary.get('name', os.path.basename(workdir))}: final eval loss "
+        f"{summary.get('name', paths.resolve(workdir).name)}: final eval loss "
         f"{summary.get('final_eval_loss', float('nan')):.4f}"
     )
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    with paths.resolve(out).open("wb") as f:  # local or gs://
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return [ax.get_title() for ax in axes]
 
 
 def _summary(workdir: str) -> dict:
-    path = os.path.join(workdir, "summary.json")
-    if not os.path.exists(path):
+    path = paths.resolve(workdir) / "summary.json"
+    if not path.exists():
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(path.read_text())
 
 
 def table(workdir: str) -> str:
@@ -199,13 +197,12 @@ def main(argv) -> None:
     FLAGS = flags.FLAGS
     if not FLAGS.workdir:
         sys.exit("usage: python -m decoupled_diloco.report --workdir=DIR [--out=PNG]")
-    if not os.path.exists(os.path.join(FLAGS.workdir, "metrics.jsonl")):
+    if not (paths.resolve(FLAGS.workdir) / "metrics.jsonl").exists():
         sys.exit(f"error: {FLAGS.workdir} holds no run (no metrics.jsonl)")
-    out = FLAGS.out or os.path.join(FLAGS.workdir, "report.png")
+    out = str(paths.resolve(FLAGS.out or f"{FLAGS.workdir}/report.png"))
     plot(FLAGS.workdir, out)
     text = table(FLAGS.workdir)
-    with open(os.path.join(os.path.dirname(out) or ".", "report.md"), "w", encoding="utf-8") as f:
-        f.write(text)
+    (paths.resolve(out).parent / "report.md").write_text(text)
     print(text + f"\nwrote {out}", flush=True)
 
 

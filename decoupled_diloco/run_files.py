@@ -5,7 +5,9 @@ used without the command that trained it (decoupled_diloco/loading.py):
   <workdir>/tokenizer.model   the sentencepiece model (data.tokenizer = "sentencepiece";
                               byte-level runs need no file)
 
-Paths may be local or remote (gs://...: etils.epath, through gcsfs where installed).
+Paths may be local or remote (gs://...: etils.epath, through gcsfs where installed). A
+driver that trained a sentencepiece model also shares it with the other hosts of a Ray run
+(`with_shared_tokenizer`).
 """
 
 import dataclasses
@@ -14,7 +16,7 @@ import typing
 
 from etils import epath
 
-from decoupled_diloco import faults, models, sharding
+from decoupled_diloco import faults, models, paths, sharding
 from decoupled_diloco.config import RayConfig, RunConfig
 from decoupled_diloco.data import ByteTokenizer, DataConfig, SentencePieceTokenizer, Tokenizer
 from decoupled_diloco.diloco.config import DilocoConfig
@@ -68,13 +70,28 @@ def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> N
         from decoupled_diloco.data import get_tokenizer
 
         tokenizer = get_tokenizer(run.data)
-    root = epath.Path(workdir)
+    root = paths.resolve(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / (RUN_CONFIG + ".tmp")
-    tmp.write_text(json.dumps(config_to_json(run), indent=1, sort_keys=True))
-    tmp.replace(root / RUN_CONFIG)  # atomic; a resumed run rewrites it
+    config = json.dumps(config_to_json(run), indent=1, sort_keys=True)
+    paths.write_atomic(root / RUN_CONFIG, config)  # a resumed run rewrites it
     if isinstance(tokenizer, SentencePieceTokenizer):
-        (root / TOKENIZER).write_bytes(tokenizer.model_proto)
+        paths.write_atomic(root / TOKENIZER, tokenizer.model_proto)
+
+
+def with_shared_tokenizer(run: RunConfig, directory: str) -> RunConfig:
+    """`run` for processes on other hosts: a sentencepiece model that this process (the
+    driver) trained on the corpus is saved as `directory`/tokenizer.model (a path every host
+    reaches, e.g. gs://...) and named by `data.spm_model_path`, so no learner host trains
+    its own. Runs with a byte tokenizer or a given model are returned as they are."""
+    if run.data.tokenizer != "sentencepiece" or run.data.spm_model_path:
+        return run
+    from decoupled_diloco.data import get_tokenizer
+
+    path = paths.resolve(directory) / TOKENIZER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    paths.write_atomic(path, get_tokenizer(run.data).model_proto)
+    data = dataclasses.replace(run.data, spm_model_path=str(path))
+    return dataclasses.replace(run, data=data)
 
 
 def read_config(path: str) -> RunConfig:

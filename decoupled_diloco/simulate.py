@@ -17,7 +17,9 @@ object) holding `FaultSpec` fields, e.g.
 
 Then each learner is one unit of faults.chips_per_learner chips and crashes, restarts,
 joins, leaves and syncer crashes come from the same `FaultSchedule` the run replays; set
-the timing flags to the CPU run's measured step, rejoin and restore times. The schedule
+the timing flags to the CPU run's measured step, rejoin and restore times (for DP also
+--checkpoint_interval_s, the run's interval, and --checkpoint_cost_s, its synchronous save
+time: 0 for an asynchronous one). The schedule
 also brings its own seed ("seed" in the spec) and speeds, so the flags of the chip-MTBF
 failure model (`CHIP_MTBF_ONLY`: --seed, --chip_mtbf_years, --slice_chips, ...) have no
 effect with --fault_spec; giving one of them explicitly is an error rather than silently
@@ -60,8 +62,7 @@ CHIP_MTBF_ONLY = (
     "seed",
     "chip_mtbf_years",
     "slice_chips",
-    "chip_return_s",
-    "hot_spares",
+    "replace_s",
     "chip_speed_std",
     "step_noise_std",
     "slow_fraction",

@@ -47,3 +47,36 @@ def to_device(
         x = np.asarray(x)
         out[name] = jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx])
     return out
+
+
+def batch_to_device(rows: np.ndarray, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    """A learner's global batch from this host's rows.
+
+    Each host of a multi-host learner reads only its own rows (data/pipeline.py, one row
+    block per host): `rows` is [B / hosts, ...] and the global array [B, ...] is assembled
+    from every host's rows without any host holding the others'. With one process (every
+    learner of the local runtime) `rows` is the whole batch.
+    """
+    hosts = len({d.process_index for d in sharding.mesh.devices.flat})
+    global_shape = (rows.shape[0] * hosts, *rows.shape[1:])
+    if hosts > 1:
+        _check_rows_split_by_process(sharding, global_shape)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(rows), global_shape)
+
+
+def _check_rows_split_by_process(sharding, global_shape) -> None:
+    """Per-host reading needs every process to hold its own, equally many batch rows."""
+    rows: dict[int, set] = {}
+    for device, index in sharding.devices_indices_map(global_shape).items():
+        held = range(*index[0].indices(global_shape[0]))
+        rows.setdefault(device.process_index, set()).update(held)
+    sizes = {len(r) for r in rows.values()}
+    if (
+        sizes != {global_shape[0] // len(rows)}
+        or len(set().union(*rows.values())) != global_shape[0]
+    ):
+        raise ValueError(
+            "the batch sharding does not split the batch rows evenly across the learner's "
+            f"{len(rows)} hosts (rows per host: {sorted(len(r) for r in rows.values())}): put "
+            "the batch mesh axes across hosts (config mesh) to read per host"
+        )

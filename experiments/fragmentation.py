@@ -3,6 +3,7 @@ r"""Experiment 7 — fragmentation: layer vs tensor vs balanced and P; quality a
     python experiments/fragmentation.py            # 4 arms x seeds 0,1, 200 steps: ~17 min
     python experiments/fragmentation.py --quick    # 3 arms (P = 5), 48 steps, 1 seed: ~2 min
     python experiments/fragmentation.py --scale=tpu   # TPU slices via Ray (not runnable here)
+    python experiments/fragmentation.py --plan_only   # the gemma_2b plans alone: seconds
 
 Runtimes are for an idle 2-core machine (flags: experiments/harness.py).
 configs/tiny_decoupled.py (M = 4, K = 1, H = 12) with a 4-block model (so that strided
@@ -16,16 +17,22 @@ Bandwidth per learner step:
             and mean per window, over the middle 80% of the run.
 The paper: equal quality for all three; balanced has the flattest bandwidth (peak ≈ mean).
 Writes fragmentation.{md,png,json} into --out.
-"""
 
-import math
+The paper's own setting, gemma_2b at P = H = 24 (one fragment due per step), is planned from
+abstract shapes (nothing is allocated or run): per strategy the planned traffic per step,
+with the balanced plan's embedding whole (as before it took part in the packing: 5.4x the
+mean at its step) and in row slices over several fragments (diloco/fragment_members.py).
+Writes fragmentation_plan.{md,png} (also with --plan_only, which runs nothing else).
+"""
 
 import harness
 import numpy as np
-from absl import app
+from absl import app, flags
 
 harness.define_flags("experiments/results/fragmentation", "0,1")
+flags.DEFINE_bool("plan_only", False, "Only the gemma_2b plans at P = 24 (no runs): seconds.")
 STRATEGIES = ("layer", "tensor", "balanced")
+PLAN_PRESET, PLAN_P = "gemma_2b", 24  # the paper's setting: P = H = 24
 
 
 def arms() -> list[harness.Arm]:
@@ -49,11 +56,64 @@ def plan_bandwidth(r) -> tuple[float, float, list[float]]:
     shapes = models.flatten_params(
         jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
     )
-    plan = model_plan(run.model, run.diloco)
+    return _per_step(model_plan(run.model, run.diloco), shapes)
+
+
+def _per_step(plan, shapes) -> tuple[float, float, list[float]]:
     per_step = [0.0] * plan.sync_every
-    for names, offset in zip(plan.names, plan.offsets, strict=True):
-        per_step[offset] += 2 * 4 * sum(math.prod(shapes[n].shape) for n in names)
+    for size, offset in zip(plan.fragment_bytes(shapes), plan.offsets, strict=True):
+        per_step[offset] += 2 * size  # fp32 offer + reply (fragment_bytes: 4 bytes/element)
     return max(per_step), sum(per_step) / len(per_step), per_step
+
+
+def gemma_plans() -> dict[str, tuple[float, float, list[float], int]]:
+    """Label -> (peak, mean, per-step bytes, embedding fragments) of gemma_2b at P = H = 24,
+    from abstract shapes."""
+    import jax
+
+    from decoupled_diloco import models
+    from decoupled_diloco.diloco.fragments import make_fragment_plan
+
+    cfg = models.get_model_config(PLAN_PRESET)
+    flat = models.flatten_params(jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0))))
+    shapes = {k: tuple(v.shape) for k, v in flat.items()}
+    out = {}
+    # (tensor cannot plan P = 24 here: gemma_2b has 12 tensor kinds besides the embedding)
+    arms = [("layer", "layer", False), ("balanced, embedding whole", "balanced", False),
+            ("balanced, embedding in row slices", "balanced", True)]  # fmt: skip
+    for label, strategy, split in arms:
+        plan = make_fragment_plan(shapes, PLAN_P, strategy, PLAN_P, split_embedding=split)
+        out[label] = (*_per_step(plan, shapes), len(plan.embedding_fragments))
+    return out
+
+
+def write_plans(out) -> None:
+    """fragmentation_plan.{md,png}: gemma_2b's planned traffic per step at P = 24."""
+    import matplotlib.pyplot as plt
+
+    plans = gemma_plans()
+    body = [[label, str(k), f"{peak / 1e6:.0f}", f"{mean / 1e6:.0f}", f"{peak / mean:.2f}"]
+            for label, (peak, mean, _, k) in plans.items()]  # fmt: skip
+    header = ["plan", "embedding fragments", "peak MB/step", "mean MB/step", "peak/mean"]
+    text = (
+        f"Planned traffic of {PLAN_PRESET} (2.61e9 parameters) at P = H = {PLAN_P}: one "
+        "learner's offer + reply bytes (fp32) per step, from abstract shapes.\n\n"
+        + harness.table(header, body)
+    )
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (label, (_, _, per_step, _)) in enumerate(plans.items()):
+        ax.step(range(len(per_step)), [x / 1e6 for x in per_step], where="mid", color=f"C{i}",
+                label=label)  # fmt: skip
+    ax.set_xlabel("step within a sync period (offset)")
+    ax.set_ylabel("MB per learner step (offer + reply, fp32)")
+    ax.set_title(f"{PLAN_PRESET}, P = {PLAN_P}: planned traffic per step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "fragmentation_plan.png", dpi=120)
+    plt.close(fig)
+    (out / "fragmentation_plan.md").write_text(text)
+    print(text, flush=True)
 
 
 def measured_bandwidth(r) -> tuple[float, float]:
@@ -109,6 +169,9 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     out = harness.setup()
+    write_plans(out)
+    if flags.FLAGS.plan_only:
+        return
     results = harness.run_arms(arms, out)
     table, plans = markdown(results)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -40,7 +40,6 @@ QUICK = {
     "faults.restart_delay_s": 4.0,
 }
 BUDGET_S = {"full": 300.0, "quick": 200.0, "smoke": 60.0}  # wall-clock cap per run
-REJOIN_S = 2.0  # restore + first step of a restarted learner (s), taken as the sim's restore_s
 
 
 def budget_s() -> float:
@@ -60,6 +59,20 @@ def step_seconds(r) -> float:
     return float(np.median(dt)) if len(dt) else 0.1
 
 
+def rejoin_seconds(r, restart_delay_s: float) -> float:
+    """Mean time a crashed learner took to train again beyond the schedule's restart delay
+    (restore, re-init, first step): the simulator's restore_s."""
+    events = harness.rows(r.rundir, "events.jsonl")
+    downs = {}
+    extra = []
+    for e in events:
+        if e["event"] == "learner_down":
+            downs[e["learner"]] = e["time"]
+        elif e["event"] == "rejoin" and e["learner"] in downs:
+            extra.append(e["time"] - downs.pop(e["learner"]) - restart_delay_s)
+    return max(float(np.mean(extra)), 0.0) if extra else 0.0
+
+
 def predicted(r) -> dict:
     """The simulator's goodput and uptime for this run's FaultSpec and timings."""
     from decoupled_diloco import faults
@@ -75,8 +88,9 @@ def predicted(r) -> dict:
         step_s=step_s,
         detect_s=0.0,
         restart_s=0.0,
-        restore_s=REJOIN_S,
+        restore_s=rejoin_seconds(r, spec.restart_delay_s),
         checkpoint_interval_s=max(c.train.checkpoint_every, 1) * step_s,
+        checkpoint_cost_s=0.0,  # orbax saves asynchronously (~0.05 s, machine-notes.md)
         sync_period_s=max(c.diloco.sync_every, 1) * step_s,
         fragments=c.diloco.fragments,
         quorum=c.diloco.quorum,

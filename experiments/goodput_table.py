@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+from goodput_cells import CHIPS, COLUMNS, PAPER_1P2M  # noqa: E402
 from outputs import results_dir  # noqa: E402
 
 from decoupled_diloco.simulator import SimParams, simulate  # noqa: E402
@@ -31,19 +32,6 @@ flags.DEFINE_bool("quick", False, "2 seeds over 3 days instead of --seeds over -
 flags.DEFINE_integer("seeds", 5, "Seeds per cell (full mode).")
 flags.DEFINE_float("horizon_days", 14.0, "Simulated days per run (full mode).")
 FLAGS = flags.FLAGS
-
-CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
-COLUMNS = (  # (label, method, learners)
-    ("DP", "dp", 1),
-    ("elastic DP", "elastic_dp", 1),
-    ("Decoupled M=2", "decoupled", 2),
-    ("Decoupled M=4", "decoupled", 4),
-    ("Decoupled M=8", "decoupled", 8),
-    ("Decoupled M=16", "decoupled", 16),
-)
-# arXiv 2604.21428 (design.md section 4): goodput at 1.2M chips, chip MTBF 1 year.
-PAPER_1P2M = {"DP": 0.27, "elastic DP": 0.58, "Decoupled M=2": 0.70, "Decoupled M=4": 0.82}
-PAPER_1P2M |= {"Decoupled M=8": 0.88, "Decoupled M=16": 0.93}
 
 
 def run_grid(seeds: int, horizon_days: float) -> list[dict]:

@@ -3,7 +3,9 @@
 For a fragment of N float32 parameters and K offers (outer gradients), times the merge plus
 outer Nesterov step and `np.copyto` of the K offers' bytes into preallocated arrays,
 interleaved in one run so both see the same machine load. Throughput is K·N·4 bytes of
-offers per second; the goal is merge ≥ 0.5 × copy.
+offers per second; the goal is merge ≥ 0.5 × copy at K = 4, where the copy uses as many
+threads as the merge (`--threads`, default every core: a syncer host merges with all its
+cores, `diloco.merge_threads`).
 
 That goal cannot be met for every K: the copy reads and writes K·N floats, while any merge
 plus outer step must at least read the K offers, Θ and the momentum and write Θ and the
@@ -13,6 +15,7 @@ path gets; the syncer path also copies Θ into its reply (+2N: bound 2K / (K + 6
 
 Paths:
   fused        merge.merge_outer_step(..., inplace=True): the syncer owns Θ and the momentum
+  fused 1t     the same on one thread
   fused+norms  the same, given each offer's per-leaf ‖v‖² (`merge.offer_sq_norms`), which
                a syncer can compute when the offer arrives, off the merge's critical path
   composed     merge.merge then merge.outer_step: allocates Δ, Θ and momentum each call
@@ -32,7 +35,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from decoupled_diloco.diloco import compression, merge, outer
+from decoupled_diloco.diloco import chunks, compression, merge, outer
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.messages import Offer
@@ -42,6 +45,9 @@ _QUICK = flags.DEFINE_bool("quick", False, "Small fragments and 3 repetitions (a
 _SIZES = flags.DEFINE_list("sizes", None, "Fragment sizes in Mi-params (default 4,16; quick 1,4).")
 _KS = flags.DEFINE_list("ks", ["1", "2", "4", "8"], "Numbers of offers K merged at once.")
 _REPS = flags.DEFINE_integer("reps", None, "Timed repetitions per cell (default 7; quick 3).")
+_THREADS = flags.DEFINE_integer(
+    "threads", 0, "Threads per merge and per copy (diloco.merge_threads; 0 = every core)."
+)
 
 
 def fragment_leaves(n: int) -> dict[str, int]:
@@ -61,16 +67,16 @@ def timed(path) -> float:
     return time.perf_counter() - start
 
 
-def syncer_path(theta: dict, payloads: list, w: np.ndarray, rule: str) -> tuple:
+def syncer_path(theta: dict, payloads: list, w: np.ndarray, rule: str, threads: int) -> tuple:
     """(push the K offers, Syncer._merge) on a one-fragment syncer owning a copy of Θ."""
     k = len(payloads)
     plan = make_fragment_plan({name: x.shape for name, x in theta.items()}, 1)
     # Quorum K + 1 with only K offering: offers stay pending until _merge is called.
     cfg = DilocoConfig(learners=k + 1, sync_every=1, quorum=k + 1, grace_gamma=0.0, merge=rule,
-                       max_staleness=1 << 30)  # fmt: skip
+                       max_staleness=1 << 30, merge_threads=threads)  # fmt: skip
     syncer = Syncer(cfg, plan, theta)
     for m in range(k + 1):
-        syncer.register(m, 0, True, 0.0, step=1 << 40)
+        syncer.register(m, 0, True, 0.0, 1 << 40)
     tokens = np.maximum(1, np.round(1000 * np.sqrt(w))).astype(int)
     step = [0]
 
@@ -85,7 +91,9 @@ def syncer_path(theta: dict, payloads: list, w: np.ndarray, rule: str) -> tuple:
     return push, lambda: syncer._merge(0, 0.0)
 
 
-def bench_cell(n: int, k: int, reps: int, rng: np.random.Generator) -> list[tuple[str, float]]:
+def bench_cell(
+    n: int, k: int, reps: int, rng: np.random.Generator, threads: int
+) -> list[tuple[str, float]]:
     """Median seconds per path (and of the copy) over `reps` interleaved repetitions."""
     leaves = fragment_leaves(n)
     theta = {name: rng.standard_normal(size, np.float32) for name, size in leaves.items()}
@@ -102,25 +110,35 @@ def bench_cell(n: int, k: int, reps: int, rng: np.random.Generator) -> list[tupl
     state = merge.OuterState.zeros(theta)
     lr, mu = 0.7, 0.9
 
-    def copy():
+    def copy():  # the same spans of chunks on the same threads as a merge
         for v, dst in zip(vs, copies, strict=True):
             for name, x in v.items():
-                np.copyto(dst[name], x)
+                src, out = x.reshape(-1), dst[name].reshape(-1)
+
+                def span(a, b, src=src, out=out):
+                    np.copyto(out[a:b], src[a:b])
+                    return []
+
+                chunks.map_spans(span, src.size, threads)
 
     paths = {"copy": copy}
     norms = [merge.offer_sq_norms(v) for v in vs]  # a syncer computes these on arrival
+    one = dict(inplace=True, threads=1)
     for rule in merge.RULES:
+        paths[f"{rule} fused 1t"] = lambda r=rule: merge.merge_outer_step(
+            theta, vs, w, r, state, lr, mu, **one
+        )
         paths[f"{rule} fused"] = lambda r=rule: merge.merge_outer_step(
-            theta, vs, w, r, state, lr, mu, inplace=True
+            theta, vs, w, r, state, lr, mu, inplace=True, threads=threads
         )
         if rule == "rda":
             paths["rda fused+norms"] = lambda: merge.merge_outer_step(
-                theta, vs, w, "rda", state, lr, mu, inplace=True, sq_norms=norms
+                theta, vs, w, "rda", state, lr, mu, inplace=True, sq_norms=norms, threads=threads
             )
         paths[f"{rule} composed"] = lambda r=rule: outer.outer_step(
             theta, merge.merge(vs, w, r), state, lr, mu
         )
-        paths[f"{rule} syncer"] = syncer_path(theta, payloads, w, rule)
+        paths[f"{rule} syncer"] = syncer_path(theta, payloads, w, rule, threads)
     times: dict[str, list[float]] = {name: [] for name in paths}
     for path in paths.values():  # warm-up: first touch of every buffer
         timed(path)
@@ -137,7 +155,11 @@ def main(argv):
     reps = _REPS.value or (3 if quick else 7)
     rng = np.random.default_rng(0)
     # Shared machines skew both columns; the load average says how much to trust them.
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; median of {reps} runs")
+    threads = chunks.resolve_threads(_THREADS.value)
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {chunks.host_cores()} cores; {threads} "
+        f"threads per merge and per copy ('1t': one thread); median of {reps} runs"
+    )
     print(
         f"{'params':>8} {'K':>2} {'path':<16} {'ms':>8} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6}"
         f" {'bound':>6} {'of bound':>8}"
@@ -145,7 +167,7 @@ def main(argv):
     for size in sizes:
         n = int(size * 2**20)
         for k in (int(x) for x in _KS.value):
-            results = dict(bench_cell(n, k, reps, rng))
+            results = dict(bench_cell(n, k, reps, rng, threads))
             gigabytes = k * n * 4 / 1e9
             copy_rate = gigabytes / results.pop("copy")
             for name, seconds in results.items():

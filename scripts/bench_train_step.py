@@ -30,6 +30,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import functools  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -106,14 +107,15 @@ def model_config(preset: str) -> models.ModelConfig:
     return cfg
 
 
-def bench_cell(preset: str, n: int, host_state: TrainState, steps: int, warmup: int) -> dict:
+def bench_cell(preset: str, n: int, abstract: TrainState, steps: int, warmup: int) -> dict:
     """Times the train step of `preset` on a mesh over the first n devices: data parallel,
-    times --expert-way expert parallel for MoE presets."""
+    times --expert-way expert parallel for MoE presets. The state is built on its shardings
+    (`abstract`: its shapes), never gathered on one device or the host."""
     model_cfg = model_config(preset)
     train_cfg = TrainConfig(batch_size=_BATCH.value)
     expert = _EXPERT.value if model_cfg.moe_layers != "none" else 1
     mesh = sharding.make_mesh(jax.devices()[:n], sharding.MeshConfig(data=-1, expert=expert))
-    state_sh = state_shardings(host_state, model_cfg, mesh)
+    state_sh = state_shardings(abstract, model_cfg, mesh)
     batch_sh = sharding.batch_sharding(mesh)
     step = jax.jit(
         make_train_step(
@@ -127,7 +129,9 @@ def bench_cell(preset: str, n: int, host_state: TrainState, steps: int, warmup: 
         0, model_cfg.vocab_size, size=(_BATCH.value, _SEQ.value + 1), dtype=np.int32
     )
     batch = jax.device_put(tokens, batch_sh)
-    state = jax.device_put(host_state, state_sh)
+    optimizer = make_inner_optimizer(train_cfg)
+    init = jax.jit(lambda k: init_train_state(model_cfg, optimizer, k), out_shardings=state_sh)
+    state = init(jax.random.key(0))
 
     start = time.perf_counter()
     state, metrics = step(state, batch)
@@ -216,9 +220,10 @@ def main(argv):
     for preset in _PRESETS.value:
         model_cfg = model_config(preset)
         optimizer = make_inner_optimizer(TrainConfig())
-        host_state = jax.device_get(init_train_state(model_cfg, optimizer, jax.random.key(0)))
+        init = functools.partial(init_train_state, model_cfg, optimizer)
+        abstract = jax.eval_shape(init, jax.random.key(0))
         for n in counts:
-            rows.append(bench_cell(preset, n, host_state, steps, warmup))
+            rows.append(bench_cell(preset, n, abstract, steps, warmup))
             r = rows[-1]
             print(
                 f"{preset} on {n} device(s): {r['tokens_per_s']:,.0f} tokens/s "

@@ -21,10 +21,12 @@ from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Offer, Snapshot
 from decoupled_diloco.diloco.syncer import Syncer
-from decoupled_diloco.runtime.learner_loop import (
+from decoupled_diloco.runtime.boundary import (
+    MergeStager,
     apply_and_beat,
     apply_updates,
     final_offers,
+    handle,
     offer_and_receive,
 )
 from decoupled_diloco.runtime.outbox import Outbox
@@ -52,6 +54,10 @@ class NumpyReplica:
 
     def ready(self) -> None:
         pass
+
+    @staticmethod
+    def place(arrays: dict) -> dict:
+        return {k: np.array(v, np.float32) for k, v in arrays.items()}
 
     def fragment_copies(self, names) -> dict:
         return {k: self.state[k].copy() for k in names}
@@ -133,6 +139,7 @@ class _Learner:
     steps_left: int
     blocked: bool = False
     done: bool = False
+    stager: MergeStager | None = None
 
 
 class Sim:
@@ -144,7 +151,8 @@ class Sim:
     """
 
     def __init__(self, cfg: DilocoConfig, steps: int, update=None, step_time=None,
-                 up_delay=None, down_delay=None, shapes=SHAPES, params=None):  # fmt: skip
+                 up_delay=None, down_delay=None, shapes=SHAPES, params=None,
+                 stage: bool = False):  # fmt: skip
         self.cfg, self.shapes = cfg, shapes
         self.update = update or linear_update()
         self.plan = make_fragment_plan(shapes, cfg.fragments, "balanced", cfg.sync_every)
@@ -164,7 +172,8 @@ class Sim:
             link = _SimLink(self, m)
             replica = NumpyReplica(m, self.update)
             outbox = Outbox(link, materialize, replica.to_host, inline=True)
-            self.learners.append(_Learner(proto, replica, link, outbox, 0.0, steps))
+            stager = MergeStager(replica) if stage else None
+            self.learners.append(_Learner(proto, replica, link, outbox, 0.0, steps, stager=stager))
             snaps = [msg for _, msg in self.syncer.handle(proto.join(), self.t)]
             replica.init_from_host(proto.start([s for s in snaps if isinstance(s, Snapshot)]))
             self.learners[m].next_at = self.step_time(m, 0)
@@ -206,23 +215,23 @@ class Sim:
         if not lr.blocked:
             rep.step()
             proto.stepped()
-            offer_and_receive(proto, rep, out, lr.link.receive)
+            offer_and_receive(proto, rep, out, lr.link.receive, lr.stager)
         else:
-            apply_updates(rep, proto.handle(lr.link.receive()))
+            handle(proto, rep, lr.link.receive(), lr.stager)
         if self.cfg.wait_seconds > 0 and proto.unresolved():
             lr.blocked = True  # wait for the reply (retried at the next event)
             return
         lr.blocked = False
-        apply_and_beat(proto, rep, out)
+        apply_and_beat(proto, rep, out, lr.stager)
         lr.steps_left -= 1
         lr.next_at = self.t + self.step_time(proto.id, proto.step)
-        if lr.steps_left == 0:  # done: final offers and a Leave, as learner_loop.finish
+        if lr.steps_left == 0:  # done: final offers and a Leave, as boundary.finish
             final_offers(proto, rep, out)
             out.send(proto.leave(True))
 
     def _finishing(self) -> None:
         """Learners past their budget resolve their offers in flight, offering what the
-        resolved ones did not hold (learner_loop.finish)."""
+        resolved ones did not hold (boundary.finish)."""
         for lr in self.learners:
             if lr.steps_left == 0 and lr.link.inbox:
                 apply_updates(lr.replica, lr.proto.handle(lr.link.receive()))

@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 
+from decoupled_diloco.diloco.fragment_members import join_members, parse_member
 from decoupled_diloco.diloco.fragments import STRATEGIES, FragmentPlan, make_fragment_plan
 from decoupled_diloco.models import flatten_params, unflatten_params
 
@@ -161,3 +162,72 @@ def test_errors():
         FragmentPlan((("a",), ("a",)), 1, (0, 0), "balanced", -1)
     with pytest.raises(ValueError, match="empty"):
         FragmentPlan((("a",), ()), 1, (0, 0), "balanced", -1)
+
+
+# --- the embedding in row slices (diloco/fragment_members.py) ------------------------------
+
+
+def _gemma_2b_plan(P: int = 24, embedding_merge: str = "mean"):
+    import jax
+
+    from decoupled_diloco import models
+    from decoupled_diloco.diloco.config import DilocoConfig
+    from decoupled_diloco.diloco.fragments import model_plan
+
+    cfg = models.get_model_config("gemma_2b")  # abstract shapes: nothing is allocated
+    flat = models.flatten_params(jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0))))
+    diloco = DilocoConfig(fragments=P, sync_every=P, embedding_merge=embedding_merge)
+    return model_plan(cfg, diloco), {k: tuple(v.shape) for k, v in flat.items()}
+
+
+def _peak_over_mean(plan, shapes) -> float:
+    per_step = [0] * plan.sync_every
+    for p, size in enumerate(plan.fragment_bytes(shapes)):
+        per_step[plan.offsets[p]] += size
+    return max(per_step) / (sum(per_step) / len(per_step))
+
+
+def test_gemma_2b_at_p24_has_flat_traffic_with_the_embedding_in_slices():
+    plan, shapes = _gemma_2b_plan()
+    assert _peak_over_mean(plan, shapes) <= 1.1
+    emb = set(plan.embedding_fragments)
+    assert len(emb) > 1 and plan.embedding_fragment == 0
+    for p, group in enumerate(plan.names):  # embedding fragments hold embedding rows only
+        assert all(n.startswith("embedder/") for n in group) == (p in emb)
+    assert all(parse_member(n)[1] is not None for p in emb for n in plan.names[p])
+    # Under RDA (norms per leaf) the embedding stays whole: one fragment, 5x the others.
+    whole, _ = _gemma_2b_plan(embedding_merge="rda")
+    assert whole.embedding_fragments == (0,) and whole.names[0] == ("embedder/embedding",)
+    assert _peak_over_mean(whole, shapes) > 5
+
+
+def test_split_join_identity_with_embedding_slices():
+    shapes = {"embedder/embedding": (1000, 4), **{f"block_{i}/w": (40, 10) for i in range(6)}}
+    plan = make_fragment_plan(shapes, 5, "balanced", sync_every=5)
+    assert len(plan.embedding_fragments) == 3  # 4000 in 3 vs 2400 in 2: max(1333, 1200)
+    rng = np.random.default_rng(0)
+    flat = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    parts = plan.split(flat)
+    assert [sorted(p) for p in parts] == [list(g) for g in plan.names]
+    slices = [v for p in plan.embedding_fragments for v in parts[p].values()]
+    assert all(np.shares_memory(v, flat["embedder/embedding"]) for v in slices)  # views
+    joined = plan.join(parts)
+    assert list(joined) == sorted(flat)
+    for n in flat:
+        np.testing.assert_array_equal(joined[n], flat[n])
+    assert join_members({k: v for p in parts for k, v in p.items()}).keys() == joined.keys()
+    sizes = plan.fragment_bytes(shapes)
+    assert sum(sizes) == 4 * sum(math.prod(s) for s in shapes.values())
+    assert FragmentPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="rows"):
+        plan.split({**flat, "embedder/embedding": flat["embedder/embedding"][:-1]})
+    with pytest.raises(ValueError, match="do not tile"):
+        join_members({"e[0:2]": np.zeros((2, 1)), "e[3:4]": np.zeros((1, 1))})
+    with pytest.raises(ValueError, match="overlap"):
+        FragmentPlan((("e[0:3]",), ("e[2:4]",)), 2, (0, 1), "balanced", -1)
+
+
+def test_plans_written_before_embedding_slices_still_load():
+    plan = make_fragment_plan(SHAPES, 3, "balanced")
+    old = {k: v for k, v in plan.to_json().items() if k != "embedding_fragments"}
+    assert FragmentPlan.from_json(old) == plan and plan.embedding_fragments == (0,)

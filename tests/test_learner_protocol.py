@@ -18,7 +18,7 @@ from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Dropped, Merged, Snapshot
-from decoupled_diloco.runtime.learner_loop import apply_updates
+from decoupled_diloco.runtime.boundary import apply_updates
 
 H = 2
 

@@ -1,5 +1,7 @@
 """Syncer math: token weights, mean and RDA merges, outer Nesterov step, fused fast path."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -315,3 +317,52 @@ def test_fused_merge_applies_the_roster_scale():
                                         0.7, 0.9, scale=0.5)  # fmt: skip
         for k in theta:
             np.testing.assert_allclose(got[k], ref[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rule", merge.RULES)
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_threaded_merges_are_bit_identical_and_use_the_threads(monkeypatch, rule, nesterov):
+    """Spans of chunks on several threads give the same Θ, momentum and ‖Δ‖ bits as one
+    thread, and the spans really run on the pool."""
+    monkeypatch.setattr(chunks, "CHUNK", 5)  # 33-element leaves: 7 chunks, ragged last
+    spans = []  # (thread name, span) of every span run
+    plain_map = chunks.map_spans
+
+    def recording(fn, n, threads=None):
+        def span(a, b):
+            spans.append((threading.current_thread().name, (a, b)))
+            return fn(a, b)
+
+        return plain_map(span, n, threads)
+
+    monkeypatch.setattr(chunks, "map_spans", recording)
+    rng = np.random.default_rng(21)
+    theta, w = tree(rng), [1.0, 2.0, 0.5]
+    vs = [tree(rng, scale=0.1) for _ in w]
+    state = tree(rng, scale=0.01)
+    results = {}
+    for threads in (1, 3, 4):
+        th = {k: x.copy() for k, x in theta.items()}
+        st = merge.OuterState({k: x.copy() for k, x in state.items()})
+        spans.clear()
+        out, out_state, dn = merge.merge_outer_step(
+            th, vs, w, rule, st, 0.7, 0.9, nesterov, inplace=True, return_delta_norm=True,
+            threads=threads,
+        )  # fmt: skip
+        results[threads] = (out, out_state.momentum, dn)
+        on_pool = sum(name.startswith("merge") for name, _ in spans)
+        assert on_pool >= (threads if threads > 1 else 0) and (threads > 1 or not on_pool)
+    for threads in (3, 4):
+        out, mom, dn = results[threads]
+        assert dn == results[1][2]
+        for k in SHAPES:
+            np.testing.assert_array_equal(out[k], results[1][0][k], err_msg=k)
+            np.testing.assert_array_equal(mom[k], results[1][1][k], err_msg=k)
+
+
+def test_map_spans_covers_every_chunk_once_in_order(monkeypatch):
+    monkeypatch.setattr(chunks, "CHUNK", 5)
+    starts = lambda a, b: [s.start for s in chunks.slices(b, a)]  # noqa: E731
+    for n in (1, 5, 33, 61):
+        for threads in (1, 2, 3, 8):
+            assert chunks.map_spans(starts, n, threads) == list(range(0, n, 5)), (n, threads)

@@ -321,7 +321,8 @@ def chaos_run(cluster, tmp_path_factory):
             merges = _read(workdir / "merges.jsonl")
             after = [r for r in merges if r["time"] > kills["learner"] + 1.0]
             ckpt = workdir / "checkpoints" / "syncer_0"
-            saved = ckpt.is_dir() and any(d.isdigit() for d in os.listdir(ckpt))
+            saved = ckpt.is_dir() and any((ckpt / d / "manifest.json").exists()
+                                          for d in os.listdir(ckpt))  # fmt: skip
             if len(after) >= 3 and saved:
                 start = [e for e in events if e["event"] == "syncer_start"][-1]
                 os.kill(start["pid"], signal.SIGKILL)

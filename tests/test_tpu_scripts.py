@@ -360,10 +360,24 @@ def test_setup_installs_the_same_versions_everywhere(wheel):
     if wheel:  # copied before it is installed, to the head (with configs/) and every slice
         assert len(copies) == 3 and all(wheel in c for c in copies)
         assert cmds.index(copies[0]) < cmds.index(installs[0])
-        assert "./decoupled_diloco-0.1.0-py3-none-any.whl" in tpu_words
+        assert "decoupled_diloco[tpu] @ ./decoupled_diloco-0.1.0-py3-none-any.whl" in tpu_words
+        assert "decoupled_diloco[tpu] @ ./decoupled_diloco-0.1.0-py3-none-any.whl" in head_words
     else:
         assert not copies
-        assert "decoupled_diloco @ git+https://example.com/dd.git@main" in tpu_words
+        assert "decoupled_diloco[tpu] @ git+https://example.com/dd.git@main" in tpu_words
+        assert "decoupled_diloco[tpu] @ ./decoupled_diloco" in head_words
+
+
+def test_the_tpu_extra_holds_what_a_tpu_host_needs():
+    """The extra the launcher installs exists in setup.py, with gcsfs (gs:// without
+    TensorFlow) and sentencepiece (the TPU configs' tokenizer)."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.keywords)
+    extras = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+    names = {r.split(">")[0].split("=")[0].split("[")[0] for r in extras[cluster.EXTRA]}
+    assert {"gcsfs", "sentencepiece"} <= names
 
 
 COMMON = ["--project=my-proj", "--zone=us-west4-a"]

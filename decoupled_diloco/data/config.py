@@ -22,8 +22,11 @@ class DataConfig:
     tfds_text_key: str = "text"  # feature holding the document text
     tokenizer: str = "byte"  # "byte" (vocab 256) | "sentencepiece"
     spm_vocab_size: int = 4096  # pieces, when training a sentencepiece BPE model locally
-    spm_model_path: str = ""  # existing .model file; "" -> train one on the corpus, cached
-    cache_dir: str = ""  # trained tokenizers; "" -> ~/.cache/decoupled_diloco
+    # A pre-trained sentencepiece .model file, local or gs://; "" -> train one on the corpus
+    # (cached in cache_dir; a Ray run trains it once, on the driver, and shares it with every
+    # host through ray.checkpoint_dir). The run saves it as <workdir>/tokenizer.model.
+    spm_model_path: str = ""
+    cache_dir: str = ""  # trained tokenizers, local or gs://; "" -> ~/.cache/decoupled_diloco
     max_corpus_bytes: int = 0  # 0 = all; else keep only the first bytes (fast tests)
     eval_fraction: float = 0.02  # held-out fraction of documents (of characters if only one)
     seq_len: int = 128  # tokens per training example (windows hold seq_len + 1 tokens)

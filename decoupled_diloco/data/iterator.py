@@ -17,7 +17,8 @@ class WindowStream(Protocol):
 
 
 class TokenBatchIterator:
-    """Yields int32 [batch_size, seq_len + 1]: model input [:, :-1], targets [:, 1:].
+    """Yields int32 [batch_size, seq_len + 1]: model input [:, :-1], targets [:, 1:]
+    (`batch_size`: this host's rows of a learner's global batch).
 
     Never raises StopIteration: epochs follow one another, each reshuffled. The state is a
     small JSON-serialisable dict; it records which split / shard / seq_len it belongs to so a
@@ -25,7 +26,14 @@ class TokenBatchIterator:
     """
 
     def __init__(
-        self, stream: WindowStream, batch_size: int, split: str, shard_index: int, num_shards: int
+        self,
+        stream: WindowStream,
+        batch_size: int,
+        split: str,
+        shard_index: int,
+        num_shards: int,
+        host_index: int = 0,
+        num_hosts: int = 1,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -40,6 +48,8 @@ class TokenBatchIterator:
             "num_shards": num_shards,
             "seq_len": stream.seq_len,
         }
+        if num_hosts > 1:  # (absent with one host: states stay those of older runs)
+            self._identity.update(host_index=host_index, num_hosts=num_hosts)
 
     def __iter__(self) -> "TokenBatchIterator":
         return self

@@ -16,35 +16,60 @@ EVAL_SEED = 0
 
 
 def make_iterator(
-    cfg: DataConfig, split: str, batch_size: int, shard_index: int = 0, num_shards: int = 1
+    cfg: DataConfig,
+    split: str,
+    batch_size: int,
+    shard_index: int = 0,
+    num_shards: int = 1,
+    host_index: int = 0,
+    num_hosts: int = 1,
 ) -> TokenBatchIterator:
-    """Batches int32 [batch_size, seq_len + 1] of shard `shard_index` of `num_shards`.
+    """Batches int32 [batch_size / num_hosts, seq_len + 1]: host `host_index`'s rows of the
+    global batches of shard `shard_index` of `num_shards`.
 
     Shards read disjoint windows (learner m reads shard m); shard 0 of 1 reads everything.
-    The corpus is loaded once per process, so a fresh iterator (e.g. for each evaluation)
-    is cheap.
+    A learner spanning several hosts splits its shard again, host h reading sub-shard
+    shard_index·num_hosts + h of num_shards·num_hosts and only its own rows (the global
+    batch is formed on device, transfer.batch_to_device); with one host this is shard m of
+    M itself. The corpus is loaded once per process, so a fresh iterator (e.g. for each
+    evaluation) is cheap.
     """
     validate_data_config(cfg)
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: choose one of {SPLITS}")
     if num_shards < 1 or not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index={shard_index} must lie in [0, num_shards={num_shards})")
+    if num_hosts < 1 or not 0 <= host_index < num_hosts:
+        raise ValueError(f"host_index={host_index} must lie in [0, num_hosts={num_hosts})")
+    if batch_size % num_hosts:
+        raise ValueError(
+            f"batch_size={batch_size} must be a multiple of the learner's {num_hosts} hosts "
+            "(each host reads its own rows)"
+        )
     corpus = load_corpus(cfg)
     data = corpus.splits[split]
     seed = cfg.seed if split == "train" else EVAL_SEED
+    shard, shards = shard_index * num_hosts + host_index, num_shards * num_hosts
+    rows = batch_size // num_hosts
     if isinstance(data, np.ndarray):
-        stream = PackedWindows(data, cfg.seq_len, shard_index, num_shards, seed)
+        stream = PackedWindows(data, cfg.seq_len, shard, shards, seed)
     else:
-        tokenizer, records = corpus.tokenizer, data
-        eos = np.array([tokenizer.eos_id], np.int32)
+        stream = record_windows(corpus.tokenizer, data, cfg.seq_len, shard, shards, seed)
+    return TokenBatchIterator(stream, rows, split, shard_index, num_shards, host_index, num_hosts)
 
-        def read_tokens(i: int) -> np.ndarray:
-            return np.concatenate([tokenizer.encode(records.text(i)), eos])
 
-        stream = RecordWindows(
-            read_tokens, len(records), cfg.seq_len, shard_index, num_shards, seed
-        )
-    return TokenBatchIterator(stream, batch_size, split, shard_index, num_shards)
+def record_windows(
+    tokenizer: Tokenizer, records, seq_len: int, shard: int, shards: int, seed: int
+) -> RecordWindows:
+    """Windows of documents read a group at a time from `records` (tfds_source.RecordRange,
+    or anything with `len` and `texts(indices) -> list[str]`)."""
+    eos = np.array([tokenizer.eos_id], np.int32)
+
+    def read_documents(indices: np.ndarray) -> list[np.ndarray]:
+        texts = records.texts(indices)
+        return [np.concatenate([tokenizer.encode(t), eos]).astype(np.int32) for t in texts]
+
+    return RecordWindows(read_documents, len(records), seq_len, shard, shards, seed)
 
 
 def get_tokenizer(cfg: DataConfig) -> Tokenizer:

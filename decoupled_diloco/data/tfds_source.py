@@ -1,4 +1,5 @@
-"""TFDS corpora read lazily, record by record, through `tfds.data_source` (array_record).
+"""TFDS corpora read lazily, a batch of records at a time, through `tfds.data_source`
+(array_record).
 
 Nothing is loaded up front: a split is a range of record indices into a random-access
 source, so a multi-TB corpus costs only the records actually read. TensorFlow is not needed
@@ -16,7 +17,8 @@ from decoupled_diloco.data.config import DataConfig
 class RecordRange:
     """Records [start, stop) of a random-access TFDS source; document i is record start + i."""
 
-    source: Any  # len(source), source[i] -> dict of features
+    # len(source), source[i] -> dict of features; source.__getitems__(keys) -> list, if any
+    source: Any
     start: int
     stop: int
     text_key: str
@@ -26,9 +28,19 @@ class RecordRange:
 
     def text(self, i: int) -> str:
         """Text of document i (utf-8, bad bytes replaced)."""
-        if not 0 <= i < len(self):
-            raise IndexError(f"document {i} outside a range of {len(self)} records")
-        record = self.source[self.start + i]
+        return self.texts([i])[0]
+
+    def texts(self, indices) -> list[str]:
+        """Texts of documents `indices`, read in one batched call when the source has one
+        (array_record's `__getitems__` reads the records in parallel)."""
+        indices = [int(i) for i in indices]
+        bad = [i for i in indices if not 0 <= i < len(self)]
+        if bad:
+            raise IndexError(f"documents {bad[:5]} outside a range of {len(self)} records")
+        keys = [self.start + i for i in indices]
+        return [self._text(record) for record in _read(self.source, keys)]
+
+    def _text(self, record) -> str:
         if self.text_key not in record:
             raise ValueError(
                 f"data.tfds_text_key={self.text_key!r}: records have features {sorted(record)}"
@@ -45,6 +57,17 @@ class RecordRange:
             total += len(self.text(stop - self.start).encode("utf-8"))
             stop += 1
         return dataclasses.replace(self, stop=stop)
+
+
+def _read(source, keys: list[int]) -> list:
+    """Records `keys` of `source`, in one `__getitems__` call where it has a working one."""
+    many = getattr(source, "__getitems__", None)
+    if many is not None:
+        try:
+            return list(many(keys))
+        except TypeError:  # tfds.testing.mock_data patches a __getitems__ that cannot be called
+            pass
+    return [source[k] for k in keys]
 
 
 def open_tfds_splits(cfg: DataConfig) -> dict[str, RecordRange]:

@@ -1,18 +1,18 @@
-"""Tokenizers: utf-8 bytes (vocab 256) or a sentencepiece BPE model trained locally and cached.
+"""Tokenizers: utf-8 bytes (vocab 256) or a sentencepiece BPE model, pre-trained (a .model
+file, local or gs://) or trained on the corpus and cached.
 
 Both round-trip text exactly and give the id that separates documents (`eos_id`).
 """
 
 import hashlib
 import io
-import os
-import pathlib
-import tempfile
 from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+from etils import epath
 
+from decoupled_diloco import paths
 from decoupled_diloco.data.config import DataConfig
 
 _SPM_INSTALL = "pip install sentencepiece"
@@ -104,11 +104,11 @@ def _import_sentencepiece():
     return sentencepiece
 
 
-def default_cache_dir(cfg: DataConfig) -> pathlib.Path:
-    return pathlib.Path(cfg.cache_dir or "~/.cache/decoupled_diloco").expanduser()
+def default_cache_dir(cfg: DataConfig) -> epath.Path:
+    return paths.resolve(cfg.cache_dir or "~/.cache/decoupled_diloco")
 
 
-def train_sentencepiece(text: str, vocab_size: int, cache_dir: pathlib.Path) -> bytes:
+def train_sentencepiece(text: str, vocab_size: int, cache_dir: epath.Path) -> bytes:
     """Trains (or loads from `cache_dir`) a BPE model on `text`; returns the model proto.
 
     The cache key is a hash of text, vocab size and recipe, so a changed corpus retrains.
@@ -149,19 +149,14 @@ def train_sentencepiece(text: str, vocab_size: int, cache_dir: pathlib.Path) -> 
             f"({len(text)} characters): {e}"
         ) from e
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    # Write-then-rename: concurrent learners may train the same model at once.
-    fd, tmp = tempfile.mkstemp(dir=model_path.parent, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(proto.getvalue())
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is meant to be shared
-    os.replace(tmp, model_path)
+    paths.write_atomic(model_path, proto.getvalue())  # processes may train it at once
     return proto.getvalue()
 
 
 def load_sentencepiece(model_path: str) -> SentencePieceTokenizer:
-    """The sentencepiece model in the file `data.spm_model_path` names; ValueError naming
-    the file when it is missing or not a model."""
-    path = pathlib.Path(model_path).expanduser()
+    """The sentencepiece model in the file `data.spm_model_path` names (local or gs://);
+    ValueError naming the file when it is missing or not a model."""
+    path = paths.resolve(model_path)
     if not path.is_file():
         raise ValueError(f"data.spm_model_path={model_path!r}: no such file")
     try:

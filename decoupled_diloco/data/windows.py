@@ -54,49 +54,73 @@ class RecordWindows:
     Document d belongs to shard d % num_shards; each epoch the shard reads its documents in a
     fresh permutation, tokenizes each (plus separator) and cuts the concatenation into windows.
     State = (epoch, position of the document the next window starts in, token offset in it).
+
+    Documents are read in groups (`read_documents` takes a whole group in one call: one
+    batched read of the source), sized from the mean document length seen so far so that one
+    group usually covers a batch. The groups are an implementation detail: the windows are a
+    function of the state alone, and the documents read but not used yet are dropped by
+    `set_state` and re-read.
     """
 
     kind = "records"
+    MAX_GROUP = 4096  # documents per read, at most
 
     def __init__(
         self,
-        read_tokens: Callable[[int], np.ndarray],
+        read_documents: Callable[[np.ndarray], list[np.ndarray]],
         num_documents: int,
         seq_len: int,
         shard_index: int,
         num_shards: int,
         seed: int,
     ):
-        self._read_tokens = read_tokens  # document index -> int32 ids [n >= 1], separator last
+        # document indices [N] -> their int32 ids, each [n >= 1] with the separator last
+        self._read_documents = read_documents
         self.seq_len = seq_len
         self.order = ShardedOrder(num_documents, shard_index, num_shards, seed)
         self._epoch, self._position, self._offset = 0, 0, 0
-        self._last = (None, None)  # ((epoch, position), tokens) of the last document read
+        self._ahead: list[tuple[tuple[int, int], np.ndarray]] = []  # read from the state on
+        self._docs_read, self._tokens_read = 0, 0  # for the group size
 
-    def _document(self, epoch: int, position: int) -> np.ndarray:
-        if self._last[0] != (epoch, position):
-            (doc,) = self.order.items(epoch, np.array([position]))
-            tokens = self._read_tokens(int(doc))
-            if len(tokens) < 1:
-                raise ValueError(f"document {doc} gave no tokens (not even the separator)")
-            self._last = ((epoch, position), tokens)
-        return self._last[1]
+    def _ahead_tokens(self) -> int:
+        return sum(len(t) for _, t in self._ahead) - self._offset
+
+    def _read_ahead(self, tokens: int) -> None:
+        """Reads groups of documents until those ahead of the state hold `tokens` tokens."""
+        missing = tokens - self._ahead_tokens()
+        while missing > 0:
+            mean = self._tokens_read / self._docs_read if self._docs_read else self.seq_len
+            # A quarter more than the mean suggests: one read usually covers the batch (the
+            # rest stays ahead for the next one).
+            group = int(min(np.ceil(1.25 * missing / max(mean, 1.0)) + 1, self.MAX_GROUP))
+            if self._ahead:
+                at = self.order.next(*self._ahead[-1][0])
+            else:
+                at = (self._epoch, self._position)
+            ids, _, _ = self.order.take(*at, group)
+            docs = self._read_documents(ids)
+            if len(docs) != len(ids):
+                raise ValueError(f"read {len(docs)} documents for {len(ids)} indices")
+            for doc, tokens_n in zip(ids, docs, strict=True):
+                if len(tokens_n) < 1:
+                    raise ValueError(f"document {doc} gave no tokens (not even the separator)")
+                self._ahead.append((at, tokens_n))
+                at = self.order.next(*at)
+                missing -= len(tokens_n)
+            self._docs_read += len(docs)
+            self._tokens_read += sum(len(t) for t in docs)
 
     def take(self, count: int) -> np.ndarray:
         """The next `count` windows, int32 [count, seq_len + 1]."""
         target = count * self.seq_len  # where the window after these starts
-        chunks, got, resume = [], 0, None
-        epoch, position, offset = self._epoch, self._position, self._offset
-        while got <= target:
-            piece = self._document(epoch, position)[offset:]
-            if resume is None and got + len(piece) > target:
-                resume = (epoch, position, offset + target - got)
-            chunks.append(piece)
-            got += len(piece)
-            epoch, position = self.order.next(epoch, position)
-            offset = 0
-        self._epoch, self._position, self._offset = resume
-        stream = np.concatenate(chunks)[: target + 1]
+        self._read_ahead(target + 1)
+        lengths = np.array([len(t) for _, t in self._ahead])
+        ends = np.cumsum(lengths) - self._offset  # in tokens from the state's position
+        stream = np.concatenate([t for _, t in self._ahead])[self._offset :]
+        j = int(np.searchsorted(ends, target, side="right"))  # the document holding `target`
+        self._epoch, self._position = self._ahead[j][0]
+        self._offset = int(target - (ends[j] - lengths[j]))
+        del self._ahead[:j]  # documents wholly before the new position are done
         index_NT = np.arange(count)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         return stream[index_NT].astype(np.int32)
 
@@ -108,6 +132,9 @@ class RecordWindows:
         offset = int(state["offset"])
         if epoch < 0 or not 0 <= position < self.order.size or offset < 0:
             raise ValueError(f"data state {state}: position outside [0, {self.order.size})")
-        if offset >= len(self._document(epoch, position)):
+        (doc,) = self.order.items(epoch, np.array([position]))
+        (tokens,) = self._read_documents(np.array([doc]))
+        if offset >= len(tokens):
             raise ValueError(f"data state {state}: offset past the end of its document")
         self._epoch, self._position, self._offset = epoch, position, offset
+        self._ahead = [((epoch, position), tokens)]

@@ -70,13 +70,22 @@ class DilocoConfig:
     heartbeat_every: float = 0.5  # seconds between a learner's heartbeats
     join_timeout: float = 600.0  # seconds a (re)joining learner waits for the snapshot
     ema_decay: float = 0.8  # of the syncer's step / quorum / merge time averages (grace)
-    # Seconds between the syncer's orbax checkpoints: a syncer crash loses the merges since.
+    # Seconds between the syncer's orbax checkpoints (streamed from a saver thread one
+    # fragment at a time, fragment_checkpoint.py): a syncer crash loses the merges since.
     syncer_checkpoint_seconds: float = 5.0
     syncer_shards: int = 1  # S: syncer shards, each owning a subset of fragments
+    # Threads one merge splits each leaf over (numpy releases the GIL): 0 = every core of
+    # the syncer's host. Any count gives the same bits (diloco/chunks.py).
+    merge_threads: int = 0
     # At the end every learner resolves its offers in flight (waiting up to final_wait
     # seconds), then offers all its unmerged work; the syncer merges it: Θ holds all work.
     final_sync: bool = True
     final_wait: float = 120.0  # seconds
+    # True: a merged version's update is computed (decode, Θ_new − G + v̂) and placed on the
+    # learner's devices by a worker thread as soon as it arrives, so the step boundary that
+    # applies it only dispatches the add (runtime/boundary.py). False: all of it happens at
+    # that boundary, on the learner's thread. Same result either way.
+    stage_merges: bool = True
 
     @property
     def wait_seconds(self) -> float:
@@ -131,6 +140,7 @@ class DilocoConfig:
             (1 <= self.syncer_shards <= self.fragments, "syncer_shards",
              "in [1, diloco.fragments]"),
             (self.final_wait >= 0, "final_wait", ">= 0"),
+            (self.merge_threads >= 0, "merge_threads", ">= 0 (0 = the host's cores)"),
         ]  # fmt: skip
         for ok, key, want in checks:
             if not ok:

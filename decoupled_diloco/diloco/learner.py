@@ -36,12 +36,14 @@ Inner AdamW state is kept when merges are applied (it lives in the replica).
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable
 
 import numpy as np
 
 from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.diloco.fragment_members import join_members
 from decoupled_diloco.diloco.fragments import FragmentPlan
 from decoupled_diloco.diloco.messages import (
     Dropped,
@@ -54,6 +56,20 @@ from decoupled_diloco.diloco.messages import (
 )
 
 
+class _Decoded:
+    """G_p as a received version's payload, decoded on first use (on whichever thread needs
+    it first: the update's, the outbox's), once."""
+
+    def __init__(self, payload):
+        self._payload, self._arrays, self._lock = payload, None, threading.Lock()
+
+    def get(self) -> dict:
+        with self._lock:
+            if self._arrays is None:
+                self._arrays = compression.decode(self._payload)
+            return self._arrays
+
+
 @dataclasses.dataclass
 class InFlight:
     """An offer not resolved yet (neither held by a version we know of, nor dropped)."""
@@ -62,26 +78,37 @@ class InFlight:
     step: int
     c_steps: int
     c_tokens: int
-    anchor: dict  # G_p when the offer was made (the outer gradient's reference)
+    anchor: dict | _Decoded  # G_p when the offer was made (the outer gradient's reference)
     envelope: Offer  # the message without its payload
     method: str  # wire compression of the outer gradient
     keep: bool  # keep v as the syncer decodes it (`sent`): rebasing subtracts it later
     sent: dict | None = None  # set by `materialize`
 
 
-@dataclasses.dataclass
 class Update:
     """A change of fragment leaves for the replica: θ ← θ + x ("add") or
-    θ ← α·θ + (1 − α)·x ("mix"; α = 0 sets θ = x)."""
+    θ ← α·θ + (1 − α)·x ("mix"; α = 0 sets θ = x).
 
-    kind: str  # "add" | "mix"
-    arrays: dict  # leaf name -> float32 host array
-    alpha: float = 0.0
+    x is computed on first use of `arrays` (host math: decode, differences), so a runtime
+    can compute and place it on the devices ahead of the boundary that applies it: `key`
+    names the computation (equal keys, equal x), see `Learner.upcoming`."""
+
+    def __init__(self, kind: str, compute, alpha: float = 0.0, key: tuple | None = None):
+        self.kind, self.alpha, self.key = kind, alpha, key  # kind: "add" | "mix"
+        self._compute = compute if callable(compute) else (lambda: compute)
+        self._arrays = None
+
+    @property
+    def arrays(self) -> dict:
+        """Leaf name -> float32 host array."""
+        if self._arrays is None:
+            self._arrays = self._compute()
+        return self._arrays
 
 
 @dataclasses.dataclass
 class _Fragment:
-    anchor: dict  # G_p
+    anchor: dict | _Decoded  # G_p
     version: int = 0
     epoch: int = 0
     c_steps: int = 0
@@ -89,6 +116,7 @@ class _Fragment:
     in_flight: InFlight | None = None
     wanted: bool = False  # due while an offer was in flight: offer when it resolves
     arrived: Merged | None = None  # the newest version received and not applied yet
+    anchored: int = 0  # bumped whenever `anchor` is replaced (names it in Update keys)
 
 
 def materialize(ticket: InFlight, local: dict[str, np.ndarray]) -> Offer:
@@ -98,12 +126,30 @@ def materialize(ticket: InFlight, local: dict[str, np.ndarray]) -> Offer:
     Touches nothing but `ticket.sent`, so it may run on another thread than the protocol
     (the anchor it reads is never modified in place).
     """
-    anchor = ticket.anchor
+    anchor = _resolve(ticket.anchor)
     v = {k: np.subtract(anchor[k], local[k], dtype=np.float32) for k in anchor}
     encoded = compression.encode(v, ticket.method)
     if ticket.keep:
         ticket.sent = v if ticket.method == "none" else compression.decode(encoded)
     return dataclasses.replace(ticket.envelope, payload=encoded, nbytes=encoded.nbytes())
+
+
+def _resolve(anchor) -> dict:
+    return anchor.get() if isinstance(anchor, _Decoded) else anchor
+
+
+def _delta(anchor: dict, theta: dict, sent: dict | None) -> dict:
+    """δ with θ ← θ + δ moving W onto `theta`; minus our offer's work (`sent`, v̂_s) if
+    `theta` holds it.
+
+    θ_s = G − v̂_s in the current frame (shifts since the offer moved G and θ alike), so
+    Θ_new + (θ − θ_s) = θ + (Θ_new − G + v̂_s).
+    """
+    delta = {k: np.subtract(theta[k], anchor[k], dtype=np.float32) for k in theta}
+    if sent is not None:
+        for k, v in sent.items():
+            delta[k] += v
+    return delta
 
 
 class Learner:
@@ -135,7 +181,8 @@ class Learner:
 
     def start(self, snapshots: list[Snapshot]) -> dict[str, np.ndarray]:
         """Takes the syncer's snapshots (one per shard, covering every fragment) as G and
-        returns the parameters to start from: the global model, counters at zero."""
+        returns the parameters to start from (whole leaves): the global model, counters at
+        zero."""
         params = {}
         self.frags = [None] * self.plan.num_fragments
         for snap in snapshots:
@@ -148,7 +195,7 @@ class Learner:
             raise ValueError(f"learner {self.id}: no snapshot of fragments {missing}")
         self.started = True
         self._last_heartbeat = -math.inf
-        return params
+        return join_members(params)  # whole leaves (the embedding may come in row slices)
 
     @staticmethod
     def covered(snapshots: list[Snapshot]) -> set[int]:
@@ -239,12 +286,14 @@ class Learner:
             f = self.frags[p]
             theta = {k: snap.params[k] for k in self.plan.names[p]}
             held = self._holds(snap.merged.get(p, {}), f.in_flight)
-            out.append(Update("add", self._delta(f, theta, held)))
+            sent = f.in_flight.sent if held else None
+            out.append(Update("add", _delta(_resolve(f.anchor), theta, sent)))
             if held:
                 self._consume(f)
             # Offers in flight to the lost life die with it; their work is still in W.
             f.in_flight, f.wanted, f.arrived = None, f.wanted or f.in_flight is not None, None
             f.anchor, f.version, f.epoch = theta, int(version), snap.epoch
+            f.anchored += 1
         self._last_heartbeat = -math.inf  # tell the new life our step at once
         return out
 
@@ -266,7 +315,7 @@ class Learner:
         training is over, so the τ overlap steps no longer exist)."""
         out = []
         tau = 0 if final else self.cfg.overlap
-        for f in self.frags:
+        for p, f in enumerate(self.frags):
             msg = f.arrived
             if msg is None:
                 continue
@@ -275,39 +324,52 @@ class Learner:
             waits = held or (t is not None and self.cfg.apply == "overwrite")
             if waits and self.step < t.step + tau:
                 continue
-            theta = compression.decode(msg.payload)
-            if self.cfg.apply == "overwrite":
-                out.append(Update("mix", theta, self.cfg.alpha))
-                if held:
-                    f.c_steps = f.c_tokens = 0
-                    f.in_flight = None
-            else:
-                exact = held and self.step == t.step and self.cfg.compression == "none"
-                if exact:  # θ = θ_s: the result is Θ_new itself, without rounding
-                    out.append(Update("mix", theta, self.cfg.alpha))
-                else:
-                    delta = self._delta(f, theta, held)
-                    if self.cfg.alpha:
-                        delta = {k: d * np.float32(1 - self.cfg.alpha) for k, d in delta.items()}
-                    out.append(Update("add", delta))
-                if held:
-                    self._consume(f)
-            f.anchor, f.version, f.arrived = theta, msg.version, None
+            # θ = θ_s (rebase at the offer's own step): the result is Θ_new itself, exactly.
+            exact = held and self.step == t.step and self.cfg.compression == "none"
+            out.append(self._update(p, f, msg, held, exact))
+            if held and self.cfg.apply == "overwrite":
+                f.c_steps = f.c_tokens = 0
+                f.in_flight = None
+            elif held:
+                self._consume(f)
+            f.anchor, f.version, f.arrived = _Decoded(msg.payload), msg.version, None
+            f.anchored += 1
             self.applied_merges += 1
         return out
 
-    def _delta(self, f: _Fragment, theta: dict, held: bool) -> dict:
-        """δ with θ ← θ + δ moving W onto `theta`; minus our offer's work if `theta` holds it.
+    def upcoming(self) -> list[Update]:
+        """The updates the versions that arrived will most likely become, computable now
+        (their keys match `apply_due`'s unless something changes first: a newer version, a
+        restored syncer, or the exact-rebase case)."""
+        out = []
+        for p, f in enumerate(self.frags):
+            msg = f.arrived
+            if msg is None:
+                continue
+            t = f.in_flight
+            held = self._holds(msg.merged, t)
+            if held and t.keep and t.sent is None:
+                continue  # not materialised yet (cannot be merged yet either)
+            out.append(self._update(p, f, msg, held, exact=False))
+        return out
 
-        θ_s = G − v̂_s in the current frame (shifts since the offer moved G and θ alike), so
-        Θ_new + (θ − θ_s) = θ + (Θ_new − G + v̂_s).
-        """
-        anchor = f.anchor
-        delta = {k: np.subtract(theta[k], anchor[k], dtype=np.float32) for k in theta}
-        if held:
-            for k, v in f.in_flight.sent.items():
-                delta[k] += v
-        return delta
+    def _update(self, p: int, f: _Fragment, msg: Merged, held: bool, exact: bool) -> Update:
+        """The Update applying version `msg` to fragment `f`; captures what it reads, so
+        `arrays` may be computed later, on another thread."""
+        mix = self.cfg.apply == "overwrite" or exact
+        key = (p, msg.epoch, msg.version, self.incarnation, f.anchored, held, mix)
+        payload = msg.payload
+        if mix:
+            return Update("mix", lambda: compression.decode(payload), self.cfg.alpha, key)
+        anchor, sent = f.anchor, (f.in_flight.sent if held else None)
+        scale = np.float32(1 - self.cfg.alpha) if self.cfg.alpha else None
+
+        def delta():
+            theta = compression.decode(payload)
+            d = _delta(_resolve(anchor), theta, sent)
+            return {k: v * scale for k, v in d.items()} if scale is not None else d
+
+        return Update("add", delta, 0.0, key)
 
     def _consume(self, f: _Fragment) -> None:
         t = f.in_flight

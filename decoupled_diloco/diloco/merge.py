@@ -146,7 +146,9 @@ def merge_mean(vs: list[dict], w: np.ndarray) -> dict:
     return {k: weighted_sum([v[k] for v in vs], w_hat)[0] for k in vs[0]}
 
 
-def _rda_direction(leaves: list, w_hat, eps: float, sq_norms: list) -> tuple[np.ndarray, float]:
+def _rda_direction(
+    leaves: list, w_hat, eps: float, sq_norms: list, threads: int | None = 1
+) -> tuple[np.ndarray, float]:
     """(u, scale) with RDA's Δ = scale · u for one leaf.
 
     u = Σ ŵ_m φ(v_m) is the weighted mean direction (a new float32 array) and scale =
@@ -154,12 +156,13 @@ def _rda_direction(leaves: list, w_hat, eps: float, sq_norms: list) -> tuple[np.
     offers, one if `sq_norms` (‖v_m‖², None where unknown) are given. A single offer is
     its own RDA (‖v‖·φ(φ(v)) = v): then u is that offer itself.
     """
-    norms = np.sqrt([sq_norm(x) if q is None else q for x, q in zip(leaves, sq_norms, strict=True)])
+    known = zip(leaves, sq_norms, strict=True)
+    norms = np.sqrt([sq_norm(x, threads) if q is None else q for x, q in known])
     if len(leaves) == 1:
         return leaves[0], (1.0 if norms[0] > eps else 0.0)
     radius = float(np.dot(w_hat, norms))
     a = np.where(norms > eps, w_hat / np.where(norms > eps, norms, 1.0), 0.0)
-    u, u_sq_norm = weighted_sum(leaves, a)
+    u, u_sq_norm = weighted_sum(leaves, a, threads)
     u_norm = np.sqrt(u_sq_norm)
     return u, (radius / u_norm if u_norm > eps else 0.0)
 
@@ -211,6 +214,7 @@ def merge_outer_step(
     eps: float = 1e-12,
     sq_norms: list[dict] | None = None,
     return_delta_norm: bool = False,
+    threads: int | None = 1,
 ) -> tuple[dict, outer.OuterState] | tuple[dict, outer.OuterState, float]:
     """`outer.outer_step(theta, scale · merge(vs, w, rule), state, lr, momentum, nesterov,
     work=work, clock=clock)`, fused.
@@ -220,7 +224,9 @@ def merge_outer_step(
     u, since ‖u‖ is needed before the first chunk can be scaled). With `inplace=True`
     (the syncer owns Θ and the momentum) nothing fragment-sized is allocated for "mean".
     `scale` and `work` come from `weigh`; `sq_norms` as in `merge_rda`. With
-    `return_delta_norm`, also returns ‖Δ‖ (Δ including `scale`) over all leaves.
+    `return_delta_norm`, also returns ‖Δ‖ (Δ including `scale`) over all leaves. `threads`:
+    how many threads split each leaf's chunks (None/0: the host's cores; the result is the
+    same for any count).
     """
     if rule not in RULES:
         raise ValueError(f"diloco.merge={rule!r}; expected one of {RULES}")
@@ -235,11 +241,15 @@ def merge_outer_step(
         leaf, leaves = (theta[k], bufs[k], theta_out[k], bufs_out[k]), [v[k] for v in vs]
         if rule == "mean":
             coefs = w_hat if scale == 1 else w_hat * scale
-            delta_sq_norm += outer.apply_outer(leaf, leaves, coefs, lr, decay, look, nesterov)
+            delta_sq_norm += outer.apply_outer(
+                leaf, leaves, coefs, lr, decay, look, nesterov, threads
+            )
         else:  # one leaf's direction u at a time bounds the extra memory
             known = [None if n is None else n[k] for n in norms]
-            u, s = _rda_direction(leaves, w_hat, eps, known)
-            delta_sq_norm += outer.apply_outer(leaf, [u], [s * scale], lr, decay, look, nesterov)
+            u, s = _rda_direction(leaves, w_hat, eps, known, threads)
+            delta_sq_norm += outer.apply_outer(
+                leaf, [u], [s * scale], lr, decay, look, nesterov, threads
+            )
     out = theta_out, (state if inplace else outer.OuterState(bufs_out))
     return (*out, float(np.sqrt(delta_sq_norm))) if return_delta_norm else out
 

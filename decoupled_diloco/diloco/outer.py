@@ -76,31 +76,40 @@ def outputs(theta: dict, state: OuterState, inplace: bool) -> tuple[dict, dict, 
     return bufs, theta, bufs
 
 
-def apply_outer(leaf: tuple, xs: list, coefs, lr, decay, look, nesterov: bool) -> float:
+def apply_outer(leaf: tuple, xs: list, coefs, lr, decay, look, nesterov: bool,
+                threads: int | None = None) -> float:  # fmt: skip
     """Outer step of one leaf with Δ = Σ_m coefs[m] · xs[m], formed chunk by chunk; ‖Δ‖².
 
     leaf = (Θ, buf, Θ out, buf out), outputs possibly aliasing inputs. ‖Δ‖² comes almost
-    free: each chunk of Δ is still in cache when it is dotted with itself.
+    free: each chunk of Δ is still in cache when it is dotted with itself. Spans of chunks
+    run on up to `threads` threads (`chunks.map_spans`; same result for any count).
     """
     th, b, th_out, b_out = (flat(x) for x in leaf)
     xs, lr, decay, look = [flat(x) for x in xs], F32(lr), F32(decay), F32(look)
-    n_buf = min(th.size, chunks.CHUNK)
-    delta_buf, tmp_buf = np.empty(n_buf, F32), np.empty(n_buf, F32)
+
+    def span(start: int, stop: int) -> list[float]:
+        n_buf = min(stop - start, chunks.CHUNK)
+        delta_buf, tmp_buf = np.empty(n_buf, F32), np.empty(n_buf, F32)
+        sqs = []
+        for s in chunks.slices(stop, start):
+            n = s.stop - s.start
+            delta, tmp = combine(xs, coefs, s, delta_buf[:n], tmp_buf[:n], True), tmp_buf[:n]
+            sqs.append(float(np.dot(delta, delta)))
+            if not nesterov:  # the step looks at the buffer before this Δ joins it
+                np.multiply(b[s], look, out=tmp)
+                np.add(tmp, delta, out=tmp)
+            np.multiply(b[s], decay, out=b_out[s])
+            np.add(b_out[s], delta, out=b_out[s])
+            if nesterov:
+                np.multiply(b_out[s], look, out=tmp)
+                np.add(tmp, delta, out=tmp)
+            np.multiply(tmp, lr, out=tmp)
+            np.subtract(th[s], tmp, out=th_out[s])
+        return sqs
+
     delta_sq_norm = 0.0
-    for s in chunks.slices(th.size):
-        n = s.stop - s.start
-        delta, tmp = combine(xs, coefs, s, delta_buf[:n], tmp_buf[:n], True), tmp_buf[:n]
-        delta_sq_norm += float(np.dot(delta, delta))
-        if not nesterov:  # the step looks at the buffer before this Δ joins it
-            np.multiply(b[s], look, out=tmp)
-            np.add(tmp, delta, out=tmp)
-        np.multiply(b[s], decay, out=b_out[s])
-        np.add(b_out[s], delta, out=b_out[s])
-        if nesterov:
-            np.multiply(b_out[s], look, out=tmp)
-            np.add(tmp, delta, out=tmp)
-        np.multiply(tmp, lr, out=tmp)
-        np.subtract(th[s], tmp, out=th_out[s])
+    for x in chunks.map_spans(span, th.size, threads):
+        delta_sq_norm += x
     return delta_sq_norm
 
 

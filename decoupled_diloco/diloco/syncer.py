@@ -293,7 +293,8 @@ class Syncer:
         others = self._others_weight(kept, now)
         H = self.plan.sync_every
         w, scale, work = merge.weigh(tokens, steps, cfg.weights, cfg.normalize, H, others)
-        rule = self.cfg.embedding_merge if p == self.plan.embedding_fragment else self.cfg.merge
+        embedding = p in self.plan.embedding_fragments
+        rule = self.cfg.embedding_merge if embedding else self.cfg.merge
         # Against Θ before this step: the router the offers' outer gradients started from.
         router_divergence = merge.router_divergence(vs, w, self.theta[p])
         # In place: Θ and the momenta are the syncer's alone (snapshot() and the reply's
@@ -302,7 +303,7 @@ class Syncer:
                      clock=cfg.momentum_clock, scale=scale, work=work)  # fmt: skip
         self.theta[p], self.outer[p], delta_norm = merge.merge_outer_step(
             self.theta[p], vs, w, rule, self.outer[p], **outer, inplace=True,
-            sq_norms=sq_norms, return_delta_norm=True,
+            sq_norms=sq_norms, return_delta_norm=True, threads=cfg.merge_threads,
         )  # fmt: skip
         self.version[p] = version + 1
         for o in kept:

@@ -3,7 +3,9 @@
 Arrays (`state_dict`): Θ, outer momenta, versions and schedule slots per owned fragment.
 JSON (`meta_dict`): the fragment plan (a resume must not change it), the learner registry,
 every fragment's vector clock, the counters (a new life continues those of refusals), the
-recent offers' sizes (offer_scale.py) and the event-log position. `load` restores
+recent offers' sizes (offer_scale.py) and the event-log position. A streamed checkpoint
+(fragment_checkpoint.py) takes each fragment's part (`fragment_part`) under its own lock
+hold and the rest (`shared_meta`) once; `join_parts` puts them back together. `load` restores
 both into a freshly built `Syncer` (pending offers and open rounds are not saved: offers
 of a lost life are void, learners offer again).
 """
@@ -29,15 +31,46 @@ def state_dict(syncer) -> dict:
 
 def meta_dict(syncer) -> dict:
     """The JSON part of a checkpoint."""
+    clocks = {str(p): _clock(syncer, p) for p in syncer.owned}
+    return {**shared_meta(syncer), "merged_into": clocks}
+
+
+def _clock(syncer, p: int) -> dict:
+    return {str(m): list(v) for m, v in syncer.merged_into[p].items()}
+
+
+def fragment_part(syncer, p: int) -> tuple[dict, dict]:
+    """Fragment p's own part of a checkpoint, copied: ({"theta", "momentum"} arrays,
+    {"version", "last_slot", "merged_into"}). Taken under the lock around handle/tick, it is
+    one consistent cut of the fragment (its Θ, momentum, version and clock agree)."""
+    arrays = {
+        "theta": {k: v.copy() for k, v in syncer.theta[p].items()},
+        "momentum": {k: v.copy() for k, v in syncer.outer[p].momentum.items()},
+    }
+    info = {"version": int(syncer.version[p]), "last_slot": int(syncer.last_slot[p]),
+            "merged_into": _clock(syncer, p)}  # fmt: skip
+    return arrays, info
+
+
+def join_parts(parts: dict[int, tuple[dict, dict]], meta: dict) -> tuple[dict, dict]:
+    """(state_dict, meta_dict) from the parts `fragment_part` made and `shared_meta`."""
+    state = {
+        "theta": {str(p): a["theta"] for p, (a, _) in parts.items()},
+        "momentum": {str(p): a["momentum"] for p, (a, _) in parts.items()},
+        "version": {str(p): np.int64(i["version"]) for p, (_, i) in parts.items()},
+        "last_slot": {str(p): np.int64(i["last_slot"]) for p, (_, i) in parts.items()},
+    }
+    clocks = {str(p): i["merged_into"] for p, (_, i) in parts.items()}
+    return state, {**meta, "merged_into": clocks}
+
+
+def shared_meta(syncer) -> dict:
+    """The JSON part of a checkpoint that belongs to no one fragment."""
     return {
         "plan": syncer.plan.to_json(),
         "learners": {
             str(m): [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished]
             for m, i in syncer.learners.items()
-        },
-        "merged_into": {
-            str(p): {str(m): list(v) for m, v in syncer.merged_into[p].items()}
-            for p in syncer.owned
         },
         "stats": dict(syncer.stats),
         "offer_scale": syncer.scale.to_json(),

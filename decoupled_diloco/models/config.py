@@ -10,6 +10,8 @@ ATTENTION_KINDS = ("global", "local")
 MOE_LAYER_CHOICES = ("none", "all", "every_other")
 DTYPES = ("float32", "bfloat16")
 MOE_GATES = ("chosen_softmax", "full_softmax")
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("xla", "dot_product_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,15 @@ class ModelConfig:
     sliding_window: int = 0  # tokens a "local" layer sees (incl. itself); > 0 if any is local
     rope_base: float = 10_000.0  # rotary base wavelength (pair i turns at base**(-2i/head_dim))
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"; params are always float32
+    # Memory and speed only (the math is the same to float tolerance), see transformer.py:
+    # "none" keeps every activation for the backward pass | "full" recomputes each block's
+    # forward in the backward pass (keeps only block inputs) | "dots" keeps the weight
+    # matmuls' outputs and recomputes the rest (attention scores, softmax, norms, gelu).
+    remat: str = "none"
+    # "xla": the reference einsum attention (layers.py) | "dot_product_attention":
+    # jax.nn.dot_product_attention, cuDNN's fused kernel on GPU with bfloat16 (layers.py);
+    # it has no logit softcap, so it needs attn_logit_softcap = 0.
+    attention_impl: str = "xla"
     # Mixture of experts.
     moe_layers: str = "none"  # "none" | "all" | "every_other" (odd layers 1, 3, 5, ...)
     num_experts: int = 0  # routed experts per MoE layer (E); >= 1 when moe_layers != "none"
@@ -193,6 +204,21 @@ def validate_model_config(cfg: ModelConfig) -> None:
         _require(value >= 0, f"model.{name} ({value}) must be >= 0 (0 disables)")
     _require(cfg.rope_base > 0, f"model.rope_base ({cfg.rope_base}) must be > 0")
     _require(cfg.dtype in DTYPES, f"model.dtype ({cfg.dtype!r}) must be one of {DTYPES}")
+    _require(
+        cfg.remat in REMAT_POLICIES,
+        f"model.remat ({cfg.remat!r}) must be one of {REMAT_POLICIES}",
+    )
+    _require(
+        cfg.attention_impl in ATTENTION_IMPLS,
+        f"model.attention_impl ({cfg.attention_impl!r}) must be one of {ATTENTION_IMPLS}",
+    )
+    _require(
+        cfg.attention_impl == "xla" or cfg.attn_logit_softcap == 0,
+        f"model.attention_impl = {cfg.attention_impl!r} has no attention logit softcap "
+        f"(jax.nn.dot_product_attention applies none): set model.attn_logit_softcap = 0 "
+        f"(now {cfg.attn_logit_softcap}; Gemma 3 drops it for model.qk_norm = True) or use "
+        f"model.attention_impl = 'xla'",
+    )
 
     pattern = cfg.attention_pattern
     _require(

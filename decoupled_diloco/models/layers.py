@@ -126,21 +126,55 @@ class Attention(nn.Module):
             cache = {"k": k_BSKG, "v": v_BSKG}
             k_BSKG, v_BSKG = k_BSKG.astype(dtype), v_BSKG.astype(dtype)
             positions_S = jnp.arange(k_BSKG.shape[1])  # slot s holds position s
-        # GQA: each kv head serves H // K consecutive query heads.
-        k_BSHG = jnp.repeat(k_BSKG, H // K, axis=2)
-        v_BSHG = jnp.repeat(v_BSKG, H // K, axis=2)
-
-        logits_BHTS = jnp.einsum(
-            "BTHG,BSHG->BHTS", q_BTHG, k_BSHG, preferred_element_type=jnp.float32
-        )
-        logits_BHTS = softcap(logits_BHTS, cfg.attn_logit_softcap)
-        # Causal: slots after a query's own position (not yet written) are masked too.
         mask_TS = attention_mask(positions_T, positions_S, self.window)
-        logits_BHTS = jnp.where(mask_TS, logits_BHTS, _MASK_VALUE)
-        probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1).astype(dtype)
-        mixed_BTHG = jnp.einsum("BHTS,BSHG->BTHG", probs_BHTS, v_BSHG)
+        if cfg.attention_impl == "dot_product_attention":
+            mixed_BTHG = fused_attention(
+                q_BTHG, k_BSKG, v_BSKG, mask_TS, self.window, aligned=cache is None
+            )
+        else:
+            mixed_BTHG = reference_attention(
+                q_BTHG, k_BSKG, v_BSKG, mask_TS, cfg.attn_logit_softcap
+            )
         result = jnp.einsum("BTHG,HGD->BTD", mixed_BTHG, out.astype(dtype))
         return result if cache is None else (result, cache)
+
+
+def reference_attention(q_BTHG, k_BSKG, v_BSKG, mask_TS, cap: float) -> jax.Array:
+    """Attention of already-scaled queries as plain einsums (`model.attention_impl` "xla"):
+    logits in float32, softcapped by `cap`, masked by mask_TS [T, S] (True = may attend)."""
+    H, K, dtype = q_BTHG.shape[2], k_BSKG.shape[2], q_BTHG.dtype
+    # GQA: each kv head serves H // K consecutive query heads.
+    k_BSHG = jnp.repeat(k_BSKG, H // K, axis=2)
+    v_BSHG = jnp.repeat(v_BSKG, H // K, axis=2)
+    logits_BHTS = jnp.einsum("BTHG,BSHG->BHTS", q_BTHG, k_BSHG, preferred_element_type=jnp.float32)
+    logits_BHTS = softcap(logits_BHTS, cap)
+    # Causal: slots after a query's own position (not yet written) are masked too.
+    logits_BHTS = jnp.where(mask_TS, logits_BHTS, _MASK_VALUE)
+    probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1).astype(dtype)
+    return jnp.einsum("BHTS,BSHG->BTHG", probs_BHTS, v_BSHG)
+
+
+def fused_attention(q_BTHG, k_BSKG, v_BSKG, mask_TS, window: int, aligned: bool) -> jax.Array:
+    """The same attention through `jax.nn.dot_product_attention` (`model.attention_impl`
+    "dot_product_attention"); no softcap (validation requires attn_logit_softcap = 0).
+
+    `aligned`: queries and keys are the same positions (training, prefill without a cache);
+    the mask is then passed as is_causal + a (window - 1, 0) local window, the form cuDNN's
+    fused kernel takes, used on GPU for 16-bit inputs (it accepts no float32). Elsewhere
+    jax 0.10.2 runs its XLA implementation (implementation=None does not pick cuDNN by
+    itself; TPU's fused kernel, splash attention, is a Pallas kernel that this does not
+    call). GQA is native: each kv head serves H // K consecutive query heads, as above.
+    """
+    if aligned:
+        window_arg = (window - 1, 0) if window > 0 else None
+        masks = dict(is_causal=True, local_window_size=window_arg)
+        on_gpu = jax.default_backend() == "gpu"
+        impl = "cudnn" if on_gpu and q_BTHG.dtype in (jnp.bfloat16, jnp.float16) else None
+    else:  # decoding against a cache: query positions start at `index`
+        masks, impl = dict(mask=mask_TS[None, None]), None
+    return jax.nn.dot_product_attention(
+        q_BTHG, k_BSKG, v_BSKG, scale=1.0, implementation=impl, **masks
+    )
 
 
 def geglu(x_BTD, gate_DF, up_DF, down_FD) -> jax.Array:

@@ -15,6 +15,15 @@ never scanned:
   block_<i>/moe/shared/{gate, up, down}          (only if shared_expert)
   final_norm/scale [D]
 
+Rematerialisation (`cfg.remat`, training only: decoding with a KV cache never remats) wraps
+each decoder block in `jax.checkpoint` (flax `nn.remat`; param names are unchanged):
+"full" saves nothing inside a block, so the backward pass reruns the block's forward from its
+input (activation memory ~ one [B, T, D] per block, ~1/3 more FLOPs); "dots" uses
+`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`: the outputs of matmuls with no
+dot batch dimension (the weight projections q/k/v/out, ffw, router and experts) are saved,
+while attention's [B, H, T, S] scores and probabilities (batched dots over B and H), softmax,
+norms, rotary and gelu are recomputed; it removes the T^2 memory for little recompute.
+
 Embedding init: normal with std 0.02 (GPT-2 convention). Inputs are embedding * sqrt(D), and
 logits are final-normed x (RMS 1) @ embedding.T, so initial logits have std 0.02 * sqrt(D): ~0.16
 for D = 64, giving an initial loss close to ln(V); Gemma's own default (std 0.01) is similar.
@@ -101,6 +110,19 @@ def _moe_aux(cfg: ModelConfig, stats: list[dict]) -> dict[str, jax.Array]:
     }
 
 
+REMAT_POLICIES = {
+    "full": None,  # jax.checkpoint's default: save nothing but the block's inputs
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _block_class(cfg: ModelConfig, decoding: bool):
+    """Block, or Block under `jax.checkpoint` with the `cfg.remat` policy (module doc)."""
+    if cfg.remat == "none" or decoding:
+        return Block
+    return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat])
+
+
 class Transformer(nn.Module):
     """Decoder-only LM: tokens_BT -> (logits_BTV float32, aux)."""
 
@@ -113,8 +135,9 @@ class Transformer(nn.Module):
         embedder = Embedder(cfg, name="embedder")
         x_BTD = embedder.encode(tokens_BT)
         moe_stats, new_cache = [], []
+        block_class = _block_class(cfg, decoding=cache is not None)
         for layer in range(cfg.num_layers):
-            block = Block(cfg, layer, name=f"block_{layer}")
+            block = block_class(cfg, layer, name=f"block_{layer}")
             if cache is None:
                 x_BTD, stats = block(x_BTD)
             else:

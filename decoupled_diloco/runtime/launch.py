@@ -19,9 +19,8 @@ result.
 
 import json
 import math
-import os
 
-from decoupled_diloco import preflight
+from decoupled_diloco import paths, preflight
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import write_json
 from decoupled_diloco.runtime import workdir as workdir_lib
@@ -38,22 +37,22 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
     that a resume would otherwise refuse."""
     shared, workdir = workdir, records_dir(cfg, workdir)
     preflight.check(cfg, workdir)  # config, data and run-file errors, before any write
-    os.makedirs(workdir, exist_ok=True)
-    finished = os.path.join(workdir, SUMMARY)
+    workdir = str(paths.resolve(workdir))  # local: absolute; gs://...: as it is
+    finished = paths.resolve(workdir) / SUMMARY
+    finished.parent.mkdir(parents=True, exist_ok=True)
     with workdir_lib.lock(workdir):
-        done = os.path.exists(finished)
+        done = finished.exists()
         changed = workdir_lib.check_resume(workdir, cfg, done, force)
         if done:
             if verbose:
                 print(f"{workdir} holds a finished run; its records are left as they were "
                       "(use another --workdir for a new run)", flush=True)  # fmt: skip
-            with open(finished, encoding="utf-8") as f:
-                return _checked(json.load(f))
+            return _checked(json.loads(finished.read_text()))
         if changed and verbose:
             print(f"resuming with changed {', '.join(changed)}", flush=True)
         attempt = workdir_lib.Attempt(workdir, changed, forced=force)
         try:
-            runtime = _runtime(cfg, workdir, verbose, os.path.join(shared, "checkpoints"))
+            runtime = _runtime(cfg, workdir, verbose, str(paths.resolve(shared) / "checkpoints"))
             ledger = runtime.log.ledger
             attempt.watch(lambda: {"failures": ledger.failures, "restarts": ledger.restarts})
             summary = attempt.finish(runtime.run())
@@ -71,7 +70,7 @@ def records_dir(cfg: RunConfig, workdir: str) -> str:
     """This process's records: the workdir, or `process_<i>` in it for process i > 0 of a
     multi-host world (each with its own lock, run files and summary)."""
     i = cfg.distributed.process_id if cfg.distributed.enabled else 0
-    return workdir if i == 0 else os.path.join(workdir, f"process_{i}")
+    return workdir if i == 0 else f"{workdir.rstrip('/')}/process_{i}"
 
 
 def _runtime(cfg: RunConfig, workdir: str, verbose: bool, ckpt_dir: str):

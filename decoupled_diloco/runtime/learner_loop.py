@@ -19,9 +19,11 @@ import time
 import jax
 import numpy as np
 
-from decoupled_diloco import checkpoint, faults
+from decoupled_diloco import checkpoint, faults, mfu, profiling
+from decoupled_diloco.data.prefetch import Prefetch
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Snapshot
+from decoupled_diloco.runtime.boundary import MergeStager, apply_updates, finish, step_boundary
 from decoupled_diloco.runtime.outbox import Outbox
 
 _MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
@@ -60,14 +62,21 @@ class LearnerLoop:
         self.tokens_per_step = run.train.batch_size * run.data.seq_len
         self.step, self.incarnation = 0, 0
         self.proto: Learner | None = None
-        self.outbox = None
+        self.outbox = self.stager = None
         if plan is not None:
             self.outbox = Outbox(link, materialize, replica.to_host, inline_offers)
+            if run.diloco.stage_merges:
+                self.stager = MergeStager(replica)
+        if run.train.prefetch:
+            self.data = Prefetch(data, run.train.prefetch, replica.put_batch)
         self.restored = None  # a checkpointed TrainState to resume from (first start)
         self.away = "start"  # why the learner is about to (re)start
         self.wait_seconds = 0.0  # time blocked on late merges: idle, not compute
         self.steps_since_start = 0
         self._rate = (None, 0)  # (time, step) of the previous row
+        # Since the previous row: wall seconds of steps, and of those, seconds this thread
+        # waited for the device (fetching a step's metrics) or for late merges.
+        self._wall, self._blocked = 0.0, 0.0
         self._initial_data = data.get_state()
 
     def restore(self, params_too: bool) -> bool:
@@ -116,6 +125,7 @@ class LearnerLoop:
             if self.replica.state is None:
                 self._start()
             t_step, waited = time.perf_counter(), self.wait_seconds
+            profiling.step(m, self.step, self.replica.ready)  # --profile's window
             metrics = self.replica.step(next(self.data))
             self.step += 1
             if self.proto is not None:
@@ -124,6 +134,8 @@ class LearnerLoop:
             diverged = self._report(previous)
             previous = (self.step, metrics)
             blocked = self.wait_seconds - waited  # waiting for a merge is not compute
+            self._wall += time.perf_counter() - t_step
+            self._blocked += blocked
             self._straggle(time.perf_counter() - t_step - blocked)
             self.steps_since_start += 1
             self.sink.step(m, time.perf_counter() - t_step - blocked, self.clock())
@@ -140,6 +152,8 @@ class LearnerLoop:
             if self.between_steps is not None:
                 self.between_steps()
         self._report(previous)
+        if isinstance(self.data, Prefetch):
+            self.data.close()
         self.sink.finished(m, self.clock())  # training ends; the tail is not allocation
         if self.replica.state is not None:
             self._finish()
@@ -228,7 +242,7 @@ class LearnerLoop:
 
     def _boundary(self) -> None:
         self.wait_seconds += step_boundary(
-            self.proto, self.replica, self.outbox, self._receive, self.clock
+            self.proto, self.replica, self.outbox, self._receive, self.clock, self.stager
         )
 
     def _finish(self, finished: bool = True) -> None:
@@ -266,6 +280,8 @@ class LearnerLoop:
         self.replica.drop()
         if self.outbox is not None:
             self.outbox.drop()
+        if self.stager is not None:
+            self.stager.clear()
         self.proto = None
         self.incarnation += 1
         self.away, self.steps_since_start = why, 0
@@ -287,7 +303,9 @@ class LearnerLoop:
         if finished is None:
             return False
         step, metrics = finished
+        t0 = time.perf_counter()
         host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
+        self._blocked += time.perf_counter() - t0  # the device was still busy with it
         if not np.isfinite(host["loss"]) and self.plan is not None:
             return True
         run = self.run_cfg
@@ -324,6 +342,13 @@ class LearnerLoop:
             "tokens_per_second": rate,
             "time": now,
         }
+        rec.update(mfu.row_fields(self.run_cfg, self.replica.mesh, rate))
+        if self._wall > 0:
+            # Share of the steps' wall time this thread was busy on the host (data, the
+            # protocol's boundary, dispatch, rows) instead of waiting for the device: near
+            # 1, the device idles between steps (a host-bound learner).
+            rec["host_share"] = round(min(max(1.0 - self._blocked / self._wall, 0.0), 1.0), 4)
+        self._wall = self._blocked = 0.0
         for k in _MOE_KEYS:
             if k in metrics:
                 rec[k] = float(metrics[k])
@@ -331,70 +356,3 @@ class LearnerLoop:
             # float64 first: rounding float32 leaves 0.26249998807907104-style noise in JSON.
             rec["expert_load"] = np.asarray(metrics["expert_load"], np.float64).round(4).tolist()
         return rec
-
-
-# --- the protocol's step boundary, shared with the tests' simulated learners ----------------
-def apply_updates(replica, updates) -> None:
-    for u in updates:
-        replica.apply(u.kind, u.arrays, u.alpha)
-
-
-def offer_and_receive(proto: Learner, replica, outbox: Outbox, receive) -> None:
-    """First half of a step boundary: offers due now leave through the outbox (as device
-    copies), and what arrived is handled (a restored syncer's snapshot applied at once)."""
-    # Offer first: with tau = 0 a fragment offered at step t is applied at boundary t.
-    for ticket in proto.due_offers():
-        outbox.offer(ticket, replica.fragment_copies(proto.plan.names[ticket.fragment]))
-    apply_updates(replica, proto.handle(receive(0.0)))
-
-
-def apply_and_beat(proto: Learner, replica, outbox: Outbox) -> None:
-    """Second half, after any wait for late merges: due merges are applied, a heartbeat
-    goes out when one is due."""
-    apply_updates(replica, proto.apply_due())
-    heartbeat = proto.heartbeat()
-    if heartbeat is not None:
-        outbox.send(heartbeat)
-
-
-def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock) -> float:
-    """A step boundary; waits up to `diloco.max_wait` for merges of offers past s + τ.
-    Returns the seconds spent waiting."""
-    offer_and_receive(proto, replica, outbox, receive)
-    waited, limit = 0.0, proto.cfg.wait_seconds
-    if limit > 0 and proto.unresolved():
-        # Steps are dispatched asynchronously: finish our own first, so that the wait
-        # below is time the device really idles, not this step's compute.
-        replica.ready()
-        start = clock()
-        while proto.unresolved() and clock() - start < limit:
-            apply_updates(replica, proto.handle(receive(min(limit - (clock() - start), 1.0))))
-        waited = clock() - start
-    apply_and_beat(proto, replica, outbox)
-    return waited
-
-
-def final_offers(proto: Learner, replica, outbox: Outbox) -> None:
-    """Offers every fragment's unmerged work that no offer in flight may hold yet."""
-    for ticket in proto.due_offers(final=True):
-        outbox.offer(ticket, replica.fragment_copies(proto.plan.names[ticket.fragment]))
-
-
-def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bool = True):
-    """Training is over (`finished`: the step budget is done; else the learner leaves the
-    membership). With `diloco.final_sync` every step of its work reaches Θ: it offers all
-    unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
-    flight resolves (waiting up to `diloco.final_wait`), offers the steps taken after it."""
-    cfg = proto.cfg
-    if cfg.final_sync:
-        final_offers(proto, replica, outbox)
-    outbox.send(proto.leave(finished))
-    deadline = clock() + cfg.final_wait
-    while cfg.final_sync and proto.in_flight() and clock() < deadline:
-        apply_updates(replica, proto.handle(receive(0.2)))
-        apply_updates(replica, proto.apply_due(final=True))
-        final_offers(proto, replica, outbox)
-    if not cfg.final_sync:
-        apply_updates(replica, proto.handle(receive(0.0)))
-        apply_updates(replica, proto.apply_due(final=True))
-    outbox.flush()

@@ -7,18 +7,19 @@ in-process queues between them (`links.py`). Faults are emulated in the loops. T
 thread evaluates the global model while they train and writes the summary.
 """
 
-import os
 import queue
 import threading
 import time
 
 import jax
 
-from decoupled_diloco import faults, run_files, sharding
+from decoupled_diloco import faults, paths, run_files, sharding
 from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
+from decoupled_diloco.diloco.fragment_members import join_members
 from decoupled_diloco.diloco.fragments import model_plan
+from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.runtime import accounting
 from decoupled_diloco.runtime.learner_loop import LearnerLoop
@@ -79,14 +80,14 @@ class LocalRuntime:
         <workdir>/checkpoints; every process of a multi-host world passes the same one."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         self.halt_after = halt_after
-        os.makedirs(workdir, exist_ok=True)
-        self.log = RunLog(workdir, accounting.Ledger.of_run(run))
+        paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         self.stop = threading.Event()  # learners stop (a budget, a test, a failure)
         self._syncers_stop = threading.Event()  # set once every learner has finished
         self.errors: list[BaseException] = []
         self.t0 = 0.0
-        self.ckpt_dir = ckpt_dir or os.path.join(workdir, "checkpoints")
+        self.ckpt_dir = paths.resolve(ckpt_dir or f"{workdir}/checkpoints")
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -128,7 +129,7 @@ class LocalRuntime:
                 self.schedule,
                 self.now,
                 sink,
-                Checkpointer(os.path.join(self.ckpt_dir, f"learner_{m}")),
+                Checkpointer(self.ckpt_dir / f"learner_{m}"),
                 emulate_crashes=True,
                 between_steps=lambda m=m: self._maybe_halt(m),
             )
@@ -158,7 +159,7 @@ class LocalRuntime:
                 self.learner_inboxes,
                 reply_seconds=lambda m, n: self.schedule.transfer_seconds(m, n),
             )
-            ckpt = Checkpointer(os.path.join(self.ckpt_dir, f"syncer_{s}"))
+            ckpt = FragmentCheckpointer(self.ckpt_dir / f"syncer_{s}")
             loops.append(
                 SyncerLoop(
                     s,
@@ -269,7 +270,7 @@ class LocalRuntime:
             if part is None:
                 return None
             out.update(part)
-        return out
+        return join_members(out)  # whole leaves from fragment members
 
     def total_tokens(self) -> int:
         return sum(loop.step * loop.tokens_per_step for loop in self.loops)
@@ -306,6 +307,6 @@ class LocalRuntime:
             self.log.ledger.summary(wall, run.uses_syncer, [loop.step for loop in self.loops]),
             stats,
         )
-        write_json(os.path.join(self.workdir, "summary.json"), summary)
+        write_json(paths.resolve(self.workdir) / "summary.json", summary)
         self.log.close()
         return summary

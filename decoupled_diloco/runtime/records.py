@@ -1,5 +1,6 @@
-"""A run's records on the driver: metrics.jsonl, merges.jsonl, events.jsonl and the goodput
-ledger, fed the same way by every runtime (events have one vocabulary, below).
+"""A run's records on the driver: metrics.jsonl (and its TensorBoard event files),
+merges.jsonl, events.jsonl and the goodput ledger, fed the same way by every runtime
+(events have one vocabulary, below).
 
 Learner events (runtime/learner_loop.py): learner_start (its first start), rejoin (after a
 crash, a NaN restart or a restarted process), member_join (back after leaving the
@@ -11,21 +12,27 @@ Syncer records (diloco/syncer.py, runtime/syncer_loop.py): merge, join, leave, r
 drop_offer, drop_message (diloco/refusals.py), syncer_crash, syncer_restore, syncer_start.
 """
 
-import os
-
+from decoupled_diloco import paths
 from decoupled_diloco.metrics import JsonlWriter
 from decoupled_diloco.runtime import accounting
+from decoupled_diloco.tensorboard_events import RunWriter
 
 
 class RunLog:
-    def __init__(self, workdir: str, ledger: accounting.Ledger):
-        self.metrics = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
-        self.merges = JsonlWriter(os.path.join(workdir, "merges.jsonl"))
-        self.events = JsonlWriter(os.path.join(workdir, "events.jsonl"))
+    def __init__(self, workdir: str, ledger: accounting.Ledger, tensorboard: bool = False):
+        """`tensorboard`: metrics rows also go to TensorBoard event files (per learner and
+        global) under <workdir>/tensorboard/."""
+        root = paths.resolve(workdir)
+        self.metrics = JsonlWriter(root / "metrics.jsonl")
+        self.merges = JsonlWriter(root / "merges.jsonl")
+        self.events = JsonlWriter(root / "events.jsonl")
         self.ledger = ledger
+        self.tensorboard = RunWriter(root) if tensorboard else None
 
     def row(self, rec: dict) -> None:
         self.metrics.write(rec)
+        if self.tensorboard is not None:
+            self.tensorboard.row(rec)
 
     def record(self, rec: dict) -> None:
         """A syncer record: merges to merges.jsonl (and the ledger), the rest are events."""
@@ -60,5 +67,6 @@ class RunLog:
         self.ledger.step(m, seconds, t)
 
     def close(self) -> None:
-        for w in (self.metrics, self.merges, self.events):
-            w.close()
+        for w in (self.metrics, self.merges, self.events, self.tensorboard):
+            if w is not None:
+                w.close()

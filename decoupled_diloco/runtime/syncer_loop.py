@@ -6,23 +6,26 @@ dropped; learners keep training and queue their messages; it restores from its l
 checkpoint). Under Ray the outage is real (the driver kills the actor's process) and the
 restarted process's loop restores at start and waits out the scheduled outage.
 
-Checkpoints (orbax, `checkpoint.py`): Θ, outer momenta, versions and schedule slots as
-arrays; the fragment plan, learner registry, vector clocks, counters and event-log
-position as JSON. A save is skipped while neither the versions nor the registry changed;
-the arrays are copied under the lock and written outside it.
+Checkpoints (orbax, `fragment_checkpoint.py`) are streamed from a saver thread, so the
+serving thread never writes one: every `diloco.syncer_checkpoint_seconds` the saver copies
+one fragment (Θ, momentum, version, slot, vector clock) under the lock, writes it outside
+the lock while merges of every fragment go on, takes the next, and commits a manifest with
+the registry, counters and event-log position (taken when the save began). Extra memory:
+one fragment's Θ + momentum. A save is skipped while neither the versions nor the registry
+changed; a save the syncer's death interrupts is never committed. The event-log position
+is that of the save's start: records up to it are in the checkpoint; a merge recorded after
+it is in it iff its version is at most its fragment's restored version.
 """
 
 import secrets
 import threading
 import time
 
-import jax
-import numpy as np
-
-from decoupled_diloco.checkpoint import Checkpointer
+from decoupled_diloco.diloco import syncer_state
 from decoupled_diloco.diloco.offer_checks import RunBounds
 from decoupled_diloco.diloco.syncer import Syncer
 from decoupled_diloco.diloco.transport import SyncerLink
+from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 
 POLL_S = 0.02  # seconds: longest block on the inbox, and the poll while down
 
@@ -47,7 +50,7 @@ class SyncerLoop:
         plan,
         init_params,
         link: SyncerLink,
-        ckpt: Checkpointer,
+        ckpt: FragmentCheckpointer,
         schedule,
         clock,
         record,
@@ -60,6 +63,8 @@ class SyncerLoop:
         self.record, self.emulate_outages = record, emulate_outages
         self.lock = threading.Lock()  # around the Syncer: its loop vs. readers of Θ and stats
         self._saved_key = None
+        self._saver: threading.Thread | None = None  # the checkpoint being written, if any
+        self._saver_error: BaseException | None = None
         self.syncer: Syncer | None = self._restore(after_failure=restarted)
         self.restarted = restarted
 
@@ -79,9 +84,10 @@ class SyncerLoop:
                 self._set(self._restore(after_failure=True))
                 self._announce()
             self.serve_turn()
-            if self.clock() - last_ckpt >= self.run_cfg.diloco.syncer_checkpoint_seconds:
-                self.save()
+            due = self.clock() - last_ckpt >= self.run_cfg.diloco.syncer_checkpoint_seconds
+            if due and self.save_in_background():
                 last_ckpt = self.clock()
+        self.wait_for_save()
         if self.syncer is None:  # the run ended during an outage: come back to finish
             self._set(self._restore(after_failure=True))
         with self.lock:  # end of run: merge what is still pending, quorum or not
@@ -132,7 +138,8 @@ class SyncerLoop:
 
     # --- Θ for evaluation and stats ---------------------------------------------------
     def global_params(self) -> dict | None:
-        """A copy of this shard's Θ; None while the shard is down."""
+        """A copy of this shard's Θ, keyed by fragment member (join the shards' with
+        `fragment_members.join_members` for whole leaves); None while the shard is down."""
         with self.lock:
             if self.syncer is None:
                 return None
@@ -145,6 +152,7 @@ class SyncerLoop:
     # --- checkpoints ------------------------------------------------------------------
     def _restore(self, after_failure: bool) -> Syncer:
         """A new life: a new epoch, then the latest checkpoint if there is one."""
+        self.wait_for_save()  # (one whose life ended gives up at its next fragment)
         run = self.run_cfg
         owned = owned_fragments(self.plan.num_fragments, run.diloco.syncer_shards, self.shard)
         bounds = RunBounds(tokens_per_step=run.train.batch_size * run.data.seq_len,
@@ -153,7 +161,7 @@ class SyncerLoop:
                         bounds)  # fmt: skip
         if self.ckpt.latest_step() is not None:
             try:
-                state, meta = self.ckpt.restore(jax.tree.map(np.asarray, syncer.state_dict()))
+                state, meta = syncer_state.join_parts(*self.ckpt.restore())
             finally:
                 for step, reason, moved in self.ckpt.refused:
                     self.record({"event": "checkpoint_refused", "shard": self.shard,
@@ -179,21 +187,66 @@ class SyncerLoop:
         )
         return syncer
 
-    def save(self) -> None:
-        """Saves unless neither the versions nor the registry changed since the last save."""
+    def save_in_background(self) -> bool:
+        """Starts a checkpoint on the saver thread; False while the previous one is still
+        being written. Re-raises what made the previous one fail."""
+        if self._saver is not None and self._saver.is_alive():
+            return False
+        self.wait_for_save()
+        self._saver = threading.Thread(target=self._save_or_keep_error, daemon=True,
+                                       name=f"syncer{self.shard}-checkpoint")  # fmt: skip
+        self._saver.start()
+        return True
+
+    def wait_for_save(self) -> None:
+        """Waits for the checkpoint being written; re-raises what made it fail (a syncer
+        whose checkpoints fail must fail, as one whose merges fail)."""
+        if self._saver is not None:
+            self._saver.join()
+            self._saver = None
+        error, self._saver_error = self._saver_error, None
+        if error is not None:
+            raise error
+
+    def _save_or_keep_error(self) -> None:
+        try:
+            self.save()
+        except BaseException as e:  # surfaced on the serving thread by wait_for_save
+            self._saver_error = e
+
+    def save(self) -> bool:
+        """Writes a checkpoint, one fragment at a time (see the module docstring); False if
+        nothing changed since the last one, the syncer is down or died meanwhile, or a
+        fragment was not finite."""
         with self.lock:
-            if self.syncer is None:
-                return
-            key = _saved_key(self.syncer)
-            if key == self._saved_key:
-                return
-            state = jax.tree.map(np.copy, self.syncer.state_dict())
-            meta = self.syncer.meta_dict()
-        self.ckpt.save((self.ckpt.latest_step() or 0) + 1, state, meta)
-        self._saved_key = key
+            life = self.syncer
+            if life is None:
+                return False
+            registry = _registry_key(life)
+            if (tuple(sorted(life.version.items())), registry) == self._saved_key:
+                return False
+            meta = syncer_state.shared_meta(life)
+        n = self.ckpt.begin()
+        entries, versions = {}, {}
+        for p in life.owned:
+            with self.lock:
+                if self.syncer is not life:  # this life died: its save is never committed
+                    return False
+                arrays, info = syncer_state.fragment_part(life, p)
+            entries[p] = self.ckpt.write_fragment(n, p, arrays, info)
+            del arrays  # before the next fragment's copy: one fragment at a time
+            if entries[p] is None:
+                return False
+            versions[p] = info["version"]
+        self.ckpt.commit(n, entries, meta)
+        self._saved_key = tuple(sorted(versions.items())), registry
+        return True
+
+
+def _registry_key(syncer: Syncer) -> tuple:
+    return tuple(sorted((m, i.incarnation, i.joined) for m, i in syncer.learners.items()))
 
 
 def _saved_key(syncer: Syncer) -> tuple:
     """What a checkpoint must hold; a save is skipped while it has not changed."""
-    registry = tuple(sorted((m, i.incarnation, i.joined) for m, i in syncer.learners.items()))
-    return tuple(sorted(syncer.version.items())), registry
+    return tuple(sorted(syncer.version.items())), _registry_key(syncer)

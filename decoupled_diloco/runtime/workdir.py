@@ -5,9 +5,8 @@
                              wall time and failure counters (kept current while it runs)
 
 A local workdir is locked with `fcntl.flock`, which the kernel releases when the process
-dies however it dies, so a killed run never leaves a stale lock. A remote workdir (gs://...)
-cannot be flocked: its lock is a file written with the holder's host and pid and removed
-when the run ends; after a hard kill the error says which file to delete.
+dies however it dies; a remote one (gs://...) with a renewed lease that a dead process's
+successor takes over (runtime/workdir_lock.py).
 
 A resume must run the config the workdir's run started with (run_config.json); only keys that
 change how a run is observed or placed, not what it computes (`FREE_TO_CHANGE`), may differ.
@@ -15,8 +14,6 @@ change how a run is observed or placed, not what it computes (`FREE_TO_CHANGE`),
 previous config is kept as run_config.<attempt>.json.
 """
 
-import contextlib
-import fcntl
 import json
 import os
 import socket
@@ -25,18 +22,29 @@ import time
 
 from etils import epath
 
-from decoupled_diloco import run_files
+from decoupled_diloco import paths, run_files
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.runtime.workdir_lock import LOCK, WorkdirBusyError, lock
 
-LOCK = "run.lock"
+__all__ = ["LOCK", "WorkdirBusyError", "lock"]  # the lock lives in workdir_lock.py
+
 ATTEMPTS = "attempts.jsonl"
 FREE_TO_CHANGE = frozenset(
     {
         "name",
+        # Memory and speed knobs: the same math to float tolerance (an OOM run may resume
+        # with remat or microbatches).
+        "model.remat",
+        "model.attention_impl",
+        "train.microbatches",
         "train.eval_every",
         "train.eval_batches",
         "train.log_every",
         "train.checkpoint_every",
+        "train.tensorboard",
+        "train.prefetch",
+        "diloco.stage_merges",
+        "diloco.merge_threads",
         "ray.address",
         "ray.max_restarts",
         "ray.num_cpus",
@@ -50,48 +58,6 @@ FREE_TO_CHANGE = frozenset(
 )
 # Counters a resumed run adds up over its attempts (each process counts its own).
 ACCUMULATED = ("wall_seconds", "failures", "restarts")
-
-
-class WorkdirBusyError(RuntimeError):
-    """Another process is running the run in this workdir."""
-
-
-@contextlib.contextmanager
-def lock(workdir: str):
-    """Holds the workdir's lock for the body; raises WorkdirBusyError if someone has it."""
-    holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    if "://" in workdir:
-        path = epath.Path(workdir) / LOCK
-        if path.exists():
-            raise WorkdirBusyError(
-                f"{workdir} is locked by {path.read_text().strip()}; if that run is dead, "
-                f"delete {path}"
-            )
-        path.write_text(json.dumps(holder))
-        try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)
-        return
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, LOCK)
-    with open(path, "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise WorkdirBusyError(
-                f"{workdir} is in use by another run ({f.read().strip() or 'unknown holder'}); "
-                "wait for it to end or use another --workdir"
-            ) from None
-        f.truncate(0)
-        f.write(json.dumps(holder))
-        f.flush()
-        try:
-            yield
-        finally:
-            f.truncate(0)
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def config_changes(workdir: str, cfg: RunConfig) -> list[str]:
@@ -187,10 +153,7 @@ class Attempt:
             own = {k: v for k, v in self.counters().items() if k in ACCUMULATED}
             self.record["own"] = {"wall_seconds": time.time() - self.t0, **own}
             lines = [json.dumps(r) for r in [*self.records, self.record]]
-            path = epath.Path(self.workdir) / ATTEMPTS
-            tmp = epath.Path(self.workdir) / (ATTEMPTS + ".tmp")
-            tmp.write_text("\n".join(lines) + "\n")
-            tmp.replace(path)
+            paths.write_atomic(epath.Path(self.workdir) / ATTEMPTS, "\n".join(lines) + "\n")
 
     def finish(self, summary: dict) -> dict:
         """Records this attempt's own counters and returns `summary` with the run's totals

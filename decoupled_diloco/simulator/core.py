@@ -12,8 +12,10 @@ Accounting, identical for every method:
 * goodput = useful chip-time / allocated chip-time. Useful = chip-time in running segments,
   times the synchronisation efficiency (a synchronous job's chips idle while waiting for
   its slowest slice each step), minus discarded work (in-flight steps, work since the last
-  checkpoint or offer when state is lost). Allocated = N chips for the whole horizon
-  (FaultSpec mode: the learners' membership windows), including slices under repair.
+  checkpoint or offer when state is lost, data-parallel snapshot stalls). Allocated = N
+  chips for the whole horizon (FaultSpec mode: the learners' membership windows),
+  including slices waiting for their replacement; the fleet's spares and repairs are
+  outside the job's allocation, for every method alike.
 * uptime = fraction of the horizon in which the global model advances: the job runs (DP,
   elastic DP), or >= K learners run and the syncer is up (Decoupled DiLoCo).
 * downtime_seconds = (1 - uptime) * horizon; failures = failures that hit hardware in service.
@@ -128,8 +130,32 @@ def _quorum_down_s(tls: list, quorum: int, syncer_down, horizon: float) -> float
     return float(dur[count < quorum].sum()) + (float(t[0]) if len(t) else horizon)
 
 
+def snapshot_interval_s(p: SimParams, failures_per_s: float) -> float:
+    """p.checkpoint_interval_s, or for 0 Young's optimum sqrt(2 * cost * job MTBF) (the
+    first-order minimum of cost / interval + interval / (2 * MTBF)), at least one step."""
+    if p.checkpoint_interval_s > 0:
+        return p.checkpoint_interval_s
+    if failures_per_s <= 0:
+        return p.horizon_s
+    return max(p.step_s, float(np.sqrt(2.0 * p.checkpoint_cost_s / failures_per_s)))
+
+
+def _failures_per_s(chips: int, p: SimParams, spec) -> float:
+    """The job's expected failure rate: what it would size its snapshot interval on."""
+    if spec is None:
+        return chips / p.chip_mtbf_s
+    rate = chips / (spec.chip_mtbf_hours * 3600.0) if spec.chip_mtbf_hours > 0 else 0.0
+    return rate + len(spec.crashes) / p.horizon_s
+
+
 def _timelines(
-    method: str, trace: Trace, p: SimParams, groups: int, rejoin_s: float, spares_ok: bool
+    method: str,
+    trace: Trace,
+    p: SimParams,
+    groups: int,
+    rejoin_s: float,
+    interval_s: float,
+    spares_ok: bool,
 ) -> list[tlm.Timeline]:
     """One timeline for DP / elastic DP, one per learner for Decoupled DiLoCo."""
     chips_U, up_U = trace.unit_chips.tolist(), trace.initial_up.tolist()
@@ -144,15 +170,16 @@ def _timelines(
                 relaunch_s=p.detect_s + p.restart_s,
                 graceful_relaunch_s=p.restart_s,
                 restore_s=p.restore_s,
-                checkpoint_interval_s=p.checkpoint_interval_s,
-                wait_for_back=not (spares_ok and p.hot_spares),
+                checkpoint_interval_s=interval_s,
+                checkpoint_cost_s=p.checkpoint_cost_s,
+                wait_for_back=not spares_ok,
             )
         ]
     if method == "decoupled":
         loss = tlm.fragment_loss(p.sync_period_s, p.fragments)
         owner_E, owner_U = trace.unit_learner[trace.unit], trace.unit_learner
     else:
-        loss = tlm.checkpoint_loss(p.checkpoint_interval_s)
+        loss = tlm.checkpoint_loss(interval_s)
         owner_E, owner_U = np.zeros(len(trace.unit), int), np.zeros(len(chips_U), int)
     out = []
     for g in range(groups):
@@ -192,7 +219,7 @@ def simulate(
         fault_spec = fault_steps.in_seconds(fault_spec, p.step_s)
     horizon = p.horizon_s
     if fault_spec is None:
-        trace = chip_trace(chips, learners, p, spares=method == "dp" and p.hot_spares)
+        trace = chip_trace(chips, learners, p)
         rejoin_s = p.restart_s + p.restore_s
         groups = learners if method == "decoupled" else 1
         eff_G = _slice_efficiency(trace, learners, groups, p)
@@ -202,7 +229,8 @@ def simulate(
         rejoin_s = p.restore_s  # the schedule's restart time already covers the relaunch
         eff = 1.0 if method == "decoupled" else _schedule_efficiency(schedule, p)
         eff_G = np.full(learners if method == "decoupled" else 1, eff)
-    tls = _timelines(method, trace, p, len(eff_G), rejoin_s, spares_ok=fault_spec is None)
+    interval_s = snapshot_interval_s(p, _failures_per_s(chips, p, fault_spec))
+    tls = _timelines(method, trace, p, len(eff_G), rejoin_s, interval_s, fault_spec is None)
     useful = sum(e * tl.chip_s() for e, tl in zip(eff_G, tls, strict=True))
     useful -= sum(tl.lost_chip_s for tl in tls)
     if method == "decoupled":

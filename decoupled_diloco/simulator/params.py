@@ -1,25 +1,25 @@
-"""Simulator parameters: every timing knob, its default and the reasoning behind it.
+"""Simulator parameters: every timing knob, its default, where the default comes from.
 
-The defaults are chosen once for every cell of the goodput table (any N, any method, any M);
-nothing is fitted per cell. Each field's `help` metadata (the reasoning, in full) is also the
-help of the `python -m decoupled_diloco.simulate` flag of the same name. In short:
+One setting serves every cell of the goodput table (any N, any method, any M); nothing is
+fitted to the paper's numbers. Each field's `help` metadata says whether its default is the
+paper's setting, sourced, or an assumption, and why; it is also the help of the
+`python -m decoupled_diloco.simulate` flag of the same name. Each assumption also carries a
+`plausible` (low, high) range, which experiments/goodput_sensitivity.py sweeps. In short:
 
-  chip_mtbf_years   1      paper's setting; cluster MTBF = MTBF / N (26 s at 1.2M chips)
-  slice_chips       64     a 4x4x4 TPU cube: what one chip failure takes out of a DP job
-  chip_return_s     8 h    repair turnaround of a failed slice (one shift); an elastic job
-                           runs 64 * 8 h / 1 y = 5.8% short of chips
-  detect_s          5 s    collective / heartbeat timeout
-  reconfig_s        11 s   elastic re-mesh from the compilation cache; with detect_s the one
-                           knob the elastic numbers hinge on, set once at the 1.2M cell
-  step_s            2 s    in-flight step lost on an elastic failure
-  restart_s         30 s   non-elastic relaunch onto hot spares
-  restore_s         20 s   in-memory checkpoint restore and broadcast
-  checkpoint_interval_s 10 s   asynchronous in-memory snapshot every 5 steps
-  sync_period_s     48 s   H = 24 steps between offers of one fragment; P = 24 fragments
-  quorum            1      K (paper)
-  speed spreads     0      the headline table isolates failures
+  chip_mtbf_years      1      paper; cluster MTBF = MTBF / N (26 s at 1.2M chips)
+  slice_chips          64     source: a TPU v4/v5p 4x4x4 cube, what one chip failure takes out
+  replace_s            30 s   assumption: a hot spare cube is patched in (the repair of the
+                              failed one is the fleet's business, not the job's allocation)
+  detect_s             5 s    assumption: heartbeat / collective timeout
+  reconfig_s           10 s   assumption: elastic re-mesh from the compilation cache
+  restart_s            30 s   assumption: non-elastic relaunch of the whole job
+  restore_s            20 s   assumption: restore from an in-memory (peer) snapshot
+  checkpoint_cost_s    0.5 s  assumption: a data-parallel step's stall per snapshot
+  checkpoint_interval  auto   source: Young's optimum sqrt(2 * cost * job MTBF)
+  step_noise_std       1%     assumption: per-step, per-slice step-time jitter
+  step_s, H, P, K      2 s, 24, 24, 1   paper's H, P, K; step time: assumption
 
-`experiments/README.md` (goodput section) explains the calibration and its limits.
+`experiments/README.md` (goodput section) has the sensitivity table of every assumption.
 """
 
 import dataclasses
@@ -29,8 +29,11 @@ METHODS = ("dp", "elastic_dp", "decoupled")
 YEAR_S = 365.0 * 24 * 3600
 
 
-def _p(default, help_text: str):
-    return dataclasses.field(default=default, metadata={"help": help_text})
+def _p(default, help_text: str, plausible: tuple | None = None):
+    meta = {"help": help_text}
+    if plausible is not None:
+        meta["plausible"] = plausible
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,82 +52,98 @@ class SimParams:
     )
     chip_mtbf_years: float = _p(
         1.0,
-        "Mean time between failures of one chip, in years (the paper's setting). Failures "
-        "are independent exponential clocks, sampled as one Poisson process of rate N/MTBF.",
+        "[paper] Mean time between failures of one chip, in years. Failures are independent "
+        "exponential clocks, sampled as one Poisson process of rate N/MTBF.",
+        (0.5, 2.0),
     )
     slice_chips: int = _p(
         64,
-        "Chips per slice, the unit a chip failure takes out: one 4x4x4 TPU cube (v4/v5p), "
-        "the smallest block the optical circuit switches can swap. A data-parallel "
-        "replica spans whole slices, so an elastic job drops the slice, not the chip.",
+        "[source: TPU v4, Jouppi et al., ISCA 2023] Chips per slice, the unit a chip failure "
+        "takes out: one 4x4x4 cube, the block the optical circuit switches swap. A "
+        "data-parallel replica spans whole slices, so an elastic job drops the slice.",
+        (16, 256),
     )
-    chip_return_s: float = _p(
-        8 * 3600.0,
-        "Time until a failed slice is back in service (drain, diagnose, replace the failed "
-        "host or tray, burn-in, re-admit): 8 h, one repair shift, inside the hours-to-a-day "
-        "turnaround of data-centre fleets. It sets the capacity an elastic job runs "
-        "without: slice_chips * chip_return_s / MTBF = 5.8% of the chips at the defaults.",
+    replace_s: float = _p(
+        30.0,
+        "[assumption] Failure -> a replacement slice ready to join the job: a hot spare cube "
+        "(powered, health-checked) patched in by the optical switches, its hosts starting "
+        "the job's processes, i.e. what a relaunch does (restart_s). The failed cube goes "
+        "to repair outside the job, for every method alike. Non-elastic DP waits for it; "
+        "elastic jobs run on without the slice and re-add its replacement at the next "
+        "reconfiguration. 8 h here models a fleet without spares (the slice's own repair).",
+        (0.0, 8 * 3600.0),
     )
     detect_s: float = _p(
         5.0,
-        "Failure detection: collective/heartbeat timeout before anyone reacts (a hung "
-        "all-reduce is noticed within seconds on a healthy interconnect).",
+        "[assumption] Failure detection: heartbeat / collective timeout before anyone "
+        "reacts (a few missed 1 s heartbeats).",
+        (1.0, 30.0),
     )
     reconfig_s: float = _p(
-        11.0,
-        "Elastic reconfiguration pause: rebuild the mesh without (or with returned) slices, "
-        "load the program already compiled for that shape from the compilation cache, "
-        "re-shard the data pipeline; survivors keep their parameters, so nothing is "
-        "restored. Order of ten seconds; detect_s + reconfig_s = 16 s was set once so "
-        "elastic DP at 1.2M chips matches the paper, every other cell follows.",
+        10.0,
+        "[assumption] Elastic reconfiguration pause: rebuild the mesh without (or with "
+        "returned) slices, load the program compiled for that shape from the compilation "
+        "cache, re-shard the data pipeline; survivors keep their parameters.",
+        (2.0, 60.0),
     )
     step_s: float = _p(
         2.0,
-        "Training step time. On an elastic failure the in-flight step is discarded "
-        "(on average half a step of work is lost).",
+        "[assumption] Training step time of a large pre-training job. On an elastic failure "
+        "the in-flight step is discarded (half a step of work lost on average).",
+        (1.0, 8.0),
     )
     restart_s: float = _p(
         30.0,
-        "Non-elastic relaunch: tear down, re-schedule the whole job onto hot spares, start "
-        "processes, initialise collectives, load the compiled program from cache.",
+        "[assumption] Non-elastic relaunch: tear down, start every process, initialise "
+        "collectives, load the compiled program from cache.",
+        (10.0, 300.0),
     )
     restore_s: float = _p(
         20.0,
-        "Checkpoint restore after a relaunch: read the in-memory/peer checkpoint and "
-        "broadcast it (multi-tier checkpointing keeps the latest state in host RAM).",
+        "[assumption; mechanism: Gemini 1.0 report, recovery from an intact in-memory "
+        "replica] Restore after a relaunch (and a learner's rejoin): read the latest "
+        "in-memory snapshot from host RAM or a peer replica and broadcast it.",
+        (5.0, 120.0),
+    )
+    checkpoint_cost_s: float = _p(
+        0.5,
+        "[assumption] Data-parallel snapshot stall: the part of an in-memory checkpoint that "
+        "blocks the step (the device -> host copy not hidden behind compute). Charged to "
+        "non-elastic DP, the only method that rolls back to snapshots: elastic survivors "
+        "keep the state, learners' state lives with the syncer.",
+        (0.05, 5.0),
     )
     checkpoint_interval_s: float = _p(
-        10.0,
-        "Data-parallel checkpoint interval: asynchronous in-memory snapshots every 5 steps, "
-        "the favourable end of practice; a failure loses the work since the last one.",
-    )
-    hot_spares: bool = _p(
-        True,
-        "Chip-MTBF mode only: non-elastic DP relaunches onto hot-spare slices, so it "
-        "waits for the relaunch, not for the repair. With a FaultSpec the schedule's "
-        "restart time is authoritative (the failed learner itself must be back).",
+        0.0,
+        "Data-parallel snapshot interval; 0 = Young's first-order optimum (Young, CACM 1974; "
+        "Daly 2006) sqrt(2 * checkpoint_cost_s * job MTBF), at least one step: a job that "
+        "fails more often snapshots more often. A failure loses the work since the last one.",
     )
     sync_period_s: float = _p(
         48.0,
-        "Decoupled DiLoCo: time between two offers of the same fragment (H = 24 steps of "
-        "step_s). A learner that loses its whole state loses on average half of it.",
+        "[paper's H = 24 steps of step_s] Decoupled DiLoCo: time between two offers of the "
+        "same fragment. A learner that loses its whole state loses on average half of it.",
     )
-    fragments: int = _p(24, "P: fragments, offered on staggered schedules (paper: 24).")
+    fragments: int = _p(24, "[paper] P: fragments, offered on staggered schedules.")
     quorum: int = _p(
         1,
-        "K: minimum quorum. The global model advances while >= K learners run and the "
-        "syncer is up (paper: K = 1). Learners never wait for it (max_wait = 0).",
+        "[paper] K: minimum quorum. The global model advances while >= K learners run and "
+        "the syncer is up. Learners never wait for it (max_wait = 0).",
     )
     chip_speed_std: float = _p(
         0.0,
         "Constant per-chip speed spread (log-normal std of the step-time factor). A slice "
-        "runs at its slowest chip; synchronous jobs run at their slowest slice. 0 for the "
-        "headline table, which isolates failures.",
+        "runs at its slowest chip; synchronous jobs run at their slowest slice. 0: TPU "
+        "clocks are fixed, and a chronically slow chip is a failure (drained, replaced).",
     )
     step_noise_std: float = _p(
-        0.0,
-        "Per-step, per-slice step-time noise (log-normal std); synchronous jobs wait for "
-        "the slowest slice every step, decoupled learners only for their own slices.",
+        0.01,
+        "[assumption; stragglers at scale: Lin et al., OSDI 2025] Per-step, per-slice "
+        "step-time jitter (log-normal std): host input pipeline, network congestion, "
+        "thermal throttling. A synchronous group waits every step for its slowest slice, "
+        "so a job of S slices loses ~std * sqrt(2 ln S): a DP job of 1.2M chips as much as "
+        "a learner of 75k, within half a point; a decoupled learner never waits for others.",
+        (0.0, 0.03),
     )
     slow_fraction: float = _p(
         0.0,
@@ -142,14 +161,23 @@ class SimParams:
         return self.chip_mtbf_years * YEAR_S
 
 
+def plausible_ranges() -> dict[str, tuple]:
+    """{field: (low, high)} of every assumption with a plausible range (the sweep's axes)."""
+    return {
+        f.name: f.metadata["plausible"]
+        for f in dataclasses.fields(SimParams)
+        if "plausible" in f.metadata
+    }
+
+
 def validate_sim_params(p: SimParams) -> None:
     """Raises ValueError naming the offending field (the CLI flag of the same name)."""
-    positive = ("horizon_days", "chip_mtbf_years", "step_s", "checkpoint_interval_s")
-    positive += ("sync_period_s", "slow_factor")
+    positive = ("horizon_days", "chip_mtbf_years", "step_s", "sync_period_s", "slow_factor")
     for name in positive:
         if not getattr(p, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(p, name)}")
-    non_negative = ("chip_return_s", "detect_s", "reconfig_s", "restart_s", "restore_s")
+    non_negative = ("replace_s", "detect_s", "reconfig_s", "restart_s", "restore_s")
+    non_negative += ("checkpoint_cost_s", "checkpoint_interval_s")
     non_negative += ("chip_speed_std", "step_noise_std")
     for name in non_negative:
         if not getattr(p, name) >= 0:

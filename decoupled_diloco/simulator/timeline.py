@@ -3,8 +3,8 @@
 Two recovery policies, one loop each (pure functions; one pass over the job's events):
 
 * `restart_timeline` -- non-elastic data parallelism: any failure stops the job; it comes
-  back after detection + relaunch + checkpoint restore and loses the work since the last
-  checkpoint.
+  back after detection + relaunch (and the failed slice's replacement) + snapshot restore
+  and loses the work since the last snapshot; snapshots stall it for their cost.
 * `elastic_timeline` -- elastic data parallelism, and equally one Decoupled DiLoCo
   learner: a failure pauses the job for detection + reconfiguration, after which it runs on
   without the failed unit; units that come back join at the next reconfiguration, or at a
@@ -15,8 +15,9 @@ Two recovery policies, one loop each (pure functions; one pass over the job's ev
 
 Shared rule: a failure that arrives while the job is already recovering is folded into
 that recovery without extending it (the recovery's final health check excludes or
-replaces every unit found dead), except that a job without spares cannot finish
-recovering before its failed unit is back.
+replaces every unit found dead), except that a non-elastic job cannot finish recovering
+before the unit whose failure started the recovery (or its replacement) is back, nor,
+without spares (FaultSpec mode), before any unit that failed meanwhile is back.
 """
 
 import dataclasses
@@ -60,16 +61,22 @@ def restart_timeline(
     graceful_relaunch_s: float,
     restore_s: float,
     checkpoint_interval_s: float,
-    wait_for_back: bool,
+    checkpoint_cost_s: float = 0.0,
+    wait_for_back: bool = True,
 ) -> Timeline:
     """Non-elastic job over all units in service. events = (time, kind, unit, back) lists.
 
-    A failure costs relaunch_s + restore_s (and, if wait_for_back, lasts until the failed
-    unit is back + restore_s) and the work since the last checkpoint, taken every
-    checkpoint_interval_s of running after each relaunch. A join or leave relaunches the
-    job at its new size after a checkpoint: graceful_relaunch_s + restore_s, nothing lost.
+    A failure lasts relaunch_s + restore_s, or until the failed unit (or its replacement) is
+    back + restore_s if that is later, and costs the work since the last snapshot. Another
+    failure during the recovery extends it to that unit's back + restore_s only if
+    `wait_for_back` (no spare can stand in for the unit); otherwise the recovery's final
+    health check swaps in a spare prepared alongside the relaunch. After each
+    relaunch the job computes checkpoint_interval_s, stalls checkpoint_cost_s for a
+    snapshot, and so on: the stalls are lost work too. A join or leave relaunches the job at
+    its new size after a snapshot: graceful_relaunch_s + restore_s, nothing else lost.
     """
     tl = Timeline()
+    snap = snapshot_loss(checkpoint_interval_s, checkpoint_cost_s)
     in_service = list(initial_up)
     live = sum(c for c, up in zip(unit_chips, in_service, strict=True) if up)
     state, run_start, rec_end = (_RUN if live > 0 else _DOWN), 0.0, 0.0
@@ -82,10 +89,10 @@ def restart_timeline(
             tl.failures += 1
             if state == _RUN:
                 tl.starts.append(run_start), tl.ends.append(t), tl.chips.append(live)
-                tl.lost_chip_s += live * ((t - run_start) % checkpoint_interval_s)
-                state, rec_end = _PAUSE, t + relaunch_s + restore_s
+                tl.lost_chip_s += live * snap(t - run_start, True)
+                state, rec_end = _PAUSE, max(t + relaunch_s, b) + restore_s
                 tl.recoveries += 1
-            if wait_for_back and state == _PAUSE:
+            elif wait_for_back and state == _PAUSE:
                 rec_end = max(rec_end, b + restore_s)
         elif k in (LEAVE, JOIN):
             joining = k == JOIN
@@ -94,6 +101,7 @@ def restart_timeline(
             in_service[u] = joining
             if state == _RUN:
                 tl.starts.append(run_start), tl.ends.append(t), tl.chips.append(live)
+                tl.lost_chip_s += live * snap(t - run_start, False)
             if state != _PAUSE:
                 state, rec_end = _PAUSE, t + graceful_relaunch_s + restore_s
                 tl.recoveries += 1
@@ -102,7 +110,22 @@ def restart_timeline(
         state, run_start = _RUN, rec_end
     if state == _RUN:
         tl.starts.append(run_start), tl.ends.append(horizon), tl.chips.append(live)
+        tl.lost_chip_s += live * snap(horizon - run_start, False)
     return tl
+
+
+def snapshot_loss(interval_s: float, cost_s: float) -> Callable[[float, bool], float]:
+    """Seconds of work lost in a run segment of `elapsed` seconds that computes interval_s,
+    stalls cost_s for a snapshot, and so on: the stalls, plus (if it ends in a `failed`
+    state) everything since the last completed snapshot."""
+    cycle = interval_s + cost_s
+
+    def loss(elapsed: float, failed: bool) -> float:
+        if failed:
+            return elapsed - interval_s * math.floor(elapsed / cycle)
+        return elapsed * cost_s / cycle
+
+    return loss
 
 
 def elastic_timeline(

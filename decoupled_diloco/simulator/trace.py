@@ -81,26 +81,23 @@ def drop_failures_while_down(time: np.ndarray, unit: np.ndarray, down_s: float) 
     return out
 
 
-def chip_trace(chips: int, learners: int, p: SimParams, spares: bool) -> Trace:
-    """Chip-MTBF mode. With `spares` (non-elastic DP) a failed slice is swapped for a spare
-    at once, so every chip failure counts and nothing waits for repairs; otherwise a failed
-    slice is out for chip_return_s and then comes back (a BACK event)."""
+def chip_trace(chips: int, learners: int, p: SimParams) -> Trace:
+    """Chip-MTBF mode, the same trace for every method: a failed slice is out of the job
+    until its replacement is ready, replace_s later (a BACK event); its chips cannot fail
+    meanwhile. The failed slice's own repair happens outside the job's allocation."""
     unit_chips, unit_learner = slice_layout(chips, learners, p.slice_chips)
     rng = np.random.default_rng([p.seed % 2**63, 0])
     time, unit = sample_chip_failures(chips, learners, p, rng)
-    kind = np.full(len(time), FAIL)
-    back = time.copy()
-    if not spares:
-        keep = drop_failures_while_down(time, unit, p.chip_return_s)
-        time, unit = time[keep], unit[keep]
-        ret = time + p.chip_return_s
-        inside = ret < p.horizon_s
-        kind = np.concatenate([np.full(len(time), FAIL), np.full(int(inside.sum()), BACK)])
-        back = np.concatenate([ret, ret[inside]])
-        time = np.concatenate([time, ret[inside]])
-        unit = np.concatenate([unit, unit[inside]])
-        order = np.argsort(time, kind="stable")
-        time, kind, unit, back = time[order], kind[order], unit[order], back[order]
+    keep = drop_failures_while_down(time, unit, p.replace_s)
+    time, unit = time[keep], unit[keep]
+    ret = time + p.replace_s
+    inside = ret < p.horizon_s
+    kind = np.concatenate([np.full(len(time), FAIL), np.full(int(inside.sum()), BACK)])
+    back = np.concatenate([ret, ret[inside]])
+    time = np.concatenate([time, ret[inside]])
+    unit = np.concatenate([unit, unit[inside]])
+    order = np.argsort(time, kind="stable")
+    time, kind, unit, back = time[order], kind[order], unit[order], back[order]
     return Trace(
         horizon_s=p.horizon_s,
         unit_chips=unit_chips,

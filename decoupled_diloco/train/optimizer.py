@@ -19,6 +19,11 @@ class TrainConfig:
 
     steps: int = 200  # inner steps per learner
     batch_size: int = 32  # sequences per inner step per learner
+    # Gradient accumulation: each inner step runs its batch as this many equal microbatches
+    # (batch_size / microbatches sequences each) and applies their mean gradient once, so
+    # activation memory shrinks and the math stays the step's; steps, H and tau still
+    # count inner steps (train/step.py). 1 = no accumulation.
+    microbatches: int = 1
     learning_rate: float = 3e-3  # peak inner AdamW lr
     warmup_steps: int = 20  # linear warmup steps
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak lr
@@ -31,6 +36,12 @@ class TrainConfig:
     eval_batches: int = 8  # held-out batches per evaluation
     log_every: int = 10  # steps between metrics.jsonl lines / progress updates
     checkpoint_every: int = 100  # steps between orbax checkpoints; 0 = only at the end
+    # Batches a background thread reads and places on the devices ahead of the step that
+    # trains on them (data/prefetch.py); 0 = read and transfer inside the step.
+    prefetch: int = 2
+    # Also write the metrics rows as TensorBoard event files (no TensorFlow needed) under
+    # <workdir>/tensorboard/{learner_<m>,global}/ (decoupled_diloco/tensorboard_events.py).
+    tensorboard: bool = True
     seed: int = 0  # model init; the run's `seed` unless set
 
 

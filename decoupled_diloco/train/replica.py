@@ -7,10 +7,14 @@ by the learner's own thread at a step boundary (`fragment_copies`: on-device cop
 survive the next donation, whose host transfer is started at once).
 """
 
+import functools
+import math
+
 import jax
 import numpy as np
 
 from decoupled_diloco import models, sharding, transfer
+from decoupled_diloco.diloco.fragment_members import parse_member
 from decoupled_diloco.models import flatten_params, unflatten_params
 from decoupled_diloco.train import optimizer as optim
 from decoupled_diloco.train.step import TrainState, make_train_step
@@ -36,7 +40,7 @@ class Replica:
             sharding.replicated(mesh), self.param_shardings, self.opt_shardings
         )
         self._train_step = jax.jit(
-            make_train_step(model_cfg, self.optimizer, schedule, mesh),
+            make_train_step(model_cfg, self.optimizer, schedule, mesh, train_cfg.microbatches),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, sharding.replicated(mesh)),
             donate_argnums=0,
@@ -50,6 +54,7 @@ class Replica:
         )
         self._add = jax.jit(lambda a, d: jax.tree.map(lambda x, y: x + y, a, d))
         self._copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
+        self._row_updates: dict = {}  # leaf -> jitted update of a row slice of it
         self.state: TrainState | None = None
 
     # --- state -------------------------------------------------------------------------
@@ -102,9 +107,28 @@ class Replica:
         return transfer.to_host(copies)
 
     # --- steps and protocol operations -------------------------------------------------
-    def step(self, batch: np.ndarray) -> dict:
-        """One inner step; returns its metrics as device scalars (fetch when needed)."""
-        batch = transfer.to_device({"b": batch}, {"b": self.batch_sharding})["b"]
+    def put_batch(self, batch: np.ndarray) -> jax.Array:
+        """This host's rows of a batch [B / hosts, T + 1] (all of it on one host) placed
+        as the global batch with the step's batch sharding (transfer.batch_to_device)."""
+        return transfer.batch_to_device(batch, self.batch_sharding)
+
+    def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host fragment members placed with their parameters' shardings (a merge staged
+        ahead); a row slice takes its leaf's (diloco/fragment_members.py)."""
+        return transfer.to_device(
+            arrays, {k: self._member_sharding(k, v) for k, v in arrays.items()}
+        )
+
+    def _member_sharding(self, name: str, value) -> jax.sharding.Sharding:
+        leaf, rows = parse_member(name)
+        target = self.flat_shardings[leaf]
+        return target if rows is None else _rows_sharding(target, len(value))
+
+    def step(self, batch) -> dict:
+        """One inner step on a host batch or one `put_batch` placed; returns its metrics as
+        device scalars (fetch when needed)."""
+        if not isinstance(batch, jax.Array):
+            batch = self.put_batch(batch)
         self.state, metrics = self._train_step(self.state, batch)
         return metrics
 
@@ -113,17 +137,26 @@ class Replica:
         jax.block_until_ready(self.state)
 
     def fragment_copies(self, names) -> dict[str, jax.Array]:
-        """Device copies of the named leaves (they survive the next donating step), with
-        their host transfer already started."""
+        """Device copies of the named fragment members (leaves, or row slices of one:
+        diloco/fragment_members.py) that survive the next donating step, with their host
+        transfer already started."""
         flat = flatten_params(self.state.params)
-        copies = self._copy({k: flat[k] for k in names})
+        whole = [k for k in names if parse_member(k)[1] is None]
+        copies = self._copy({k: flat[k] for k in whole})
+        for k in names:
+            leaf, rows = parse_member(k)
+            if rows is not None:  # a new array: it survives donation too
+                copies[k] = _take_rows(flat[leaf], rows.start, rows.stop)
         transfer.start_to_host(copies)
         return copies
 
-    def apply(self, kind: str, arrays: dict[str, np.ndarray], alpha: float = 0.0) -> None:
-        """θ ← θ + x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named leaves."""
+    def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
+        """θ ← θ + x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named fragment members
+        (leaves, or row slices of one); x host arrays, or device arrays from `place`."""
         flat = flatten_params(self.state.params)
-        x = transfer.to_device(arrays, {k: self.flat_shardings[k] for k in arrays})
+        placed = all(isinstance(a, jax.Array) for a in arrays.values())
+        placed = dict(arrays) if placed else self.place(arrays)
+        x = {k: v for k, v in placed.items() if parse_member(k)[1] is None}
         mine = {k: flat[k] for k in x}
         if kind == "add":
             flat.update(self._add(mine, x))
@@ -131,7 +164,43 @@ class Replica:
             flat.update(self._mix(mine, x, alpha))
         else:
             flat.update(x)
+        for k, value in placed.items():
+            leaf, rows = parse_member(k)
+            if rows is not None:
+                flat[leaf] = self._apply_rows(flat[leaf], leaf, rows.start, value, kind, alpha)
         self.state = self.state._replace(params=unflatten_params(flat))
+
+    def _apply_rows(self, full, leaf: str, start: int, x, kind: str, alpha: float):
+        """`apply` on rows start.. of one leaf (x placed); the leaf keeps its sharding."""
+        target = self.flat_shardings[leaf]
+        if leaf not in self._row_updates:
+            self._row_updates[leaf] = jax.jit(
+                _update_rows, static_argnums=(2, 3), out_shardings=target
+            )
+        return self._row_updates[leaf](full, x, start, kind if kind == "add" else "mix", alpha)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _take_rows(x: jax.Array, start: int, stop: int) -> jax.Array:
+    return x[start:stop]
+
+
+def _update_rows(full, x, start: int, kind: str, alpha):
+    """Rows start..start+len(x) of `full` ← + x ("add"), or α·rows + (1 − α)·x."""
+    rows = jax.lax.dynamic_slice_in_dim(full, start, x.shape[0])
+    new = rows + x if kind == "add" else alpha * rows + (1 - alpha) * x
+    return jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), start, 0)
+
+
+def _rows_sharding(leaf_sharding, rows: int):
+    """The leaf's sharding for a slice of `rows` rows: its first axis stays split only
+    where `rows` divides evenly."""
+    spec = list(leaf_sharding.spec) + [None] * (1 - len(leaf_sharding.spec))
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+    ways = math.prod(leaf_sharding.mesh.shape[a] for a in axes)
+    if ways > 1 and rows % ways:
+        spec[0] = None
+    return jax.sharding.NamedSharding(leaf_sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def _match_shardings(opt_abstract, param_shardings, mesh):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 from decoupled_diloco import models
-from decoupled_diloco.sharding import constraint_mesh
+from decoupled_diloco.sharding import constrain, constraint_mesh
 
 
 class TrainState(NamedTuple):
@@ -34,6 +34,40 @@ def loss_fn(model_cfg: models.ModelConfig, params, batch_BT1: jax.Array):
     return total, (ce, aux)
 
 
+def microbatched_value_and_grad(model_cfg, params, batch_BT1: jax.Array, microbatches: int):
+    """`loss_fn`'s ((total, (ce, aux)), grads) for the batch as the mean over `microbatches`
+    equal microbatches, run one after another (`lax.scan`), so activations are held for one
+    microbatch at a time.
+
+    Cross-entropy is a mean over equally many tokens per microbatch, so the mean over
+    microbatches is the full batch's loss and its gradient the full batch's gradient. MoE
+    routing, capacity and dropping are per batch row (moe.py), hence unchanged too, and so
+    are router_z_loss, expert_load and dropped_fraction (token means); load_balance_loss
+    (E * sum_e f_e * P_e, a product of batch means) becomes the mean of each microbatch's
+    own balance loss, as with gradient accumulation elsewhere (it then also balances within
+    each microbatch), so with MoE `total_loss` and the router's gradient differ slightly
+    from one big batch.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+    B = batch_BT1.shape[0]
+    if B % microbatches:
+        raise ValueError(f"batch of {B} rows does not split into {microbatches} microbatches")
+    # Microbatch j takes rows j, j + n, j + 2n, ...: the batch is split over the data axes
+    # in contiguous blocks, so each device already holds its share of every microbatch and
+    # no row moves between devices.
+    batch_NBT1 = batch_BT1.reshape(B // microbatches, microbatches, -1).swapaxes(0, 1)
+    batch_NBT1 = constrain(batch_NBT1, (None, "batch", None))
+    shapes = jax.eval_shape(lambda p, b: grad_fn(model_cfg, p, b), params, batch_NBT1[0])
+
+    def accumulate(acc, microbatch_BT1):
+        out = grad_fn(model_cfg, params, microbatch_BT1)
+        return jax.tree.map(jnp.add, acc, out), None
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    summed, _ = jax.lax.scan(accumulate, zeros, batch_NBT1)
+    return jax.tree.map(lambda x: x / microbatches, summed)
+
+
 def init_train_state(model_cfg, optimizer: optax.GradientTransformation, rng) -> TrainState:
     params = models.init_params(model_cfg, rng)
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
@@ -44,8 +78,13 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     schedule: optax.Schedule,
     mesh: jax.sharding.Mesh | None = None,
+    microbatches: int = 1,
 ):
     """(state, batch [B, T+1] int32) -> (new state, metrics dict of scalars).
+
+    With `microbatches` > 1 the gradient is accumulated over that many microbatches of
+    B / microbatches rows (`microbatched_value_and_grad`) and the optimizer steps once: one
+    inner step, whatever the count; metrics are the means over the microbatches.
 
     The optimizer's update receives `step=state.step`, so the lr is `schedule(state.step)`
     (`make_inner_optimizer` reads it there) however old the optimizer state is; "learning_rate"
@@ -56,8 +95,13 @@ def make_train_step(
 
     def train_step(state: TrainState, batch_BT1: jax.Array):
         with constraint_mesh(mesh):
-            grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
-            (total, (ce, aux)), grads = grad_fn(model_cfg, state.params, batch_BT1)
+            if microbatches > 1:
+                out = microbatched_value_and_grad(model_cfg, state.params, batch_BT1, microbatches)
+            else:
+                out = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(
+                    model_cfg, state.params, batch_BT1
+                )
+            (total, (ce, aux)), grads = out
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params, step=state.step)
         params = optax.apply_updates(state.params, updates)
         metrics = {

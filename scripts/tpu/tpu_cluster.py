@@ -21,6 +21,8 @@ RAY_ADDRESS_KEY = "ray.address"  # config key with which the Ray runtime joins a
 # What the launcher sets for a TPU run besides the learner count and the chips per learner.
 RAY_ACCELERATOR = "--config.ray.accelerator=tpu"  # one learner per slice, on its TPU chips
 CHECKPOINT_KEY = "ray.checkpoint_dir"  # where every actor writes (a path all hosts reach)
+# setup.py's extra for TPU hosts and the head: gcsfs (gs:// paths) and sentencepiece.
+EXTRA = "tpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +76,16 @@ def setup_commands(
         nodes = [(only, one_slice(name, num_slices, only))]
     ray = f"ray[default]=={versions.ray}"
     head: list[list[str]] = []
+    package = f"decoupled_diloco[{EXTRA}] @ "  # uv takes a path or URL after the "@"
     if source.wheel:
         wheel = f"./{posixpath.basename(source.wheel)}"
-        tpu_pkg = head_pkg = wheel
+        tpu_pkg = head_pkg = package + wheel
         scp = ["gcloud", "compute", "scp", "--recurse", source.wheel, source.configs_dir]
         head.append([*scp, f"{head_vm_name(name)}:", *cloud.flags])
         head_prep = f"mkdir -p {REPO_DIR} && rm -rf {REPO_DIR}/configs && mv configs {REPO_DIR}/"
     else:
-        tpu_pkg = f"decoupled_diloco @ git+{source.git_url}@{source.git_ref}"
-        head_pkg = f"./{REPO_DIR}"
+        tpu_pkg = f"{package}git+{source.git_url}@{source.git_ref}"
+        head_pkg = f"{package}./{REPO_DIR}"
         url, ref = shlex.quote(source.git_url), shlex.quote(source.git_ref)
         head_prep = (
             f"(test -d {REPO_DIR}/.git || git clone {url} {REPO_DIR}) && "

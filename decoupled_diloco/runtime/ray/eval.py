@@ -39,9 +39,12 @@ class LearnerEvals:
         self._cv = threading.Condition()
 
     def put(self, tag: int, shards: tuple[dict, ...]) -> None:
+        from decoupled_diloco.diloco.fragment_members import join_members
+
         theta: dict = {}
         for shard in shards:
             theta.update(shard)
+        theta = join_members(theta)  # whole leaves from fragment members
         with self._cv:
             self._requests[tag] = theta
             self._cv.notify_all()

@@ -214,7 +214,9 @@ class LearnerActor:
                     f"{run.devices_per_learner}"
                 )
             self.mesh = sharding.make_mesh(devices[: run.devices_per_learner], run.mesh)
-            data = make_iterator(run.data, "train", run.train.batch_size, m, M)
+            data = make_iterator(  # this host's rows only (transfer.batch_to_device)
+                run.data, "train", run.train.batch_size, m, M, self.host, self.hosts
+            )
             plan = model_plan(run.model, run.diloco)
         schedule = faults.FaultSchedule(run.faults, M, faults.HORIZON_S)
         link = None

@@ -41,7 +41,7 @@ import uuid
 import jax
 import ray
 
-from decoupled_diloco import faults, run_files, sharding
+from decoupled_diloco import faults, paths, run_files, sharding
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.diloco.messages import Leave
 from decoupled_diloco.metrics import Progress, write_json
@@ -61,13 +61,12 @@ from decoupled_diloco.train.evaluate import Evaluator
 class RayRuntime:
     def __init__(self, run: RunConfig, workdir: str, verbose: bool = True):
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
-        os.makedirs(workdir, exist_ok=True)
-        self.log = RunLog(workdir, accounting.Ledger.of_run(run))
+        paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
         self.ledger = self.log.ledger
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
-        ckpt_dir = run.ray.checkpoint_dir or os.path.join(workdir, "checkpoints")
         # Actors resolve paths from their own working directory: give them an absolute one.
-        self.ckpt_dir = ckpt_dir if "://" in ckpt_dir else os.path.abspath(ckpt_dir)
+        self.ckpt_dir = str(paths.resolve(run.ray.checkpoint_dir or f"{workdir}/checkpoints"))
         self.evals = ray_eval.DriverEvals()
         self.t0 = time.time()
         M = run.num_learners
@@ -101,7 +100,8 @@ class RayRuntime:
             self.log.close()
 
     def _launch(self) -> None:
-        run = self.run_cfg
+        # Actors read the tokenizer the driver trained (if any), never train their own.
+        run = run_files.with_shared_tokenizer(self.run_cfg, self.ckpt_dir)
         rc = run.ray
         self.run_id = uuid.uuid4().hex[:8]
         self.t0 = time.time()
@@ -320,10 +320,12 @@ class RayRuntime:
 
     # --- report -----------------------------------------------------------------------
     def _global_params(self) -> dict:
+        from decoupled_diloco.diloco.fragment_members import join_members
+
         out = {}
         for actor in self.syncers:
             out.update(_call(actor.global_params))
-        return out
+        return join_members(out)  # whole leaves from fragment members
 
     def _tokens(self) -> int:
         tokens_per_batch = self.run_cfg.train.batch_size * self.run_cfg.data.seq_len
@@ -359,7 +361,7 @@ class RayRuntime:
             self.ledger.summary(wall, True, [s["step"] for s in self.status]),
             stats,
         )
-        write_json(os.path.join(self.workdir, "summary.json"), summary)
+        write_json(paths.resolve(self.workdir) / "summary.json", summary)
         self.progress.close()
         return summary
 

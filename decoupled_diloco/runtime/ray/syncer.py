@@ -44,8 +44,8 @@ class SyncerActor:
 
     def __init__(self, shard: int, run: RunConfig, ckpt_dir: str, run_id: str, t0: float):
         from decoupled_diloco import compile_cache, faults
-        from decoupled_diloco.checkpoint import Checkpointer
         from decoupled_diloco.diloco.fragments import model_plan
+        from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
         from decoupled_diloco.runtime.links import LocalSyncerLink
         from decoupled_diloco.runtime.ray import links
         from decoupled_diloco.runtime.ray.learner import was_restarted
@@ -72,7 +72,7 @@ class SyncerActor:
             links.LearnerMailboxes(names).boxes,
             reply_seconds=lambda m, n: schedule.transfer_seconds(m, n),
         )
-        ckpt = Checkpointer(os.path.join(ckpt_dir, f"syncer_{shard}"))
+        ckpt = FragmentCheckpointer(os.path.join(ckpt_dir, f"syncer_{shard}"))
         self.loop = SyncerLoop(
             shard, run, plan, initial_params(run), link, ckpt,
             schedule, self.now, self._record, emulate_outages=False, restarted=restarted,

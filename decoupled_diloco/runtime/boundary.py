@@ -1,0 +1,140 @@
+"""A learner's step boundary: the protocol (`diloco/learner.py`) meets its device replica.
+
+Shared by every runtime's learner loop and by the tests' simulated learners (numpy
+replicas). What the learner's own thread does here is bookkeeping and dispatch; the bytes
+move elsewhere:
+- offers leave as on-device fragment copies through the outbox, whose thread waits for
+  the device->host transfer, computes the outer gradient and encodes it;
+- a merged version that arrives is turned into its update (decode, Θ_new − G + v̂) and
+  placed on the learner's devices by the `MergeStager`'s thread while the device keeps
+  stepping, so the boundary that applies it only dispatches the on-device add.
+"""
+
+import concurrent.futures
+import threading
+
+from decoupled_diloco.diloco.learner import Learner, Update
+from decoupled_diloco.runtime.outbox import Outbox
+
+
+class MergeStager:
+    """Computes updates ahead of the boundary that applies them, on one worker thread, and
+    places their arrays on the replica's devices (`replica.place`).
+
+    Keyed by `Update.key`: an update applied with the key of a staged one takes its device
+    arrays (waiting for them if the worker is still busy: they are then at least as early
+    as computing them here); any other update is computed at the boundary as before. A
+    staged entry another version replaced is discarded unused.
+    """
+
+    def __init__(self, replica):
+        self._replica = replica
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stager")
+        self._staged: dict[tuple, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def stage(self, updates: list[Update]) -> None:
+        with self._lock:
+            for u in updates:
+                if u.key is None or u.key in self._staged:
+                    continue
+                # An older version of the same fragment will not be applied any more.
+                for k in [k for k in self._staged if k[:2] == u.key[:2]]:
+                    self._staged.pop(k).cancel()
+                self._staged[u.key] = self._pool.submit(self._place, u)
+
+    def _place(self, u: Update) -> dict:
+        return self._replica.place(u.arrays)
+
+    def take(self, u: Update) -> dict | None:
+        """Device arrays of `u` if it was staged, else None (compute it at the boundary)."""
+        with self._lock:
+            future = self._staged.pop(u.key, None) if u.key is not None else None
+        if future is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return future.result()
+
+    def clear(self) -> None:
+        """The learner crashed or restarted: nothing staged for its old life applies."""
+        with self._lock:
+            for future in self._staged.values():
+                future.cancel()
+            self._staged.clear()
+
+
+def apply_updates(replica, updates, stager: MergeStager | None = None) -> None:
+    for u in updates:
+        staged = stager.take(u) if stager is not None else None
+        replica.apply(u.kind, staged if staged is not None else u.arrays, u.alpha)
+
+
+def handle(proto: Learner, replica, msgs: list, stager: MergeStager | None = None) -> None:
+    """Arrived messages: a restored syncer's snapshot is applied at once; versions that
+    will be applied later start staging."""
+    apply_updates(replica, proto.handle(msgs))
+    if stager is not None:
+        stager.stage(proto.upcoming())
+
+
+def offer_and_receive(proto: Learner, replica, outbox: Outbox, receive, stager=None) -> None:
+    """First half of a step boundary: offers due now leave through the outbox (as device
+    copies), and what arrived is handled (a restored syncer's snapshot applied at once)."""
+    # Offer first: with tau = 0 a fragment offered at step t is applied at boundary t.
+    for ticket in proto.due_offers():
+        outbox.offer(ticket, replica.fragment_copies(proto.plan.names[ticket.fragment]))
+    handle(proto, replica, receive(0.0), stager)
+
+
+def apply_and_beat(proto: Learner, replica, outbox: Outbox, stager=None) -> None:
+    """Second half, after any wait for late merges: due merges are applied, a heartbeat
+    goes out when one is due."""
+    apply_updates(replica, proto.apply_due(), stager)
+    heartbeat = proto.heartbeat()
+    if heartbeat is not None:
+        outbox.send(heartbeat)
+
+
+def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock, stager=None) -> float:
+    """A step boundary; waits up to `diloco.max_wait` for merges of offers past s + τ.
+    Returns the seconds spent waiting."""
+    offer_and_receive(proto, replica, outbox, receive, stager)
+    waited, limit = 0.0, proto.cfg.wait_seconds
+    if limit > 0 and proto.unresolved():
+        # Steps are dispatched asynchronously: finish our own first, so that the wait
+        # below is time the device really idles, not this step's compute.
+        replica.ready()
+        start = clock()
+        while proto.unresolved() and clock() - start < limit:
+            handle(proto, replica, receive(min(limit - (clock() - start), 1.0)), stager)
+        waited = clock() - start
+    apply_and_beat(proto, replica, outbox, stager)
+    return waited
+
+
+def final_offers(proto: Learner, replica, outbox: Outbox) -> None:
+    """Offers every fragment's unmerged work that no offer in flight may hold yet."""
+    for ticket in proto.due_offers(final=True):
+        outbox.offer(ticket, replica.fragment_copies(proto.plan.names[ticket.fragment]))
+
+
+def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bool = True):
+    """Training is over (`finished`: the step budget is done; else the learner leaves the
+    membership). With `diloco.final_sync` every step of its work reaches Θ: it offers all
+    unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
+    flight resolves (waiting up to `diloco.final_wait`), offers the steps taken after it."""
+    cfg = proto.cfg
+    if cfg.final_sync:
+        final_offers(proto, replica, outbox)
+    outbox.send(proto.leave(finished))
+    deadline = clock() + cfg.final_wait
+    while cfg.final_sync and proto.in_flight() and clock() < deadline:
+        apply_updates(replica, proto.handle(receive(0.2)))
+        apply_updates(replica, proto.apply_due(final=True))
+        final_offers(proto, replica, outbox)
+    if not cfg.final_sync:
+        apply_updates(replica, proto.handle(receive(0.0)))
+        apply_updates(replica, proto.apply_due(final=True))
+    outbox.flush()

@@ -1,0 +1,58 @@
+"""Trains a config's sentencepiece model once and writes it where every host can read it.
+
+    python -m decoupled_diloco.tokenizer --config=configs/tpu_dense_multislice.py \\
+        --config.data.tfds_data_dir=gs://BUCKET/tensorflow_datasets \\
+        --out=gs://BUCKET/tokenizers/bpe32k.model
+
+then run with `--config.data.spm_model_path=gs://BUCKET/tokenizers/bpe32k.model`. The model
+is the one a run of that config would train (`data.spm_vocab_size` pieces on the first
+16 MiB of its training split, decoupled_diloco/data/corpus.py); `--out` may be local or gs://.
+"""
+
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from decoupled_diloco import cli
+
+
+def train_and_save(data_cfg, out: str) -> int:
+    """Trains (or takes from the cache) `data_cfg`'s sentencepiece model and writes it to
+    `out`; returns its vocabulary size."""
+    from decoupled_diloco import paths
+    from decoupled_diloco.data import SentencePieceTokenizer, get_tokenizer
+
+    if data_cfg.tokenizer != "sentencepiece":
+        raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}: only sentencepiece is trained")
+    tokenizer = get_tokenizer(data_cfg)
+    assert isinstance(tokenizer, SentencePieceTokenizer)
+    target = paths.resolve(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    paths.write_atomic(target, tokenizer.model_proto)
+    return tokenizer.vocab_size
+
+
+def main(argv) -> None:
+    del argv
+    if not flags.FLAGS.out:
+        sys.exit("usage: python -m decoupled_diloco.tokenizer --config=FILE --out=PATH.model")
+    from decoupled_diloco import config as config_lib
+
+    try:
+        data = config_lib.data_config(flags.FLAGS.config)
+        if data.spm_model_path:
+            raise ValueError("data.spm_model_path is set: that model exists already")
+        vocab = train_and_save(data, flags.FLAGS.out)
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {flags.FLAGS.out} ({vocab} pieces)", flush=True)
+
+
+def _define_flags() -> None:
+    config_flags.DEFINE_config_file("config", None, "The run config whose corpus to train on.")
+    flags.DEFINE_string("out", None, "Where to write the .model file (local or gs://).")
+
+
+if __name__ == "__main__":
+    cli.run(main, _define_flags)

@@ -1,0 +1,294 @@
+r"""Learners at accelerator speed: learner overhead, and MFU / memory of a preset.
+
+    python scripts/bench_accelerator.py                  # on the machine's accelerator(s)
+    python scripts/bench_accelerator.py --quick          # 8 fake CPU devices, tiny model, ~3 min
+    python scripts/bench_accelerator.py --part=overhead  # or --part=mfu
+
+(a) Learner overhead, side by side in one run, rounds alternating the arms so a busy
+    machine skews them alike. Every arm is one learner on the same devices, model and batch
+    (default: the `mid` preset, 32 x 256 tokens per step, the shape of the quality issue):
+      plain        sync_every=0: a plain training loop
+      decoupled    the same learner inside Decoupled DiLoCo (tiny_decoupled's syncer
+                   settings: H 12, P 6, tau 2, K 1, RDA), its syncer a thread of this process
+      no-pipeline  decoupled with train.prefetch=0 and diloco.stage_merges=False: data read
+                   and merges computed on the learner's thread (what the pipeline buys)
+    Rates come from the runs' metrics rows (log_every=1): steps per second between the row
+    at --skip (compilation excluded) and the last one. Prints decoupled / plain (goal >= 0.95)
+    and the learner's host_share (the share of its step the learner thread spent on host work
+    instead of waiting for the device: near 1, the device starves).
+(b) MFU and peak memory of --mfu_preset at the largest batch that fits, for each remat
+    policy (--remat): the batch doubles from --mfu_batch until the compiled step's memory
+    (`memory_analysis()`) no longer fits the device (or --max_batch), then the largest that
+    fit runs --mfu_steps timed steps. MFU = model FLOPs/token x tokens/s / (devices x peak);
+    blank where the device's peak is unknown (CPU).
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+
+from absl import app, flags, logging
+
+_QUICK = flags.DEFINE_bool("quick", False, "Fake CPU devices, tiny model, short runs (~3 min).")
+_PART = flags.DEFINE_enum("part", "all", ["all", "overhead", "mfu"], "Which measurement.")
+_PRESET = flags.DEFINE_string("preset", None, "Overhead model preset (default mid; quick tiny).")
+_BATCH = flags.DEFINE_integer("batch", None, "Overhead sequences per step (32; quick 8).")
+_SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence (256; quick 64).")
+_STEPS = flags.DEFINE_integer("steps", None, "Steps per overhead run (200; quick 40).")
+_SKIP = flags.DEFINE_integer("skip", None, "Leading steps excluded (20; quick 8).")
+_ROUNDS = flags.DEFINE_integer("rounds", None, "Rounds of all overhead arms (3; quick 2).")
+_DEVICES = flags.DEFINE_integer("devices", None, "Devices of the learner (1; quick 4).")
+_MFU_PRESET = flags.DEFINE_string("mfu_preset", None, "MFU preset (gemma_2b; quick tiny).")
+_MFU_BATCH = flags.DEFINE_integer("mfu_batch", None, "First batch tried (4; quick 4).")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", None, "Largest batch tried (256; quick 16).")
+_MFU_SEQ = flags.DEFINE_integer("mfu_seq_len", None, "MFU tokens per sequence (1024; quick 64).")
+_MFU_STEPS = flags.DEFINE_integer("mfu_steps", None, "Timed MFU steps (10; quick 3).")
+_REMAT = flags.DEFINE_list("remat", ["none", "dots", "full"], "Remat policies compared.")
+_DTYPE = flags.DEFINE_string("dtype", None, "Compute dtype (bfloat16; quick float32).")
+_ATTN = flags.DEFINE_enum("attention_impl", "xla", ["xla", "dot_product_attention"],
+                          "model.attention_impl of the MFU runs.")  # fmt: skip
+_SOFTCAP = flags.DEFINE_float(
+    "attn_softcap", None, "Override model.attn_logit_softcap of the MFU runs (0: off, which "
+    "the fused attention kernels need)."
+)  # fmt: skip
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/dd_bench_accelerator", "Run directories.")
+
+ARMS = ("plain", "decoupled", "no-pipeline")
+
+
+def _quick_setup() -> None:
+    """--quick runs on 8 fake CPU devices: XLA reads the flag when JAX starts."""
+    if "--quick" in sys.argv or "--quick=true" in sys.argv:
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+_quick_setup()
+
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from decoupled_diloco import compile_cache  # noqa: E402
+from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco.mfu import peak_flops  # noqa: E402
+from decoupled_diloco.models.flops import train_flops_per_token  # noqa: E402
+from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
+from decoupled_diloco.sharding import make_mesh  # noqa: E402
+from decoupled_diloco.train.replica import Replica  # noqa: E402
+
+
+def _pick(flag, full, quick):
+    return flag.value if flag.value is not None else (quick if _QUICK.value else full)
+
+
+# --- (a) learner overhead --------------------------------------------------------------------
+def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int, devices: int):
+    """One learner of `preset` on `devices` devices; the decoupled arms add a syncer."""
+    learners = 1 if arm == "plain" else 2  # 2: the syncer settings of a multi-learner run
+    c = config_lib.tiny_cpu_config(f"bench_{arm}", preset=preset, learners=learners,
+                                   batch_size=batch, steps=steps)  # fmt: skip
+    if arm != "plain":
+        config_lib.set_decoupled(c)
+        c.diloco.learners = 1  # one learner: the syncer is its only company
+    c.data.seq_len = seq_len
+    c.model.dtype = _pick(_DTYPE, "bfloat16", "float32")
+    c.devices_per_learner = devices
+    c.train.eval_every = 0
+    c.train.eval_batches = 1  # the final evaluation only; outside the timed window
+    c.train.log_every = 1
+    c.train.checkpoint_every = 0
+    if arm == "no-pipeline":
+        c.train.prefetch = 0
+        c.diloco.stage_merges = False
+    return c
+
+
+def _rows(workdir: pathlib.Path) -> list[dict]:
+    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return sorted(
+        (r for r in rows if r.get("learner") == 0 and "loss" in r), key=lambda r: r["step"]
+    )
+
+
+def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dict:
+    if workdir.exists():
+        shutil.rmtree(workdir)  # a stale run would be resumed from its checkpoints
+    run = config_lib.validate(overhead_config(arm, **shape))
+    summary = LocalRuntime(run, str(workdir), verbose=False).run()
+    rows = [r for r in _rows(workdir) if r["step"] >= skip]
+    if len(rows) < 3:
+        raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
+    (s0, t0), (s1, t1) = (rows[0]["step"], rows[0]["time"]), (rows[-1]["step"], rows[-1]["time"])
+    shares = [r["host_share"] for r in rows[1:] if "host_share" in r]
+    return {
+        "steps_per_s": (s1 - s0) / (t1 - t0),
+        "host_share": statistics.median(shares) if shares else float("nan"),
+        "merges": summary.get("merges", 0),
+    }
+
+
+def overhead() -> None:
+    preset = _pick(_PRESET, "mid", "tiny")
+    shape = dict(
+        preset=preset,
+        batch=_pick(_BATCH, 32, 8),
+        seq_len=_pick(_SEQ, 256, 64),
+        steps=_pick(_STEPS, 200, 40),
+        devices=_pick(_DEVICES, 1, 4),
+    )
+    skip, rounds = _pick(_SKIP, 20, 8), _pick(_ROUNDS, 3, 2)
+    if skip + 5 > shape["steps"]:
+        raise ValueError(f"--steps ({shape['steps']}) must exceed --skip ({skip}) by at least 5")
+    tokens = shape["batch"] * shape["seq_len"]
+    print(f"\n(a) learner overhead: {preset}, {shape['batch']} x {shape['seq_len']} tokens per "
+          f"step, {shape['devices']} x {jax.devices()[0].device_kind}; {rounds} rounds x "
+          f"{shape['steps']} steps, first {skip} excluded", flush=True)  # fmt: skip
+    print(
+        f"{'round':>5} {'arm':<12} {'steps/s':>8} {'tokens/s':>10} {'host_share':>10} {'merges':>6}"
+    )
+    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for r in range(rounds):
+        for arm in ARMS:
+            res = run_overhead_arm(arm, pathlib.Path(_WORKDIR.value) / arm, skip, **shape)
+            results[arm].append(res)
+            print(f"{r:>5} {arm:<12} {res['steps_per_s']:>8.2f} "
+                  f"{res['steps_per_s'] * tokens:>10.0f} {res['host_share']:>10.3f} "
+                  f"{res['merges']:>6}", flush=True)  # fmt: skip
+    for arm in ARMS[1:]:
+        ratios = [
+            d["steps_per_s"] / p["steps_per_s"]
+            for p, d in zip(results["plain"], results[arm], strict=True)
+        ]
+        print(f"{arm} / plain = {statistics.median(ratios):.3f} (per round "
+              f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.95 for decoupled)")  # fmt: skip
+
+
+# --- (b) MFU and memory at the largest batch that fits ---------------------------------------
+def mfu_run(preset: str, batch: int, seq_len: int, remat: str, devices: int):
+    """The validated RunConfig and a Replica of one learner for an MFU measurement."""
+    c = config_lib.tiny_cpu_config("bench_mfu", preset=preset, batch_size=batch)
+    c.data.seq_len = seq_len
+    c.model.dtype = _pick(_DTYPE, "bfloat16", "float32")
+    c.model.remat = remat
+    c.model.attention_impl = _ATTN.value
+    if _SOFTCAP.value is not None:
+        c.model.attn_logit_softcap = _SOFTCAP.value
+    c.devices_per_learner = devices
+    run = config_lib.validate(c)
+    return run, Replica(run.model, run.train, make_mesh(jax.devices()[:devices], run.mesh))
+
+
+def compiled_bytes(replica: Replica, batch: int, seq_len: int) -> int:
+    """Peak device bytes of one train step as XLA plans it (arguments + outputs + temporaries,
+    less the donated state the outputs reuse), without allocating anything."""
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), np.int32, sharding=replica.batch_sharding)
+    mem = replica._train_step.lower(replica.abstract_state(), tokens).compile().memory_analysis()
+    if mem is None:  # a backend without the analysis
+        return 0
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+    return int(total - mem.alias_size_in_bytes)
+
+
+def device_limit() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def largest_batch(preset, seq_len, remat, devices, first, cap) -> tuple[int, int] | None:
+    """(batch, planned bytes) of the largest batch first·2^k <= cap whose step fits."""
+    limit, best, batch = device_limit(), None, first
+    while batch <= cap:
+        try:
+            _, replica = mfu_run(preset, batch, seq_len, remat, devices)
+            need = compiled_bytes(replica, batch, seq_len)
+        except Exception as e:  # noqa: BLE001 - a compile that fails to fit ends the search
+            if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
+                raise
+            break
+        if limit is not None and need > 0.95 * limit * devices:
+            break
+        best, batch = (batch, need), batch * 2
+    return best
+
+
+def measure_mfu(preset, batch, seq_len, remat, devices, steps) -> dict:
+    run, replica = mfu_run(preset, batch, seq_len, remat, devices)
+    t0 = time.perf_counter()
+    replica.init_from_rng(jax.random.key(0))
+    replica.ready()
+    init_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    vocab = min(run.model.vocab_size, 256)
+    batches = [replica.put_batch(rng.integers(0, vocab, (batch, seq_len + 1), dtype=np.int32))
+               for _ in range(2)]  # fmt: skip
+    t0 = time.perf_counter()
+    jax.block_until_ready(replica.step(batches[0]))  # compiles
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(replica.step(batches[1]))
+    t0 = time.perf_counter()
+    for i in range(steps):
+        metrics = replica.step(batches[i % 2])
+    jax.block_until_ready((metrics, replica.state))
+    step_s = (time.perf_counter() - t0) / steps
+    tokens_s = batch * seq_len / step_s
+    flops = train_flops_per_token(run.model, seq_len)
+    peak = peak_flops(jax.devices()[0].device_kind)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "step_ms": 1e3 * step_s,
+        "tokens_s": tokens_s,
+        "mfu": tokens_s * flops / (devices * peak) if peak else None,
+        "tflops": tokens_s * flops / devices / 1e12,
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "init_s": init_s,
+        "compile_s": compile_s,
+    }
+
+
+def mfu() -> None:
+    preset, seq_len = _pick(_MFU_PRESET, "gemma_2b", "tiny"), _pick(_MFU_SEQ, 1024, 64)
+    devices, steps = _pick(_DEVICES, 1, 4), _pick(_MFU_STEPS, 10, 3)
+    first, cap = _pick(_MFU_BATCH, 4, 4), _pick(_MAX_BATCH, 256, 16)
+    kind = jax.devices()[0].device_kind
+    peak = peak_flops(kind)
+    print(f"\n(b) {preset}, seq_len {seq_len}, {devices} x {kind} (peak "
+          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown: no MFU'}), "
+          f"attention {_ATTN.value}", flush=True)  # fmt: skip
+    head = ("remat", "batch", "tokens", "plan GiB", "step ms", "tokens/s", "TFLOP/s/dev", "MFU",
+            "peak GiB", "init s", "compile s")  # fmt: skip
+    print("{:<6} {:>5} {:>7} {:>8} {:>8} {:>9} {:>11} {:>5} {:>8} {:>6} {:>9}".format(*head))
+    for remat in _REMAT.value:
+        found = largest_batch(preset, seq_len, remat, devices, first, cap)
+        if found is None:
+            print(f"{remat:<6} batch {first} does not fit")
+            continue
+        batch, need = found
+        r = measure_mfu(preset, batch, seq_len, remat, devices, steps)
+        mfu_text = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
+        cells = (remat, batch, batch * seq_len, need / 2**30, r["step_ms"], r["tokens_s"],
+                 r["tflops"], mfu_text, r["peak_gib"], r["init_s"], r["compile_s"])  # fmt: skip
+        row = "{:<6} {:>5} {:>7} {:>8.2f} {:>8.1f} {:>9.0f} {:>11.3f} {:>5} {:>8.2f} {:>6.1f}"
+        row += " {:>9.1f}"
+        print(row.format(*cells), flush=True)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
+    compile_cache.enable()
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
+          f"({jax.default_backend()}); load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    if _PART.value in ("all", "overhead"):
+        overhead()
+    if _PART.value in ("all", "mfu"):
+        mfu()
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,164 @@
+"""The learner's asynchronous pipeline: batches read ahead (data/prefetch.py) and merges
+staged on the devices ahead of the boundary that applies them (runtime/boundary.py) change
+when host work happens, never what the learner computes."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from protocol_sim import Sim
+from test_work_conservation import cfg
+
+from decoupled_diloco.data import DataConfig, make_iterator
+from decoupled_diloco.data.prefetch import Prefetch
+
+
+def _iterator():
+    return make_iterator(DataConfig(seq_len=16), "train", batch_size=4)
+
+
+def test_prefetch_yields_the_plain_iterators_batches_and_state():
+    plain, ahead = _iterator(), Prefetch(_iterator(), depth=3)
+    for _ in range(7):
+        np.testing.assert_array_equal(next(ahead), next(plain))
+        # The consumer's position, however far ahead the reader thread is.
+        assert ahead.get_state() == plain.get_state()
+    ahead.close()
+
+
+def test_prefetch_resumes_at_the_next_batch_after_set_state_and_close():
+    plain, ahead = _iterator(), Prefetch(_iterator(), depth=4)
+    for _ in range(3):
+        next(ahead)
+    saved = ahead.get_state()
+    batches = [next(ahead) for _ in range(5)]
+    ahead.set_state(saved)  # a resume from a checkpoint taken after 3 batches
+    for b in batches:
+        np.testing.assert_array_equal(next(ahead), b)
+    ahead.close()  # rewinds the source to the consumer's position
+    plain.set_state(ahead.get_state())
+    np.testing.assert_array_equal(next(ahead), next(plain))
+    ahead.close()
+
+
+def test_prefetch_places_batches_on_its_own_thread():
+    threads = []
+
+    def put(batch):
+        threads.append(threading.current_thread().name)
+        return batch + 1
+
+    plain, ahead = _iterator(), Prefetch(_iterator(), depth=2, put=put)
+    np.testing.assert_array_equal(next(ahead), next(plain) + 1)
+    assert threads and all(name == "prefetch" for name in threads)
+    ahead.close()
+
+
+class _Failing:
+    """Three good batches, then an error."""
+
+    batch_size = 1
+
+    def __init__(self):
+        self.i = 0
+
+    def __next__(self):
+        self.i += 1
+        if self.i > 3:
+            raise OSError("record 4 is corrupt")
+        return np.full((1, 2), self.i)
+
+    def get_state(self):
+        return {"i": self.i}
+
+    def set_state(self, state):
+        self.i = state["i"]
+
+
+def test_prefetch_raises_a_readers_error_at_the_batch_it_belongs_to():
+    ahead = Prefetch(_Failing(), depth=8)
+    assert [int(next(ahead)[0, 0]) for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(OSError, match="record 4 is corrupt"):
+        next(ahead)
+    assert ahead.get_state() == {"i": 3}
+
+
+def test_prefetch_rejects_a_depth_below_one():
+    with pytest.raises(ValueError, match="depth"):
+        Prefetch(_iterator(), depth=0)
+
+
+def _final_state(sim: Sim) -> dict:
+    out = {f"theta/{k}": v for k, v in sim.syncer.global_params().items()}
+    for lr in sim.learners:
+        out.update({f"{lr.proto.id}/{k}": v for k, v in lr.replica.host_params().items()})
+    return out
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # rebase, τ = 1
+        dict(overlap=0, compression="int8"),  # lossy offers: error feedback through v̂
+        dict(apply="overwrite", overlap=2, alpha=0.5),
+        dict(learners=4, quorum=2, alpha=0.25, outer_momentum=0.9, outer_lr=0.7),
+    ],
+)
+def test_staged_merges_give_bit_identical_models(kw):
+    """Every learner's θ and the syncer's Θ are bit-identical with merges staged ahead and
+    computed at the boundary; most applied merges were staged."""
+    runs = {}
+    for stage in (False, True):
+        sim = Sim(cfg(**kw), 30, up_delay=lambda m, msg: 1.5 * m,
+                  down_delay=lambda m, msg: 0.7 + m, stage=stage)  # fmt: skip
+        sim.run()
+        runs[stage] = sim
+    plain, staged = _final_state(runs[False]), _final_state(runs[True])
+    for k in plain:
+        np.testing.assert_array_equal(staged[k], plain[k], err_msg=k)
+    hits = sum(lr.stager.hits for lr in runs[True].learners)
+    misses = sum(lr.stager.misses for lr in runs[True].learners)
+    assert hits > 0 and hits >= misses, (hits, misses)
+
+
+def test_a_decoupled_runs_rows_carry_host_share_and_mfu(small_config, tmp_path, monkeypatch):
+    """A real run with the pipeline on (prefetch, staged merges): merges were staged and
+    applied from the devices, and each learner row reports host_share in [0, 1] and, where
+    the device's peak is known (here pretended for CPU), mfu = tokens/s · FLOPs/token /
+    (devices · peak)."""
+    import json
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco import mfu
+    from decoupled_diloco.models.flops import train_flops_per_token
+    from decoupled_diloco.runtime import boundary
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    monkeypatch.setattr(mfu, "peak_flops", lambda kind: 1e9)
+    hits = []
+    take = boundary.MergeStager.take
+
+    def counting(self, u):
+        out = take(self, u)
+        hits.append(out is not None)
+        return out
+
+    monkeypatch.setattr(boundary.MergeStager, "take", counting)
+    over = {"diloco.learners": 2, "diloco.sync_every": 4, "diloco.fragments": 2,
+            "diloco.overlap": 1, "train.steps": 12, "train.log_every": 1}  # fmt: skip
+    cfg = small_config(**over)
+    run = config_lib.validate(cfg)
+    LocalRuntime(run, str(tmp_path), verbose=False).run()
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if isinstance(r.get("learner"), int) and "loss" in r]
+    assert rows and any(hits), "no merge was applied from staged device arrays"
+    flops = train_flops_per_token(run.model, run.data.seq_len)
+    devices = jax.device_count() // 2
+    for r in rows:
+        assert 0.0 <= r.get("host_share", 0.0) <= 1.0
+        if r["tokens_per_second"] > 0:
+            want = r["tokens_per_second"] * flops / (devices * 1e9)
+            assert r["mfu"] == pytest.approx(want, rel=1e-6)
+    assert sum("host_share" in r for r in rows) >= len(rows) - 2

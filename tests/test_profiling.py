@@ -1,0 +1,97 @@
+"""--profile: a jax.profiler trace of learner steps START..STOP-1 (profiling.py)."""
+
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from decoupled_diloco import profiling
+
+
+def _trace_files(directory) -> list[str]:
+    return glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+
+
+def test_trace_of_a_few_steps_is_written(tmp_path):
+    directory = str(tmp_path / "profile")
+    profiler = profiling.StepProfiler(directory, start=2, stop=4)
+    profiling.install(profiler)
+    f = jax.jit(lambda x: jnp.tanh(x @ x))
+    state = {"x": jnp.ones((64, 64))}
+    seen, readied = [], []
+
+    def ready():  # the learner's "wait for my dispatched steps"
+        jax.block_until_ready(state["x"])
+        readied.append(len(seen))
+
+    try:
+        for step in range(6):
+            profiling.step(1, step, ready)
+            profiling.step(0, step)  # another learner: neither starts nor stops the trace
+            seen.append(profiler.tracing)
+            state["x"] = f(state["x"])
+    finally:
+        profiling.close()
+    assert seen == [False, False, True, True, False, False]
+    assert readied == [4]  # once, before the trace stopped at step 4
+    assert profiler.owner == 1 and profiler.done
+    files = _trace_files(directory)
+    assert files and all(os.path.getsize(p) > 0 for p in files)
+
+
+def test_close_stops_a_trace_the_run_ended_inside(tmp_path):
+    profiler = profiling.StepProfiler(str(tmp_path), start=0, stop=100)
+    profiling.install(profiler)
+    profiling.step(0, 0)
+    assert profiler.tracing
+    profiling.close()
+    assert profiler.done and _trace_files(str(tmp_path))
+    profiling.step(0, 1)  # uninstalled: a no-op
+
+
+def test_a_resumed_learner_past_the_window_never_traces(tmp_path):
+    profiler = profiling.StepProfiler(str(tmp_path), start=2, stop=4)
+    profiler.step(0, 7)
+    profiler.close()
+    assert profiler.owner is None and not _trace_files(str(tmp_path))
+
+
+@pytest.mark.parametrize("text", ["10", "a:b", "5:5", "-1:3", "1:2:3"])
+def test_bad_profile_steps_are_refused(text):
+    with pytest.raises(ValueError, match="--profile"):
+        profiling.parse_steps(text)
+
+
+def test_profile_steps_parse():
+    assert profiling.parse_steps("10:13") == (10, 13)
+
+
+def _main(tmp_path, *flags):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "decoupled_diloco.main", "--config=configs/tiny_dense.py",
+               f"--workdir={tmp_path / 'run'}", "--config.train.steps=6",
+               "--config.train.eval_every=0", *flags]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [("--profile=5:3", "needs 0 <= START < STOP"), ("--profile=2:9", "ends after train.steps")],
+)
+def test_main_refuses_a_bad_profile_window(tmp_path, flag, message):
+    out = _main(tmp_path, flag)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert message in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_main_writes_a_trace_of_the_profiled_steps(tmp_path):
+    """The learner loop calls profiling.step before each step (runtime/learner_loop.py)."""
+    out = _main(tmp_path, "--profile=2:4")
+    assert out.returncode == 0, out.stderr
+    assert _trace_files(str(tmp_path / "run" / "profile"))

@@ -1,0 +1,253 @@
+"""Streamed syncer checkpoints (fragment_checkpoint.py, runtime/syncer_loop.py `save`):
+written off the serving thread one fragment at a time, so merges go on during a save and
+the extra memory is one fragment's Θ + momentum; each fragment is restored bit-exactly at
+the version its copy was taken, with its own vector clock; a save the syncer's death
+interrupts is never committed; a corrupted fragment makes the restore fall back."""
+
+import os
+import threading
+import time
+import tracemalloc
+import types
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.diloco import compression
+from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.diloco.fragments import make_fragment_plan
+from decoupled_diloco.diloco.messages import Join, Offer
+from decoupled_diloco.diloco.transport import SyncerLink
+from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
+from decoupled_diloco.runtime.syncer_loop import SyncerLoop
+
+H, P, TOKENS = 4, 4, 64  # sync_every, fragments, tokens per learner step
+SHAPES = {f"block_{i}/w": (2048, 1024) for i in range(P)}  # one 8 MiB leaf per fragment
+PLAN = make_fragment_plan(SHAPES, P, "balanced", sync_every=H)
+CFG = DilocoConfig(learners=1, sync_every=H, fragments=P, quorum=1, grace_gamma=0.0)
+RUN = types.SimpleNamespace(
+    diloco=CFG,
+    train=types.SimpleNamespace(batch_size=8, steps=10_000),
+    data=types.SimpleNamespace(seq_len=TOKENS // 8),
+)
+
+
+class ListLink(SyncerLink):
+    """Messages the test puts in `inbox`; replies are kept in `sent`."""
+
+    def __init__(self):
+        self.inbox, self.sent = [], []
+
+    def receive(self, timeout: float) -> list:
+        msgs, self.inbox = self.inbox, []
+        return msgs
+
+    def send(self, learner, msg) -> None:
+        self.sent.append(msg)
+
+
+class Run:
+    """A syncer loop under a fake clock with one joined learner that offers on schedule."""
+
+    def __init__(self, directory, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        self.now, self.records, self.link = 0.0, [], ListLink()
+        self.loop = SyncerLoop(0, RUN, PLAN, self.params, self.link,
+                               FragmentCheckpointer(str(directory)), schedule=None,
+                               clock=lambda: self.now, record=self.records.append,
+                               emulate_outages=False)  # fmt: skip
+        self.rounds = dict.fromkeys(range(P), 0)
+        self.serve(Join(0, 0, self.now, 0, TOKENS))
+
+    def serve(self, *msgs) -> None:
+        """One turn of the serving thread with `msgs` in the inbox."""
+        self.now += 0.01
+        self.link.inbox += msgs
+        self.loop.serve_turn(max_block=0.0)
+
+    def offer(self, p: int, seed: int) -> Offer:
+        self.rounds[p] += 1
+        rng = np.random.default_rng(seed)
+        v = {k: (0.01 * rng.standard_normal(SHAPES[k])).astype(np.float32) for k in PLAN.names[p]}
+        s, step = self.loop.syncer, PLAN.offsets[p] + H * self.rounds[p]
+        return Offer(learner=0, incarnation=0, fragment=p, step=step, c_steps=H,
+                     c_tokens=H * TOKENS, base_version=s.version[p], time=self.now,
+                     payload=compression.encode(v, "none"), nbytes=1, epoch=s.epoch)  # fmt: skip
+
+    def merge(self, p: int, seed: int) -> None:
+        version = self.loop.syncer.version[p]
+        self.serve(self.offer(p, seed))
+        rejected = [r for r in self.records if r["event"] in ("reject", "drop_offer")]
+        assert self.loop.syncer.version[p] == version + 1, rejected
+
+    def fragment(self, p: int) -> tuple:
+        """(Θ_p, momentum_p, version, clock) copied from the live syncer."""
+        s = self.loop.syncer
+        with self.loop.lock:
+            return ({k: v.copy() for k, v in s.theta[p].items()},
+                    {k: v.copy() for k, v in s.outer[p].momentum.items()},
+                    s.version[p], s.clock(p))  # fmt: skip
+
+
+def _restored(directory):
+    """A new life of the syncer built from the checkpoint in `directory`."""
+    loop = SyncerLoop(0, RUN, PLAN, {k: np.zeros(s, np.float32) for k, s in SHAPES.items()},
+                      ListLink(), FragmentCheckpointer(str(directory)), schedule=None,
+                      clock=lambda: 100.0, record=lambda r: None, emulate_outages=False,
+                      restarted=True)  # fmt: skip
+    return loop.syncer
+
+
+def _assert_fragment(syncer, p: int, expected: tuple) -> None:
+    theta, momentum, version, clock = expected
+    assert syncer.version[p] == version and syncer.clock(p) == clock
+    for k in theta:  # bit for bit
+        np.testing.assert_array_equal(syncer.theta[p][k], theta[k], strict=True)
+        np.testing.assert_array_equal(syncer.outer[p].momentum[k], momentum[k], strict=True)
+
+
+def test_peak_extra_memory_of_a_save_is_one_fragment(tmp_path):
+    run = Run(tmp_path)
+    for p in range(P):
+        run.merge(p, seed=p)
+    fragment = sum(2 * np.prod(SHAPES[k]) * 4 for k in PLAN.names[0])  # Θ + momentum bytes
+    state = P * fragment
+    slack = 2 << 20  # checksums read 64k elements at a time (~1.5 MiB), JSON, bookkeeping
+    assert fragment >= 8 * slack and state >= 4 * fragment  # the bound means something
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        assert run.loop.save()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak <= fragment + slack, f"save used {peak / 2**20:.1f} MiB, one fragment is " \
+        f"{fragment / 2**20:.1f} MiB, the state {state / 2**20:.1f} MiB"  # fmt: skip
+    for p in range(P):
+        _assert_fragment(_restored(tmp_path), p, run.fragment(p))
+
+
+def test_merges_go_on_while_a_save_writes(tmp_path):
+    """The saver is held inside its first fragment's write: the serving thread keeps merging
+    every fragment; each fragment is restored as it was when its copy was taken."""
+    run = Run(tmp_path)
+    for p in range(P):
+        run.merge(p, seed=10 + p)
+    writing, release = threading.Event(), threading.Event()
+    write = run.loop.ckpt.write_fragment
+    copied = {}  # fragment -> the live state when the saver copied it
+
+    def held_write(n, p, arrays, info):
+        copied[p] = run.fragment(p)
+        if not writing.is_set():
+            writing.set()
+            assert release.wait(30)
+        return write(n, p, arrays, info)
+
+    run.loop.ckpt.write_fragment = held_write
+    assert run.loop.save_in_background()
+    assert writing.wait(30)
+    first = next(iter(copied))
+    t0 = time.monotonic()
+    for p in range(P):  # while the save is stuck in a write
+        run.merge(p, seed=20 + p)
+    assert time.monotonic() - t0 < 5.0 and run.loop._saver.is_alive()
+    assert not run.loop.save_in_background()  # one save at a time
+    release.set()
+    run.loop.wait_for_save()
+    assert copied[first][2] + 1 == run.loop.syncer.version[first]  # copied before the merge
+    later = [p for p in copied if p != first]
+    assert all(copied[p][2] == run.loop.syncer.version[p] for p in later)  # after it
+    restored = _restored(tmp_path)
+    for p in range(P):
+        _assert_fragment(restored, p, copied[p])
+
+
+def test_a_save_the_syncer_death_interrupts_is_never_committed(tmp_path):
+    run = Run(tmp_path)
+    run.merge(0, seed=1)
+    assert run.loop.save()
+    saved = [run.fragment(p) for p in range(P)]
+    run.merge(1, seed=2)
+    write = run.loop.ckpt.write_fragment
+
+    def dying_write(n, p, arrays, info):
+        run.loop._set(None)  # the syncer process dies while fragment p is being written
+        return write(n, p, arrays, info)
+
+    run.loop.ckpt.write_fragment = dying_write
+    assert not run.loop.save()
+    assert run.loop.ckpt.all_steps() == [1]
+    restored = _restored(tmp_path)
+    for p in range(P):
+        _assert_fragment(restored, p, saved[p])
+    assert FragmentCheckpointer(str(tmp_path)).begin() == 2  # and its leftovers are gone
+    assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
+def test_a_restored_syncer_merges_exactly_like_the_one_that_saved(tmp_path):
+    run = Run(tmp_path)
+    for p in range(P):
+        run.merge(p, seed=30 + p)
+    run.merge(2, seed=40)
+    assert run.loop.save()
+    again = Run(tmp_path / "unused")
+    again.loop = types.SimpleNamespace(syncer=_restored(tmp_path), lock=threading.Lock())
+    again.loop.syncer.handle(Join(0, 1, again.now, 0, TOKENS), again.now)
+    run.rounds, again.rounds = dict(run.rounds), dict(run.rounds)
+    for p in (2, 0):
+        a, b = run.offer(p, seed=50 + p), again.offer(p, seed=50 + p)
+        b.incarnation = 1
+        run.serve(a)
+        again.loop.syncer.handle(b, 200.0)
+        ta, ma, va, _ = run.fragment(p)
+        tb, mb, vb, _ = again.fragment(p)
+        assert va == vb
+        for k in ta:
+            np.testing.assert_array_equal(ta[k], tb[k], strict=True)
+            np.testing.assert_array_equal(ma[k], mb[k], strict=True)
+
+
+def test_a_corrupted_fragment_falls_back_to_the_previous_save(tmp_path):
+    run = Run(tmp_path)
+    run.merge(0, seed=1)
+    assert run.loop.save()
+    first = [run.fragment(p) for p in range(P)]
+    run.merge(3, seed=2)
+    assert run.loop.save()
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "2" / "arrays") for f in fs]
+    with open(max(files, key=os.path.getsize), "r+b") as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        f.write(b"\xff" * 64)
+    ckpt = FragmentCheckpointer(str(tmp_path))
+    parts, _ = ckpt.restore()
+    assert [s for s, _, _ in ckpt.refused] == [2] and ckpt.all_steps() == [1]
+    assert os.path.isdir(ckpt.refused[0][2])
+    for p in range(P):
+        np.testing.assert_array_equal(parts[p][0]["theta"][PLAN.names[p][0]],
+                                      first[p][0][PLAN.names[p][0]])  # fmt: skip
+
+
+def test_a_read_only_load_of_theta_skips_the_momenta(tmp_path):
+    run = Run(tmp_path)
+    run.merge(1, seed=3)
+    assert run.loop.save()
+    parts, meta = FragmentCheckpointer(str(tmp_path), read_only=True).read(1, momentum=False)
+    assert all(set(arrays) == {"theta"} for arrays, _ in parts.values())
+    assert parts[1][1]["version"] == 1 and meta["plan"] == PLAN.to_json()
+
+
+@pytest.mark.parametrize("bad", ["manifest", "missing"])
+def test_an_unreadable_manifest_is_refused(tmp_path, bad):
+    run = Run(tmp_path)
+    run.merge(0, seed=1)
+    assert run.loop.save()
+    manifest = tmp_path / "1" / "manifest.json"
+    if bad == "manifest":
+        manifest.write_text(manifest.read_text().replace('"version": 1', '"version": 7'))
+        with pytest.raises(Exception, match="no kept checkpoint step can be trusted"):
+            FragmentCheckpointer(str(tmp_path)).restore()
+    else:
+        manifest.unlink()  # an uncommitted step is no step at all
+        assert FragmentCheckpointer(str(tmp_path)).latest_step() is None

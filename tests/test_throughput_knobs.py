@@ -1,0 +1,264 @@
+"""Memory and throughput knobs: model.remat, train.microbatches, model.attention_impl.
+
+Each knob changes how a step is computed, never what: the tests compare against the plain
+step (same loss, same updated parameters to float tolerance) and check that the knob really
+is in the compiled program (a remat in the jaxpr, less temporary memory, a scan).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decoupled_diloco import models, sharding
+from decoupled_diloco.config import validate
+from decoupled_diloco.models import decode
+from decoupled_diloco.train.optimizer import (
+    TrainConfig,
+    learning_rate_schedule,
+    make_inner_optimizer,
+)
+from decoupled_diloco.train.replica import Replica
+from decoupled_diloco.train.step import init_train_state, make_train_step
+
+# Adam's first update is g / (|g| + eps): with the default eps (1e-8) a gradient element near
+# 0 turns float noise (~1e-9 here) into an update of up to lr; eps 1e-4 keeps the update a
+# smooth function of the gradient, so equal gradients give equal parameters to 1e-6.
+TRAIN = TrainConfig(warmup_steps=0, learning_rate=1e-2, eps=1e-4)
+
+
+def batch_of(cfg, batch=8, seq=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, cfg.vocab_size, size=(batch, seq + 1), dtype=np.int32))
+
+
+def one_step(cfg, batch, microbatches=1):
+    optimizer = make_inner_optimizer(TRAIN)
+    state = init_train_state(cfg, optimizer, jax.random.key(0))
+    step = make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN), None, microbatches)
+    new, metrics = jax.jit(step)(state, batch)
+    return new.params, jax.device_get(metrics)
+
+
+def assert_same_step(a, b, keys=("loss", "total_loss", "grad_norm")):
+    (params_a, metrics_a), (params_b, metrics_b) = a, b
+    for k in keys:
+        np.testing.assert_allclose(metrics_a[k], metrics_b[k], rtol=2e-5, err_msg=k)
+    for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def plain_step():
+    cfg = models.get_model_config("tiny")
+    return one_step(cfg, batch_of(cfg))
+
+
+# --- remat ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_gives_the_plain_step(plain_step, policy):
+    cfg = models.get_model_config("tiny", remat=policy)
+    assert_same_step(one_step(cfg, batch_of(cfg)), plain_step)
+
+
+def _remat_policies(cfg) -> list:
+    params = models.init_params(cfg, jax.random.key(0))
+    batch = batch_of(cfg)
+    grad = jax.grad(lambda p: models.forward(cfg, p, batch[:, :-1])[0].mean())
+    eqns = jax.make_jaxpr(grad)(params).jaxpr.eqns
+    # In the gradient's jaxpr each checkpointed block is a "remat2" (jax 0.10: the
+    # backward pass's recomputation) carrying its policy.
+    return [e.params["policy"] for e in eqns if e.primitive.name in ("checkpoint", "remat2")]
+
+
+def test_remat_wraps_every_block_with_its_policy():
+    assert _remat_policies(models.get_model_config("tiny")) == []
+    full = _remat_policies(models.get_model_config("tiny", remat="full"))
+    dots = _remat_policies(models.get_model_config("tiny", remat="dots"))
+    assert full == [None, None]  # one per block (tiny has 2), saving nothing
+    assert dots == [jax.checkpoint_policies.dots_with_no_batch_dims_saveable] * 2
+
+
+def _compiled_dots(cfg) -> int:
+    params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    batch = jax.ShapeDtypeStruct((4, 33), jnp.int32)
+    grad = jax.jit(jax.grad(lambda p, b: models.forward(cfg, p, b[:, :-1])[0].mean()))
+    return len(re.findall(r"= \S+ dot\(", grad.lower(params, batch).compile().as_text()))
+
+
+def test_remat_recomputation_survives_compilation():
+    """XLA must not CSE the recomputed forward away. (XLA:CPU's memory_analysis shows no
+    saving: its scheduler is not memory-aware and runs the recomputation early; the memory
+    effect is measured on an accelerator, scripts/bench_accelerator.py.)"""
+    plain = _compiled_dots(models.get_model_config("tiny"))
+    full = _compiled_dots(models.get_model_config("tiny", remat="full"))
+    dots = _compiled_dots(models.get_model_config("tiny", remat="dots"))
+    # full recomputes every forward matmul of both blocks; dots only attention's two.
+    assert plain < dots < full, (plain, dots, full)
+
+
+# --- microbatches ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_microbatches_give_the_plain_step(plain_step, microbatches):
+    cfg = models.get_model_config("tiny")
+    assert_same_step(one_step(cfg, batch_of(cfg), microbatches), plain_step)
+
+
+def test_microbatches_with_remat_give_the_plain_step(plain_step):
+    cfg = models.get_model_config("tiny", remat="full")
+    assert_same_step(one_step(cfg, batch_of(cfg), 2), plain_step)
+
+
+def test_microbatches_run_as_a_scan():
+    cfg = models.get_model_config("tiny")
+    optimizer = make_inner_optimizer(TRAIN)
+    state = jax.eval_shape(lambda: init_train_state(cfg, optimizer, jax.random.key(0)))
+    for n, scans in ((1, 0), (2, 1)):
+        step = make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN), None, n)
+        jaxpr = jax.make_jaxpr(step)(state, batch_of(cfg))
+        found = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        assert len(found) == scans
+        if scans:
+            assert found[0].params["length"] == n
+
+
+def test_microbatches_keep_moe_routing_and_average_its_statistics():
+    """Routing is per row, so the LM loss and token-mean statistics are the full batch's;
+    the balance loss is each microbatch's own, averaged (step.py docstring)."""
+    cfg = models.get_model_config("tiny_moe")
+    batch = batch_of(cfg)
+    (_, plain), (_, micro) = one_step(cfg, batch), one_step(cfg, batch, 2)
+    for k in ("loss", "router_z_loss", "dropped_fraction", "expert_load"):
+        np.testing.assert_allclose(micro[k], plain[k], rtol=2e-5, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(micro["load_balance_loss"], plain["load_balance_loss"], rtol=0.05)
+
+
+def test_sharded_replica_with_microbatches_matches_plain():
+    """On an 8-device data-parallel mesh (microbatches of 8 rows, one per device)."""
+    cfg = models.get_model_config("tiny")
+    mesh = sharding.make_mesh(jax.devices()[:8])
+    batch = np.asarray(batch_of(cfg, batch=16))
+    out = []
+    for n in (1, 2):
+        train = TrainConfig(warmup_steps=0, batch_size=16, microbatches=n, eps=TRAIN.eps)
+        replica = Replica(cfg, train, mesh)
+        replica.init_from_rng(jax.random.key(0))
+        metrics = jax.device_get(replica.step(batch))
+        out.append((replica.host_params(), metrics))
+    (params_1, metrics_1), (params_2, metrics_2) = out
+    np.testing.assert_allclose(metrics_2["loss"], metrics_1["loss"], rtol=2e-5)
+    for k in params_1:
+        np.testing.assert_allclose(params_2[k], params_1[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+# --- attention implementation ---------------------------------------------------------------
+
+# No softcap (the fused path has none); a window shorter than the sequence, so local and
+# global layers really differ; GQA (2 kv heads for 4 query heads).
+NO_CAP = dict(attn_logit_softcap=0.0, sliding_window=8, attention_pattern=("local", "global"))
+
+
+def test_dot_product_attention_matches_reference_forward_and_grads():
+    ref = models.get_model_config("tiny", **NO_CAP)
+    fused = models.get_model_config("tiny", attention_impl="dot_product_attention", **NO_CAP)
+    assert ref.num_kv_heads < ref.num_heads
+    params = models.init_params(ref, jax.random.key(1))
+    tokens = batch_of(ref, batch=4, seq=32)[:, :-1]
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def logits_and_grads(cfg, p):
+        logits = models.forward(cfg, p, tokens)[0]
+        return logits, jax.grad(lambda q: models.forward(cfg, q, tokens)[0].std())(p)
+
+    (logits_ref, g_ref), (logits_fused, g_fused) = (
+        logits_and_grads(c, params) for c in (ref, fused)
+    )
+    assert logits_ref.shape == (4, 32, 256)
+    np.testing.assert_allclose(logits_fused, logits_ref, rtol=1e-5, atol=1e-5)
+    for x, y in zip(jax.tree.leaves(g_fused), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_dot_product_attention_matches_reference_when_decoding():
+    ref = models.get_model_config("tiny", **NO_CAP)
+    fused = models.get_model_config("tiny", attention_impl="dot_product_attention", **NO_CAP)
+    params = models.init_params(ref, jax.random.key(2))
+    prompts = np.asarray(batch_of(ref, batch=2, seq=20)).tolist()
+    out = [
+        decode.generate(cfg, params, prompts, max_new_tokens=6, temperature=0.0)
+        for cfg in (ref, fused)
+    ]
+    np.testing.assert_array_equal(out[0], out[1])
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(remat="some"), "model.remat"),
+        (dict(attention_impl="flash"), "model.attention_impl"),
+        (dict(attention_impl="dot_product_attention"), "model.attn_logit_softcap = 0"),
+    ],
+)
+def test_bad_model_knobs_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        models.get_model_config("tiny", **overrides)
+
+
+@pytest.mark.parametrize(
+    "microbatches, batch_size, message",
+    [
+        (0, 8, "train.microbatches must be an int >= 1"),
+        (3, 8, r"divisible by train.microbatches \(3\)"),
+        (4, 8, r"batch-parallel devices \(8"),  # 2 rows per microbatch on 8 devices
+    ],
+)
+def test_bad_microbatches_are_refused(small_config, microbatches, batch_size, message):
+    c = small_config(**{"train.microbatches": microbatches, "train.batch_size": batch_size})
+    with pytest.raises(ValueError, match=message):
+        validate(c)
+
+
+def test_knobs_flow_from_the_run_config(small_config):
+    c = small_config(**{"train.microbatches": 1, "train.batch_size": 16})
+    c.train.microbatches = 2
+    c.model.remat = "dots"
+    run = validate(c)
+    assert run.train.microbatches == 2 and run.model.remat == "dots"
+
+
+# --- initial state --------------------------------------------------------------------------
+
+
+def test_initial_state_is_built_on_its_shardings():
+    """No leaf passes through the host or one device: each device computes only its shard
+    (FSDP over 4 devices), and the values are those of an unsharded init from the same key
+    (the syncer's host-side Θ_0, runtime/ray/syncer.py), by the partitionable threefry."""
+    cfg = models.get_model_config("tiny")
+    mesh = sharding.make_mesh(jax.devices()[:4], sharding.MeshConfig(data=1, fsdp=4))
+    replica = Replica(cfg, TrainConfig(batch_size=8), mesh)
+    key = jax.device_put(jax.random.key(3), sharding.replicated(mesh))  # 2 words, explicit
+    with jax.transfer_guard("disallow"):
+        replica.init_from_rng(key)
+    params = models.flatten_params(replica.state.params)
+    embedding = params["embedder/embedding"]
+    assert embedding.sharding == replica.flat_shardings["embedder/embedding"]
+    assert {s.data.shape for s in embedding.addressable_shards} == {(256, 16)}  # D 64 / 4
+    for leaf, sh in zip(
+        jax.tree.leaves(replica.state.opt_state),
+        jax.tree.leaves(replica.opt_shardings),
+        strict=True,
+    ):
+        assert leaf.sharding == sh
+    expected = models.flatten_params(jax.jit(lambda k: models.init_params(cfg, k))(key))
+    for name, value in replica.host_params().items():
+        np.testing.assert_array_equal(value, np.asarray(expected[name]), err_msg=name)
