@@ -30,6 +30,10 @@ setuptools.setup(
             "ruff>=0.6",
             "ray[default]>=2.30",
             "tensorboard>=2.16",  # only to read back the event files the run writes
+            # the [tpu] extra: the gs:// stand-in tests run the TPU path's tokenizer and
+            # filesystem code as a TPU host has it
+            "gcsfs>=2024.2",
+            "sentencepiece>=0.2",
         ],
         "ray": ["ray[default]>=2.30"],
         # data.tokenizer = "sentencepiece" (trained locally on the corpus; TPU configs use it)

@@ -284,7 +284,9 @@ def test_scavenged_learner_joins_late_leaves_cleanly_and_the_run_ends(learner_cr
     # (it stops stepping at once; its final offers and Leave take a while longer)
     stopped = max(r["time"] for r in rows if r["learner"] == 2)
     assert LEAVE_STEP - 1 <= lead_step_by(learner_crash, stopped) <= LEAVE_STEP + 3
-    assert 0 < left["step"] < LEAVE_STEP
+    # Its own step count is not the lead's: on a loaded host the scheduler may run it faster
+    # than the lead for a while. What matters is that it left with its budget unfinished.
+    assert 0 < left["step"] < STEPS
     assert not only(events, "learner_down", learner=2) and not only(events, "rejoin", learner=2)
     contributed = [r["time"] for r in merges if 2 in r["learners"]]
     assert contributed and min(contributed) > joined["time"]
