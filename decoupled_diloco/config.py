@@ -19,7 +19,7 @@ import ml_collections
 from decoupled_diloco import faults, models, sharding
 from decoupled_diloco.data import DataConfig, validate_data_config
 from decoupled_diloco.diloco.config import DilocoConfig
-from decoupled_diloco.runtime.jax_world import DistributedConfig
+from decoupled_diloco.jax_world import DistributedConfig
 from decoupled_diloco.train.optimizer import TrainConfig
 
 RUNTIMES = ("local", "ray")
@@ -154,7 +154,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.faults = _section(faults.FaultSpec)  # faults.py FaultSpec (seconds, or steps: faults.unit)
     c.faults.seed = _run_seed_placeholder()  # None = the run's `seed`
     c.ray = _section(RayConfig)  # RayConfig above (runtime = "ray" only)
-    # A multi-host data-parallel run's JAX world (runtime/jax_world.py DistributedConfig).
+    # A multi-host data-parallel run's JAX world (jax_world.py DistributedConfig).
     c.distributed = _section(DistributedConfig)
     return c
 

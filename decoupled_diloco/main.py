@@ -97,7 +97,7 @@ def join_world(config) -> None:
     """Joins the JAX world of `distributed.*` (a multi-host data-parallel run; nothing for
     one process), before validation starts JAX's backend. ValueError: a bad section."""
     from decoupled_diloco import config as config_lib
-    from decoupled_diloco.runtime import jax_world
+    from decoupled_diloco import jax_world
 
     dist = config_lib.distributed_config(config)
     jax_world.initialize(dist.world(), dist.initialization_timeout)

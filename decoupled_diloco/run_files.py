@@ -20,7 +20,7 @@ from decoupled_diloco import faults, models, paths, sharding
 from decoupled_diloco.config import RayConfig, RunConfig
 from decoupled_diloco.data import ByteTokenizer, DataConfig, SentencePieceTokenizer, Tokenizer
 from decoupled_diloco.diloco.config import DilocoConfig
-from decoupled_diloco.runtime.jax_world import DistributedConfig
+from decoupled_diloco.jax_world import DistributedConfig
 from decoupled_diloco.train.optimizer import TrainConfig
 
 RUN_CONFIG = "run_config.json"

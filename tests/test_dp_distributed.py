@@ -22,7 +22,7 @@ def _dp(small_config, **over):
 def test_dp_entry_point_joins_the_configured_world(small_config, monkeypatch):
     calls = []
     monkeypatch.setattr("jax.distributed.initialize", lambda **kw: calls.append(kw))
-    monkeypatch.setattr("decoupled_diloco.runtime.jax_world.check", lambda *a: None)
+    monkeypatch.setattr("decoupled_diloco.jax_world.check", lambda *a: None)
     monkeypatch.setenv("MEGASCALE_NUM_SLICES", "4")
     over = {
         "distributed.coordinator_address": "10.130.0.7:8482",

@@ -1,4 +1,4 @@
-"""runtime/jax_world.py: every JAX world is stated explicitly, one per slice (a learner's own
+"""jax_world.py: every JAX world is stated explicitly, one per slice (a learner's own
 fate), whatever MEGASCALE_* (a multislice request) says; and the data-parallel path joins the
 world of its `distributed.*` keys."""
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from decoupled_diloco.runtime import jax_world
+from decoupled_diloco import jax_world
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 
 # What a multislice queued resource of 2 slices sets on the hosts of slice 1.
@@ -101,7 +101,7 @@ _CHILD = textwrap.dedent(
     """
     import json, os, sys
     import numpy as np
-    from decoupled_diloco.runtime import jax_world
+    from decoupled_diloco import jax_world
     host, port = int(sys.argv[1]), int(sys.argv[2])
     jax_world.initialize(jax_world.slice_world("127.0.0.1", 2, host, port), timeout_s=120)
     import jax

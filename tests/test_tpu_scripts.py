@@ -291,7 +291,7 @@ def test_dp_baseline_runs_on_every_host_of_a_slice_as_one_world():
     """`dp`: the config file to every host of the slice, then one process per TPU worker w
     with process id w in a world of the slice's hosts, coordinator on worker 0, in the
     slice's own zone; the command's overrides turn a TPU config into a valid DP run."""
-    from decoupled_diloco.runtime import jax_world
+    from decoupled_diloco import jax_world
 
     assert dp.COORDINATOR_PORT == jax_world.COORDINATOR_PORT
     spec = parse_accelerator("v5litepod-16")  # 4 hosts

@@ -3,7 +3,7 @@ paper's central comparison (Decoupled DiLoCo vs. plain DP at equal tokens) on TP
 
 No Ray and no syncer: every host of the slice runs the same entry point with the local
 runtime and one learner over every chip of the slice. On a multi-host slice the hosts form
-one JAX world with explicit arguments (decoupled_diloco/runtime/jax_world.py): process id =
+one JAX world with explicit arguments (decoupled_diloco/jax_world.py): process id =
 TPU worker id (one `ssh --worker=<w>` each), coordinator on worker 0's internal IP. The config
 file is copied to every host (TPU hosts have the package, not the repository's configs/).
 Nothing runs here.
@@ -16,7 +16,7 @@ from tpu_cluster import VENV, check_overrides
 from tpu_provision import TPU_VM, Cloud
 from tpu_slices import SliceSpec, one_slice
 
-COORDINATOR_PORT = 8482  # = decoupled_diloco.runtime.jax_world.COORDINATOR_PORT
+COORDINATOR_PORT = 8482  # = decoupled_diloco.jax_world.COORDINATOR_PORT
 WORKER0_IP_PLACEHOLDER = "WORKER0_IP"
 
 

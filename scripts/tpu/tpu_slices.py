@@ -116,7 +116,7 @@ def queued_resource_ids(name: str, num_slices: int) -> list[str]:
     There is deliberately no multislice request (`--node-count`): its slices are one
     all-or-nothing allocation, and its hosts get `MEGASCALE_*` settings with which
     `jax.distributed` and the TPU runtime join every slice into one world, so that one slice's
-    failure stops every learner (decoupled_diloco/runtime/jax_world.py)."""
+    failure stops every learner (decoupled_diloco/jax_world.py)."""
     return [f"{node}-qr" for node in node_ids(name, num_slices)]
 
 

@@ -6,7 +6,7 @@ Placement (pure functions, testable without a cluster):
 - TPU (`"tpu"`): learner m is the slice whose hosts carry the custom resource named by the
   m-th slice id (scripts/tpu registers `{"TPU": chips per host, "<node-id>": 1}` on every
   host); a slice of h hosts is h processes running the same program (multi-controller JAX:
-  when h > 1 a world of this slice's hosts alone, runtime/jax_world.py), each asking for one
+  when h > 1 a world of this slice's hosts alone, jax_world.py), each asking for one
   host's `{"TPU": chips, "<node-id>": 1}`. Process `host` of a multi-host learner is pinned
   to TPU worker `host` with the node label `ray.io/tpu-worker-id` (Ray sets it from the TPU
   VM metadata), because JAX numbers a slice's processes by TPU worker id too: host 0, the
@@ -245,7 +245,7 @@ def learner_hosts(slices: dict[str, dict], num_learners: int, chips: int) -> lis
 
 def slice_coordinator(nodes: list[dict], slice_id: str) -> str | None:
     """The address of TPU worker 0 of slice `slice_id` in `ray.nodes()`: the coordinator of
-    the slice's own JAX world (runtime/jax_world.py); None while that host has not joined.
+    the slice's own JAX world (jax_world.py); None while that host has not joined.
     Looked up by each learner process when it starts, so a replaced slice's new VMs count."""
     for node in nodes:
         res, labels = node.get("Resources", {}), node.get("Labels", {})

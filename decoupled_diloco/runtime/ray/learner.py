@@ -25,9 +25,9 @@ import threading
 import time
 import traceback
 
+from decoupled_diloco import jax_world
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.preflight import FatalRunError, fatal_errors
-from decoupled_diloco.runtime import jax_world
 from decoupled_diloco.runtime.ray.eval import LearnerEvals
 
 COORDINATOR_WAIT_S = 300  # how long a slice's hosts wait for worker 0 (to join Ray, to serve)
