@@ -79,7 +79,8 @@ def test_a_run_writes_per_learner_and_global_scalars_equal_to_its_jsonl(small_co
             assert events[(step, "loss")] == np.float32(loss)
     evals = {r["step"]: r["eval_loss"] for r in rows if r["learner"] == "global"}
     events = _events(tmp_path, "global")
-    assert len(evals) >= 2 and {k: v for k, v in events.items() if k[1] == "eval_loss"} == {
+    # The final evaluation always exists; mid-run ones depend on the host's pace.
+    assert len(evals) >= 1 and {k: v for k, v in events.items() if k[1] == "eval_loss"} == {
         (step, "eval_loss"): np.float32(loss) for step, loss in evals.items()
     }
 
