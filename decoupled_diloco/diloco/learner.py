@@ -315,12 +315,7 @@ class Learner:
         training is over, so the τ overlap steps no longer exist)."""
         out = []
         tau = 0 if final else self.cfg.overlap
-        for p, f in enumerate(self.frags):
-            msg = f.arrived
-            if msg is None:
-                continue
-            t = f.in_flight
-            held = self._holds(msg.merged, t)
+        for p, f, msg, t, held in self._arrived():
             waits = held or (t is not None and self.cfg.apply == "overwrite")
             if waits and self.step < t.step + tau:
                 continue
@@ -342,16 +337,18 @@ class Learner:
         (their keys match `apply_due`'s unless something changes first: a newer version, a
         restored syncer, or the exact-rebase case)."""
         out = []
-        for p, f in enumerate(self.frags):
-            msg = f.arrived
-            if msg is None:
-                continue
-            t = f.in_flight
-            held = self._holds(msg.merged, t)
+        for p, f, msg, t, held in self._arrived():
             if held and t.keep and t.sent is None:
                 continue  # not materialised yet (cannot be merged yet either)
             out.append(self._update(p, f, msg, held, exact=False))
         return out
+
+    def _arrived(self):
+        """(p, fragment, version arrived, offer in flight, whether the version holds it) for
+        every fragment with a version not applied yet."""
+        for p, f in enumerate(self.frags):
+            if f.arrived is not None:
+                yield p, f, f.arrived, f.in_flight, self._holds(f.arrived.merged, f.in_flight)
 
     def _update(self, p: int, f: _Fragment, msg: Merged, held: bool, exact: bool) -> Update:
         """The Update applying version `msg` to fragment `f`; captures what it reads, so
