@@ -296,3 +296,28 @@ def test_expert_parallel_step_partitions_expert_compute(mesh_cfg):
     assert f"f32[{local},{D},{F}]" in hlo  # the per-device expert shard feeds the matmuls
     # Forward dispatch and combine, and their transposes, in each MoE layer.
     assert len(collectives.get("all-to-all", [])) >= 4 * cfg.num_moe_layers
+
+
+@pytest.mark.parametrize(
+    "mesh_cfg", [MeshConfig(data=1, fsdp=4), MeshConfig(data=1, fsdp=2, tensor=2)], ids=str
+)
+def test_dense_step_splits_activations_over_the_batch(mesh_cfg):
+    """Under FSDP every device computes only its own rows: no activation of the global batch
+    (residual stream, ffw hidden, logits) exists on a device, so memory and FLOPs per device
+    stay put as devices are added at a fixed batch per device. The regression this guards
+    against: the FSDP-sharded embedding left the residual stream split over d_model, and
+    XLA then ran the logits and ffw of the whole global batch on every device."""
+    cfg, state = host_state("tiny")
+    mesh = make_mesh(jax.devices()[:4], mesh_cfg)
+    step, placed, batch_sh = sharded_step(cfg, mesh, state)
+    batch = jax.device_put(make_batch(cfg), batch_sh)
+    hlo = step.lower(placed, batch).compile().as_text()
+    rows = BATCH // batch_axis_size(mesh)
+    V, D, F = cfg.vocab_size, cfg.d_model, cfg.ffw_hidden
+    global_shapes = [f"[{BATCH},{SEQ},{n}]" for n in (V, D, F)]
+    params = {f"[{a},{b}]" for a, b in ((V, D), (D, F), (F, D))}  # e.g. [256,64]: B*T = V
+    flattened = [f"[{BATCH * SEQ},{n}]" for n in (V, D, F)]  # the same with rows flattened
+    global_shapes += [s for s in flattened if s not in params]
+    assert not [s for s in global_shapes if s in hlo], "activations of the global batch"
+    tensor = mesh.shape["tensor"]
+    assert f"f32[{rows},{SEQ},{V // tensor}]" in hlo  # each device's own rows of the logits

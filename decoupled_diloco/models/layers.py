@@ -15,7 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from decoupled_diloco.models.config import ModelConfig
+from decoupled_diloco.sharding import constrain
 
+# Activation shardings (sharding.constrain; the identity outside a train step's mesh): rows
+# over the batch axes, heads over the tensor axis, as the weights they meet.
+_HEADS = ("batch", None, "heads", None)
+_KV_HEADS = ("batch", None, "kv_heads", None)
 # Added to masked attention logits; finite so fully-masked rows could never produce NaN.
 _MASK_VALUE = -1e30
 
@@ -104,9 +109,9 @@ class Attention(nn.Module):
         out = param(self, "out", ("heads", "head_dim", "embed"), (H, G, D), fan_in_init((0, 1)))
 
         x_BTD = x_BTD.astype(dtype)
-        q_BTHG = jnp.einsum("BTD,DHG->BTHG", x_BTD, q.astype(dtype))
-        k_BTKG = jnp.einsum("BTD,DKG->BTKG", x_BTD, k.astype(dtype))
-        v_BTKG = jnp.einsum("BTD,DKG->BTKG", x_BTD, v.astype(dtype))
+        q_BTHG = constrain(jnp.einsum("BTD,DHG->BTHG", x_BTD, q.astype(dtype)), _HEADS)
+        k_BTKG = constrain(jnp.einsum("BTD,DKG->BTKG", x_BTD, k.astype(dtype)), _KV_HEADS)
+        v_BTKG = constrain(jnp.einsum("BTD,DKG->BTKG", x_BTD, v.astype(dtype)), _KV_HEADS)
         if cfg.qk_norm:
             q_BTHG = RMSNorm("head_dim", name="q_norm")(q_BTHG)
             k_BTKG = RMSNorm("head_dim", name="k_norm")(k_BTKG)
@@ -180,7 +185,7 @@ def fused_attention(q_BTHG, k_BSKG, v_BSKG, mask_TS, window: int, aligned: bool)
 def geglu(x_BTD, gate_DF, up_DF, down_FD) -> jax.Array:
     """(gelu(x W_gate) * (x W_up)) W_down, tanh-approximate gelu as in Gemma."""
     hidden_BTF = jax.nn.gelu(x_BTD @ gate_DF, approximate=True) * (x_BTD @ up_DF)
-    return hidden_BTF @ down_FD
+    return constrain(hidden_BTF, ("batch", None, "mlp")) @ down_FD
 
 
 class FeedForward(nn.Module):

@@ -40,8 +40,11 @@ import numpy as np
 from decoupled_diloco.models.config import ModelConfig, validate_model_config
 from decoupled_diloco.models.layers import Attention, FeedForward, RMSNorm, param, softcap
 from decoupled_diloco.models.moe import MoE
+from decoupled_diloco.sharding import constrain
 
 EMBEDDING_INIT_STD = 0.02
+# The residual stream's sharding: rows over the batch axes, d_model whole on every device.
+RESIDUAL = ("batch", None, None)
 
 
 class Embedder(nn.Module):
@@ -57,11 +60,12 @@ class Embedder(nn.Module):
     def encode(self, tokens_BT: jax.Array) -> jax.Array:
         dtype = jnp.dtype(self.cfg.dtype)
         x_BTD = jnp.take(self.embedding, tokens_BT, axis=0).astype(dtype)
-        return x_BTD * jnp.asarray(math.sqrt(self.cfg.d_model), dtype)
+        return constrain(x_BTD * jnp.asarray(math.sqrt(self.cfg.d_model), dtype), RESIDUAL)
 
     def decode(self, x_BTD: jax.Array) -> jax.Array:
         embedding = self.embedding.astype(x_BTD.dtype)
-        return jnp.einsum("BTD,VD->BTV", x_BTD, embedding, preferred_element_type=jnp.float32)
+        logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, embedding, preferred_element_type=jnp.float32)
+        return constrain(logits_BTV, ("batch", None, "vocab"))
 
 
 class Block(nn.Module):
@@ -79,14 +83,14 @@ class Block(nn.Module):
         h_BTD = attn(RMSNorm(name="pre_attn_norm")(x_BTD), cache, index)
         if cache is not None:
             h_BTD, cache = h_BTD
-        x_BTD = x_BTD + RMSNorm(name="post_attn_norm")(h_BTD)
+        x_BTD = constrain(x_BTD + RMSNorm(name="post_attn_norm")(h_BTD), RESIDUAL)
         h_BTD = RMSNorm(name="pre_ffw_norm")(x_BTD)
         stats = None
         if cfg.is_moe_layer(self.layer):
             h_BTD, stats = MoE(cfg, name="moe")(h_BTD)
         else:
             h_BTD = FeedForward(cfg, cfg.ffw_hidden, name="ffw")(h_BTD)
-        x_BTD = x_BTD + RMSNorm(name="post_ffw_norm")(h_BTD)
+        x_BTD = constrain(x_BTD + RMSNorm(name="post_ffw_norm")(h_BTD), RESIDUAL)
         return (x_BTD, stats) if cache is None else (x_BTD, stats, cache)
 
 

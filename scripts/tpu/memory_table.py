@@ -11,6 +11,7 @@ bytes per device. Columns (GiB per device):
   optimizer  AdamW moments (+ step counters) this device holds
   temp       XLA's scratch for the step: activations kept for the backward pass, gradients,
              collectives' buffers
+  TFLOP      the compiled step's FLOPs on one device (XLA's cost analysis), in 1e12
   total      arguments + temp + outputs not aliased to arguments (the train step donates its
              state, so the new state reuses the old one's buffers); "OOM": XLA:TPU refused to
              compile it, temp then being what its temporaries would need
@@ -52,6 +53,9 @@ def _args(argv):
         "(v5p-32): needs libtpu (pip install 'jax[tpu]'), not a TPU",
     )
     p.add_argument("--seq-len", type=int, default=0, help="override data.seq_len (0: config's)")
+    p.add_argument(
+        "--remat", default="", help="comma-separated model.remat policies (default: config's)"
+    )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     return p.parse_args(argv)
 
@@ -91,8 +95,9 @@ def target_devices(devices: int, topology: str = "") -> list:
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
 
 
-def measure(config, batch: int, devices: list, seq_len: int = 0) -> dict:
-    """Compiles the train step of `config` at `batch` on `devices`; bytes per device."""
+def measure(config, batch: int, devices: list, seq_len: int = 0, remat: str = "") -> dict:
+    """Compiles the train step of `config` at `batch` on `devices` (with `remat` as
+    model.remat unless empty); bytes and FLOPs per device."""
     import jax
 
     from decoupled_diloco import config as config_lib
@@ -105,6 +110,8 @@ def measure(config, batch: int, devices: list, seq_len: int = 0) -> dict:
     c.ray.accelerator = "cpu"  # (the ray.* section is not read by a one-process run)
     if seq_len:
         c.data.seq_len = seq_len
+    if remat:
+        c.model.remat = remat
     run = config_lib.validate(c)
     mesh = sharding.make_mesh(devices, run.mesh)
     replica = Replica(run.model, run.train, mesh)
@@ -114,6 +121,7 @@ def measure(config, batch: int, devices: list, seq_len: int = 0) -> dict:
     )
     row = {
         "preset": c.model.preset,
+        "remat": c.model.remat,
         "batch": batch,
         "seq_len": run.data.seq_len,
         "devices": len(devices),
@@ -130,13 +138,16 @@ def measure(config, batch: int, devices: list, seq_len: int = 0) -> dict:
             raise
         temp = float(need.group(1)) * GIB  # XLA prints "G" meaning GiB
         return {**row, "temp": temp, "total": None, "compile_s": time.perf_counter() - t0,
-                "hbm": float(need.group(2)) * GIB}  # fmt: skip
+                "hbm": float(need.group(2)) * GIB, "flops": None}  # fmt: skip
     mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # (a list in older jax)
     args, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     return {
         **row,
         "temp": mem.temp_size_in_bytes,
         "total": args + mem.temp_size_in_bytes + out - mem.alias_size_in_bytes,
+        "flops": (cost or {}).get("flops"),
         "compile_s": time.perf_counter() - t0,
     }
 
@@ -144,17 +155,22 @@ def measure(config, batch: int, devices: list, seq_len: int = 0) -> dict:
 def _row(r: dict, markdown: bool) -> str:
     cells = [
         r["preset"],
+        r["remat"],
         str(r["batch"]),
         str(r["seq_len"]),
         str(r["devices"]),
         *(f"{r[k] / GIB:.2f}" for k in ("params", "optimizer", "temp")),
         f"{r['total'] / GIB:.2f}" if r["total"] is not None else f"OOM (HBM {r['hbm'] / GIB:.2f})",
+        f"{r['flops'] / 1e12:.2f}" if r["flops"] else "-",
         f"{r['compile_s']:.0f}",
     ]
     return "| " + " | ".join(cells) + " |" if markdown else "\t".join(cells)
 
 
-HEADER = ["preset", "batch", "seq", "devices", "params", "optimizer", "temp", "total", "compile s"]
+HEADER = [
+    "preset", "remat", "batch", "seq", "devices", "params", "optimizer", "temp", "total",
+    "TFLOP", "compile s",
+]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -183,13 +199,14 @@ def main(argv=None) -> int:
     for spec in args.config:
         config = _load(spec)
         batches = [int(b) for b in args.batch.split(",") if b] or [config.train.batch_size]
-        for b in batches:
-            try:
-                r = measure(config, b, devices, args.seq_len)
-            except ValueError as e:  # e.g. a batch the mesh cannot split
-                print(f"# {spec} batch {b}: {e}", flush=True)
-                continue
-            print(_row(r, args.markdown), flush=True)
+        for remat in [p for p in args.remat.split(",") if p] or [""]:
+            for b in batches:
+                try:
+                    r = measure(config, b, devices, args.seq_len, remat)
+                except ValueError as e:  # e.g. a batch the mesh cannot split
+                    print(f"# {spec} remat {remat or 'default'} batch {b}: {e}", flush=True)
+                    continue
+                print(_row(r, args.markdown), flush=True)
     return 0
 
 
