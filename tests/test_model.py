@@ -295,3 +295,57 @@ def test_overrides_accept_lists_for_pattern():
     cfg = get_model_config("tiny", attention_pattern=["global"])
     assert cfg.attention_pattern == ("global",)
     hash(cfg)  # usable as a jit static argument
+
+
+# --- initial parameters ----------------------------------------------------------------------
+
+
+def _random_kernels(jaxpr) -> int:
+    """How many random draws a jaxpr holds, nested jaxprs (jit, vmap'd bodies) included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "random_bits"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _random_kernels(inner)
+    return count
+
+
+def test_init_draws_once_per_parameter_kind_not_per_layer():
+    """Blocks of one kind are initialised by one vmapped draw: the init's size (and compile
+    time: gemma_2b's 26 layers) does not grow with depth."""
+    kinds = []
+    for layers in (2, 8):
+        cfg = get_model_config("tiny_moe", num_layers=layers, moe_layers="every_other")
+        jaxpr = jax.make_jaxpr(functools.partial(init_params, cfg))(jax.random.key(0))
+        kinds.append(_random_kernels(jaxpr.jaxpr))
+    assert kinds[0] == kinds[1] > 0
+
+
+def test_init_layers_differ_and_depend_only_on_seed_and_index():
+    shallow = flat(init_params(get_model_config("tiny", num_layers=2), jax.random.key(3)))
+    deep = flat(init_params(get_model_config("tiny", num_layers=4), jax.random.key(3)))
+    for name, value in shallow.items():  # a deeper model keeps the shallow one's layers
+        np.testing.assert_array_equal(deep[name], value, err_msg=name)
+    for leaf in ("attn/q", "ffw/up"):  # distinct layers are distinct draws
+        assert not np.allclose(deep[f"block_0/{leaf}"], deep[f"block_2/{leaf}"])
+    other = flat(init_params(get_model_config("tiny", num_layers=2), jax.random.key(4)))
+    assert not np.allclose(other["block_0/attn/q"], shallow["block_0/attn/q"])
+
+
+def test_init_on_a_sharded_mesh_equals_the_host_init():
+    """Every learner (its own mesh) and the syncer (one host device) start from one Θ_0."""
+    from decoupled_diloco import sharding
+
+    cfg = get_model_config("tiny")
+    mesh = sharding.make_mesh(jax.devices()[:4], sharding.MeshConfig(data=1, fsdp=2, tensor=2))
+    abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    shardings = sharding.param_shardings(abstract, param_logical_axes(cfg), mesh)
+    placed = jax.jit(lambda r: init_params(cfg, r), out_shardings=shardings)(jax.random.key(5))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[7])
+    single = jax.jit(lambda r: init_params(cfg, r), out_shardings=one)
+    host = flat(jax.device_get(single(jax.random.key(5))))
+    for name, value in flat(placed).items():
+        np.testing.assert_array_equal(np.asarray(value), host[name], err_msg=name)
