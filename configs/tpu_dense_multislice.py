@@ -33,6 +33,7 @@ Sizes below (batch, steps, lr) are a starting point, not tuned on TPU.
 """
 
 from decoupled_diloco.config import default_config
+from decoupled_diloco.data.config import T5_C4_SPM_MODEL
 
 # `--config=configs/tpu_dense_multislice.py:9b` picks the model size (default 2b).
 SIZES = {"2b": "gemma_2b", "5b": "gemma_5b", "9b": "gemma_9b"}
@@ -61,8 +62,9 @@ def get_config(arg=None):
 
     c.model.preset = SIZES[size]  # gemma_2b: d 2304, 26 layers, 8 heads / 4 kv heads, ffw 9216
     c.model.dtype = "bfloat16"  # compute dtype; params and optimizer state stay fp32
-    # A 32k BPE vocabulary trained on the corpus (below) instead of Gemma's 256k saves 0.5e9
-    # embedding params that would never be used. With the Gemma tokenizer instead, pass
+    # A 32k vocabulary (T5's C4 sentencepiece model, below: 32,000 pieces, padded to a multiple
+    # of 128 rows) instead of Gemma's 256k saves 0.5e9 embedding params that would never be
+    # used. With the Gemma tokenizer instead, pass
     # --config.data.spm_model_path=/path/tokenizer.model --config.model.vocab_size=256128.
     c.model.vocab_size = 32_768
 
@@ -75,12 +77,14 @@ def get_config(arg=None):
     )
     c.data.tfds_text_key = "text"
     c.data.tokenizer = "sentencepiece"
-    # A pre-trained model, local or gs://, read by every host: pass
-    # --config.data.spm_model_path=gs://BUCKET/tokenizers/bpe32k.model (make one with
-    # `python -m decoupled_diloco.tokenizer --config=<this file> --out=gs://...`). Left "",
-    # the driver trains one on the corpus once and shares it through ray.checkpoint_dir.
-    c.data.spm_model_path = ""
-    c.data.spm_vocab_size = 32_768  # = model.vocab_size
+    # A pre-trained model, local or gs://, read by every host: T5's C4 model (32,000 pieces)
+    # by default. Another: --config.data.spm_model_path=gs://BUCKET/tokenizers/bpe32k.model
+    # (train one on your corpus with `python -m decoupled_diloco.tokenizer --config=<this
+    # file> --config.data.spm_model_path= --out=gs://...`). Set to "", the driver trains one
+    # of spm_vocab_size pieces on the corpus once and shares it through ray.checkpoint_dir.
+    # The run saves the model it used as <workdir>/tokenizer.model.
+    c.data.spm_model_path = T5_C4_SPM_MODEL
+    c.data.spm_vocab_size = 32_768  # (pieces of a model trained on the corpus)
     c.data.seq_len = 2048  # tokens per example
 
     c.train.steps = 50_000  # inner steps per learner: 4 learners x 64 x 2048 x 50k = 26e9 tokens

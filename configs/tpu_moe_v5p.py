@@ -20,6 +20,7 @@ tau = 2, K = 1). Sizes are a starting point, not tuned or measured on TPU.
 """
 
 from decoupled_diloco.config import default_config
+from decoupled_diloco.data.config import T5_C4_SPM_MODEL
 
 
 def get_config(arg=None):
@@ -43,7 +44,7 @@ def get_config(arg=None):
 
     c.model.preset = "moe_2p8b_active"
     c.model.dtype = "bfloat16"  # compute dtype; params and optimizer state stay fp32
-    c.model.vocab_size = 32_768  # = data.spm_vocab_size (see configs/tpu_dense_multislice.py)
+    c.model.vocab_size = 32_768  # >= the tokenizer's pieces (see configs/tpu_dense_multislice.py)
 
     c.data.source = "tfds"
     c.data.tfds_name = "c4/en:3.1.0"  # placeholder name: any TFDS text dataset in array_record
@@ -54,12 +55,14 @@ def get_config(arg=None):
     )
     c.data.tfds_text_key = "text"
     c.data.tokenizer = "sentencepiece"
-    # A pre-trained model, local or gs://, read by every host: pass
-    # --config.data.spm_model_path=gs://BUCKET/tokenizers/bpe32k.model (make one with
-    # `python -m decoupled_diloco.tokenizer --config=<this file> --out=gs://...`). Left "",
-    # the driver trains one on the corpus once and shares it through ray.checkpoint_dir.
-    c.data.spm_model_path = ""
-    c.data.spm_vocab_size = 32_768
+    # A pre-trained model, local or gs://, read by every host: T5's C4 model (32,000 pieces)
+    # by default. Another: --config.data.spm_model_path=gs://BUCKET/tokenizers/bpe32k.model
+    # (train one on your corpus with `python -m decoupled_diloco.tokenizer --config=<this
+    # file> --config.data.spm_model_path= --out=gs://...`). Set to "", the driver trains one
+    # of spm_vocab_size pieces on the corpus once and shares it through ray.checkpoint_dir.
+    # The run saves the model it used as <workdir>/tokenizer.model.
+    c.data.spm_model_path = T5_C4_SPM_MODEL
+    c.data.spm_vocab_size = 32_768  # (pieces of a model trained on the corpus)
     c.data.seq_len = 2048
 
     c.train.steps = 50_000  # inner steps per learner

@@ -198,3 +198,28 @@ def test_a_tokenizer_is_pre_trained_once_onto_gcs_and_used_from_there(gcs, small
     assert get_tokenizer(run.data).decode(get_tokenizer(run.data).encode(text)) == text
     with pytest.raises(ValueError, match="only sentencepiece"):
         tokenizer_cli.train_and_save(config_lib.data_config(small_config()), "gs://bkt/t/x")
+
+
+def test_the_published_default_tokenizer_validates_offline_and_is_checked_when_read(
+    gcs, small_config
+):
+    """The TPU configs name T5's C4 model on gs://: a config validates without reading it
+    (its size is known), and the file read at start-up must hold that many pieces."""
+    from decoupled_diloco import tokenizer as tokenizer_cli
+    from decoupled_diloco.data import get_tokenizer
+    from decoupled_diloco.data.config import KNOWN_SPM_PIECES, T5_C4_SPM_MODEL
+
+    spm = {"data.tokenizer": "sentencepiece", "model.vocab_size": 32_768}
+    cfg = small_config(**spm, **{"data.spm_model_path": T5_C4_SPM_MODEL})
+    run = config_lib.validate(cfg)  # nothing is at that path in the stand-in bucket
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        config_lib.validate(small_config(**{**spm, "model.vocab_size": 31_999},
+                                         **{"data.spm_model_path": T5_C4_SPM_MODEL}))  # fmt: skip
+    with pytest.raises(ValueError, match="no such file"):
+        get_tokenizer(run.data)
+    small = small_config(**{"data.tokenizer": "sentencepiece", "data.spm_vocab_size": 512})
+    tokenizer_cli.train_and_save(config_lib.data_config(small), T5_C4_SPM_MODEL)
+    with pytest.raises(
+        ValueError, match=f"512 pieces, not the {KNOWN_SPM_PIECES[T5_C4_SPM_MODEL]}"
+    ):
+        get_tokenizer(run.data)

@@ -21,6 +21,7 @@ from tpu_slices import check_name, node_ids, parse_accelerator  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
 from decoupled_diloco import models, sharding  # noqa: E402
+from decoupled_diloco.data.config import KNOWN_SPM_PIECES, T5_C4_SPM_MODEL  # noqa: E402
 
 
 def _load(path: pathlib.Path, name: str):
@@ -513,7 +514,9 @@ def test_tpu_configs(file, preset, accelerator, mesh):
     assert (d.fragments, d.sync_every, d.overlap, d.quorum) == (24, 24, 2, 1)  # P, H, tau, K
     assert (c.runtime, c.model.preset, c.model.dtype) == ("ray", preset, "bfloat16")
     assert c.data.source == "tfds" and c.data.tfds_name.startswith("c4/")
-    assert c.model.vocab_size == c.data.spm_vocab_size
+    # A pre-trained tokenizer by default (T5's C4 model), no start-up training on any host.
+    assert c.data.spm_model_path == T5_C4_SPM_MODEL
+    assert c.model.vocab_size >= KNOWN_SPM_PIECES[T5_C4_SPM_MODEL]
 
     # Ray on TPU: learners on their chips, restarted however often Spot preempts them, Θ
     # evaluated on a learner's slice rather than on the head VM's CPU.

@@ -6,6 +6,13 @@ SOURCES = ("stdlib", "shakespeare", "path", "tfds")
 TOKENIZERS = ("byte", "sentencepiece")
 # 256 byte-fallback pieces + <unk> + <eos> + "\n" + at least one learned merge.
 MIN_SPM_VOCAB_SIZE = 260
+# T5's public sentencepiece model: 32,000 pieces trained on Common Crawl / C4 (Raffel et al.
+# 2020, arXiv 1910.10683), in a public bucket every Google Cloud VM can read. The TPU configs'
+# default tokenizer, for their C4 corpus.
+T5_C4_SPM_MODEL = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"
+# Pieces of published models, so a config naming one validates (model.vocab_size against the
+# tokenizer) without reading it, e.g. offline; reading the file checks the number.
+KNOWN_SPM_PIECES = {T5_C4_SPM_MODEL: 32_000}
 
 
 @dataclasses.dataclass(frozen=True)

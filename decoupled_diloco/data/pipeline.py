@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from decoupled_diloco.data.config import DataConfig, validate_data_config
+from decoupled_diloco.data.config import KNOWN_SPM_PIECES, DataConfig, validate_data_config
 from decoupled_diloco.data.corpus import load_corpus
 from decoupled_diloco.data.iterator import TokenBatchIterator
 from decoupled_diloco.data.tokenizer import Tokenizer, load_sentencepiece
@@ -82,6 +82,8 @@ def vocab_size(cfg: DataConfig) -> int:
     validate_data_config(cfg)
     if cfg.tokenizer == "byte":
         return 256
+    if cfg.spm_model_path in KNOWN_SPM_PIECES:  # published: checked when it is loaded
+        return KNOWN_SPM_PIECES[cfg.spm_model_path]
     if cfg.spm_model_path:
         return load_sentencepiece(cfg.spm_model_path).vocab_size
     # Trained locally with a hard vocabulary limit: exactly this size, or training fails.

@@ -13,7 +13,7 @@ import numpy as np
 from etils import epath
 
 from decoupled_diloco import paths
-from decoupled_diloco.data.config import DataConfig
+from decoupled_diloco.data.config import KNOWN_SPM_PIECES, DataConfig
 
 _SPM_INSTALL = "pip install sentencepiece"
 # Bumped whenever the trainer options below change, so stale cached models are not reused.
@@ -160,12 +160,20 @@ def load_sentencepiece(model_path: str) -> SentencePieceTokenizer:
     if not path.is_file():
         raise ValueError(f"data.spm_model_path={model_path!r}: no such file")
     try:
-        return SentencePieceTokenizer(path.read_bytes())
+        tokenizer = SentencePieceTokenizer(path.read_bytes())
     except (RuntimeError, OSError) as e:  # sentencepiece: "could not parse ModelProto"
         raise ValueError(
             f"data.spm_model_path={model_path!r}: {path} is not a readable sentencepiece "
             f"model ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
         ) from e
+    known = KNOWN_SPM_PIECES.get(model_path)
+    if known is not None and tokenizer.vocab_size != known:  # validation took `known` on trust
+        raise ValueError(
+            f"data.spm_model_path={model_path!r} holds {tokenizer.vocab_size} pieces, not the "
+            f"{known} of the published model: the file has changed; copy the model you mean "
+            "to your own bucket and name that"
+        )
+    return tokenizer
 
 
 def build_tokenizer(
