@@ -4,8 +4,11 @@ Shape legend: B batch, T query sequence, S key sequence, D d_model, H query head
 G head_dim, F ffw hidden. Every parameter is created through `param`, which records its logical
 axis names next to its shape; `transformer.param_logical_axes` reads them back.
 
-Init (all weights plain normal, fan-in scaled, so every projection roughly preserves the RMS of
-its input): q/k/v std D**-0.5, attention out (H*G)**-0.5, ffw gate/up D**-0.5, down F**-0.5.
+Init (all weights plain normal, fan-in scaled): attention out (H*G)**-0.5, ffw gate/up
+D**-0.5, down F**-0.5 (these roughly preserve the RMS of their input); q (D*H)**-0.5 and k/v
+(D*K)**-0.5, because flax's variance scaling counts the head axis into the fan-in of a
+[D, heads, G] kernel: queries and keys start sqrt(H) and sqrt(K) smaller than RMS-preserving,
+so attention starts close to uniform.
 Norm scales start at 0 because the norms multiply by (1 + scale).
 """
 
