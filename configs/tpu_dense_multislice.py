@@ -25,10 +25,10 @@ learner processes restart without limit (Spot preemptions).
 
 Data: TFDS "c4/en:3.1.0" read through tfds.data_source, which needs the array_record file
 format (the public gs://tensorflow-datasets copy is TFRecord; see scripts/tpu/README.md).
-Memory (XLA:TPU compile-only, scripts/tpu/README.md "Memory per chip"): with no
-rematerialisation the 2B step needs ~94 GiB of temporaries per chip at one 2048-token sequence
-per chip: it fits v5p-32 at train.batch_size=16 (95 of 95.7 GiB), no v5e slice, and the
-batch of 64 below fits none of them. Run scripts/tpu/memory_table.py before choosing a size.
+Memory (XLA:TPU compile-only, scripts/tpu/README.md "Memory per chip"): the 2B step at the
+batch of 64 below on v5litepod-32 (2 sequences per chip) needs 14.75 of 15.75 GiB per chip
+without rematerialisation, 6.7 GiB with --config.model.remat=full. Run
+scripts/tpu/memory_table.py before choosing another size or slice.
 Sizes below (batch, steps, lr) are a starting point, not tuned on TPU.
 """
 
