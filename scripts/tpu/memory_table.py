@@ -121,7 +121,7 @@ def measure(config, batch: int, devices: list, seq_len: int = 0, remat: str = ""
     )
     row = {
         "preset": c.model.preset,
-        "remat": c.model.remat,
+        "remat": run.model.remat,
         "batch": batch,
         "seq_len": run.data.seq_len,
         "devices": len(devices),
