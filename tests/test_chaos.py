@@ -183,9 +183,11 @@ def test_decoupled_goodput_beats_data_parallel_under_the_same_crash(learner_cras
     if last_1 > back["time"]:  # learner 1 trained through learner 0's outage
         assert dec["global_downtime_seconds"] == 0.0
         assert dec["uptime"] == 1.0
-    else:  # (a fast host) it finished meanwhile: nobody trained until learner 0 was back
+    else:  # (a fast host) it finished meanwhile: nobody trained until learner 0 was back.
+        # That gap is downtime only if longer than the tolerance in median step times, which
+        # a loaded host's slow steps stretch (runtime/accounting.py, rule b): 0 is allowed.
         after = min(r["time"] for r in learner_crash["merges"] if r["time"] > back["time"])
-        assert 0.0 < dec["global_downtime_seconds"] <= after - last_1 + 1.0
+        assert 0.0 <= dec["global_downtime_seconds"] <= after - last_1 + 1.0
     assert dp["global_downtime_seconds"] >= RESTART_DELAY
     assert dp["uptime"] < 1.0
     assert dec["goodput"] > dp["goodput"]
