@@ -6,8 +6,8 @@ over an 8-way expert axis and everything else FSDP over the rest. fp32 params + 
 grads of 15.2e9 params are ~245 GB, so a v5p-32 slice (16 chips x 95 GB HBM, mesh fsdp 2 x
 expert 8) leaves most HBM to activations; v5p-16 (8 chips, fsdp 1 x expert 8) is the smallest
 slice this mesh fits on. The syncer's fp32 Θ and outer momentum need ~125 GB of head-VM RAM.
-XLA:TPU (compile-only, scripts/tpu/README.md) puts the step at 81 GiB per chip on v5p-32 at
-the batch of 64 below (27 GiB at 16): it fits, with little to spare; nothing has run on TPU.
+XLA:TPU (compile-only, scripts/tpu/README.md) puts the step at 77.8 GiB per chip on v5p-32
+at the batch of 64 below: it fits; nothing has run on TPU.
 
   python scripts/tpu/launch.py launch --project=P --zone=us-east5-a \
       --accelerator=v5p-32 --slices=4 --config=configs/tpu_moe_v5p.py \
