@@ -17,8 +17,11 @@ CPU models routinely have e.g. 4 kv heads on an 8-way tensor axis.
 Activations are placed by the same table: inside `constraint_mesh(mesh)` (which a train step
 enters while it is traced), `constrain(x, logical_axes)` pins an intermediate to the rules'
 sharding; outside it `constrain` is the identity, so model code runs unchanged on one device.
-The MoE layer uses it to move dispatched tokens to the devices holding their expert
-(an all-to-all) instead of letting XLA all-gather every expert's weights onto every device.
+The dense path pins its residual stream, q/k/v, ffw hidden and logits with it (rows over the
+batch axes), without which the FSDP-sharded embedding left activations split over d_model and
+every device computed the whole global batch. The MoE layer uses it to move dispatched tokens
+to the devices holding their expert (an all-to-all) instead of letting XLA all-gather every
+expert's weights onto every device.
 """
 
 import contextlib
