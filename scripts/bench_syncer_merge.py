@@ -11,18 +11,21 @@ That goal cannot be met for every K: the copy reads and writes K·N floats, whil
 plus outer step must at least read the K offers, Θ and the momentum and write Θ and the
 momentum, (K + 4)·N floats, so at memory speed merge/copy ≤ 2K / (K + 4) (0.40, 0.67,
 1.00, 1.33 for K = 1, 2, 4, 8). The `bound` column prints it and `of bound` how close a
-path gets; the syncer path also copies Θ into its reply (+2N: bound 2K / (K + 6)).
+path gets; the syncer path also writes Θ into its reply (+N: bound 2K / (K + 5)).
 
 Paths:
-  fused        merge.merge_outer_step(..., inplace=True): the syncer owns Θ and the momentum
+  fused        merge.merge_outer_step(..., inplace=True, scratch=...): the syncer owns Θ and
+               the momentum, and RDA's direction goes into reused memory (chunks.Scratch)
   fused 1t     the same on one thread
   fused+norms  the same, given each offer's per-leaf ‖v‖² (`merge.offer_sq_norms`), which
                a syncer can compute when the offer arrives, off the merge's critical path
   composed     merge.merge then merge.outer_step: allocates Δ, Θ and momentum each call
   syncer       Syncer._merge itself on K pending offers (diloco.merge = the rule): the fused
-               in-place path with arrival-time norms, plus its bookkeeping and the reply's
-               encode ("none": one copy of Θ); the offers' arrival (decode, validation, ‖v‖²)
-               runs untimed before each repetition, as it does off the merge's critical path
+               in-place path with arrival-time norms, plus its bookkeeping and the reply
+               ("none": the outer step also writes Θ into a reply buffer no receiver holds
+               any more, reply_buffers.py; the bench keeps no reply); the offers' arrival
+               (decode, validation, ‖v‖²) runs untimed before each repetition, as it does
+               off the merge's critical path
 
   python scripts/bench_syncer_merge.py            # N ∈ {4M, 16M}, K ∈ {1, 2, 4, 8}
   python scripts/bench_syncer_merge.py --quick    # N ∈ {1M, 4M}, fewer repetitions
@@ -113,27 +116,32 @@ def bench_cell(
     def copy():  # the same spans of chunks on the same threads as a merge
         for v, dst in zip(vs, copies, strict=True):
             for name, x in v.items():
-                src, out = x.reshape(-1), dst[name].reshape(-1)
-
-                def span(a, b, src=src, out=out):
-                    np.copyto(out[a:b], src[a:b])
-                    return []
-
-                chunks.map_spans(span, src.size, threads)
+                chunks.copy(x, dst[name], threads)
 
     paths = {"copy": copy}
     norms = [merge.offer_sq_norms(v) for v in vs]  # a syncer computes these on arrival
-    one = dict(inplace=True, threads=1)
+    scratch = chunks.Scratch()  # RDA's direction u in reused memory, as the syncer does
+    one = dict(inplace=True, threads=1, scratch=scratch)
     for rule in merge.RULES:
         paths[f"{rule} fused 1t"] = lambda r=rule: merge.merge_outer_step(
             theta, vs, w, r, state, lr, mu, **one
         )
         paths[f"{rule} fused"] = lambda r=rule: merge.merge_outer_step(
-            theta, vs, w, r, state, lr, mu, inplace=True, threads=threads
+            theta, vs, w, r, state, lr, mu, inplace=True, threads=threads, scratch=scratch
         )
         if rule == "rda":
             paths["rda fused+norms"] = lambda: merge.merge_outer_step(
-                theta, vs, w, "rda", state, lr, mu, inplace=True, sq_norms=norms, threads=threads
+                theta,
+                vs,
+                w,
+                "rda",
+                state,
+                lr,
+                mu,
+                inplace=True,
+                sq_norms=norms,
+                threads=threads,
+                scratch=scratch,
             )
         paths[f"{rule} composed"] = lambda r=rule: outer.outer_step(
             theta, merge.merge(vs, w, r), state, lr, mu
@@ -172,7 +180,7 @@ def main(argv):
             copy_rate = gigabytes / results.pop("copy")
             for name, seconds in results.items():
                 rate = gigabytes / seconds
-                bound = 2 * k / (k + (6 if name.endswith("syncer") else 4))
+                bound = 2 * k / (k + (5 if name.endswith("syncer") else 4))
                 ratio = rate / copy_rate
                 print(
                     f"{size:>7g}M {k:>2} {name:<16} {1e3 * seconds:>8.1f} {rate:>7.2f} "

@@ -150,13 +150,18 @@ def test_fused_merge_outer_step_equals_composition(monkeypatch, rule, nesterov, 
     got, got_state = merge.merge_outer_step(theta, vs, w, rule, state, 0.5, 0.8, nesterov)
     theta_inplace = {k: x.copy() for k, x in theta.items()}
     state_inplace = merge.OuterState({k: x.copy() for k, x in state.momentum.items()})
+    # The syncer's fast path: RDA's direction in reused memory (one buffer for leaves of
+    # every size), and the new Θ also written into its reply's arrays.
+    copy = {k: np.full(np.size(x), np.nan, np.float32) for k, x in theta.items()}
     out, out_state = merge.merge_outer_step(
-        theta_inplace, vs, w, rule, state_inplace, 0.5, 0.8, nesterov, inplace=True
-    )
+        theta_inplace, vs, w, rule, state_inplace, 0.5, 0.8, nesterov, inplace=True,
+        scratch=chunks.Scratch(), theta_copy=copy,
+    )  # fmt: skip
     assert out is theta_inplace and out_state is state_inplace
     for k in SHAPES:
         for tensor, reference in ((got, want), (out, want)):
             np.testing.assert_array_equal(tensor[k], reference[k])
+        np.testing.assert_array_equal(copy[k].reshape(np.shape(want[k])), want[k])
         for buf in (got_state.momentum[k], out_state.momentum[k]):
             np.testing.assert_array_equal(buf, want_state.momentum[k])
 

@@ -92,9 +92,18 @@ def combine(xs: list, coefs, s: slice, out: np.ndarray, tmp: np.ndarray, view_ok
     return out
 
 
-def weighted_sum(leaves: list, coefs, threads: int | None = 1) -> tuple[np.ndarray, float]:
-    """(Σ coefs[m] · leaves[m] as a new float32 array, its squared norm), one pass."""
-    out = np.empty(np.shape(leaves[0]), F32)
+def weighted_sum(
+    leaves: list, coefs, threads: int | None = 1, out: np.ndarray | None = None
+) -> tuple[np.ndarray, float]:
+    """(Σ coefs[m] · leaves[m] as a float32 array, its squared norm), one pass.
+
+    The sum goes into `out` if given (C-contiguous float32 of the leaves' shape, e.g. a
+    `Scratch` view), else into a new array.
+    """
+    if out is None:
+        out = np.empty(np.shape(leaves[0]), F32)
+    elif out.shape != np.shape(leaves[0]) or out.dtype != F32 or not out.flags.c_contiguous:
+        raise ValueError(f"out: {out.dtype}{out.shape} for {np.shape(leaves[0])} leaves")
     out_flat, xs = out.reshape(-1), [flat(x) for x in leaves]
 
     def span(a, b):
@@ -108,6 +117,37 @@ def weighted_sum(leaves: list, coefs, threads: int | None = 1) -> tuple[np.ndarr
     for x in map_spans(span, out.size, threads):
         sq += x
     return out, sq
+
+
+def copy(src, dst: np.ndarray, threads: int | None = 1) -> None:
+    """dst[...] = src (same size, dst C-contiguous), spans of chunks on up to `threads`."""
+    src, out = flat(src), dst.reshape(-1)
+    if src.size != out.size:
+        raise ValueError(f"copy of {src.size} values into {out.size}")
+
+    def span(a, b):
+        np.copyto(out[a:b], src[a:b])
+        return []
+
+    map_spans(span, src.size, threads)
+
+
+class Scratch:
+    """One float32 buffer reused for fragment-sized temporaries, grown to the largest size
+    asked for. A fresh fragment-sized array costs a page fault per page on its first write
+    (the kernel maps and zeroes it): on the dev box that made writing 16 MiB into new
+    memory 4-6x slower than into memory already touched. Not thread-safe: one owner at a
+    time (the syncer, which merges under its lock)."""
+
+    def __init__(self):
+        self._buf = np.empty(0, F32)
+
+    def array(self, shape) -> np.ndarray:
+        """A C-contiguous float32 view of `shape` into the buffer (valid until the next call)."""
+        n = int(np.prod(shape, dtype=np.int64))
+        if self._buf.size < n:
+            self._buf = np.empty(n, F32)
+        return self._buf[:n].reshape(shape)
 
 
 def check_same_leaves(trees: list[dict]) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 from decoupled_diloco.diloco import outer
 from decoupled_diloco.diloco.chunks import F32 as _F32
 from decoupled_diloco.diloco.chunks import (
+    Scratch,
     check_same_leaves,
     sq_norm,
     weighted_sum,
@@ -147,11 +148,13 @@ def merge_mean(vs: list[dict], w: np.ndarray) -> dict:
 
 
 def _rda_direction(
-    leaves: list, w_hat, eps: float, sq_norms: list, threads: int | None = 1
-) -> tuple[np.ndarray, float]:
+    leaves: list, w_hat, eps: float, sq_norms: list, threads: int | None = 1,
+    scratch: Scratch | None = None,
+) -> tuple[np.ndarray, float]:  # fmt: skip
     """(u, scale) with RDA's Δ = scale · u for one leaf.
 
-    u = Σ ŵ_m φ(v_m) is the weighted mean direction (a new float32 array) and scale =
+    u = Σ ŵ_m φ(v_m) is the weighted mean direction (a new float32 array, or a view into
+    `scratch`) and scale =
     (Σ ŵ_m ‖v_m‖) / ‖u‖, or 0 when u vanishes (φ(0) = 0). Costs two read passes over the
     offers, one if `sq_norms` (‖v_m‖², None where unknown) are given. A single offer is
     its own RDA (‖v‖·φ(φ(v)) = v): then u is that offer itself.
@@ -162,7 +165,8 @@ def _rda_direction(
         return leaves[0], (1.0 if norms[0] > eps else 0.0)
     radius = float(np.dot(w_hat, norms))
     a = np.where(norms > eps, w_hat / np.where(norms > eps, norms, 1.0), 0.0)
-    u, u_sq_norm = weighted_sum(leaves, a, threads)
+    out = None if scratch is None else scratch.array(np.shape(leaves[0]))
+    u, u_sq_norm = weighted_sum(leaves, a, threads, out)
     u_norm = np.sqrt(u_sq_norm)
     return u, (radius / u_norm if u_norm > eps else 0.0)
 
@@ -215,6 +219,8 @@ def merge_outer_step(
     sq_norms: list[dict] | None = None,
     return_delta_norm: bool = False,
     threads: int | None = 1,
+    scratch: Scratch | None = None,
+    theta_copy: dict | None = None,
 ) -> tuple[dict, outer.OuterState] | tuple[dict, outer.OuterState, float]:
     """`outer.outer_step(theta, scale · merge(vs, w, rule), state, lr, momentum, nesterov,
     work=work, clock=clock)`, fused.
@@ -226,7 +232,10 @@ def merge_outer_step(
     `scale` and `work` come from `weigh`; `sq_norms` as in `merge_rda`. With
     `return_delta_norm`, also returns ‖Δ‖ (Δ including `scale`) over all leaves. `threads`:
     how many threads split each leaf's chunks (None/0: the host's cores; the result is the
-    same for any count).
+    same for any count). `scratch`: where RDA puts u (reused memory: no page faults on
+    the merge's critical path; see `chunks.Scratch`), else a new array per leaf.
+    `theta_copy` {leaf: array of its size}: also receives the new Θ, chunk by chunk while
+    in cache (the syncer's reply, `reply_buffers.py`).
     """
     if rule not in RULES:
         raise ValueError(f"diloco.merge={rule!r}; expected one of {RULES}")
@@ -234,21 +243,24 @@ def merge_outer_step(
         raise ValueError(f"scale must be finite and >= 0, got {scale}")
     vs, w_hat, norms = _contributors(vs, w, sq_norms)
     check_same_leaves([theta, vs[0]])
+    if theta_copy is not None and set(theta_copy) != set(theta):
+        raise ValueError(f"theta_copy leaves differ: {sorted(set(theta_copy) ^ set(theta))[:5]}")
     decay, look = outer.momentum_terms(momentum, work, clock)
     bufs, theta_out, bufs_out = outer.outputs(theta, state, inplace)
     delta_sq_norm = 0.0
     for k in theta:
         leaf, leaves = (theta[k], bufs[k], theta_out[k], bufs_out[k]), [v[k] for v in vs]
+        also = dict(threads=threads, copy_out=None if theta_copy is None else theta_copy[k])
         if rule == "mean":
             coefs = w_hat if scale == 1 else w_hat * scale
             delta_sq_norm += outer.apply_outer(
-                leaf, leaves, coefs, lr, decay, look, nesterov, threads
+                leaf, leaves, coefs, lr, decay, look, nesterov, **also
             )
         else:  # one leaf's direction u at a time bounds the extra memory
             known = [None if n is None else n[k] for n in norms]
-            u, s = _rda_direction(leaves, w_hat, eps, known, threads)
+            u, s = _rda_direction(leaves, w_hat, eps, known, threads, scratch)
             delta_sq_norm += outer.apply_outer(
-                leaf, [u], [s * scale], lr, decay, look, nesterov, threads
+                leaf, [u], [s * scale], lr, decay, look, nesterov, **also
             )
     out = theta_out, (state if inplace else outer.OuterState(bufs_out))
     return (*out, float(np.sqrt(delta_sq_norm))) if return_delta_norm else out

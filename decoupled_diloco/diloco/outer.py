@@ -77,14 +77,18 @@ def outputs(theta: dict, state: OuterState, inplace: bool) -> tuple[dict, dict, 
 
 
 def apply_outer(leaf: tuple, xs: list, coefs, lr, decay, look, nesterov: bool,
-                threads: int | None = None) -> float:  # fmt: skip
+                threads: int | None = None, copy_out=None) -> float:  # fmt: skip
     """Outer step of one leaf with Δ = Σ_m coefs[m] · xs[m], formed chunk by chunk; ‖Δ‖².
 
     leaf = (Θ, buf, Θ out, buf out), outputs possibly aliasing inputs. ‖Δ‖² comes almost
     free: each chunk of Δ is still in cache when it is dotted with itself. Spans of chunks
     run on up to `threads` threads (`chunks.map_spans`; same result for any count).
+    `copy_out` (optional, Θ's size): also gets the new Θ, each chunk copied while in cache.
     """
     th, b, th_out, b_out = (flat(x) for x in leaf)
+    also = None if copy_out is None else flat(copy_out)
+    if also is not None and also.size != th.size:
+        raise ValueError(f"copy_out has {also.size} values for a leaf of {th.size}")
     xs, lr, decay, look = [flat(x) for x in xs], F32(lr), F32(decay), F32(look)
 
     def span(start: int, stop: int) -> list[float]:
@@ -105,6 +109,8 @@ def apply_outer(leaf: tuple, xs: list, coefs, lr, decay, look, nesterov: bool,
                 np.add(tmp, delta, out=tmp)
             np.multiply(tmp, lr, out=tmp)
             np.subtract(th[s], tmp, out=th_out[s])
+            if also is not None:
+                np.copyto(also[s], th_out[s])
         return sqs
 
     delta_sq_norm = 0.0

@@ -39,6 +39,7 @@ import numpy as np
 
 from decoupled_diloco.diloco import compression, merge, refusals, rounds, syncer_state
 from decoupled_diloco.diloco import offer_checks as checks
+from decoupled_diloco.diloco.chunks import Scratch
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import FragmentPlan
 from decoupled_diloco.diloco.grace import GraceWindow
@@ -47,6 +48,7 @@ from decoupled_diloco.diloco.messages import Join, Leave, Merged, Offer, Snapsho
 from decoupled_diloco.diloco.offer_checks import Reason, RunBounds
 from decoupled_diloco.diloco.offer_scale import OfferScale
 from decoupled_diloco.diloco.registry import Registry
+from decoupled_diloco.diloco.reply_buffers import ReplyBuffers
 
 
 class Syncer:
@@ -88,6 +90,9 @@ class Syncer:
         self.scale = OfferScale(cfg.max_offer_norm_ratio, self.owned)
         self._sizes = {p: sum(v.size for v in self.theta[p].values()) for p in self.owned}
         self._total = sum(int(np.size(v)) for v in params.values())
+        # Reused memory for the merge's fragment-sized temporaries (RDA's direction, the
+        # reply's copy of Θ): fresh arrays page-fault on the critical path (reply_buffers.py).
+        self._scratch, self.replies = Scratch(), ReplyBuffers()
 
     def record(self, rec: dict) -> None:
         """Emits one merge / event record (the runtime writes it to merges or events.jsonl)."""
@@ -301,9 +306,13 @@ class Syncer:
         # encode copy them; state_dict()'s callers copy under the lock around handle/tick).
         outer = dict(lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
                      clock=cfg.momentum_clock, scale=scale, work=work)  # fmt: skip
+        # The reply: uncompressed, Θ is copied into it by the outer step (reply_buffers.py).
+        none = cfg.reply_compression == "none"
+        payload, copy = self.replies.take(p, self.theta[p]) if none else (None, None)
         self.theta[p], self.outer[p], delta_norm = merge.merge_outer_step(
             self.theta[p], vs, w, rule, self.outer[p], **outer, inplace=True,
             sq_norms=sq_norms, return_delta_norm=True, threads=cfg.merge_threads,
+            scratch=self._scratch, theta_copy=copy,
         )  # fmt: skip
         self.version[p] = version + 1
         for o in kept:
@@ -311,7 +320,8 @@ class Syncer:
         self.last_slot[p] = rounds.covered_slot(
             [self.slot(o) for o in kept], self.last_slot[p], cfg.quorum, cfg.rounds == "eager"
         )
-        payload = compression.encode(self.theta[p], self.cfg.reply_compression)
+        if payload is None:
+            payload = compression.encode(self.theta[p], cfg.reply_compression)
         reply = Merged(
             p, version + 1, payload, tuple(o.learner for o in kept), now, payload.nbytes(),
             steps=tuple(o.step for o in kept), incarnations=tuple(o.incarnation for o in kept),
