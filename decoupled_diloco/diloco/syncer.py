@@ -302,8 +302,8 @@ class Syncer:
         rule = self.cfg.embedding_merge if embedding else self.cfg.merge
         # Against Θ before this step: the router the offers' outer gradients started from.
         router_divergence = merge.router_divergence(vs, w, self.theta[p])
-        # In place: Θ and the momenta are the syncer's alone (snapshot() and the reply's
-        # encode copy them; state_dict()'s callers copy under the lock around handle/tick).
+        # In place: Θ and the momenta are the syncer's alone (snapshot() and the reply copy
+        # them; state_dict()'s callers copy under the lock around handle/tick).
         outer = dict(lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
                      clock=cfg.momentum_clock, scale=scale, work=work)  # fmt: skip
         # The reply: uncompressed, Θ is copied into it by the outer step (reply_buffers.py).
