@@ -4,10 +4,12 @@ An experiment is a list of *arms* (a label, a configs/ file and dotted-key overr
 seeds. `run_arms` runs each (arm, seed) in this process, one after the other (each gets the
 whole machine), into <out>/runs/<arm>_s<seed>/, with a progress line per 10% of a run's steps
 (at most one per 3 s, at least one a minute). A finished run is reused only if its resolved
-config (and wall-clock budget) is the one the current flags would build: experiment.json in
-the run directory holds it and its hash, so --quick results never stand in for full ones and
-an edited arm reruns; --fresh reruns everything. An interrupted experiment resumes where it
-stopped.
+config (and wall-clock budget) is the one the current flags would build and the code that
+ran it is today's (a hash of the package's sources and the jax/flax/optax versions):
+experiment.json in the run directory holds both, so --quick results never stand in for full
+ones, an edited arm reruns and so does every run after a code change (--reuse_other_code
+keeps runs made by other code, naming them); --fresh reruns everything. An interrupted
+experiment resumes where it stopped.
 
 Flags every script shares (define_flags); without --quick/--smoke a script runs its full
 mode (200 steps x batch 16 per learner unless it says otherwise, >= 2 seeds):
@@ -30,6 +32,7 @@ Config building (lengths per mode, equal eval sets, TPU scaling) lives in arm_co
 """
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -82,6 +85,11 @@ def define_flags(default_out: str, default_seeds: str) -> None:
         "step, 1000 steps (for a GPU; arm_config.py); tpu: configs/tpu_*.",
     )  # fmt: skip
     flags.DEFINE_bool("fresh", False, "Rerun runs whose summary.json already exists.")
+    flags.DEFINE_bool(
+        "reuse_other_code", False,
+        "Reuse finished runs of the same config made by other code (another package version "
+        "or edited sources); by default they rerun.",
+    )  # fmt: skip
     flags.DEFINE_list("arms", [], "Run only these arms (default: all).")
     flags.DEFINE_multi_string("set", [], "key=value override for every arm, e.g. diloco.alpha=0.5")
     flags.DEFINE_float("budget_s", 0.0, "Wall-clock cap per run (s); 0 = the script's default.")
@@ -189,17 +197,50 @@ def check_configs(arms_fn, out: pathlib.Path, quick: dict, full: dict) -> None:
     print(f"wrote {out}/configs.json ({len(dump)} configs)", flush=True)
 
 
+@functools.cache
+def code_fingerprint() -> str:
+    """16 hex digits of sha256 over the package's Python sources (path and bytes) and the
+    versions of the libraries a run's numbers depend on: what made a run besides its config."""
+    import flax
+    import jax
+    import optax
+
+    import decoupled_diloco
+
+    root = pathlib.Path(decoupled_diloco.__file__).parent
+    versions = f"jax {jax.__version__} flax {flax.__version__} optax {optax.__version__}"
+    h = hashlib.sha256(versions.encode())
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _stamp(c, budget_s: float) -> dict:
     text = c.to_json_best_effort(sort_keys=True)
     digest = hashlib.sha256(f"{text}|budget_s={budget_s:g}".encode()).hexdigest()[:16]
-    return {"hash": digest, "budget_s": budget_s, "config": json.loads(text)}
+    return {"hash": digest, "code": code_fingerprint(), "budget_s": budget_s,
+            "config": json.loads(text)}  # fmt: skip
 
 
-def _cached_hash(rundir: pathlib.Path) -> str | None:
-    path = rundir / "experiment.json"
-    if not (rundir / "summary.json").exists() or not path.exists():
-        return None
-    return json.loads(path.read_text()).get("hash")
+def _reusable(rundir: pathlib.Path, stamp: dict) -> bool:
+    """Whether a finished run in `rundir` stands for `stamp`'s (module docstring); says why
+    not when it holds a finished run that does not."""
+    FLAGS, path = flags.FLAGS, rundir / "experiment.json"
+    if FLAGS.fresh or not (rundir / "summary.json").exists() or not path.exists():
+        return False
+    prior = json.loads(path.read_text())
+    if prior.get("hash") != stamp["hash"]:
+        print(f"  {rundir.name}: cached run has another config, rerunning", flush=True)
+        return False
+    code = prior.get("code", "unknown")
+    if code != stamp["code"]:
+        if FLAGS.reuse_other_code:
+            print(f"  {rundir.name}: reusing a run made by other code ({code})", flush=True)
+            return True
+        print(f"  {rundir.name}: cached run was made by other code ({code}, now "
+              f"{stamp['code']}), rerunning (--reuse_other_code keeps it)", flush=True)  # fmt: skip
+        return False
+    return True
 
 
 def _warm_up(run, rundir: pathlib.Path) -> None:
@@ -296,10 +337,8 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
         c = config_for(arm, seed, quick, full)
         stamp = _stamp(c, budget)
         rundir = out / "runs" / f"{arm.name}_s{seed}"
-        cached = not FLAGS.fresh and _cached_hash(rundir) == stamp["hash"]
+        cached = _reusable(rundir, stamp)
         if not cached:
-            if (rundir / "summary.json").exists() and not FLAGS.fresh:
-                print(f"  {rundir.name}: cached run has another config, rerunning", flush=True)
             if rundir.exists():
                 shutil.rmtree(rundir)  # a partial run would resume from its checkpoints
             run = config_lib.validate(c)

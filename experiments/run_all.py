@@ -11,7 +11,8 @@ so results land where each script's own default puts them when --out is left alo
 experiments/outputs.py); finished runs are reused (see harness.py: only when their
 config matches), so an interrupted run_all resumes. An experiment that fails is reported
 and the others still run; the exit status is non-zero if any failed.
---seeds, --scale, --fresh and --smoke are passed through to every script.
+--seeds, --scale, --fresh, --reuse_other_code and --smoke are passed through to every
+script.
 
 Expected minutes on an idle 2-core machine (a machine shared with other work is slower;
 each script's docstring says what its modes run):
@@ -64,6 +65,7 @@ flags.DEFINE_list("skip", [], "Skip these experiments.")
 flags.DEFINE_list("seeds", None, "Passed through: seeds of every experiment.")
 flags.DEFINE_enum("scale", "cpu", ["cpu", "tpu"], "Passed through: cpu | tpu.")
 flags.DEFINE_bool("fresh", False, "Passed through: rerun finished runs.")
+flags.DEFINE_bool("reuse_other_code", False, "Passed through: keep runs made by other code.")
 flags.DEFINE_bool("dry_run", False, "Print the commands, run nothing.")
 FLAGS = flags.FLAGS
 
@@ -80,6 +82,7 @@ def commands() -> list[tuple[str, float, list[str]]]:
             continue
         cmd = [sys.executable, str(HERE / f"{name}.py"), f"--out={root / name}"]
         cmd += ["--quick"] * FLAGS.quick + ["--smoke"] * FLAGS.smoke + ["--fresh"] * FLAGS.fresh
+        cmd += ["--reuse_other_code"] * FLAGS.reuse_other_code
         cmd += [f"--seeds={','.join(FLAGS.seeds)}"] if FLAGS.seeds else []
         cmd += [f"--scale={FLAGS.scale}"] if FLAGS.scale != "cpu" else []
         out.append((name, quick_min if FLAGS.quick or FLAGS.smoke else full_min, cmd))

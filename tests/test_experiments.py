@@ -179,6 +179,15 @@ def test_cached_run_reruns_when_its_config_changes(tmp_path):
     assert "(cached)" in _run("precision", *args).stdout
     changed = _run("precision", *args, "--set=train.learning_rate=0.002").stdout
     assert "another config, rerunning" in changed and "(cached)" not in changed
+    # A run made by other code (an older package) reruns too, unless asked to keep it.
+    stamp_path = next(tmp_path.glob("runs/*/experiment.json"))
+    stamp = json.loads(stamp_path.read_text())
+    stamp_path.write_text(json.dumps({**stamp, "code": "0123456789abcdef"}))
+    kept = _run("precision", *args, "--set=train.learning_rate=0.002", "--reuse_other_code")
+    assert "made by other code (0123456789abcdef)" in kept.stdout and "(cached)" in kept.stdout
+    rerun = _run("precision", *args, "--set=train.learning_rate=0.002").stdout
+    assert "made by other code (0123456789abcdef" in rerun and "(cached)" not in rerun
+    assert "0123456789abcdef" not in stamp_path.read_text()
 
 
 @pytest.mark.slow
