@@ -33,6 +33,13 @@ def test_a_reply_nobody_holds_is_reused_and_one_anybody_holds_is_not():
     assert np.shares_memory(view, pool._pool[0][0].tensors["w"][1])  # still pooled...
     assert not any(np.shares_memory(view, t[1]) for t in fourth.tensors.values())  # ...unused
     assert pool.take(1, LIKE)[0] is not fourth  # fragments have their own pools
+    # Held through its dict of tensors, or through one (shape, array, scales) entry.
+    tensors, entry = fourth.tensors, third.tensors["b"]
+    del fourth, third, view
+    gc.collect()
+    for _ in range(3):
+        enc, _ = pool.take(0, LIKE)
+        assert enc.tensors is not tensors and enc.tensors["b"] is not entry
 
 
 def test_the_pool_keeps_at_most_keep_replies_and_matches_leaf_shapes():

@@ -43,7 +43,7 @@ _ALONE = _alone()
 
 def _unreferenced(pool: list, i: int) -> bool:
     """Whether pool[i] (an Encoded, "none") and its arrays are referenced by the pool only."""
-    if sys.getrefcount(pool[i]) != _ALONE:
+    if sys.getrefcount(pool[i]) != _ALONE or sys.getrefcount(pool[i].tensors) != _ALONE:
         return False
     tensors = pool[i].tensors
     for name in tensors:  # the tuple's slot 1 is the array's one reference when free
