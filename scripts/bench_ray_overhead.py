@@ -25,7 +25,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import ray  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
-from bench_ray_roundtrip import _config  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
 from decoupled_diloco.config import RayConfig  # noqa: E402
@@ -38,7 +37,8 @@ _REPEATS = flags.DEFINE_integer("repeats", None, "Rounds of both arms (default 2
 
 
 def overhead_config(steps: int):
-    c = _config(
+    c = config_lib.default_config()
+    c.update_from_flattened_dict(
         {
             "model.preset": "tiny",
             "data.seq_len": 128,

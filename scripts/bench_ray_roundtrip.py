@@ -70,12 +70,7 @@ MODELS = {
 
 def _config(over: dict):
     c = config_lib.default_config()
-    for key, value in over.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
+    c.update_from_flattened_dict(over)  # {"a.b": value}
     return c
 
 
