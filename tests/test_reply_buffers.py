@@ -1,6 +1,7 @@
 """The syncer's reply buffers: reused only when no receiver can read them any more."""
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ LIKE = {"w": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float32)}
 
 
 def test_a_reply_nobody_holds_is_reused_and_one_anybody_holds_is_not():
-    pool = ReplyBuffers(keep=3)
+    pool = ReplyBuffers(spares=1)
     first, arrays = pool.take(0, LIKE)
     assert set(arrays) == set(LIKE) and arrays["w"].shape == (12,)
     first_id = id(first)
@@ -30,7 +31,7 @@ def test_a_reply_nobody_holds_is_reused_and_one_anybody_holds_is_not():
     assert third is not again
     del again
     fourth, _ = pool.take(0, LIKE)
-    assert np.shares_memory(view, pool._pool[0][0].tensors["w"][1])  # still pooled...
+    assert any(np.shares_memory(view, e.tensors["w"][1]) for e in pool._pool[0])  # watched...
     assert not any(np.shares_memory(view, t[1]) for t in fourth.tensors.values())  # ...unused
     assert pool.take(1, LIKE)[0] is not fourth  # fragments have their own pools
     # Held through its dict of tensors, or through one (shape, array, scales) entry.
@@ -42,18 +43,26 @@ def test_a_reply_nobody_holds_is_reused_and_one_anybody_holds_is_not():
         assert enc.tensors is not tensors and enc.tensors["b"] is not entry
 
 
-def test_the_pool_keeps_at_most_keep_replies_and_matches_leaf_shapes():
-    pool = ReplyBuffers(keep=2)
+def test_at_most_spares_free_replies_stay_and_shapes_must_match():
+    pool = ReplyBuffers(spares=1)
     held = [pool.take(0, LIKE)[0] for _ in range(5)]  # all held: five fresh replies
-    assert pool.fresh == 5 and len(pool._pool[0]) == 2
-    assert pool._pool[0] == held[-2:]
+    alive = [weakref.ref(e) for e in held]
+    assert pool.fresh == 5
     del held
     gc.collect()
+    enc, _ = pool.take(0, LIKE)  # reuses one; of the others at most one spare stays
+    assert pool.reused == 1 and sum(r() is not None for r in alive) <= 2
+    assert any(e is enc for e in pool._pool[0])
     other = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(5, np.float32)}
-    enc, arrays = pool.take(0, other)  # same sizes, other shape: not a match
-    assert enc.tensors["w"][0] == (4, 3) and pool.reused == 0
-    with pytest.raises(ValueError, match="keep"):
-        ReplyBuffers(keep=0)
+    del enc
+    enc, _ = pool.take(0, other)  # same sizes, other shape: not a match
+    assert enc.tensors["w"][0] == (4, 3) and pool.reused == 1
+    off = ReplyBuffers(spares=0)  # reuse off: new memory every time, nothing kept
+    off.take(0, LIKE)
+    off.take(0, LIKE)
+    assert (off.fresh, off.reused) == (2, 0) and not off._pool[0]
+    with pytest.raises(ValueError, match="spares"):
+        ReplyBuffers(spares=-1)
 
 
 def test_scratch_and_copy():

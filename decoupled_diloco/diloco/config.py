@@ -77,6 +77,11 @@ class DilocoConfig:
     # Threads one merge splits each leaf over (numpy releases the GIL): 0 = every core of
     # the syncer's host. Any count gives the same bits (diloco/chunks.py).
     merge_threads: int = 0
+    # Replies (uncompressed) no learner holds any more that the syncer keeps per fragment
+    # for the next merge to write into: fresh memory page-faults on the merge's critical path
+    # (diloco/reply_buffers.py). Costs up to this many copies of Θ on the syncer's host;
+    # 0: every reply in new memory.
+    reply_spares: int = 1
     # At the end every learner resolves its offers in flight (waiting up to final_wait
     # seconds), then offers all its unmerged work; the syncer merges it: Θ holds all work.
     final_sync: bool = True
@@ -141,6 +146,7 @@ class DilocoConfig:
              "in [1, diloco.fragments]"),
             (self.final_wait >= 0, "final_wait", ">= 0"),
             (self.merge_threads >= 0, "merge_threads", ">= 0 (0 = the host's cores)"),
+            (self.reply_spares >= 0, "reply_spares", ">= 0 (0 = every reply in new memory)"),
         ]  # fmt: skip
         for ok, key, want in checks:
             if not ok:

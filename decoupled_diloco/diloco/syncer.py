@@ -92,7 +92,7 @@ class Syncer:
         self._total = sum(int(np.size(v)) for v in params.values())
         # Reused memory for the merge's fragment-sized temporaries (RDA's direction, the
         # reply's copy of Θ): fresh arrays page-fault on the critical path (reply_buffers.py).
-        self._scratch, self.replies = Scratch(), ReplyBuffers()
+        self._scratch, self.replies = Scratch(), ReplyBuffers(cfg.reply_spares)
 
     def record(self, rec: dict) -> None:
         """Emits one merge / event record (the runtime writes it to merges or events.jsonl)."""

@@ -45,6 +45,7 @@ FREE_TO_CHANGE = frozenset(
         "train.prefetch",
         "diloco.stage_merges",
         "diloco.merge_threads",
+        "diloco.reply_spares",
         "ray.address",
         "ray.max_restarts",
         "ray.num_cpus",
