@@ -56,6 +56,12 @@ SMOKE = {
     "data.seq_len": 64,
     "data.max_corpus_bytes": 400_000,
 }
+# The quality ladder's lengths (experiments/quality_ladder.py, quality_targets.py): 300
+# steps, enough for the asynchrony's cost to show at the tiny CPU scale.
+LADDER_FULL = {"train.steps": 300, "train.warmup_steps": 30, "train.eval_every": 100,
+               "train.batch_size": 16}  # fmt: skip
+LADDER_QUICK = {"train.steps": 120, "train.warmup_steps": 12, "train.eval_every": 40,
+                "train.batch_size": 8}  # fmt: skip
 # Held-out sequences every arm is scored on (a multiple of every arm's per-learner batch).
 EVAL_SEQUENCES = {"full": 256, "quick": 64, "smoke": 16}
 # The `mid` scale (--scale=mid): the 31M-parameter model of the quality issue, 32 x 256

@@ -31,6 +31,7 @@ tokens and runs last 1000 steps (300 with --quick), on whatever devices exist.
 
 import harness
 from absl import app, flags
+from arm_config import LADDER_FULL, LADDER_QUICK
 
 harness.define_flags("experiments/results/quality_ladder", "0,1")
 flags.DEFINE_list("outer", ["1.0", "0.0"], "Outer lr and momentum of every DiLoCo rung.")
@@ -40,10 +41,7 @@ flags.DEFINE_float(
 )  # fmt: skip
 flags.DEFINE_float("speed_noise", 0.0, "Per-step speed noise of the DiLoCo rungs' learners.")
 
-QUICK = {"train.steps": 120, "train.warmup_steps": 12, "train.eval_every": 40,
-         "train.batch_size": 8}  # fmt: skip
-FULL = {"train.steps": 300, "train.warmup_steps": 30, "train.eval_every": 100,
-        "train.batch_size": 16}  # fmt: skip
+QUICK, FULL = LADDER_QUICK, LADDER_FULL
 M = 4
 
 # (name, label, overrides added to the rung below)

@@ -19,6 +19,7 @@ each script's docstring says what its modes run):
 
     experiment              --quick   full (2 seeds)
     quality_ladder              7      45
+    quality_targets             4      15
     quality_equal_tokens        4      35
     learners_sweep            2.5      18
     quorum_grace                2      20
@@ -29,7 +30,7 @@ each script's docstring says what its modes run):
     scavenging                2.5      11
     cross_region              1.5      12
     goodput_failures            5      14
-    all                        34     226 (~3.8 h)
+    all                        38     241 (~4 h)
 """
 
 import pathlib
@@ -45,6 +46,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 # in the docstring above repeats these numbers.
 EXPERIMENTS = (
     ("quality_ladder", 7, 45),
+    ("quality_targets", 4, 15),
     ("quality_equal_tokens", 4, 35),
     ("learners_sweep", 2.5, 18),
     ("quorum_grace", 2, 20),

@@ -18,6 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = (
     "quality_ladder",
+    "quality_targets",
     "quality_equal_tokens",
     "learners_sweep",
     "quorum_grace",
@@ -76,8 +77,10 @@ def test_every_arm_config_builds_and_validates(name, configs_of):
             assert len(evals) == 1, (scale, mode, evals)
             for (arm, _), c in runs.items():
                 # Synchronous baselines wait for the merge at t + tau (design brief); the
-                # ladder's no_wait rung is K = M that does not wait, on purpose.
-                if _synchronous(c) and (name, arm) != ("quality_ladder", "no_wait"):
+                # ladder's no_wait rung and the targets' decoupled_km are K = M that does
+                # not wait, on purpose.
+                never_waits = {("quality_ladder", "no_wait"), ("quality_targets", "decoupled_km")}
+                if _synchronous(c) and (name, arm) not in never_waits:
                     assert c["diloco"]["max_wait"] == -1, (scale, mode, arm)
     for (arm, seed), c in configs["cpu", "quick"].items():
         full = configs["cpu", "full"].get((arm, seed))
@@ -124,6 +127,25 @@ def test_ladder_changes_one_thing_per_rung_and_scales_to_mid(configs_of):
     assert {c["model"]["preset"] for c in mid.values()} == {"mid"}
     assert mid["rda"]["train"]["batch_size"] == 32 and mid["dp"]["train"]["batch_size"] == 128
     assert mid["rda"]["data"]["seq_len"] == 256 and mid["rda"]["train"]["steps"] == 1000
+
+
+def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(configs_of):
+    configs = configs_of("quality_targets")
+    for scale in ("cpu", "mid"):
+        arms = {arm: c for (arm, seed), c in configs[scale, "full"].items() if seed == 0}
+        ref = arms["decoupled"]["diloco"]
+        assert ref["quorum"] == 1 and ref["merge"] == "rda" and ref["max_wait"] == 0
+
+        def changed(arm):
+            return {k for k, v in arms[arm]["diloco"].items() if ref[k] != v}
+
+        assert changed("decoupled_km") == {"quorum"}
+        assert changed("decoupled_nag") == {"outer_lr", "outer_momentum"}
+        sync = arms["streaming_sync"]["diloco"]
+        assert sync["quorum"] == 4 and sync["max_wait"] == -1 and sync["overlap"] == 0
+        assert sync["fragments"] == ref["fragments"] == 6
+        tokens = {c["train"]["batch_size"] * c["diloco"]["learners"] for c in arms.values()}
+        assert len(tokens) == 1, (scale, tokens)  # equal tokens per step in every arm
 
 
 def test_quality_covers_dense_and_moe_families(configs_of):

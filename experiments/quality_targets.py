@@ -1,0 +1,139 @@
+r"""Does Decoupled DiLoCo train as well as synchronous DiLoCo? The quality targets, checked.
+
+    python experiments/quality_targets.py --scale=mid   # the 31M `mid` model (a GPU: ~20 min)
+    python experiments/quality_targets.py               # tiny CPU scale, 2 seeds: ~15 min
+    python experiments/quality_targets.py --set=data.source=shakespeare   # another corpus
+
+The few arms the targets compare (M = 4 learners, equal tokens), each run for --seeds:
+
+  dp              one learner, the whole batch
+  streaming_sync  Streaming DiLoCo, synchronous: P = 6, K = M, τ = 0, learners wait for
+                  every merge, plain mean, uniform weights
+  decoupled       configs/tiny_decoupled.py as shipped: K = 1, grace, token weights, RDA,
+                  never waits (τ = 2); its outer step (lr 1.0, momentum 0.0 at this length)
+  decoupled_km    the same with quorum K = M
+  decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
+
+and prints each target with its measured value and whether it is met (ratios per seed,
+then averaged; seed spread = (max − min) / mean of the final eval loss). Targets (issue 12):
+  every scale  seed spread of `decoupled` ≤ 1% of its loss
+  mid          decoupled ≤ 1.02x streaming_sync and ≤ 1.05x dp; decoupled_km within 1% of
+               decoupled; decoupled_nag no worse than decoupled
+  cpu          decoupled ≤ 1.03x streaming_sync; decoupled_nag ≤ 1.05x streaming_sync
+Lengths: 300 steps at batch 16 per learner on CPU (the quality ladder's), 1000 steps at
+32 x 256 tokens per learner with --scale=mid (arm_config.MID).
+"""
+
+import harness
+from absl import app, flags
+from arm_config import LADDER_FULL, LADDER_QUICK
+
+harness.define_flags("experiments/results/quality_targets", "0,1")
+
+M = 4
+SYNC = {"diloco.quorum": M, "diloco.overlap": 0, "diloco.max_wait": -1.0,
+        "diloco.grace_gamma": 0.0, "diloco.weights": "uniform", "diloco.merge": "mean",
+        "diloco.embedding_merge": "mean"}  # fmt: skip
+NESTEROV = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}
+
+
+def arms() -> list[harness.Arm]:
+    b = (LADDER_FULL if harness.is_full() else LADDER_QUICK)["train.batch_size"]
+    base = {"diloco.learners": M, "devices_per_learner": 2, "train.batch_size": b}
+    return [
+        harness.Arm("dp", "tiny_dense", {"train.batch_size": M * b}, "data-parallel"),
+        harness.Arm("streaming_sync", "tiny_decoupled", base | SYNC, "Streaming, synchronous"),
+        harness.Arm("decoupled", "tiny_decoupled", base, "Decoupled K=1 (tiny_decoupled)"),
+        harness.Arm(
+            "decoupled_km", "tiny_decoupled", base | {"diloco.quorum": M}, "Decoupled K=M"
+        ),  # fmt: skip
+        harness.Arm(
+            "decoupled_nag", "tiny_decoupled", base | NESTEROV, "Decoupled K=1, outer (0.7, 0.9)"
+        ),  # fmt: skip
+    ]
+
+
+def spread(runs) -> float | None:
+    """(max − min) / mean of the final eval loss over seeds; None for one seed."""
+    losses = [r.summary["final_eval_loss"] for r in runs]
+    return (max(losses) - min(losses)) / harness.stat(losses)[0] if len(losses) > 1 else None
+
+
+def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
+    """(target, measured: per-seed ratios or one number, threshold, met) for this scale."""
+
+    def ratio(a: str, b: str) -> list[float]:
+        return harness.loss_ratio(groups[a], groups[b])
+
+    mean = lambda values: harness.stat(values)[0]  # noqa: E731
+    out = []
+    s = spread(groups["decoupled"]) if "decoupled" in groups else None
+    if s is not None:
+        out.append(("seed spread of decoupled", s, "≤ 0.01", s <= 0.01))
+    mid = flags.FLAGS.scale == "mid"
+    checks = [  # (numerator, denominator, threshold, comparison)
+        ("decoupled", "streaming_sync", 1.02 if mid else 1.03, "max"),
+        ("decoupled_nag", "streaming_sync", None if mid else 1.05, "max"),
+        ("decoupled", "dp", 1.05 if mid else None, "max"),
+        ("decoupled_km", "decoupled", 0.01 if mid else None, "within"),
+        ("decoupled_nag", "decoupled", 1.0 if mid else None, "max"),
+    ]
+    for a, b, limit, kind in checks:
+        if a not in groups or b not in groups or not ratio(a, b):
+            continue
+        r = ratio(a, b)
+        if limit is None:
+            out.append((f"{a} ÷ {b}", r, "(no target at this scale)", True))
+        elif kind == "within":
+            out.append((f"{a} ÷ {b}", r, f"within 1 ± {limit}", abs(mean(r) - 1) <= limit))
+        else:
+            out.append((f"{a} ÷ {b}", r, f"≤ {limit}", mean(r) <= limit))
+    return out
+
+
+def markdown(results) -> str:
+    groups = harness.by_arm(results)
+    dp = groups.get("dp", [])
+    arms_rows = [
+        [runs[0].arm.label, harness.fmt([r.summary["final_eval_loss"] for r in runs]),
+         harness.fmt(harness.loss_ratio(runs, dp), 4),
+         "-" if spread(runs) is None else f"{spread(runs):.3f}"]
+        for runs in groups.values()
+    ]  # fmt: skip
+    target_rows = [
+        [name, f"{value:.4f}" if isinstance(value, float) else harness.fmt(value, 4),
+         " / ".join(f"{v:.4f}" for v in value) if isinstance(value, list) else "-", limit,
+         "-" if "no target" in limit else ("met" if ok else "**not met**")]
+        for name, value, limit, ok in targets(groups)
+    ]  # fmt: skip
+    note = (
+        f"Quality targets ({harness.mode_note()}); {results[0].summary['tokens']:,} tokens per "
+        "run; eval loss in nats per token on the same held-out sequences.\n\n"
+    )
+    arm_table = harness.table(["arm", "final eval loss", "÷ DP", "seed spread"], arms_rows)
+    header = ["target", "measured (mean)", "per seed", "threshold", "verdict"]
+    return note + arm_table + "\n" + harness.table(header, target_rows)
+
+
+def main(argv):
+    del argv
+    import matplotlib.pyplot as plt
+
+    out = harness.setup()
+    results = harness.run_arms(arms, out, quick=LADDER_QUICK, full=LADDER_FULL)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    harness.plot_curves(axes[0], results)
+    axes[0].set_title("eval loss vs tokens")
+    groups = harness.by_arm(results)
+    names = [n for n in groups if n != "streaming_sync"]
+    refs = groups.get("streaming_sync", [])
+    harness.plot_bars(axes[1], names, [harness.loss_ratio(groups[n], refs) for n in names],
+                      "final eval loss ÷ synchronous streaming")  # fmt: skip
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set_title("each arm against synchronous Streaming DiLoCo")
+    fig.suptitle("Decoupled DiLoCo against its synchronous twin, at equal tokens")
+    harness.write(out, "quality_targets", markdown(results), fig, results)
+
+
+if __name__ == "__main__":
+    app.run(main)
