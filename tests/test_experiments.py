@@ -136,7 +136,7 @@ def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(c
         ref = arms["decoupled"]["diloco"]
         assert ref["quorum"] == 1 and ref["merge"] == "rda" and ref["max_wait"] == 0
 
-        def changed(arm):
+        def changed(arm, arms=arms, ref=ref):
             return {k for k, v in arms[arm]["diloco"].items() if ref[k] != v}
 
         assert changed("decoupled_km") == {"quorum"}
