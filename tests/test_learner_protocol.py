@@ -14,11 +14,12 @@ from protocol_sim import (
 )
 
 from decoupled_diloco.diloco import compression
+from decoupled_diloco.diloco import learner as learner_mod
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Dropped, Merged, Snapshot
-from decoupled_diloco.runtime.boundary import apply_updates
+from decoupled_diloco.runtime.boundary import apply_updates, finish
 
 H = 2
 
@@ -187,3 +188,98 @@ def test_step_time_estimate_leaves_out_the_compiling_first_step():
         s.clock["t"] += 0.5
     s.proto.stepped()
     assert s.proto.step_seconds == pytest.approx(0.5)
+
+
+# --- refused offers: retries back off -----------------------------------------------------
+def _drop_last(s: Scripted) -> None:
+    o = s.offers[-1]
+    s.proto.handle([Dropped(0, o.incarnation, o.fragment, o.step, "off-scale", 0.0)])
+
+
+def test_offers_refused_in_a_row_are_retried_after_doubling_waits():
+    s = Scripted()
+    s.step()
+    s.step()  # step 2: offered
+    _drop_last(s)  # first refusal: retried at the next boundary
+    s.step()
+    assert [o.step for o in s.offers] == [2, 3]
+    _drop_last(s)  # second in a row: not before RETRY_FIRST_S
+    s.step()
+    s.step()
+    assert len(s.offers) == 2
+    s.clock["t"] += learner_mod.RETRY_FIRST_S
+    s.step()
+    assert [o.step for o in s.offers] == [2, 3, 6] and s.offers[-1].c_steps == 6
+    _drop_last(s)  # third: twice the wait
+    s.clock["t"] += 1.5 * learner_mod.RETRY_FIRST_S
+    s.step()
+    assert len(s.offers) == 3
+    s.clock["t"] += 0.6 * learner_mod.RETRY_FIRST_S
+    s.step()
+    assert s.offers[-1].step == 8
+    # A merge of the offer ends the run of refusals: the next refusal is retried at once.
+    s.proto.handle([reply(moved(s.theta0, seed=3), 1, held_step=8)])
+    apply_updates(s.replica, s.proto.apply_due())
+    s.step()
+    s.step()  # step 10: due
+    _drop_last(s)
+    s.step()
+    assert [o.step for o in s.offers][-2:] == [10, 11]
+
+
+class _RefusingSyncer:
+    """Plays the syncer for `finish`: refuses the first `refusals` offers (all if None) at
+    once, then merges the next one (a version holding it). Virtual clock: every receive
+    costs 1 ms, or its whole timeout when nothing arrives."""
+
+    def __init__(self, s: Scripted, refusals=None):
+        self.s, self.refusals, self.inbox, self.offers = s, refusals, [], []
+        self.link = self  # Outbox's link
+
+    # outbox side
+    def offer(self, ticket, copies) -> None:
+        offer = materialize(ticket, copies)
+        self.offers.append(offer)
+        if self.refusals is None or len(self.offers) <= self.refusals:
+            self.inbox.append(Dropped(0, offer.incarnation, offer.fragment, offer.step, "x", 0))
+        else:
+            theta = moved(self.s.theta0, seed=len(self.offers))
+            self.inbox.append(reply(theta, len(self.offers), held_step=offer.step))
+
+    def send(self, msg) -> None:
+        pass
+
+    def flush(self, timeout: float = 0.0) -> bool:
+        return True
+
+    def receive(self, timeout: float) -> list:
+        out, self.inbox = self.inbox, []
+        self.s.clock["t"] += 1e-3 if out else timeout
+        return out
+
+
+def _finish(refusals, final_wait: float) -> tuple[Scripted, _RefusingSyncer]:
+    s = Scripted(final_sync=True, final_wait=final_wait)
+    for _ in range(3):
+        s.step()  # step 2's offer goes unanswered; step 3's work is unoffered
+    syncer = _RefusingSyncer(s, refusals)
+    s.proto.frags[0].in_flight = None  # the scripted offer was lost: only the finish counts
+    s.proto.frags[0].wanted = True
+    clock = lambda: s.clock["t"]  # noqa: E731
+    finish(s.proto, s.replica, syncer, syncer.receive, clock)
+    return s, syncer
+
+
+def test_a_learner_whose_offers_are_always_refused_does_not_flood_the_final_sync():
+    s, syncer = _finish(refusals=None, final_wait=60.0)
+    # Doubling waits up to RETRY_MAX_S: a handful of retries, then one per RETRY_MAX_S (the
+    # unbounded loop re-offered once per receive, ~60k times in these 60 virtual seconds).
+    assert len(syncer.offers) <= 2 + 6 + 60 / learner_mod.RETRY_MAX_S + 1
+    assert s.proto.unmerged_steps() == [3]  # its work is still its own
+
+
+def test_the_final_sync_outlasts_refusals_until_its_work_is_merged():
+    s, syncer = _finish(refusals=4, final_wait=60.0)
+    assert len(syncer.offers) == 5
+    assert s.proto.unmerged_steps() == [0]  # the fifth offer was merged: Θ holds all 3 steps
+    assert s.clock["t"] < 2.0  # retries waited 0, 0.1, 0.2, 0.4 s, not the final_wait

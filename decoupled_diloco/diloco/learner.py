@@ -31,12 +31,18 @@ a merge: θ ← θ + (Θ_restored − G) (plus our offer if the restored clock h
 global progress the syncer lost leaves the learner too, and only its own unmerged work is
 offered again: nothing is replayed through the outer optimizer.
 
+A refused offer (`Dropped`) leaves its work in W, to be offered again. The first retry
+goes at the next step boundary; each further refusal in a row doubles the wait before the
+next one (RETRY_FIRST_S up to RETRY_MAX_S), so a learner whose offers the syncer keeps
+refusing (a fragment it holds to be off-scale, say) does not flood it, least of all
+during the final sync, where nothing else paces the offers. A merge of the fragment's offer
+resets the count.
+
 Inner AdamW state is kept when merges are applied (it lives in the replica).
 """
 
 import dataclasses
 import math
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -54,20 +60,10 @@ from decoupled_diloco.diloco.messages import (
     Offer,
     Snapshot,
 )
+from decoupled_diloco.diloco.updates import Decoded, Update, rebase_delta, resolve
 
-
-class _Decoded:
-    """G_p as a received version's payload, decoded on first use (on whichever thread needs
-    it first: the update's, the outbox's), once."""
-
-    def __init__(self, payload):
-        self._payload, self._arrays, self._lock = payload, None, threading.Lock()
-
-    def get(self) -> dict:
-        with self._lock:
-            if self._arrays is None:
-                self._arrays = compression.decode(self._payload)
-            return self._arrays
+RETRY_FIRST_S = 0.1  # seconds before the second retry of a fragment refused twice in a row
+RETRY_MAX_S = 5.0  # cap of the doubling wait between retries
 
 
 @dataclasses.dataclass
@@ -78,37 +74,16 @@ class InFlight:
     step: int
     c_steps: int
     c_tokens: int
-    anchor: dict | _Decoded  # G_p when the offer was made (the outer gradient's reference)
+    anchor: dict | Decoded  # G_p when the offer was made (the outer gradient's reference)
     envelope: Offer  # the message without its payload
     method: str  # wire compression of the outer gradient
     keep: bool  # keep v as the syncer decodes it (`sent`): rebasing subtracts it later
     sent: dict | None = None  # set by `materialize`
 
 
-class Update:
-    """A change of fragment leaves for the replica: θ ← θ + x ("add") or
-    θ ← α·θ + (1 − α)·x ("mix"; α = 0 sets θ = x).
-
-    x is computed on first use of `arrays` (host math: decode, differences), so a runtime
-    can compute and place it on the devices ahead of the boundary that applies it: `key`
-    names the computation (equal keys, equal x), see `Learner.upcoming`."""
-
-    def __init__(self, kind: str, compute, alpha: float = 0.0, key: tuple | None = None):
-        self.kind, self.alpha, self.key = kind, alpha, key  # kind: "add" | "mix"
-        self._compute = compute if callable(compute) else (lambda: compute)
-        self._arrays = None
-
-    @property
-    def arrays(self) -> dict:
-        """Leaf name -> float32 host array."""
-        if self._arrays is None:
-            self._arrays = self._compute()
-        return self._arrays
-
-
 @dataclasses.dataclass
 class _Fragment:
-    anchor: dict | _Decoded  # G_p
+    anchor: dict | Decoded  # G_p
     version: int = 0
     epoch: int = 0
     c_steps: int = 0
@@ -117,6 +92,8 @@ class _Fragment:
     wanted: bool = False  # due while an offer was in flight: offer when it resolves
     arrived: Merged | None = None  # the newest version received and not applied yet
     anchored: int = 0  # bumped whenever `anchor` is replaced (names it in Update keys)
+    refused: int = 0  # offers of this fragment refused in a row (`Dropped`)
+    retry_at: float = -math.inf  # clock time before which it is not offered again
 
 
 def materialize(ticket: InFlight, local: dict[str, np.ndarray]) -> Offer:
@@ -126,30 +103,12 @@ def materialize(ticket: InFlight, local: dict[str, np.ndarray]) -> Offer:
     Touches nothing but `ticket.sent`, so it may run on another thread than the protocol
     (the anchor it reads is never modified in place).
     """
-    anchor = _resolve(ticket.anchor)
+    anchor = resolve(ticket.anchor)
     v = {k: np.subtract(anchor[k], local[k], dtype=np.float32) for k in anchor}
     encoded = compression.encode(v, ticket.method)
     if ticket.keep:
         ticket.sent = v if ticket.method == "none" else compression.decode(encoded)
     return dataclasses.replace(ticket.envelope, payload=encoded, nbytes=encoded.nbytes())
-
-
-def _resolve(anchor) -> dict:
-    return anchor.get() if isinstance(anchor, _Decoded) else anchor
-
-
-def _delta(anchor: dict, theta: dict, sent: dict | None) -> dict:
-    """δ with θ ← θ + δ moving W onto `theta`; minus our offer's work (`sent`, v̂_s) if
-    `theta` holds it.
-
-    θ_s = G − v̂_s in the current frame (shifts since the offer moved G and θ alike), so
-    Θ_new + (θ − θ_s) = θ + (Θ_new − G + v̂_s).
-    """
-    delta = {k: np.subtract(theta[k], anchor[k], dtype=np.float32) for k in theta}
-    if sent is not None:
-        for k, v in sent.items():
-            delta[k] += v
-    return delta
 
 
 class Learner:
@@ -228,9 +187,9 @@ class Learner:
                 # The offer waits for its earlier one: tell the syncer our step now, which
                 # makes the earlier one count for the slot we reached (syncer.slot).
                 self._last_heartbeat = -math.inf
-        out = []
+        out, now = [], self.clock()
         for p, f in enumerate(self.frags):
-            if not (f.wanted or final) or f.in_flight is not None:
+            if not (f.wanted or final) or f.in_flight is not None or now < f.retry_at:
                 continue
             f.wanted = False
             if f.c_steps == 0:
@@ -269,6 +228,10 @@ class Learner:
                 t = f.in_flight
                 if t is not None and (msg.step, msg.incarnation) == (t.step, self.incarnation):
                     f.in_flight, f.wanted = None, True  # its work is still in W: offer again
+                    f.refused += 1
+                    if f.refused > 1:
+                        wait = min(RETRY_FIRST_S * 2 ** (f.refused - 2), RETRY_MAX_S)
+                        f.retry_at = self.clock() + wait
             elif isinstance(msg, Snapshot):
                 updates += self._resync(msg)
         return updates
@@ -287,13 +250,14 @@ class Learner:
             theta = {k: snap.params[k] for k in self.plan.names[p]}
             held = self._holds(snap.merged.get(p, {}), f.in_flight)
             sent = f.in_flight.sent if held else None
-            out.append(Update("add", _delta(_resolve(f.anchor), theta, sent)))
+            out.append(Update("add", rebase_delta(resolve(f.anchor), theta, sent)))
             if held:
                 self._consume(f)
             # Offers in flight to the lost life die with it; their work is still in W.
             f.in_flight, f.wanted, f.arrived = None, f.wanted or f.in_flight is not None, None
             f.anchor, f.version, f.epoch = theta, int(version), snap.epoch
             f.anchored += 1
+            f.refused, f.retry_at = 0, -math.inf  # refusals of the lost life say nothing
         self._last_heartbeat = -math.inf  # tell the new life our step at once
         return out
 
@@ -324,10 +288,10 @@ class Learner:
             out.append(self._update(p, f, msg, held, exact))
             if held and self.cfg.apply == "overwrite":
                 f.c_steps = f.c_tokens = 0
-                f.in_flight = None
+                f.in_flight, f.refused, f.retry_at = None, 0, -math.inf
             elif held:
                 self._consume(f)
-            f.anchor, f.version, f.arrived = _Decoded(msg.payload), msg.version, None
+            f.anchor, f.version, f.arrived = Decoded(msg.payload), msg.version, None
             f.anchored += 1
             self.applied_merges += 1
         return out
@@ -363,7 +327,7 @@ class Learner:
 
         def delta():
             theta = compression.decode(payload)
-            d = _delta(_resolve(anchor), theta, sent)
+            d = rebase_delta(resolve(anchor), theta, sent)
             return {k: v * scale for k, v in d.items()} if scale is not None else d
 
         return Update("add", delta, 0.0, key)
@@ -373,6 +337,7 @@ class Learner:
         f.c_steps -= t.c_steps
         f.c_tokens -= t.c_tokens
         f.in_flight = None
+        f.refused, f.retry_at = 0, -math.inf
 
     # --- liveness ----------------------------------------------------------------------
     def heartbeat(self) -> Heartbeat | None:
@@ -388,6 +353,12 @@ class Learner:
     def in_flight(self) -> list[int]:
         """Fragments with an offer in flight."""
         return [p for p, f in enumerate(self.frags) if f.in_flight is not None]
+
+    def retrying(self) -> dict[int, float]:
+        """Fragments whose unmerged work was refused and is not offered again yet: {p: the
+        clock time its retry may go}."""
+        return {p: f.retry_at for p, f in enumerate(self.frags)
+                if f.in_flight is None and f.c_steps and f.refused}  # fmt: skip
 
     def unmerged_steps(self) -> list[int]:
         """Per fragment: steps of work no version known here holds (in flight included)."""

@@ -13,7 +13,8 @@ move elsewhere:
 import concurrent.futures
 import threading
 
-from decoupled_diloco.diloco.learner import Learner, Update
+from decoupled_diloco.diloco.learner import Learner
+from decoupled_diloco.diloco.updates import Update
 from decoupled_diloco.runtime.outbox import Outbox
 
 
@@ -124,14 +125,17 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     """Training is over (`finished`: the step budget is done; else the learner leaves the
     membership). With `diloco.final_sync` every step of its work reaches Θ: it offers all
     unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
-    flight resolves (waiting up to `diloco.final_wait`), offers the steps taken after it."""
+    flight resolves (waiting up to `diloco.final_wait`), offers the steps taken after it
+    (a refused one again, after its retry wait)."""
     cfg = proto.cfg
     if cfg.final_sync:
         final_offers(proto, replica, outbox)
     outbox.send(proto.leave(finished))
     deadline = clock() + cfg.final_wait
-    while cfg.final_sync and proto.in_flight() and clock() < deadline:
-        apply_updates(replica, proto.handle(receive(0.2)))
+    while cfg.final_sync and (proto.in_flight() or proto.retrying()) and clock() < deadline:
+        # A refused offer waits for its retry (learner.py's back-off): sleep until then at most.
+        retry = min(proto.retrying().values(), default=float("inf"))
+        apply_updates(replica, proto.handle(receive(min(0.2, max(retry - clock(), 0.0)))))
         apply_updates(replica, proto.apply_due(final=True))
         final_offers(proto, replica, outbox)
     if not cfg.final_sync:
