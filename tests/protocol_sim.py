@@ -8,6 +8,7 @@ delays, and a learner whose offer is past s + τ unresolved waits (virtually) as
 `diloco.max_wait` allows. Everything is deterministic; nothing sleeps.
 """
 
+import concurrent.futures
 import dataclasses
 import heapq
 import itertools
@@ -129,6 +130,57 @@ class _SimLink:
         self.inbox = []
 
 
+class ImmediateExecutor(concurrent.futures.Executor):
+    """Runs each task when it is submitted: staged updates are always ready."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = concurrent.futures.Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+class _HeldFuture(concurrent.futures.Future):
+    """Not done until its executor releases it; `result()` before that runs the task there
+    and then (the learner waiting for its update)."""
+
+    def __init__(self, task):
+        super().__init__()
+        self.task, self.forced = task, False
+
+    def run(self) -> None:
+        if self.set_running_or_notify_cancel():
+            fn, args, kwargs = self.task
+            self.set_result(fn(*args, **kwargs))
+
+    def result(self, timeout=None):
+        if not self.done():
+            self.forced = True
+            self.run()
+        return super().result(timeout)
+
+
+class HeldExecutor(concurrent.futures.Executor):
+    """Runs tasks only when `release()` is called (or a caller insists, `_HeldFuture`): staged
+    updates stay not ready until then."""
+
+    def __init__(self):
+        self.queue: list[_HeldFuture] = []
+        self.futures: list[_HeldFuture] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = _HeldFuture((fn, args, kwargs))
+        self.queue.append(future)
+        self.futures.append(future)
+        return future
+
+    def release(self) -> None:
+        """Runs every task queued so far."""
+        done, self.queue = self.queue, []
+        for future in done:
+            if not future.done():
+                future.run()
+
+
 @dataclasses.dataclass
 class _Learner:
     proto: Learner
@@ -147,12 +199,13 @@ class Sim:
 
     up_delay(m, msg) / down_delay(m, msg): seconds a message takes to the syncer / to learner
     m (defaults 0). `step_time[m]`: seconds per inner step of learner m, or a function
-    (m, step) -> seconds.
+    (m, step) -> seconds. `stage`: learners stage merges (runtime/boundary.MergeStager) on
+    `stage_executor` (default: computed at once, so nothing depends on thread timing).
     """
 
     def __init__(self, cfg: DilocoConfig, steps: int, update=None, step_time=None,
                  up_delay=None, down_delay=None, shapes=SHAPES, params=None,
-                 stage: bool = False):  # fmt: skip
+                 stage: bool = False, stage_executor=None):  # fmt: skip
         self.cfg, self.shapes = cfg, shapes
         self.update = update or linear_update()
         self.plan = make_fragment_plan(shapes, cfg.fragments, "balanced", cfg.sync_every)
@@ -172,7 +225,8 @@ class Sim:
             link = _SimLink(self, m)
             replica = NumpyReplica(m, self.update)
             outbox = Outbox(link, materialize, replica.to_host, inline=True)
-            stager = MergeStager(replica) if stage else None
+            executor = stage_executor or ImmediateExecutor()
+            stager = MergeStager(replica, executor) if stage else None
             self.learners.append(_Learner(proto, replica, link, outbox, 0.0, steps, stager=stager))
             snaps = [msg for _, msg in self.syncer.handle(proto.join(), self.t)]
             replica.init_from_host(proto.start([s for s in snaps if isinstance(s, Snapshot)]))

@@ -7,8 +7,8 @@ import threading
 import jax
 import numpy as np
 import pytest
-from protocol_sim import Sim
-from test_work_conservation import cfg
+from protocol_sim import HeldExecutor, Sim
+from test_work_conservation import assert_every_step_merged_once, cfg
 
 from decoupled_diloco.data import DataConfig, make_iterator
 from decoupled_diloco.data.prefetch import Prefetch
@@ -120,6 +120,42 @@ def test_staged_merges_give_bit_identical_models(kw):
     hits = sum(lr.stager.hits for lr in runs[True].learners)
     misses = sum(lr.stager.misses for lr in runs[True].learners)
     assert hits > 0 and hits >= misses, (hits, misses)
+
+
+def test_a_learner_that_never_waits_applies_a_merge_once_it_is_placed():
+    """max_wait 0: a rebase whose update is still being placed is applied at a later
+    boundary instead of waited for, and every step still reaches Θ exactly once with the
+    roster's coefficient."""
+    held, seen, steps = HeldExecutor(), {"calls": 0, "deferred": 0}, 30
+
+    def on_step(sim):  # the stager's thread finishes only every third learner step
+        seen["deferred"] = max(seen["deferred"], *(f.deferred for lr in sim.learners
+                                                   for f in lr.proto.frags))  # fmt: skip
+        seen["calls"] += 1
+        if seen["calls"] % 3 == 0:
+            held.release()
+
+    sim = Sim(cfg(), steps, up_delay=lambda m, msg: 1.5 * m, down_delay=lambda m, msg: 0.7 + m,
+              stage=True, stage_executor=held)  # fmt: skip
+    sim.run(on_step)
+    assert seen["deferred"] > 0  # some rebases were not placed at their first boundary
+    assert held.futures and not any(f.forced for f in held.futures)  # and none was waited for
+    assert_every_step_merged_once(sim, steps)
+
+
+def test_a_learner_that_may_wait_waits_for_a_merge_being_placed():
+    """max_wait > 0 (the synchronous baselines): the merge is applied at s + τ, waiting for
+    its placement: the same models as merges computed at the boundary."""
+    runs, held = {}, HeldExecutor()
+    for stage in (False, True):
+        sim = Sim(cfg(max_wait=-1.0, quorum=3), 20, down_delay=lambda m, msg: 0.5 + m,
+                  stage=stage, stage_executor=held if stage else None)  # fmt: skip
+        sim.run()
+        runs[stage] = sim
+    plain, staged = _final_state(runs[False]), _final_state(runs[True])
+    for k in plain:
+        np.testing.assert_array_equal(staged[k], plain[k], err_msg=k)
+    assert any(f.forced for f in held.futures)  # the learners did wait for placements
 
 
 def test_a_decoupled_runs_rows_carry_host_share_and_mfu(small_config, tmp_path, monkeypatch):

@@ -283,3 +283,32 @@ def test_the_final_sync_outlasts_refusals_until_its_work_is_merged():
     assert len(syncer.offers) == 5
     assert s.proto.unmerged_steps() == [0]  # the fifth offer was merged: Θ holds all 3 steps
     assert s.clock["t"] < 2.0  # retries waited 0, 0.1, 0.2, 0.4 s, not the final_wait
+
+
+def test_a_rebase_not_ready_is_deferred_a_bounded_number_of_boundaries():
+    s = Scripted(overlap=0)
+    s.step()
+    s.step()  # step 2: offered
+    s.proto.handle([reply(moved(s.theta0, seed=4), 1)])  # a version without our offer
+    asked = []
+
+    def not_ready(key):
+        asked.append(key)
+        return False
+
+    for _ in range(learner_mod.DEFER_LIMIT):
+        assert s.proto.apply_due(ready=not_ready) == []
+    assert len(set(asked)) == 1  # the same update every time
+    (update,) = s.proto.apply_due(ready=not_ready)  # the limit: applied (the caller waits)
+    assert update.key == asked[0] and s.proto.frags[0].deferred == 0
+    assert s.proto.apply_due(ready=not_ready) == []  # nothing left
+    # Overwrites and the final boundary are never deferred.
+    o = Scripted(apply="overwrite")
+    o.step()
+    o.step()
+    o.proto.handle([reply(moved(o.theta0, seed=5), 1, held_step=2)])
+    assert len(o.proto.apply_due(ready=not_ready)) == 1
+    f = Scripted()
+    f.step()
+    f.proto.handle([reply(moved(f.theta0, seed=6), 1)])
+    assert len(f.proto.apply_due(final=True, ready=not_ready)) == 1

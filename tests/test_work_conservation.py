@@ -169,7 +169,7 @@ def test_synchronous_diloco_matches_an_independent_float64_reference(M):
 
 def test_the_reference_equivalence_needs_learners_to_apply_merges(monkeypatch):
     """The equivalence above must fail if learners never apply merges (M = 1 included)."""
-    monkeypatch.setattr(Learner, "apply_due", lambda self, final=False: [])
+    monkeypatch.setattr(Learner, "apply_due", lambda self, final=False, ready=None: [])
     H, rounds = 5, 4
     update = quadratic_update()
     c = cfg(learners=1, quorum=1, fragments=1, sync_every=H, overlap=0, max_wait=0,

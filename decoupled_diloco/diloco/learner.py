@@ -64,6 +64,9 @@ from decoupled_diloco.diloco.updates import Decoded, Update, rebase_delta, resol
 
 RETRY_FIRST_S = 0.1  # seconds before the second retry of a fragment refused twice in a row
 RETRY_MAX_S = 5.0  # cap of the doubling wait between retries
+# Boundaries in a row a rebase may wait for its update to be placed on the devices
+# (`apply_due`'s `ready`) before the learner waits for it instead.
+DEFER_LIMIT = 4
 
 
 @dataclasses.dataclass
@@ -93,6 +96,7 @@ class _Fragment:
     arrived: Merged | None = None  # the newest version received and not applied yet
     anchored: int = 0  # bumped whenever `anchor` is replaced (names it in Update keys)
     refused: int = 0  # offers of this fragment refused in a row (`Dropped`)
+    deferred: int = 0  # boundaries in a row its arrived version was not ready to apply
     retry_at: float = -math.inf  # clock time before which it is not offered again
 
 
@@ -258,6 +262,7 @@ class Learner:
             f.anchor, f.version, f.epoch = theta, int(version), snap.epoch
             f.anchored += 1
             f.refused, f.retry_at = 0, -math.inf  # refusals of the lost life say nothing
+            f.deferred = 0
         self._last_heartbeat = -math.inf  # tell the new life our step at once
         return out
 
@@ -274,9 +279,16 @@ class Learner:
                 out.append(p)
         return out
 
-    def apply_due(self, final: bool = False) -> list[Update]:
+    def apply_due(self, final: bool = False, ready=None) -> list[Update]:
         """Updates for every arrived version that may be applied at this boundary (`final`:
-        training is over, so the τ overlap steps no longer exist)."""
+        training is over, so the τ overlap steps no longer exist).
+
+        `ready(key) -> bool` (optional): whether the update with this `Update.key` can be
+        applied without waiting (a runtime still placing it on the devices says no). A
+        rebase that is not ready waits for a later boundary, where it is just as exact (its
+        δ does not depend on θ), at most DEFER_LIMIT boundaries in a row; then it is
+        applied, waiting. Overwrites are never deferred: they discard the steps since their
+        offer, and a later boundary would discard more."""
         out = []
         tau = 0 if final else self.cfg.overlap
         for p, f, msg, t, held in self._arrived():
@@ -285,7 +297,13 @@ class Learner:
                 continue
             # θ = θ_s (rebase at the offer's own step): the result is Θ_new itself, exactly.
             exact = held and self.step == t.step and self.cfg.compression == "none"
-            out.append(self._update(p, f, msg, held, exact))
+            update = self._update(p, f, msg, held, exact)
+            deferable = ready is not None and not final and update.kind == "add"
+            if deferable and f.deferred < DEFER_LIMIT and not ready(update.key):
+                f.deferred += 1
+                continue
+            f.deferred = 0
+            out.append(update)
             if held and self.cfg.apply == "overwrite":
                 f.c_steps = f.c_tokens = 0
                 f.in_flight, f.refused, f.retry_at = None, 0, -math.inf

@@ -7,7 +7,8 @@ move elsewhere:
   the device->host transfer, computes the outer gradient and encodes it;
 - a merged version that arrives is turned into its update (decode, Θ_new − G + v̂) and
   placed on the learner's devices by the `MergeStager`'s thread while the device keeps
-  stepping, so the boundary that applies it only dispatches the on-device add.
+  stepping, so the boundary that applies it only dispatches the on-device add (and, for a
+  learner that never waits, applies it at a later boundary if it is not placed yet).
 """
 
 import concurrent.futures
@@ -28,9 +29,12 @@ class MergeStager:
     staged entry another version replaced is discarded unused.
     """
 
-    def __init__(self, replica):
+    def __init__(self, replica, executor: concurrent.futures.Executor | None = None):
+        """`executor`: where updates are computed and placed (default: one worker thread)."""
         self._replica = replica
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stager")
+        self._pool = executor or concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="stager"
+        )
         self._staged: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -47,6 +51,13 @@ class MergeStager:
 
     def _place(self, u: Update) -> dict:
         return self._replica.place(u.arrays)
+
+    def ready(self, key: tuple) -> bool:
+        """False while the update with this key is still being computed or placed; True
+        once it is on the devices, or if it was never staged (computed at the boundary)."""
+        with self._lock:
+            future = self._staged.get(key)
+        return future is None or future.done()
 
     def take(self, u: Update) -> dict | None:
         """Device arrays of `u` if it was staged, else None (compute it at the boundary)."""
@@ -91,8 +102,11 @@ def offer_and_receive(proto: Learner, replica, outbox: Outbox, receive, stager=N
 
 def apply_and_beat(proto: Learner, replica, outbox: Outbox, stager=None) -> None:
     """Second half, after any wait for late merges: due merges are applied, a heartbeat
-    goes out when one is due."""
-    apply_updates(replica, proto.apply_due(), stager)
+    goes out when one is due. A learner that never waits (`diloco.max_wait` 0) does not
+    wait for the stager either: a rebase still being placed is applied at a later boundary
+    (`Learner.apply_due`), so the device keeps its queue of steps."""
+    never_waits = stager is not None and proto.cfg.wait_seconds == 0
+    apply_updates(replica, proto.apply_due(ready=stager.ready if never_waits else None), stager)
     heartbeat = proto.heartbeat()
     if heartbeat is not None:
         outbox.send(heartbeat)
