@@ -198,3 +198,53 @@ def test_a_decoupled_runs_rows_carry_host_share_and_mfu(small_config, tmp_path, 
             want = r["tokens_per_second"] * flops / (devices * 1e9)
             assert r["mfu"] == pytest.approx(want, rel=1e-6)
     assert sum("host_share" in r for r in rows) >= len(rows) - 2
+
+
+def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
+    small_config, tmp_path, monkeypatch
+):
+    """With train.metrics_lag = 3, a step's metrics are read once 3 later steps are
+    dispatched (the device keeps a queue), and a NaN loss is still caught: the learner
+    restarts from Θ (a `nan_restart` event, 3 steps after the bad one) and the run ends with
+    a finite global model."""
+    import json
+
+    import jax.numpy as jnp
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime import learner_loop
+    from decoupled_diloco.runtime.local import LocalRuntime
+    from decoupled_diloco.train.replica import Replica
+
+    lag, bad_step = 3, 5
+    dispatched, reads = {}, []  # replica -> steps dispatched; (learner, read step, dispatched)
+    step = Replica.step
+
+    def step_with_a_nan(self, batch):
+        metrics = step(self, batch)
+        dispatched[id(self)] = n = dispatched.get(id(self), 0) + 1
+        if self.mesh.devices.flat[0].id != 0 or n != bad_step:
+            return metrics
+        return {**metrics, "loss": jnp.float32(jnp.nan)}  # learner 0's 5th step diverges
+
+    report = learner_loop.LearnerLoop._report
+
+    def recording_report(self, finished):
+        if finished is not None:
+            reads.append((self.m, finished[0], self.step))
+        return report(self, finished)
+
+    monkeypatch.setattr(Replica, "step", step_with_a_nan)
+    monkeypatch.setattr(learner_loop.LearnerLoop, "_report", recording_report)
+    over = {"diloco.learners": 2, "diloco.sync_every": 4, "diloco.fragments": 2,
+            "train.steps": 14, "train.log_every": 1, "train.eval_every": 0,
+            "train.checkpoint_every": 0, "train.metrics_lag": lag}  # fmt: skip
+    run = config_lib.validate(small_config(**over))
+    summary = LocalRuntime(run, str(tmp_path), verbose=False).run()
+    with open(tmp_path / "events.jsonl", encoding="utf-8") as f:
+        events = [json.loads(line) for line in f]
+    restarts = [e for e in events if e.get("event") == "nan_restart"]
+    assert [(e["learner"], e["step"]) for e in restarts] == [(0, bad_step + lag)]
+    assert max(now - read for _, read, now in reads) == lag  # read only 3 steps late
+    assert {m for m, _, _ in reads} == {0, 1}
+    assert np.isfinite(summary["final_eval_loss"])

@@ -10,9 +10,10 @@ restarts it, and the new process's loop rejoins).
 A step boundary (`_boundary`): offers due now leave as device copies through the outbox,
 arrived messages are handled, the learner waits for late merges up to `diloco.max_wait`,
 due merges are applied on the replica, a heartbeat goes out. A step's metrics are fetched
-one step later, so the host never stalls the device queue to read them.
+`train.metrics_lag` steps later, so the host never stalls the device queue to read them.
 """
 
+import collections
 import os
 import time
 
@@ -106,7 +107,11 @@ class LearnerLoop:
     def run(self, stop) -> None:
         run, m = self.run_cfg, self.m
         seen = self.clock()  # faults up to here have been applied
-        previous = None  # the previous step's (step, device metrics), reported one step late
+        # Dispatched steps whose metrics (loss, NaN check) the host has not read yet: it reads
+        # a step's only `train.metrics_lag` steps later, so the device always has that many
+        # steps queued while the host works (its boundary, the next batch, rows).
+        unread: collections.deque = collections.deque()
+        lag = run.train.metrics_lag
         while self.step < run.train.steps and not stop.is_set():
             t = self.clock()
             if self.emulate_crashes:  # step-scheduled faults land here (Ray: in the driver)
@@ -117,8 +122,7 @@ class LearnerLoop:
             )
             seen = t
             if missed or not self.schedule.is_up(m, t):
-                self._report(previous)
-                previous = None
+                self._read(unread, keep=0)
                 if not self._down(t):
                     return  # left the membership for good (scavenging)
                 continue
@@ -131,8 +135,8 @@ class LearnerLoop:
             if self.proto is not None:
                 self.proto.stepped()
                 self._boundary()
-            diverged = self._report(previous)
-            previous = (self.step, metrics)
+            unread.append((self.step, metrics))
+            diverged = self._read(unread, keep=lag)
             blocked = self.wait_seconds - waited  # waiting for a merge is not compute
             self._wall += time.perf_counter() - t_step
             self._blocked += blocked
@@ -141,17 +145,16 @@ class LearnerLoop:
             self.sink.step(m, time.perf_counter() - t_step - blocked, self.clock())
             save = self.step == run.train.steps or self._every("checkpoint_every")
             if not diverged and (save or (self.evaluate and self._every("eval_every"))):
-                diverged, previous = self._report(previous), None  # this step's, now
+                diverged = self._read(unread, keep=0)  # this step's, now
                 if save and not diverged:
                     self.save()
             if diverged:  # a diverged learner must not poison merges: restart it from Θ
                 self.sink.event(self._event("nan_restart"))
                 self._crash("nan")
-                previous = None
                 continue
             if self.between_steps is not None:
                 self.between_steps()
-        self._report(previous)
+        self._read(unread, keep=0)
         if isinstance(self.data, Prefetch):
             self.data.close()
         self.sink.finished(m, self.clock())  # training ends; the tail is not allocation
@@ -296,6 +299,15 @@ class LearnerLoop:
     # --- outputs ----------------------------------------------------------------------
     def _event(self, name: str, **fields) -> dict:
         return {"event": name, "learner": self.m, "step": self.step, **fields, "time": self.clock()}
+
+    def _read(self, unread: collections.deque, keep: int) -> bool:
+        """Reads the oldest dispatched steps' metrics until `keep` are left unread. True if
+        one diverged: the steps after it are dropped unread (the learner restarts)."""
+        while len(unread) > keep:
+            if self._report(unread.popleft()):
+                unread.clear()
+                return True
+        return False
 
     def _report(self, finished) -> bool:
         """Fetches a finished step's metrics (`finished`: (step, device metrics) or None):

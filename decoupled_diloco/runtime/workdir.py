@@ -43,6 +43,7 @@ FREE_TO_CHANGE = frozenset(
         "train.checkpoint_every",
         "train.tensorboard",
         "train.prefetch",
+        "train.metrics_lag",
         "diloco.stage_merges",
         "diloco.merge_threads",
         "diloco.reply_spares",

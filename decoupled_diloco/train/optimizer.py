@@ -39,6 +39,11 @@ class TrainConfig:
     # Batches a background thread reads and places on the devices ahead of the step that
     # trains on them (data/prefetch.py); 0 = read and transfer inside the step.
     prefetch: int = 2
+    # Steps a learner dispatches before it reads a step's metrics (loss, NaN check) on the
+    # host: the device keeps this many steps queued while the host works, so a host hiccup
+    # shorter than that many steps idles nothing (runtime/learner_loop.py). A NaN is seen
+    # this many steps late (the learner then restarts from Θ). >= 1.
+    metrics_lag: int = 2
     # Also write the metrics rows as TensorBoard event files (no TensorFlow needed) under
     # <workdir>/tensorboard/{learner_<m>,global}/ (decoupled_diloco/tensorboard_events.py).
     tensorboard: bool = True
