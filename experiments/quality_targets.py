@@ -13,6 +13,8 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
                   never waits (τ = 2); its outer step (lr 1.0, momentum 0.0 at this length)
   decoupled_km    the same with quorum K = M
   decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
+  streaming_sync_nag  streaming_sync with that outer Nesterov: what the outer step costs
+                  without any asynchrony (the twin of decoupled_nag)
 
 and prints each target with its measured value and whether it is met (ratios per seed,
 then averaged; seed spread = (max − min) / mean of the final eval loss). Targets (issue 12):
@@ -20,6 +22,9 @@ then averaged; seed spread = (max − min) / mean of the final eval loss). Targe
   mid          decoupled ≤ 1.02x streaming_sync and ≤ 1.05x dp; decoupled_km within 1% of
                decoupled; decoupled_nag no worse than decoupled
   cpu          decoupled ≤ 1.03x streaming_sync; decoupled_nag ≤ 1.05x streaming_sync
+Also printed, without a threshold: decoupled_nag ÷ streaming_sync_nag (the asynchrony's
+cost under the Nesterov outer step) and streaming_sync_nag ÷ streaming_sync (that outer
+step's own cost at this length).
 Lengths: 300 steps at batch 16 per learner on CPU (the quality ladder's), 1000 steps at
 32 x 256 tokens per learner with --scale=mid (arm_config.MID).
 """
@@ -50,6 +55,12 @@ def arms() -> list[harness.Arm]:
         harness.Arm(
             "decoupled_nag", "tiny_decoupled", base | NESTEROV, "Decoupled K=1, outer (0.7, 0.9)"
         ),  # fmt: skip
+        harness.Arm(
+            "streaming_sync_nag",
+            "tiny_decoupled",
+            base | SYNC | NESTEROV,
+            "Streaming, synchronous, outer (0.7, 0.9)",
+        ),  # fmt: skip
     ]
 
 
@@ -77,6 +88,8 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
         ("decoupled", "dp", 1.05 if mid else None, "max"),
         ("decoupled_km", "decoupled", 0.01 if mid else None, "within"),
         ("decoupled_nag", "decoupled", 1.0 if mid else None, "max"),
+        ("decoupled_nag", "streaming_sync_nag", None, "max"),
+        ("streaming_sync_nag", "streaming_sync", None, "max"),
     ]
     for a, b, limit, kind in checks:
         if a not in groups or b not in groups or not ratio(a, b):

@@ -144,6 +144,9 @@ def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(c
         sync = arms["streaming_sync"]["diloco"]
         assert sync["quorum"] == 4 and sync["max_wait"] == -1 and sync["overlap"] == 0
         assert sync["fragments"] == ref["fragments"] == 6
+        sync_nag = arms["streaming_sync_nag"]["diloco"]
+        assert {k for k, v in sync_nag.items() if sync[k] != v} == {"outer_lr", "outer_momentum"}
+        assert sync_nag["outer_momentum"] == arms["decoupled_nag"]["diloco"]["outer_momentum"]
         tokens = {c["train"]["batch_size"] * c["diloco"]["learners"] for c in arms.values()}
         assert len(tokens) == 1, (scale, tokens)  # equal tokens per step in every arm
 
