@@ -15,12 +15,16 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
   decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
   streaming_sync_nag  streaming_sync with that outer Nesterov: what the outer step costs
                   without any asynchrony (the twin of decoupled_nag)
+  decoupled_mom   `decoupled` with Nesterov momentum 0.5 at lr 0.5: the same steady-state
+                  step per round of work, lr / (1 − μ) = 1, as `decoupled`'s (1.0, 0.0)
+                  (README, "How outer lr and momentum relate to M, K, P and H")
 
 and prints each target with its measured value and whether it is met (ratios per seed,
 then averaged; seed spread = (max − min) / mean of the final eval loss). Targets (issue 12):
   every scale  seed spread of `decoupled` ≤ 1% of its loss
   mid          decoupled ≤ 1.02x streaming_sync and ≤ 1.05x dp; decoupled_km within 1% of
-               decoupled; decoupled_nag no worse than decoupled
+               decoupled; outer momentum >= 0.5 no worse than momentum 0: decoupled_mom
+               and decoupled_nag each no worse than decoupled
   cpu          decoupled ≤ 1.03x streaming_sync; decoupled_nag ≤ 1.05x streaming_sync
 Also printed, without a threshold: decoupled_nag ÷ streaming_sync_nag (the asynchrony's
 cost under the Nesterov outer step) and streaming_sync_nag ÷ streaming_sync (that outer
@@ -40,6 +44,7 @@ SYNC = {"diloco.quorum": M, "diloco.overlap": 0, "diloco.max_wait": -1.0,
         "diloco.grace_gamma": 0.0, "diloco.weights": "uniform", "diloco.merge": "mean",
         "diloco.embedding_merge": "mean"}  # fmt: skip
 NESTEROV = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}
+MOMENTUM_HALF = {"diloco.outer_lr": 0.5, "diloco.outer_momentum": 0.5}
 
 
 def arms() -> list[harness.Arm]:
@@ -60,6 +65,12 @@ def arms() -> list[harness.Arm]:
             "tiny_decoupled",
             base | SYNC | NESTEROV,
             "Streaming, synchronous, outer (0.7, 0.9)",
+        ),  # fmt: skip
+        harness.Arm(
+            "decoupled_mom",
+            "tiny_decoupled",
+            base | MOMENTUM_HALF,
+            "Decoupled K=1, outer (0.5, 0.5)",
         ),  # fmt: skip
     ]
 
@@ -88,6 +99,7 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
         ("decoupled", "dp", 1.05 if mid else None, "max"),
         ("decoupled_km", "decoupled", 0.01 if mid else None, "within"),
         ("decoupled_nag", "decoupled", 1.0 if mid else None, "max"),
+        ("decoupled_mom", "decoupled", 1.0 if mid else None, "max"),
         ("decoupled_nag", "streaming_sync_nag", None, "max"),
         ("streaming_sync_nag", "streaming_sync", None, "max"),
     ]

@@ -141,6 +141,12 @@ def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(c
 
         assert changed("decoupled_km") == {"quorum"}
         assert changed("decoupled_nag") == {"outer_lr", "outer_momentum"}
+        assert changed("decoupled_mom") == {"outer_lr", "outer_momentum"}
+        mom = arms["decoupled_mom"]["diloco"]  # the steady-state step lr / (1 - mu) of ref's
+        assert mom["outer_lr"] / (1 - mom["outer_momentum"]) == pytest.approx(
+            ref["outer_lr"] / (1 - ref["outer_momentum"])
+        )
+        assert mom["outer_momentum"] >= 0.5
         sync = arms["streaming_sync"]["diloco"]
         assert sync["quorum"] == 4 and sync["max_wait"] == -1 and sync["overlap"] == 0
         assert sync["fragments"] == ref["fragments"] == 6
