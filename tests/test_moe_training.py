@@ -107,9 +107,10 @@ def test_expert_parallel_learner_matches_replicated_experts(small_config, tmp_pa
     losses = {}
     for expert in (1, 2):
         cfg = _moe(small_config, **{"mesh.expert": expert})
-        # Halted after 4 of 30 steps (the schedule of the DP test): a step's row is written
-        # when the next step runs, so rows 1-3 are there.
-        rt = _runtime(cfg, tmp_path / f"expert{expert}", halt_after=4)
+        # Halted after 3 + train.metrics_lag of 30 steps (the schedule of the DP test): a
+        # step's row is written once metrics_lag later steps run, so rows 1-3 are there.
+        halt = 3 + cfg.train.metrics_lag
+        rt = _runtime(cfg, tmp_path / f"expert{expert}", halt_after=halt)
         assert rt.run() is None
         rows = _read(tmp_path / f"expert{expert}" / "metrics.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3]

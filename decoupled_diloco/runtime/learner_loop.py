@@ -268,9 +268,9 @@ class LearnerLoop:
             if member:  # down since t (the event carries when it happened, not when seen)
                 self.sink.event({**self._event("learner_down"), "time": t})
                 self._crash("crash")
-            else:
+            else:  # left at t (stopped stepping); its final sync follows
+                self.sink.event({**self._event("learner_leave"), "time": t})
                 self._finish(finished=False)
-                self.sink.event(self._event("learner_leave"))
                 self._crash("leave")
         if not member and self.schedule.never_member_again(self.m, t, self.run_cfg.train.steps):
             return False
