@@ -265,7 +265,8 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         raise ValueError(f"train.learning_rate must be > 0, got {train_cfg.learning_rate}")
     if train_cfg.prefetch < 0:
         raise ValueError(f"train.prefetch must be >= 0 (batches ahead), got {train_cfg.prefetch}")
-    if train_cfg.metrics_lag < 1:
+    lag = train_cfg.metrics_lag
+    if not isinstance(lag, int) or isinstance(lag, bool) or lag < 1:
         raise ValueError(
             f"train.metrics_lag must be >= 1 (steps dispatched before a step's metrics are "
             f"read), got {train_cfg.metrics_lag}"

@@ -19,6 +19,7 @@ from decoupled_diloco import cli, paths
 FAULT_MARKS = {  # event -> (colour, label) on the time axes
     "learner_down": ("tab:red", "learner down"),
     "nan_restart": ("tab:purple", "NaN restart"),
+    "nan_at_end": ("tab:purple", "NaN at the end (work not offered)"),
     "rejoin": ("tab:green", "rejoin"),
     "member_join": ("tab:olive", "member joins"),
     "learner_leave": ("tab:gray", "member leaves"),

@@ -280,6 +280,7 @@ class Sim:
         lr.steps_left -= 1
         lr.next_at = self.t + self.step_time(proto.id, proto.step)
         if lr.steps_left == 0:  # done: final offers and a Leave, as boundary.finish
+            apply_updates(rep, proto.apply_due(final=True))  # a merge deferred at the last step
             final_offers(proto, rep, out)
             out.send(proto.leave(True))
 

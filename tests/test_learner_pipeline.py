@@ -143,6 +143,38 @@ def test_a_learner_that_never_waits_applies_a_merge_once_it_is_placed():
     assert_every_step_merged_once(sim, steps)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(overlap=0, fragments=1),
+        dict(overlap=1, fragments=3),
+        dict(overlap=0, fragments=2, quorum=2),
+        dict(overlap=1, fragments=3, quorum=2, compression="int8"),
+    ],
+)
+def test_deferred_merges_conserve_work_whenever_placements_finish(seed, kw):
+    """Placements finish at random moments (also after a learner's last step, whose
+    deferred merge the final sync must apply before offering the rest)."""
+    rng = np.random.default_rng(seed)
+    ups, downs = rng.uniform(0, 3, 3), rng.uniform(0, 4, 3)
+    held, steps = HeldExecutor(), 30
+
+    def on_step(sim):
+        if rng.random() < 0.25:
+            held.release()
+
+    sim = Sim(cfg(**kw), steps, up_delay=lambda m, msg: ups[m], down_delay=lambda m, msg: downs[m],
+              step_time=[1.0, 1.7, 0.6], stage=True, stage_executor=held)  # fmt: skip
+    sim.run(on_step)
+    if kw.get("compression", "none") == "none":
+        assert_every_step_merged_once(sim, steps)
+    else:  # lossy offers: Θ is not exact, but every step is merged once
+        merged = sim.merged_steps()
+        assert all(merged.get((m, p), 0) == steps
+                   for m in range(3) for p in range(sim.plan.num_fragments)), merged  # fmt: skip
+
+
 def test_a_learner_that_may_wait_waits_for_a_merge_being_placed():
     """max_wait > 0 (the synchronous baselines): the merge is applied at s + τ, waiting for
     its placement: the same models as merges computed at the boundary."""
@@ -206,7 +238,9 @@ def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
     """With train.metrics_lag = 3, a step's metrics are read once 3 later steps are
     dispatched (the device keeps a queue), and a NaN loss is still caught: the learner
     restarts from Θ (a `nan_restart` event, 3 steps after the bad one) and the run ends with
-    a finite global model."""
+    a finite global model. A NaN in a learner's last steps (found only at the end) keeps
+    its unmerged work out of Θ: it leaves without final offers (`nan_at_end`), and the
+    syncer has nothing to refuse."""
     import json
 
     import jax.numpy as jnp
@@ -223,9 +257,11 @@ def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
     def step_with_a_nan(self, batch):
         metrics = step(self, batch)
         dispatched[id(self)] = n = dispatched.get(id(self), 0) + 1
-        if self.mesh.devices.flat[0].id != 0 or n != bad_step:
+        first_device = self.mesh.devices.flat[0].id
+        if (first_device, n) not in ((0, bad_step), (4, 14)):
             return metrics
-        return {**metrics, "loss": jnp.float32(jnp.nan)}  # learner 0's 5th step diverges
+        # learner 0's 5th step diverges, and so does learner 1's last
+        return {**metrics, "loss": jnp.float32(jnp.nan)}
 
     report = learner_loop.LearnerLoop._report
 
@@ -245,6 +281,8 @@ def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
         events = [json.loads(line) for line in f]
     restarts = [e for e in events if e.get("event") == "nan_restart"]
     assert [(e["learner"], e["step"]) for e in restarts] == [(0, bad_step + lag)]
+    assert [(e["learner"], e["step"]) for e in events if e["event"] == "nan_at_end"] == [(1, 14)]
+    assert summary["rejected_offers"] == 0
     assert max(now - read for _, read, now in reads) == lag  # read only 3 steps late
     assert {m for m, _, _ in reads} == {0, 1}
     assert np.isfinite(summary["final_eval_loss"])

@@ -197,34 +197,60 @@ def _drop_last(s: Scripted) -> None:
 
 
 def test_offers_refused_in_a_row_are_retried_after_doubling_waits():
+    """After the k-th refusal in a row a fragment sits out 2^(k-2) boundaries (at most H = 2
+    here), telling the syncer its step at each; a merge of its offer resets the count."""
+    s = Scripted()
+    beats = []
+
+    def step():
+        s.step()
+        beats.append(s.proto.heartbeat() is not None)
+
+    step()
+    step()  # step 2: offered (and the first heartbeat went out)
+    _drop_last(s)  # first refusal: retried at the next boundary
+    step()
+    assert [o.step for o in s.offers] == [2, 3]
+    _drop_last(s)  # second in a row: sits out 1 boundary
+    step()
+    assert len(s.offers) == 2 and beats[-1]  # its step still reaches the syncer
+    step()
+    assert [o.step for o in s.offers] == [2, 3, 5] and s.offers[-1].c_steps == 5
+    _drop_last(s)  # third: 2 boundaries
+    step()
+    step()
+    assert len(s.offers) == 3 and beats[-2:] == [True, True]
+    step()
+    assert s.offers[-1].step == 8
+    _drop_last(s)  # fourth: 4, capped at H = 2 (the fragment's own schedule)
+    for _ in range(2):
+        step()
+    step()
+    assert s.offers[-1].step == 11
+    # A merge of the offer ends the run of refusals: the next refusal is retried at once.
+    s.proto.handle([reply(moved(s.theta0, seed=3), 1, held_step=11)])
+    apply_updates(s.replica, s.proto.apply_due())
+    step()  # step 12: due
+    _drop_last(s)
+    step()
+    assert [o.step for o in s.offers][-2:] == [12, 13]
+
+
+def test_a_refusal_streak_does_not_overflow_the_wait():
     s = Scripted()
     s.step()
-    s.step()  # step 2: offered
-    _drop_last(s)  # first refusal: retried at the next boundary
     s.step()
-    assert [o.step for o in s.offers] == [2, 3]
-    _drop_last(s)  # second in a row: not before RETRY_FIRST_S
-    s.step()
-    s.step()
-    assert len(s.offers) == 2
-    s.clock["t"] += learner_mod.RETRY_FIRST_S
-    s.step()
-    assert [o.step for o in s.offers] == [2, 3, 6] and s.offers[-1].c_steps == 6
-    _drop_last(s)  # third: twice the wait
-    s.clock["t"] += 1.5 * learner_mod.RETRY_FIRST_S
-    s.step()
-    assert len(s.offers) == 3
-    s.clock["t"] += 0.6 * learner_mod.RETRY_FIRST_S
-    s.step()
-    assert s.offers[-1].step == 8
-    # A merge of the offer ends the run of refusals: the next refusal is retried at once.
-    s.proto.handle([reply(moved(s.theta0, seed=3), 1, held_step=8)])
-    apply_updates(s.replica, s.proto.apply_due())
-    s.step()
-    s.step()  # step 10: due
-    _drop_last(s)
-    s.step()
-    assert [o.step for o in s.offers][-2:] == [10, 11]
+    for _ in range(3000):  # hours of steady refusal: the wait stays capped
+        f = s.proto.frags[0]
+        f.sit_out = 0
+        s.proto.due_offers(final=True)
+        _drop_last_ticket(s)
+    assert s.proto.frags[0].sit_out == H
+
+
+def _drop_last_ticket(s: Scripted) -> None:
+    t = s.proto.frags[0].in_flight
+    s.proto.handle([Dropped(0, 0, 0, t.step, "off-scale", 0.0)])
 
 
 class _RefusingSyncer:
@@ -272,9 +298,10 @@ def _finish(refusals, final_wait: float) -> tuple[Scripted, _RefusingSyncer]:
 
 def test_a_learner_whose_offers_are_always_refused_does_not_flood_the_final_sync():
     s, syncer = _finish(refusals=None, final_wait=60.0)
-    # Doubling waits up to RETRY_MAX_S: a handful of retries, then one per RETRY_MAX_S (the
-    # unbounded loop re-offered once per receive, ~60k times in these 60 virtual seconds).
-    assert len(syncer.offers) <= 2 + 6 + 60 / learner_mod.RETRY_MAX_S + 1
+    # Each retry sits out up to H = 2 rounds of the final loop, each a 0.2 s wait for
+    # replies: at most one offer per 0.4 s (the unbounded loop re-offered once per receive,
+    # ~60k times in these 60 virtual seconds).
+    assert len(syncer.offers) <= 5 + 60 / (0.2 * H)
     assert s.proto.unmerged_steps() == [3]  # its work is still its own
 
 
@@ -282,7 +309,7 @@ def test_the_final_sync_outlasts_refusals_until_its_work_is_merged():
     s, syncer = _finish(refusals=4, final_wait=60.0)
     assert len(syncer.offers) == 5
     assert s.proto.unmerged_steps() == [0]  # the fifth offer was merged: Θ holds all 3 steps
-    assert s.clock["t"] < 2.0  # retries waited 0, 0.1, 0.2, 0.4 s, not the final_wait
+    assert s.clock["t"] < 2.0  # retries sat out 0, 1, 2, 2 rounds of 0.2 s, not final_wait
 
 
 def test_a_rebase_not_ready_is_deferred_a_bounded_number_of_boundaries():
@@ -312,3 +339,19 @@ def test_a_rebase_not_ready_is_deferred_a_bounded_number_of_boundaries():
     f.step()
     f.proto.handle([reply(moved(f.theta0, seed=6), 1)])
     assert len(f.proto.apply_due(final=True, ready=not_ready)) == 1
+
+
+def test_the_final_sync_applies_a_deferred_merge_before_its_final_offers():
+    """A merge holding our offer was deferred at the last boundary (not placed yet): the
+    final sync applies it first, so even with final_wait = 0 the steps after that offer are
+    offered (else its offer looks in flight and they are never sent)."""
+    s = Scripted(final_sync=True, final_wait=0.0, overlap=1)
+    s.step()
+    s.step()  # step 2: offered
+    s.proto.handle([reply(moved(s.theta0, seed=7), 1, held_step=2)])
+    s.replica.step()
+    s.proto.stepped()  # step 3: the merge is due (τ = 1) but not placed yet
+    assert s.proto.apply_due(ready=lambda key: False) == []
+    syncer = _RefusingSyncer(s, refusals=0)
+    finish(s.proto, s.replica, syncer, syncer.receive, lambda: s.clock["t"])
+    assert [(o.step, o.c_steps) for o in syncer.offers] == [(3, 1)]

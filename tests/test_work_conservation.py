@@ -249,3 +249,28 @@ def test_merged_normalisation_counts_partial_merges_as_full_rounds():
     err = {n: max(float(np.abs(s.syncer.global_params()[k] - want[k]).max()) for k in want)
            for n, s in (("roster", roster), ("merged", merged))}  # fmt: skip
     assert err["roster"] < 2e-5 < err["merged"]
+
+
+def test_a_retry_after_refusals_is_not_refused_as_an_offer_from_the_future(monkeypatch):
+    """Fast steps, heartbeats every 0.5 s: the syncer learns a learner's step from its
+    accepted offers and heartbeats. While a refused fragment sits out its retry wait, the
+    learner keeps telling its step, so the retry (many steps past the last accepted offer)
+    is not refused as 'ahead of the learner's reports', and all its work is merged."""
+    from decoupled_diloco.diloco import syncer as syncer_mod
+    from decoupled_diloco.diloco.offer_checks import Reason
+
+    accept = syncer_mod.Syncer._accept
+
+    def refusing(self, offer, now):  # the syncer refuses learner 0's offers of steps 20-59
+        if offer.learner == 0 and 20 <= offer.step < 60:
+            self.refusals.reject(offer, Reason("scale", "a test's refusal"), now)
+            return None
+        return accept(self, offer, now)
+
+    monkeypatch.setattr(syncer_mod.Syncer, "_accept", refusing)
+    steps = 600
+    sim = Sim(cfg(learners=2, fragments=1, sync_every=2, overlap=0, heartbeat_every=0.5),
+              steps, step_time=[0.005, 0.005])  # fmt: skip
+    sim.run()
+    assert sim.syncer.stats.get("reject:step", 0) == 0  # only the test's own refusals
+    assert_every_step_merged_once(sim, steps)

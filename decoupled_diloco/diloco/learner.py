@@ -32,11 +32,13 @@ global progress the syncer lost leaves the learner too, and only its own unmerge
 offered again: nothing is replayed through the outer optimizer.
 
 A refused offer (`Dropped`) leaves its work in W, to be offered again. The first retry
-goes at the next step boundary; each further refusal in a row doubles the wait before the
-next one (RETRY_FIRST_S up to RETRY_MAX_S), so a learner whose offers the syncer keeps
-refusing (a fragment it holds to be off-scale, say) does not flood it, least of all
-during the final sync, where nothing else paces the offers. A merge of the fragment's offer
-resets the count.
+goes at the next step boundary; after the k-th refusal in a row the fragment sits out
+2^(k−2) boundaries (at most H) first, so a learner whose offers the syncer keeps refusing (a
+fragment it holds to be off-scale, say) does not flood it, least of all during the final
+sync, where each round of its loop waits for replies instead of steps. The wait counts
+boundaries, not seconds, so every host of a multi-host learner decides alike; while it
+waits, each boundary tells the syncer our step (a heartbeat), so the retry is not taken for
+an offer from the future. A merge of the fragment's offer resets the count.
 
 Inner AdamW state is kept when merges are applied (it lives in the replica).
 """
@@ -62,8 +64,6 @@ from decoupled_diloco.diloco.messages import (
 )
 from decoupled_diloco.diloco.updates import Decoded, Update, rebase_delta, resolve
 
-RETRY_FIRST_S = 0.1  # seconds before the second retry of a fragment refused twice in a row
-RETRY_MAX_S = 5.0  # cap of the doubling wait between retries
 # Boundaries in a row a rebase may wait for its update to be placed on the devices
 # (`apply_due`'s `ready`) before the learner waits for it instead.
 DEFER_LIMIT = 4
@@ -97,7 +97,7 @@ class _Fragment:
     anchored: int = 0  # bumped whenever `anchor` is replaced (names it in Update keys)
     refused: int = 0  # offers of this fragment refused in a row (`Dropped`)
     deferred: int = 0  # boundaries in a row its arrived version was not ready to apply
-    retry_at: float = -math.inf  # clock time before which it is not offered again
+    sit_out: int = 0  # boundaries to let pass before it is offered again (after refusals)
 
 
 def materialize(ticket: InFlight, local: dict[str, np.ndarray]) -> Offer:
@@ -191,9 +191,13 @@ class Learner:
                 # The offer waits for its earlier one: tell the syncer our step now, which
                 # makes the earlier one count for the slot we reached (syncer.slot).
                 self._last_heartbeat = -math.inf
-        out, now = [], self.clock()
+        out = []
         for p, f in enumerate(self.frags):
-            if not (f.wanted or final) or f.in_flight is not None or now < f.retry_at:
+            if not (f.wanted or final) or f.in_flight is not None:
+                continue
+            if f.sit_out > 0 and f.c_steps:  # backing off after refusals (module docstring)
+                f.sit_out -= 1
+                self._last_heartbeat = -math.inf
                 continue
             f.wanted = False
             if f.c_steps == 0:
@@ -234,8 +238,8 @@ class Learner:
                     f.in_flight, f.wanted = None, True  # its work is still in W: offer again
                     f.refused += 1
                     if f.refused > 1:
-                        wait = min(RETRY_FIRST_S * 2 ** (f.refused - 2), RETRY_MAX_S)
-                        f.retry_at = self.clock() + wait
+                        cap = max(self.plan.sync_every, 1)
+                        f.sit_out = min(2 ** min(f.refused - 2, cap.bit_length()), cap)
             elif isinstance(msg, Snapshot):
                 updates += self._resync(msg)
         return updates
@@ -261,7 +265,7 @@ class Learner:
             f.in_flight, f.wanted, f.arrived = None, f.wanted or f.in_flight is not None, None
             f.anchor, f.version, f.epoch = theta, int(version), snap.epoch
             f.anchored += 1
-            f.refused, f.retry_at = 0, -math.inf  # refusals of the lost life say nothing
+            f.refused = f.sit_out = 0  # refusals of the lost life say nothing
             f.deferred = 0
         self._last_heartbeat = -math.inf  # tell the new life our step at once
         return out
@@ -306,7 +310,7 @@ class Learner:
             out.append(update)
             if held and self.cfg.apply == "overwrite":
                 f.c_steps = f.c_tokens = 0
-                f.in_flight, f.refused, f.retry_at = None, 0, -math.inf
+                f.in_flight, f.refused, f.sit_out = None, 0, 0
             elif held:
                 self._consume(f)
             f.anchor, f.version, f.arrived = Decoded(msg.payload), msg.version, None
@@ -355,7 +359,7 @@ class Learner:
         f.c_steps -= t.c_steps
         f.c_tokens -= t.c_tokens
         f.in_flight = None
-        f.refused, f.retry_at = 0, -math.inf
+        f.refused = f.sit_out = 0
 
     # --- liveness ----------------------------------------------------------------------
     def heartbeat(self) -> Heartbeat | None:
@@ -372,11 +376,10 @@ class Learner:
         """Fragments with an offer in flight."""
         return [p for p, f in enumerate(self.frags) if f.in_flight is not None]
 
-    def retrying(self) -> dict[int, float]:
-        """Fragments whose unmerged work was refused and is not offered again yet: {p: the
-        clock time its retry may go}."""
-        return {p: f.retry_at for p, f in enumerate(self.frags)
-                if f.in_flight is None and f.c_steps and f.refused}  # fmt: skip
+    def retrying(self) -> list[int]:
+        """Fragments whose unmerged work was refused and is not offered again yet."""
+        return [p for p, f in enumerate(self.frags)
+                if f.in_flight is None and f.c_steps and f.refused]  # fmt: skip
 
     def unmerged_steps(self) -> list[int]:
         """Per fragment: steps of work no version known here holds (in flight included)."""

@@ -15,6 +15,7 @@ import concurrent.futures
 import threading
 
 from decoupled_diloco.diloco.learner import Learner
+from decoupled_diloco.diloco.messages import Snapshot
 from decoupled_diloco.diloco.updates import Update
 from decoupled_diloco.runtime.outbox import Outbox
 
@@ -88,6 +89,8 @@ def handle(proto: Learner, replica, msgs: list, stager: MergeStager | None = Non
     will be applied later start staging."""
     apply_updates(replica, proto.handle(msgs))
     if stager is not None:
+        if any(isinstance(m, Snapshot) for m in msgs):
+            stager.clear()  # what was staged for the lost syncer life is never applied
         stager.stage(proto.upcoming())
 
 
@@ -100,21 +103,25 @@ def offer_and_receive(proto: Learner, replica, outbox: Outbox, receive, stager=N
     handle(proto, replica, receive(0.0), stager)
 
 
-def apply_and_beat(proto: Learner, replica, outbox: Outbox, stager=None) -> None:
+def apply_and_beat(proto: Learner, replica, outbox: Outbox, stager=None,
+                   defer: bool = True) -> None:  # fmt: skip
     """Second half, after any wait for late merges: due merges are applied, a heartbeat
     goes out when one is due. A learner that never waits (`diloco.max_wait` 0) does not
     wait for the stager either: a rebase still being placed is applied at a later boundary
-    (`Learner.apply_due`), so the device keeps its queue of steps."""
-    never_waits = stager is not None and proto.cfg.wait_seconds == 0
+    (`Learner.apply_due`), so the device keeps its queue of steps. `defer=False`: wait
+    (a multi-host learner, whose hosts must apply the same updates at the same boundary,
+    and whose stagers finish at different times)."""
+    never_waits = defer and stager is not None and proto.cfg.wait_seconds == 0
     apply_updates(replica, proto.apply_due(ready=stager.ready if never_waits else None), stager)
     heartbeat = proto.heartbeat()
     if heartbeat is not None:
         outbox.send(heartbeat)
 
 
-def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock, stager=None) -> float:
-    """A step boundary; waits up to `diloco.max_wait` for merges of offers past s + τ.
-    Returns the seconds spent waiting."""
+def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock, stager=None,
+                  defer: bool = True) -> float:  # fmt: skip
+    """A step boundary; waits up to `diloco.max_wait` for merges of offers past s + τ
+    (`defer`: see `apply_and_beat`). Returns the seconds spent waiting."""
     offer_and_receive(proto, replica, outbox, receive, stager)
     waited, limit = 0.0, proto.cfg.wait_seconds
     if limit > 0 and proto.unresolved():
@@ -125,7 +132,7 @@ def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock, stage
         while proto.unresolved() and clock() - start < limit:
             handle(proto, replica, receive(min(limit - (clock() - start), 1.0)), stager)
         waited = clock() - start
-    apply_and_beat(proto, replica, outbox, stager)
+    apply_and_beat(proto, replica, outbox, stager, defer)
     return waited
 
 
@@ -135,24 +142,28 @@ def final_offers(proto: Learner, replica, outbox: Outbox) -> None:
         outbox.offer(ticket, replica.fragment_copies(proto.plan.names[ticket.fragment]))
 
 
-def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bool = True):
+def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bool = True,
+           offer_work: bool = True):  # fmt: skip
     """Training is over (`finished`: the step budget is done; else the learner leaves the
     membership). With `diloco.final_sync` every step of its work reaches Θ: it offers all
     unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
     flight resolves (waiting up to `diloco.final_wait`), offers the steps taken after it
-    (a refused one again, after its retry wait)."""
+    (a refused one again, after its retry wait). `offer_work=False` (its last steps
+    diverged): it only leaves; none of its unmerged work may reach Θ."""
     cfg = proto.cfg
-    if cfg.final_sync:
+    sync = cfg.final_sync and offer_work
+    # A merge deferred at the last boundary (not yet placed) first: it resolves the offer it
+    # holds, so the final offers below carry the steps after it.
+    apply_updates(replica, proto.apply_due(final=True))
+    if sync:
         final_offers(proto, replica, outbox)
     outbox.send(proto.leave(finished))
     deadline = clock() + cfg.final_wait
-    while cfg.final_sync and (proto.in_flight() or proto.retrying()) and clock() < deadline:
-        # A refused offer waits for its retry (learner.py's back-off): sleep until then at most.
-        retry = min(proto.retrying().values(), default=float("inf"))
-        apply_updates(replica, proto.handle(receive(min(0.2, max(retry - clock(), 0.0)))))
+    while sync and (proto.in_flight() or proto.retrying()) and clock() < deadline:
+        apply_updates(replica, proto.handle(receive(0.2)))
         apply_updates(replica, proto.apply_due(final=True))
         final_offers(proto, replica, outbox)
-    if not cfg.final_sync:
+    if not sync:
         apply_updates(replica, proto.handle(receive(0.0)))
         apply_updates(replica, proto.apply_due(final=True))
     outbox.flush()

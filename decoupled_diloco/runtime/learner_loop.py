@@ -111,7 +111,7 @@ class LearnerLoop:
         # a step's only `train.metrics_lag` steps later, so the device always has that many
         # steps queued while the host works (its boundary, the next batch, rows).
         unread: collections.deque = collections.deque()
-        lag = run.train.metrics_lag
+        lag, diverged = run.train.metrics_lag, False
         while self.step < run.train.steps and not stop.is_set():
             t = self.clock()
             if self.emulate_crashes:  # step-scheduled faults land here (Ray: in the driver)
@@ -122,8 +122,8 @@ class LearnerLoop:
             )
             seen = t
             if missed or not self.schedule.is_up(m, t):
-                self._read(unread, keep=0)
-                if not self._down(t):
+                diverged = self._read(unread, keep=0)
+                if not self._down(t, diverged):
                     return  # left the membership for good (scavenging)
                 continue
             if self.replica.state is None:
@@ -148,19 +148,24 @@ class LearnerLoop:
                 diverged = self._read(unread, keep=0)  # this step's, now
                 if save and not diverged:
                     self.save()
+            if diverged and self.step >= run.train.steps:
+                break  # no steps left to restart for: it leaves without offering (below)
             if diverged:  # a diverged learner must not poison merges: restart it from Θ
                 self.sink.event(self._event("nan_restart"))
                 self._crash("nan")
                 continue
             if self.between_steps is not None:
                 self.between_steps()
-        self._read(unread, keep=0)
+        diverged = self._read(unread, keep=0) or diverged
         if isinstance(self.data, Prefetch):
             self.data.close()
         self.sink.finished(m, self.clock())  # training ends; the tail is not allocation
         if self.replica.state is not None:
-            self._finish()
-            self.save()
+            if diverged:  # its last steps diverged: leave without offering them, unsaved
+                self.sink.event(self._event("nan_at_end"))
+            self._finish(offer_work=not diverged)
+            if not diverged:
+                self.save()
         self.sink.event(self._event("learner_done"))
 
     def _every(self, key: str) -> bool:
@@ -244,13 +249,17 @@ class LearnerLoop:
             self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost))
 
     def _boundary(self) -> None:
+        # A multi-host learner (inline offers) applies every merge at the same boundary on
+        # all of its hosts: it does not defer one its own stager has not placed yet.
         self.wait_seconds += step_boundary(
-            self.proto, self.replica, self.outbox, self._receive, self.clock, self.stager
-        )
+            self.proto, self.replica, self.outbox, self._receive, self.clock, self.stager,
+            defer=not self.outbox.inline,
+        )  # fmt: skip
 
-    def _finish(self, finished: bool = True) -> None:
+    def _finish(self, finished: bool = True, offer_work: bool = True) -> None:
         if self.proto is not None:
-            finish(self.proto, self.replica, self.outbox, self._receive, self.clock, finished)
+            finish(self.proto, self.replica, self.outbox, self._receive, self.clock, finished,
+                   offer_work)  # fmt: skip
 
     def _receive(self, timeout: float) -> list:
         return self.link.receive(timeout) if self.link is not None else []
@@ -259,10 +268,11 @@ class LearnerLoop:
         apply_updates(self.replica, updates)
 
     # --- faults -----------------------------------------------------------------------
-    def _down(self, t: float) -> bool:
+    def _down(self, t: float, diverged: bool = False) -> bool:
         """Not up at t. A crash loses the device state (emulated here, or the driver kills
-        the process); leaving the membership is graceful: final offers and a Leave first.
-        False once this learner will never be a member again."""
+        the process); leaving the membership is graceful: final offers and a Leave first
+        (`diverged`: its last steps' loss was not finite; only the Leave). False once this
+        learner will never be a member again."""
         member = self.schedule.is_member(self.m, t)
         if self.replica.state is not None and (self.emulate_crashes or not member):
             if member:  # down since t (the event carries when it happened, not when seen)
@@ -270,7 +280,7 @@ class LearnerLoop:
                 self._crash("crash")
             else:  # left at t (stopped stepping); its final sync follows
                 self.sink.event({**self._event("learner_leave"), "time": t})
-                self._finish(finished=False)
+                self._finish(finished=False, offer_work=not diverged)
                 self._crash("leave")
         if not member and self.schedule.never_member_again(self.m, t, self.run_cfg.train.steps):
             return False

@@ -6,8 +6,9 @@ Learner events (runtime/learner_loop.py): learner_start (its first start), rejoi
 crash, a NaN restart or a restarted process), member_join (back after leaving the
 membership), learner_down (a crash: emitted where the crash happens, by the learner loop
 when crashes are emulated, by the Ray driver when it kills the process), learner_leave,
-nan_restart, learner_done, learner_error, learner_lost (Ray: restarts exhausted),
-learner_stopped (Ray: the same error `ray.max_same_failures` times in a row).
+nan_restart, nan_at_end (its last steps diverged: it left without offering them),
+learner_done, learner_error, learner_lost (Ray: restarts exhausted), learner_stopped (Ray:
+the same error `ray.max_same_failures` times in a row).
 Syncer records (diloco/syncer.py, runtime/syncer_loop.py): merge, join, leave, reject,
 drop_offer, drop_message (diloco/refusals.py), syncer_crash, syncer_restore, syncer_start.
 """
