@@ -42,8 +42,11 @@ class TrainConfig:
     # Steps a learner dispatches before it reads a step's metrics (loss, NaN check) on the
     # host: the device keeps this many steps queued while the host works, so a host hiccup
     # shorter than that many steps idles nothing (runtime/learner_loop.py). A NaN is seen
-    # this many steps late (the learner then restarts from Θ). >= 1.
-    metrics_lag: int = 2
+    # this many steps late (the learner then restarts from Θ). The learner's step count runs
+    # that far ahead of its device, so a merge of an offer made at step s has only about
+    # diloco.overlap − metrics_lag device steps to come back before boundary s + τ (later
+    # ones are applied later: staler): raise it only with τ > metrics_lag. >= 1.
+    metrics_lag: int = 1
     # Also write the metrics rows as TensorBoard event files (no TensorFlow needed) under
     # <workdir>/tensorboard/{learner_<m>,global}/ (decoupled_diloco/tensorboard_events.py).
     tensorboard: bool = True
