@@ -139,6 +139,7 @@ def test_a_learner_that_never_waits_applies_a_merge_once_it_is_placed():
               stage=True, stage_executor=held)  # fmt: skip
     sim.run(on_step)
     assert seen["deferred"] > 0  # some rebases were not placed at their first boundary
+    assert sum(lr.proto.deferrals for lr in sim.learners) >= seen["deferred"]  # counted
     assert held.futures and not any(f.forced for f in held.futures)  # and none was waited for
     assert_every_step_merged_once(sim, steps)
 
@@ -222,6 +223,8 @@ def test_a_decoupled_runs_rows_carry_host_share_and_mfu(small_config, tmp_path, 
         rows = [json.loads(line) for line in f]
     rows = [r for r in rows if isinstance(r.get("learner"), int) and "loss" in r]
     assert rows and any(hits), "no merge was applied from staged device arrays"
+    assert any(r.get("merges_applied", 0) > 0 for r in rows)  # and the rows count them
+    assert all(r["merges_deferred"] >= 0 for r in rows)
     flops = train_flops_per_token(run.model, run.data.seq_len)
     devices = jax.device_count() // 2
     for r in rows:

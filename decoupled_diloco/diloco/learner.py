@@ -133,6 +133,7 @@ class Learner:
         self.frags: list[_Fragment] = []
         self.started = False
         self.applied_merges = 0
+        self.deferrals = 0  # boundaries at which an arrived merge waited for its placement
         self.step_seconds = 0.0  # moving average of seconds per step, sent in heartbeats
         self._last_step_at: float | None = None
         self.timed_intervals = 0  # step intervals measured since the last (re)start
@@ -305,6 +306,7 @@ class Learner:
             deferable = ready is not None and not final and update.kind == "add"
             if deferable and f.deferred < DEFER_LIMIT and not ready(update.key):
                 f.deferred += 1
+                self.deferrals += 1
                 continue
             f.deferred = 0
             out.append(update)

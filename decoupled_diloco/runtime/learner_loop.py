@@ -371,6 +371,9 @@ class LearnerLoop:
             # 1, the device idles between steps (a host-bound learner).
             rec["host_share"] = round(min(max(1.0 - self._blocked / self._wall, 0.0), 1.0), 4)
         self._wall = self._blocked = 0.0
+        if self.proto is not None:  # merges applied, and boundaries one waited for placement
+            rec["merges_applied"] = self.proto.applied_merges
+            rec["merges_deferred"] = self.proto.deferrals
         for k in _MOE_KEYS:
             if k in metrics:
                 rec[k] = float(metrics[k])
