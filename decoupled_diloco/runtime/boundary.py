@@ -28,6 +28,13 @@ class MergeStager:
     arrays (waiting for them if the worker is still busy: they are then at least as early
     as computing them here); any other update is computed at the boundary as before. A
     staged entry another version replaced is discarded unused.
+
+    `ready` says whether a learner that never waits should apply an update now: yes once it
+    is placed, and also when it was staged at this very boundary (the version was first
+    seen here: waiting for it costs no more than computing it inline, and deferring would
+    make nearly every merge a step later, since versions mostly arrive during the step
+    before the one that applies them). Only an update staged at an earlier boundary and
+    still not placed (placement slower than a step) is deferred.
     """
 
     def __init__(self, replica, executor: concurrent.futures.Executor | None = None):
@@ -37,8 +44,14 @@ class MergeStager:
             1, thread_name_prefix="stager"
         )
         self._staged: dict[tuple, concurrent.futures.Future] = {}
+        self._staged_at: dict[tuple, int] = {}  # key -> the boundary it was staged at
+        self._boundary = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+
+    def next_boundary(self) -> None:
+        """A new step boundary begins (what is staged from now on is staged "here")."""
+        self._boundary += 1
 
     def stage(self, updates: list[Update]) -> None:
         with self._lock:
@@ -48,22 +61,27 @@ class MergeStager:
                 # An older version of the same fragment will not be applied any more.
                 for k in [k for k in self._staged if k[:2] == u.key[:2]]:
                     self._staged.pop(k).cancel()
+                    self._staged_at.pop(k, None)
                 self._staged[u.key] = self._pool.submit(self._place, u)
+                self._staged_at[u.key] = self._boundary
 
     def _place(self, u: Update) -> dict:
         return self._replica.place(u.arrays)
 
     def ready(self, key: tuple) -> bool:
-        """False while the update with this key is still being computed or placed; True
-        once it is on the devices, or if it was never staged (computed at the boundary)."""
+        """False while the update with this key, staged at an earlier boundary, is still
+        being computed or placed; True once it is on the devices, if it was staged at this
+        boundary, or if it was never staged (computed at the boundary). See the class."""
         with self._lock:
             future = self._staged.get(key)
-        return future is None or future.done()
+            here = self._staged_at.get(key) == self._boundary
+        return future is None or here or future.done()
 
     def take(self, u: Update) -> dict | None:
         """Device arrays of `u` if it was staged, else None (compute it at the boundary)."""
         with self._lock:
             future = self._staged.pop(u.key, None) if u.key is not None else None
+            self._staged_at.pop(u.key, None)
         if future is None:
             self.misses += 1
             return None
@@ -76,6 +94,7 @@ class MergeStager:
             for future in self._staged.values():
                 future.cancel()
             self._staged.clear()
+            self._staged_at.clear()
 
 
 def apply_updates(replica, updates, stager: MergeStager | None = None) -> None:
@@ -97,6 +116,8 @@ def handle(proto: Learner, replica, msgs: list, stager: MergeStager | None = Non
 def offer_and_receive(proto: Learner, replica, outbox: Outbox, receive, stager=None) -> None:
     """First half of a step boundary: offers due now leave through the outbox (as device
     copies), and what arrived is handled (a restored syncer's snapshot applied at once)."""
+    if stager is not None:
+        stager.next_boundary()
     # Offer first: with tau = 0 a fragment offered at step t is applied at boundary t.
     for ticket in proto.due_offers():
         outbox.offer(ticket, replica.fragment_copies(proto.plan.names[ticket.fragment]))
