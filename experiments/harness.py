@@ -51,6 +51,7 @@ from arm_config import FULL, QUICK, SMOKE, Arm, build_config, for_cpu_validation
 from outputs import results_dir  # noqa: E402
 from tables import (  # noqa: E402
     Result,
+    arm_colors,
     by_arm,
     eval_curve,
     fmt,
@@ -63,8 +64,8 @@ from tables import (  # noqa: E402
     table,
 )
 
-__all__ = ["FULL", "QUICK", "SMOKE", "Arm", "by_arm", "eval_curve", "fmt", "loss_ratio",
-           "paired", "plot_bars", "plot_curves", "rows", "stat", "table"]  # fmt: skip
+__all__ = ["FULL", "QUICK", "SMOKE", "Arm", "arm_colors", "by_arm", "eval_curve", "fmt",
+           "loss_ratio", "paired", "plot_bars", "plot_curves", "rows", "stat", "table"]  # fmt: skip
 PROGRESS_EVERY_S = 60.0  # a progress line at least this often, even when steps stall
 PROGRESS_MIN_S = 3.0  # ...and at most this often (a 10% tick of a short run is a blink)
 

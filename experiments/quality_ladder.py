@@ -131,7 +131,7 @@ def main(argv):
     names = [n for n in groups if n != "dp"]
     harness.plot_bars(axes[1], names,
                       [harness.loss_ratio(groups[n], groups.get("dp", [])) for n in names],
-                      "final eval loss ÷ DP")  # fmt: skip
+                      "final eval loss ÷ DP", harness.arm_colors(results, names))  # fmt: skip
     axes[1].set_ylim(bottom=0)
     axes[1].set_title("each rung adds one change to the one before")
     fig.suptitle("From DiLoCo to Decoupled DiLoCo, one change at a time")

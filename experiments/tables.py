@@ -120,11 +120,22 @@ def plot_curves(ax, results: list[Result], x: str = "tokens") -> None:
     ax.legend(fontsize=7, title=note, title_fontsize=7)
 
 
-def plot_bars(ax, names: list[str], values: list[list[float]], ylabel: str) -> None:
-    """Mean bars with sample-std error bars (one bar per arm, seeds as the spread)."""
+def arm_colors(results: list[Result], names: list[str]) -> list[str]:
+    """The colour plot_curves gives each of `names` (arms of `results`): a bar chart of a
+    subset of the arms keeps each arm's colour."""
+    order = list(by_arm(results))
+    return [f"C{order.index(n) % 10}" for n in names]
+
+
+def plot_bars(
+    ax, names: list[str], values: list[list[float]], ylabel: str, colors: list[str] | None = None
+) -> None:
+    """Mean bars with sample-std error bars (one bar per arm, seeds as the spread). `colors`:
+    one per bar (arm_colors keeps an arm's colour from plot_curves); default C0, C1, ..."""
     stats = [stat(v) for v in values]
+    colors = colors or [f"C{i % 10}" for i in range(len(names))]
     ax.bar(range(len(names)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3,
-           color=[f"C{i % 10}" for i in range(len(names))])  # fmt: skip
+           color=colors)  # fmt: skip
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)  # a bar's length is its value
