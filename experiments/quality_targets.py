@@ -1,7 +1,7 @@
 r"""Does Decoupled DiLoCo train as well as synchronous DiLoCo? The quality targets, checked.
 
-    python experiments/quality_targets.py --scale=mid   # the 31M `mid` model (a GPU: ~30 min, estimated)
-    python experiments/quality_targets.py               # tiny CPU scale, 2 seeds: ~15 min
+    python experiments/quality_targets.py --scale=mid   # the 31M `mid` model (a GPU: ~30 min, est.)
+    python experiments/quality_targets.py               # tiny CPU scale, 7 arms x 2 seeds: ~22 min
     python experiments/quality_targets.py --set=data.source=shakespeare   # another corpus
 
 The few arms the targets compare (M = 4 learners, equal tokens), each run for --seeds:

@@ -1,7 +1,7 @@
 r"""Every ablation of the paper, one after the other, with progress and a summary at the end.
 
-    python experiments/run_all.py --quick     # all 11, 1 seed each: ~34 min on an idle 2-core box
-    python experiments/run_all.py             # full mode, 2 seeds each: ~3.8 h idle
+    python experiments/run_all.py --quick     # all 12, 1 seed each: ~39 min on an idle 2-core box
+    python experiments/run_all.py             # full mode, 2 seeds each: ~4.1 h idle
     python experiments/run_all.py --only=heterogeneous,merge_rule --out=/tmp/dd_results
     python experiments/run_all.py --dry_run   # print the commands only
 
@@ -19,7 +19,7 @@ each script's docstring says what its modes run):
 
     experiment              --quick   full (2 seeds)
     quality_ladder              7      45
-    quality_targets             4      15
+    quality_targets             5      22
     quality_equal_tokens        4      35
     learners_sweep            2.5      18
     quorum_grace                2      20
@@ -30,7 +30,7 @@ each script's docstring says what its modes run):
     scavenging                2.5      11
     cross_region              1.5      12
     goodput_failures            5      14
-    all                        38     241 (~4 h)
+    all                        39     248 (~4.1 h)
 """
 
 import pathlib
@@ -46,7 +46,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 # in the docstring above repeats these numbers.
 EXPERIMENTS = (
     ("quality_ladder", 7, 45),
-    ("quality_targets", 4, 15),
+    ("quality_targets", 5, 22),
     ("quality_equal_tokens", 4, 35),
     ("learners_sweep", 2.5, 18),
     ("quorum_grace", 2, 20),

@@ -310,3 +310,49 @@ def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
     assert max(now - read for _, read, now in reads) == lag  # read only 3 steps late
     assert {m for m, _, _ in reads} == {0, 1}
     assert np.isfinite(summary["final_eval_loss"])
+
+
+def test_evaluations_and_the_last_save_are_neither_step_time_nor_allocation(
+    small_config, tmp_path, monkeypatch
+):
+    """A data-parallel learner evaluates every 4 steps and saves after its last: a step that
+    evaluates reads its own metrics inside its time, but the evaluation is idle, not step
+    time, and the last save belongs to the run's tail, so slow evaluations and a slow save
+    leave the goodput whole (steps stretched 4x so that host bookkeeping is small)."""
+    import time
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime import accounting, learner_loop, local
+
+    eval_s, save_s = 0.4, 1.5
+    seconds = []
+    step = accounting.Ledger.step
+
+    def recording(self, m, s, now):
+        seconds.append(s)
+        return step(self, m, s, now)
+
+    save = learner_loop.LearnerLoop.save
+
+    def slow_save(self):
+        time.sleep(save_s)
+        save(self)
+
+    monkeypatch.setattr(accounting.Ledger, "step", recording)
+    monkeypatch.setattr(learner_loop.LearnerLoop, "save", slow_save)
+    over = {"diloco.learners": 1, "diloco.sync_every": 0, "train.eval_every": 4,
+            "faults.speed_factors": [4.0]}  # fmt: skip
+    run = config_lib.validate(small_config(**over))
+    evaluate = local.Evaluator.__call__
+
+    def slow_eval(self, params):
+        time.sleep(eval_s)
+        return evaluate(self, params)
+
+    monkeypatch.setattr(local.Evaluator, "__call__", slow_eval)
+    rt = local.LocalRuntime(run, str(tmp_path), verbose=False)
+    summary = rt.run()
+    assert len(seconds) == run.train.steps == 12
+    # Steps 4, 8 and 12 evaluated: their time is the step's own (the first steps compile).
+    assert max(seconds[3::4]) < eval_s
+    assert summary["goodput"] >= 0.9

@@ -73,6 +73,7 @@ class LearnerLoop:
         self.restored = None  # a checkpointed TrainState to resume from (first start)
         self.away = "start"  # why the learner is about to (re)start
         self.wait_seconds = 0.0  # time blocked on late merges: idle, not compute
+        self.eval_seconds = 0.0  # time evaluating (data-parallel): idle, not compute
         self.steps_since_start = 0
         self._rate = (None, 0)  # (time, step) of the previous row
         # Since the previous row: wall seconds of steps, and of those, seconds this thread
@@ -136,18 +137,24 @@ class LearnerLoop:
                 self.proto.stepped()
                 self._boundary()
             unread.append((self.step, metrics))
-            diverged = self._read(unread, keep=lag)
-            blocked = self.wait_seconds - waited  # waiting for a merge is not compute
-            self._wall += time.perf_counter() - t_step
-            self._blocked += blocked
-            self._straggle(time.perf_counter() - t_step - blocked)
-            self.steps_since_start += 1
-            self.sink.step(m, time.perf_counter() - t_step - blocked, self.clock())
+            # A save or an evaluation needs this step's own metrics (NaN check, row) now:
+            # the device's wait for it is this step's compute, read inside its time; the
+            # evaluation itself is idle, not training (a DP learner evaluates in _report).
             save = self.step == run.train.steps or self._every("checkpoint_every")
-            if not diverged and (save or (self.evaluate and self._every("eval_every"))):
-                diverged = self._read(unread, keep=0)  # this step's, now
-                if save and not diverged:
-                    self.save()
+            flush = save or bool(self.evaluate and self._every("eval_every"))
+            evaluated = self.eval_seconds
+            diverged = self._read(unread, keep=0 if flush else lag)
+            blocked = self.wait_seconds - waited  # waiting for a merge is not compute
+            off = blocked + self.eval_seconds - evaluated
+            self._wall += time.perf_counter() - t_step - (off - blocked)
+            self._blocked += blocked
+            self._straggle(time.perf_counter() - t_step - off)
+            self.steps_since_start += 1
+            self.sink.step(m, time.perf_counter() - t_step - off, self.clock())
+            if save and not diverged:
+                if self.step == run.train.steps:  # the last save is the tail, as below
+                    self.sink.finished(m, self.clock())
+                self.save()
             if diverged and self.step >= run.train.steps:
                 break  # no steps left to restart for: it leaves without offering (below)
             if diverged:  # a diverged learner must not poison merges: restart it from Θ
@@ -341,7 +348,9 @@ class LearnerLoop:
         if evaluate:
             t0 = time.perf_counter()
             rec["eval_loss"] = self.evaluate(self.replica.state.params)
-            self.sink.idle(self.m, time.perf_counter() - t0)  # evaluation is not training
+            seconds = time.perf_counter() - t0
+            self.eval_seconds += seconds
+            self.sink.idle(self.m, seconds)  # evaluation is not training
         self.sink.row(rec)
         return False
 
