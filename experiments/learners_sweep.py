@@ -58,7 +58,7 @@ def markdown(results) -> str:
                 runs[0].arm.label,
                 harness.fmt(losses),
                 harness.fmt(ratio, 3) if name != "dp" else "1",
-                harness.fmt([x.get("mean_learners_per_merge", 0) for x in s], 2),
+                harness.fmt([x["mean_learners_per_merge"] for x in s], 2) if name != "dp" else "-",
                 harness.fmt([x["goodput"] for x in s], 1, 100),
                 f"{100 * PAPER_GOODPUT[m]:.0f}" if m in PAPER_GOODPUT else "-",
                 harness.fmt([x["tokens"] for x in s], 0),

@@ -183,8 +183,12 @@ def test_decoupled_goodput_beats_data_parallel_under_the_same_crash(learner_cras
     rows = learner_crash["metrics"]
     last_1 = max(r["time"] for r in rows if r["learner"] == 1)
     if last_1 > back["time"]:  # learner 1 trained through learner 0's outage
-        assert dec["global_downtime_seconds"] == 0.0
-        assert dec["uptime"] == 1.0
+        # Nothing stopped for the outage (3 s). A stall of learner 1 longer than the
+        # tolerance (2H median steps, ~0.5 s here) while learner 0 is down does count
+        # (accounting rule b cannot tell it from an outage): a loaded 2-core host has
+        # shown one of 0.47 s, so allow less than half the outage, never all of it.
+        assert dec["global_downtime_seconds"] < RESTART_DELAY / 2
+        assert dec["uptime"] > dp["uptime"]
     else:  # (a fast host) it finished meanwhile: nobody trained until learner 0 was back.
         # That gap is downtime only if longer than the tolerance in median step times, which
         # a loaded host's slow steps stretch (runtime/accounting.py, rule b): 0 is allowed.

@@ -148,7 +148,7 @@ class LearnerLoop:
             off = blocked + self.eval_seconds - evaluated
             self._wall += time.perf_counter() - t_step - (off - blocked)
             self._blocked += blocked
-            self._straggle(time.perf_counter() - t_step - off)
+            self._straggle(unread, time.perf_counter() - t_step - off)
             self.steps_since_start += 1
             self.sink.step(m, time.perf_counter() - t_step - off, self.clock())
             if save and not diverged:
@@ -306,12 +306,18 @@ class LearnerLoop:
         self.incarnation += 1
         self.away, self.steps_since_start = why, 0
 
-    def _straggle(self, compute: float) -> None:
-        """Sleeps to emulate a slower chip or a straggler episode. The first step of an
-        incarnation is compilation, which a slower chip would not stretch alike."""
+    def _straggle(self, unread: collections.deque, seconds: float) -> None:
+        """Sleeps to emulate a slower chip or a straggler episode: this step takes `factor`
+        times its compute. The device first finishes the steps still queued for it, which
+        are part of that compute (a sleep while it computes would hide the slowness behind
+        the pipeline). The first step of an incarnation is compilation, which a slower chip
+        would not stretch alike."""
         factor = self.schedule.step_time_factor(self.m, self.step, self.clock())
         if factor > 1.0 and self.steps_since_start > 0:
-            time.sleep((factor - 1.0) * compute)
+            t0 = time.perf_counter()
+            if unread:
+                jax.block_until_ready(unread[-1][1])
+            time.sleep((factor - 1.0) * (seconds + time.perf_counter() - t0))
 
     # --- outputs ----------------------------------------------------------------------
     def _event(self, name: str, **fields) -> dict:
