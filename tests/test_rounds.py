@@ -170,3 +170,28 @@ def test_allocation_ends_when_training_ends_not_after_the_tail():
     ledger.finish(0, 13.0)  # the runtime's final report after its 3 s tail
     summary = ledger.summary(13.0, uses_syncer=False, learner_steps=[10])
     assert summary["goodput"] == pytest.approx(1.0)
+
+
+def test_a_round_opened_by_a_waiting_offer_turning_fresh_has_no_negative_quorum_wait():
+    """A late offer waits; once its learner reports a later slot it counts for that slot,
+    reaches the quorum and opens the round then. An offer arriving during the grace window
+    does not reopen it (that made quorum_wait negative in merge records)."""
+    plan = make_fragment_plan(SHAPES, 1, "balanced", sync_every=4)
+    params = {k: np.zeros(v, np.float32) for k, v in SHAPES.items()}
+    cfg = DilocoConfig(learners=4, sync_every=4, quorum=1, grace_gamma=1.0, max_grace=10.0,
+                       overlap=2)  # fmt: skip
+    records = []
+    s = Syncer(cfg, plan, params, record=records.append)
+    for m in range(4):
+        s.handle(Join(m, 0, 0.0), 0.0)
+        s.handle(Heartbeat(m, 0, 1, 1.0, 0.0), 0.0)  # 1 s steps: grace budget τ·ξ = 2 s
+    s.handle(offer(0, step=4), 1.0)
+    assert merged(s.tick(3.1))  # slot 1: learner 0 alone
+    assert not merged(s.handle(offer(1, step=4), 4.0))  # late for slot 1: waits
+    s.handle(Heartbeat(1, 0, 8, 1.0, 5.0), 5.0)  # learner 1 reached slot 2
+    s.tick(5.0)  # its waiting offer is fresh now: quorum, the round opens
+    assert not merged(s.handle(offer(0, step=8, base=1), 6.0))  # within the grace window
+    (m,) = merged(s.tick(7.5))
+    assert m.learners == (0, 1)
+    rec = [r for r in records if r.get("event") == "merge"][-1]
+    assert rec["quorum_wait"] == pytest.approx(0.0) and rec["grace"] == pytest.approx(2.5)

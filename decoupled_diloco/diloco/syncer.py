@@ -241,6 +241,10 @@ class Syncer:
             fresh = self.fresh_offers(p)
             if fresh >= self.cfg.quorum:
                 if self.quorum_at[p] is None:
+                    # A waiting offer turns fresh when its learner reports a later slot
+                    # (rounds.offer_slot): the round opens then, not at a later offer.
+                    if self.round_open[p] is None:
+                        self.round_open[p] = now
                     self.quorum_at[p] = now
                     self.grace.quorum.update(now - (self.round_open[p] or now))
                 if everyone or now >= self.quorum_at[p] + self.grace_window():
