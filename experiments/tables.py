@@ -95,6 +95,11 @@ def mean_curve(curves: list[list[tuple[float, float]]]):
     return xs.mean(0), ys.mean(0), ys.min(0), ys.max(0)
 
 
+def _color(i: int) -> str:
+    """Matplotlib's i-th cycle colour: arm i of by_arm's order in every plot."""
+    return f"C{i % 10}"
+
+
 def plot_curves(ax, results: list[Result], x: str = "tokens") -> None:
     """Eval loss against tokens (millions) or wall time, one colour per arm; with several
     seeds, their mean with a band from the lowest to the highest seed."""
@@ -110,9 +115,9 @@ def plot_curves(ax, results: list[Result], x: str = "tokens") -> None:
         seeds = max(seeds, len(curves))
         xs, mean, lo, hi = mean_curve(curves)
         label = runs[0].arm.label or name
-        ax.plot(xs, mean, marker="o", ms=3, color=f"C{i % 10}", label=label)
+        ax.plot(xs, mean, marker="o", ms=3, color=_color(i), label=label)
         if len(curves) > 1:
-            ax.fill_between(xs, lo, hi, color=f"C{i % 10}", alpha=0.2, lw=0)
+            ax.fill_between(xs, lo, hi, color=_color(i), alpha=0.2, lw=0)
     ax.set_xlabel("tokens (millions, all learners)" if x == "tokens" else "wall time (s)")
     ax.set_ylabel("eval loss (nats / byte)")
     ax.grid(alpha=0.3)
@@ -124,7 +129,7 @@ def arm_colors(results: list[Result], names: list[str]) -> list[str]:
     """The colour plot_curves gives each of `names` (arms of `results`): a bar chart of a
     subset of the arms keeps each arm's colour."""
     order = list(by_arm(results))
-    return [f"C{order.index(n) % 10}" for n in names]
+    return [_color(order.index(n)) for n in names]
 
 
 def plot_bars(
@@ -133,7 +138,7 @@ def plot_bars(
     """Mean bars with sample-std error bars (one bar per arm, seeds as the spread). `colors`:
     one per bar (arm_colors keeps an arm's colour from plot_curves); default C0, C1, ..."""
     stats = [stat(v) for v in values]
-    colors = colors or [f"C{i % 10}" for i in range(len(names))]
+    colors = colors or [_color(i) for i in range(len(names))]
     ax.bar(range(len(names)), [m for m, _ in stats], yerr=[s for _, s in stats], capsize=3,
            color=colors)  # fmt: skip
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)

@@ -43,8 +43,8 @@ class MergeStager:
         self._pool = executor or concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="stager"
         )
-        self._staged: dict[tuple, concurrent.futures.Future] = {}
-        self._staged_at: dict[tuple, int] = {}  # key -> the boundary it was staged at
+        # key -> (its computation and placement, the boundary it was staged at)
+        self._staged: dict[tuple, tuple[concurrent.futures.Future, int]] = {}
         self._boundary = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -60,10 +60,8 @@ class MergeStager:
                     continue
                 # An older version of the same fragment will not be applied any more.
                 for k in [k for k in self._staged if k[:2] == u.key[:2]]:
-                    self._staged.pop(k).cancel()
-                    self._staged_at.pop(k, None)
-                self._staged[u.key] = self._pool.submit(self._place, u)
-                self._staged_at[u.key] = self._boundary
+                    self._staged.pop(k)[0].cancel()
+                self._staged[u.key] = (self._pool.submit(self._place, u), self._boundary)
 
     def _place(self, u: Update) -> dict:
         return self._replica.place(u.arrays)
@@ -73,15 +71,14 @@ class MergeStager:
         being computed or placed; True once it is on the devices, if it was staged at this
         boundary, or if it was never staged (computed at the boundary). See the class."""
         with self._lock:
-            future = self._staged.get(key)
-            here = self._staged_at.get(key) == self._boundary
+            future, at = self._staged.get(key, (None, None))
+            here = at == self._boundary
         return future is None or here or future.done()
 
     def take(self, u: Update) -> dict | None:
         """Device arrays of `u` if it was staged, else None (compute it at the boundary)."""
         with self._lock:
-            future = self._staged.pop(u.key, None) if u.key is not None else None
-            self._staged_at.pop(u.key, None)
+            future, _ = self._staged.pop(u.key, (None, None))
         if future is None:
             self.misses += 1
             return None
@@ -91,10 +88,9 @@ class MergeStager:
     def clear(self) -> None:
         """The learner crashed or restarted: nothing staged for its old life applies."""
         with self._lock:
-            for future in self._staged.values():
+            for future, _ in self._staged.values():
                 future.cancel()
             self._staged.clear()
-            self._staged_at.clear()
 
 
 def apply_updates(replica, updates, stager: MergeStager | None = None) -> None:

@@ -144,9 +144,10 @@ class LearnerLoop:
             flush = save or bool(self.evaluate and self._every("eval_every"))
             evaluated = self.eval_seconds
             diverged = self._read(unread, keep=0 if flush else lag)
+            evaluating = self.eval_seconds - evaluated
             blocked = self.wait_seconds - waited  # waiting for a merge is not compute
-            off = blocked + self.eval_seconds - evaluated
-            self._wall += time.perf_counter() - t_step - (off - blocked)
+            off = blocked + evaluating
+            self._wall += time.perf_counter() - t_step - evaluating
             self._blocked += blocked
             self._straggle(unread, time.perf_counter() - t_step - off)
             self.steps_since_start += 1
