@@ -177,6 +177,34 @@ def test_older_versions_arriving_late_are_ignored():
     np.testing.assert_equal(s.params(), theta2)  # v2 holds our step-2 offer (τ = 0)
 
 
+def test_a_late_join_reply_of_the_same_syncer_life_is_a_version_not_a_new_life():
+    # A learner's link retried its Join across a syncer restore: it started from the restored
+    # syncer's announcement, offered, then the answer to its Join arrives (same epoch). It
+    # must not forget its offer in flight: the next version holds it (chaos run: the
+    # learner offered those steps again, was refused as merged work at every later offer).
+    s = Scripted(overlap=1)
+    s.step()
+    s.step()  # step 2: offers θ_2 (in flight)
+    theta_s = s.params()
+    theta1, theta2 = moved(s.theta0, seed=11), moved(s.theta0, seed=12)
+    s.proto.handle([Snapshot({0: 1}, theta1, 0.0, merged={0: {}})])  # epoch 0, like ours
+    s.step()  # step 3: version 1 (without our offer) is applied, the offer is still ours
+    assert s.proto.frags[0].version == 1 and s.proto.frags[0].in_flight is not None
+    assert s.proto.unmerged_steps() == [3]
+    before = s.params()
+    s.proto.handle([reply(theta2, 2, held_step=2)])
+    apply_updates(s.replica, s.proto.apply_due())
+    assert s.proto.unmerged_steps() == [1]  # steps 1-2 are in version 2, step 3 is not
+    assert_close(s.params(), {k: theta2[k] + before[k] - theta_s[k] - theta1[k]
+                              + s.theta0[k] for k in before})  # fmt: skip
+    # A reply to an even older Join: not newer than what we have, ignored.
+    kept = s.params()
+    apply_updates(s.replica, s.proto.handle([Snapshot({0: 1}, theta1, 0.0, merged={0: {}})]))
+    apply_updates(s.replica, s.proto.apply_due())
+    assert s.proto.frags[0].version == 2
+    np.testing.assert_equal(s.params(), kept)
+
+
 def test_step_time_estimate_leaves_out_the_compiling_first_step():
     """The heartbeat's step time (the syncer's grace window is built on it) must not carry
     the first step's compilation."""
@@ -310,6 +338,43 @@ def test_the_final_sync_outlasts_refusals_until_its_work_is_merged():
     assert len(syncer.offers) == 5
     assert s.proto.unmerged_steps() == [0]  # the fifth offer was merged: Θ holds all 3 steps
     assert s.clock["t"] < 2.0  # retries sat out 0, 1, 2, 2 rounds of 0.2 s, not final_wait
+
+
+class _RestoredSyncer(_RefusingSyncer):
+    """Plays a syncer that dies with the first final offer unmerged: its restored life
+    announces itself (epoch 1, a snapshot without that offer), then merges the next one."""
+
+    def __init__(self, s: Scripted):
+        super().__init__(s)
+        self.sent = []
+
+    def offer(self, ticket, copies) -> None:
+        offer = materialize(ticket, copies)
+        self.offers.append(offer)
+        self.sent.append("offer")
+        theta = moved(self.s.theta0, seed=len(self.offers))
+        if len(self.offers) == 1:
+            self.inbox.append(Snapshot({0: 4}, theta, 0.0, epoch=1, merged={0: {}}))
+        else:
+            payload = compression.encode(theta, "none")
+            clock = {0: (0, offer.step)}
+            self.inbox.append(Merged(0, 5, payload, (0,), 0.0, epoch=1, merged=clock))
+
+    def send(self, msg) -> None:
+        self.sent.append(type(msg).__name__)
+
+
+def test_the_final_sync_leaves_a_restored_syncer_again():
+    # The restored syncer's checkpoint may not hold our Leave; the offer we make it would
+    # confirm us live, and rounds that wait for everyone would wait for us (300 s).
+    s = Scripted(final_sync=True, final_wait=60.0)
+    for _ in range(3):
+        s.step()
+    syncer = _RestoredSyncer(s)
+    s.proto.frags[0].in_flight, s.proto.frags[0].wanted = None, True
+    finish(s.proto, s.replica, syncer, syncer.receive, lambda: s.clock["t"])
+    assert syncer.sent == ["offer", "Leave", "Leave", "offer"]
+    assert s.proto.unmerged_steps() == [0] and s.proto.resyncs == 1
 
 
 def test_a_rebase_not_ready_is_deferred_a_bounded_number_of_boundaries():

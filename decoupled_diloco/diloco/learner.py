@@ -29,7 +29,9 @@ Applying version Θ_new (decided by the version's vector clock, see messages.py)
 A restored syncer announces its new life with a Snapshot. The learner rebases on it like on
 a merge: θ ← θ + (Θ_restored − G) (plus our offer if the restored clock holds it). The
 global progress the syncer lost leaves the learner too, and only its own unmerged work is
-offered again: nothing is replayed through the outer optimizer.
+offered again: nothing is replayed through the outer optimizer. A Snapshot of the life the
+learner already follows (a Join its link retried across a restore, answered late) is only
+a version of each fragment, applied like a merge: newer than ours, or ignored.
 
 A refused offer (`Dropped`) leaves its work in W, to be offered again. The first retry
 goes at the next step boundary; after the k-th refusal in a row the fragment sits out
@@ -133,6 +135,7 @@ class Learner:
         self.frags: list[_Fragment] = []
         self.started = False
         self.applied_merges = 0
+        self.resyncs = 0  # snapshots of a new syncer life applied (restores seen)
         self.deferrals = 0  # boundaries at which an arrived merge waited for its placement
         self.step_seconds = 0.0  # moving average of seconds per step, sent in heartbeats
         self._last_step_at: float | None = None
@@ -224,14 +227,12 @@ class Learner:
     # --- messages from the syncer ------------------------------------------------------
     def handle(self, msgs: list) -> list[Update]:
         """Stores arrived versions and drops; a Snapshot of a restored syncer is applied at
-        once (returned updates). Messages of lost syncer lives and old versions are ignored."""
+        once (returned updates), one of the syncer life we know is a version like a merge's.
+        Messages of lost syncer lives and old versions are ignored."""
         updates = []
         for msg in msgs:
             if isinstance(msg, Merged):
-                f = self.frags[msg.fragment]
-                newest = f.arrived.version if f.arrived is not None else f.version
-                if msg.epoch == f.epoch and msg.version > newest:
-                    f.arrived = msg
+                self._arrive(msg)
             elif isinstance(msg, Dropped):
                 f = self.frags[msg.fragment]
                 t = f.in_flight
@@ -245,6 +246,12 @@ class Learner:
                 updates += self._resync(msg)
         return updates
 
+    def _arrive(self, msg: Merged) -> None:
+        f = self.frags[msg.fragment]
+        newest = f.arrived.version if f.arrived is not None else f.version
+        if msg.epoch == f.epoch and msg.version > newest:
+            f.arrived = msg
+
     def _holds(self, clock: dict, t: InFlight | None) -> bool:
         """Does a version with vector clock `clock` hold our offer `t`?"""
         if t is None:
@@ -257,6 +264,16 @@ class Learner:
         for p, version in snap.versions.items():
             f = self.frags[p]
             theta = {k: snap.params[k] for k in self.plan.names[p]}
+            if snap.epoch == f.epoch:
+                # The life we know: the reply to a Join it got late (a link retrying it
+                # across a syncer restore). Not a new life, just a version of Θ_p with its
+                # clock, like a merge's: a resync would forget an offer in flight that a
+                # later version holds, and offer its steps again.
+                payload = compression.encode(theta, "none")
+                clock = snap.merged.get(p, {})
+                self._arrive(Merged(p, int(version), payload, (), snap.time, epoch=snap.epoch,
+                                    merged=clock))  # fmt: skip
+                continue
             held = self._holds(snap.merged.get(p, {}), f.in_flight)
             sent = f.in_flight.sent if held else None
             out.append(Update("add", rebase_delta(resolve(f.anchor), theta, sent)))
@@ -269,6 +286,7 @@ class Learner:
             f.refused = f.sit_out = 0  # refusals of the lost life say nothing
             f.deferred = 0
         self._last_heartbeat = -math.inf  # tell the new life our step at once
+        self.resyncs += bool(out)
         return out
 
     # --- applying merges ---------------------------------------------------------------
