@@ -268,6 +268,25 @@ def test_rejections_accumulate_and_good_offers_between_them_merge():
     assert all(np.isfinite(v).all() for v in h.syncer.global_params().values())
 
 
+def test_a_restored_learner_that_never_speaks_stops_holding_up_rounds():
+    # Learner 1 left before the syncer's crash, its Leave lost with it: the checkpoint
+    # restores it as joined. A K = M round waits for it only `confirm_timeout` seconds (not
+    # the heartbeat timeout); a restored learner that speaks is live as before.
+    cfg = dataclasses.replace(CFG, quorum=2, confirm_timeout=5.0)
+    h = Harness(cfg)
+    h.syncer.register(1, 0, True, h.now)  # as a checkpoint restores it: unconfirmed
+    assert h.send(h.offer(learner=0)) == []  # waits for learner 1 (K = 2)
+    assert h.syncer.live(h.now) == [0, 1]
+    h.now += 5.0
+    out = h.syncer.tick(h.now)
+    assert [m.learners for m in merges(out)] == [(0,)]
+    assert h.syncer.live(h.now) == [0]
+    # A message of its life confirms it: the heartbeat timeout applies again.
+    h.send(Heartbeat(1, 0, 4, 0.1, h.now))
+    h.now += 10.0
+    assert h.syncer.live(h.now) == [0, 1]
+
+
 def test_restored_syncer_readmits_learners_that_rejoined_after_its_checkpoint():
     h = Harness(num_learners=3)
     # Restored registry: learner 0 in incarnation 0, learner 1 still in its old life 0,

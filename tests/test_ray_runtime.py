@@ -282,9 +282,12 @@ def test_deterministic_k_equals_m_run_matches_the_local_runtime(cluster, small_c
 # --- fault domains --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chaos_run(cluster, tmp_path_factory):
-    """K=1 run (steps slowed 3x by sleeping) in which learner 2 is killed by the fault
-    schedule at CRASH_AT, learner 1 by SIGKILL at its step 6, the syncer by SIGKILL after merges
-    went on without learner 1."""
+    """K=1 run (steps slowed by sleeping) in which learner 2 is killed by the fault schedule
+    at CRASH_AT, learner 1 by SIGKILL at its step 6, the syncer by SIGKILL after merges went on
+    without learner 1. Learner 0 waits at step 10 until learner 1 is killed: it still has
+    steps to offer while learner 1 restarts (it might have finished by then), and they are
+    ahead of learner 1's, so each opens a round at once (an offer behind the last merged
+    round waits for the next)."""
     from conftest import _small_config
 
     workdir = tmp_path_factory.mktemp("chaos")
@@ -297,6 +300,9 @@ def chaos_run(cluster, tmp_path_factory):
             "train.checkpoint_every": 4,
             "diloco.syncer_checkpoint_seconds": 1.0,
             "faults.speed_factors": [3.0, 3.0, 8.0],
+            # A learner that finished before the syncer kill, its Leave lost with the syncer,
+            # holds up the last learner's final sync this long (default 30 s).
+            "diloco.confirm_timeout": 5.0,
             "faults.crashes": [[2, CRASH_AT]],
             "faults.restart_delay_s": 1.0,
         },
@@ -305,18 +311,27 @@ def chaos_run(cluster, tmp_path_factory):
     thread, out = _start(runtime)
     kills: dict = {}
     events_path, rows_path = workdir / "events.jsonl", workdir / "metrics.jsonl"
+    release = str(workdir / "release")
     while thread.is_alive():
         thread.join(0.2)
         events = _read(events_path)
         if not events:
             continue
         t = time.time() - events[0]["wall_t0"]  # the run's clock
-        if "learner" not in kills:
+        if "hold" not in kills:
+            if any(e["event"] == "learner_start" and e["learner"] == 0 for e in events):
+                try:
+                    _call_in_actor(events[0]["run_id"], 0, _hold(), 10, release)
+                    kills["hold"] = t
+                except ray.exceptions.RayError:
+                    pass  # not up yet: try again
+        elif "learner" not in kills:
             steps = [r["step"] for r in _read(rows_path) if r["learner"] == 1]
             starts = [e for e in events if e["event"] == "learner_start" and e["learner"] == 1]
             if steps and max(steps) >= 6 and starts:
                 os.kill(starts[0]["pid"], signal.SIGKILL)
                 kills["learner"], kills["seen_step"] = t, max(steps)
+                open(release, "w").close()
         elif "syncer" not in kills:
             merges = _read(workdir / "merges.jsonl")
             after = [r for r in merges if r["time"] > kills["learner"] + 1.0]
@@ -329,7 +344,7 @@ def chaos_run(cluster, tmp_path_factory):
                 kills["syncer"] = t
     if "error" in out:
         raise out["error"]
-    assert {"learner", "syncer"} <= set(kills), kills
+    assert {"hold", "learner", "syncer"} <= set(kills), kills
     return workdir, out["summary"], kills
 
 
@@ -345,15 +360,22 @@ def test_sigkilled_learner_rejoins_while_merges_keep_flowing(chaos_run):
     workdir, summary, kills = chaos_run
     (rejoin,) = [e for e in _events(workdir, "rejoin", learner=1) if e["time"] > kills["learner"]]
     assert rejoin["process_restart"] and rejoin["incarnation"] >= 1
-    # Resumed its data shard from its last checkpoint (every 4 steps; step 4's was written
-    # before step 6 ran), not from the start.
-    assert rejoin["step"] % 4 == 0 and 4 <= rejoin["step"] <= kills["seen_step"] + 4
     merges = _read(workdir / "merges.jsonl")
-    # Merges go on while it is down. Offers it made before it died may still merge then
-    # (a late offer waits for the next round), but nothing of a later incarnation can.
-    # (Ray restarts it within a few seconds, so the window can hold a single merge.)
+    # Resumed its data shard from its last checkpoint (every 4 steps; step 4's was written
+    # before step 6 ran), not from the start, then skipped ahead to the newest step of its
+    # first life that Θ holds (an offer merged after the checkpoint), if any (resume_cut).
+    cuts = [e for e in _events(workdir, "resume_cut", learner=1) if e["time"] > kills["learner"]]
+    resumed = rejoin["step"] - sum(e["skipped_steps"] for e in cuts)
+    assert resumed % 4 == 0 and 4 <= resumed <= kills["seen_step"] + 4
+    held = [s for r in merges if r["time"] < rejoin["time"]
+            for m, inc, s in zip(r["learners"], r["incarnations"], r["steps"], strict=True)
+            if (m, inc) == (1, 0)]  # fmt: skip
+    assert rejoin["step"] == max([resumed, *held])
+    # Merges go on while it is down: learner 0's offers merge without waiting for it. Its
+    # offers from before it died may ride along (a late offer waits for the next round),
+    # but nothing of a later incarnation can. (Ray restarts it within a few seconds.)
     meanwhile = [r for r in merges if kills["learner"] < r["time"] < rejoin["time"]]
-    assert [r for r in meanwhile if 1 not in r["learners"]]
+    assert [r for r in meanwhile if 0 in r["learners"]], (kills, rejoin)
     for r in meanwhile:
         for m, inc in zip(r["learners"], r["incarnations"], strict=True):
             assert m != 1 or inc < rejoin["incarnation"], r
@@ -392,6 +414,27 @@ def test_fault_schedule_crash_kills_a_real_learner_process(chaos_run):
     assert summary["failures"] >= 3
 
 
+def _hold():
+    """hold(learner_actor, step, release): the learner takes no step past `step` until the
+    file `release` exists. Made in here so that cloudpickle sends it by value (actors cannot
+    import tests/)."""
+
+    def hold(learner_actor, step: int, release: str) -> None:
+        import os
+        import time
+
+        inner = learner_actor.loop.replica.step
+
+        def held_step(batch):
+            while learner_actor.loop.step >= step and not os.path.exists(release):
+                time.sleep(0.05)
+            return inner(batch)
+
+        learner_actor.loop.replica.step = held_step
+
+    return hold
+
+
 def _call_in_actor(run_id: str, m: int, fn, *args) -> None:
     """Runs fn(learner_actor, *args) inside learner m's current process (Ray's __ray_call__)."""
     actor = ray.get_actor(ray_links.actor_name(run_id, "learner", m))
@@ -412,19 +455,6 @@ def test_raising_learner_restarts_then_is_lost_when_its_restarts_run_out(
             raise RuntimeError("injected learner failure")
 
         learner_actor.loop.replica.step = boom
-
-    def hold(learner_actor, step: int, release: str) -> None:
-        import os
-        import time
-
-        inner = learner_actor.loop.replica.step
-
-        def held_step(batch):
-            while learner_actor.loop.step >= step and not os.path.exists(release):
-                time.sleep(0.05)
-            return inner(batch)
-
-        learner_actor.loop.replica.step = held_step
 
     cfg = _ray_config(
         small_config,
@@ -454,7 +484,7 @@ def test_raising_learner_restarts_then_is_lost_when_its_restarts_run_out(
         steps = [r["step"] for r in _read(tmp_path / "metrics.jsonl") if r["learner"] == 1]
         try:
             if "hold" not in done and ("learner_start", 0, False) in seen:
-                _call_in_actor(run_id, 0, hold, 6, release)
+                _call_in_actor(run_id, 0, _hold(), 6, release)
                 done.append("hold")
             elif "fail1" not in done and steps and max(steps) >= 5:
                 _call_in_actor(run_id, 1, fail)

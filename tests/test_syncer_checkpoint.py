@@ -16,7 +16,7 @@ import pytest
 from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
-from decoupled_diloco.diloco.messages import Join, Offer
+from decoupled_diloco.diloco.messages import Join, Leave, Offer, Snapshot
 from decoupled_diloco.diloco.transport import SyncerLink
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.runtime.syncer_loop import SyncerLoop
@@ -33,10 +33,11 @@ RUN = types.SimpleNamespace(
 
 
 class ListLink(SyncerLink):
-    """Messages the test puts in `inbox`; replies are kept in `sent`."""
+    """Messages the test puts in `inbox`; replies are kept in `sent` (and with their
+    learner in `sent_to`)."""
 
     def __init__(self):
-        self.inbox, self.sent = [], []
+        self.inbox, self.sent, self.sent_to = [], [], []
 
     def receive(self, timeout: float) -> list:
         msgs, self.inbox = self.inbox, []
@@ -44,6 +45,7 @@ class ListLink(SyncerLink):
 
     def send(self, learner, msg) -> None:
         self.sent.append(msg)
+        self.sent_to.append((learner, msg))
 
 
 class Run:
@@ -105,6 +107,24 @@ def _assert_fragment(syncer, p: int, expected: tuple) -> None:
     for k in theta:  # bit for bit
         np.testing.assert_array_equal(syncer.theta[p][k], theta[k], strict=True)
         np.testing.assert_array_equal(syncer.outer[p].momentum[k], momentum[k], strict=True)
+
+
+def test_a_restored_syncer_announces_itself_to_learners_that_left(tmp_path):
+    # A learner in its final sync has left, and may wait for an offer the lost life never
+    # merged: only the new life's snapshot makes it offer that work again.
+    run = Run(tmp_path)
+    run.merge(0, seed=0)
+    run.serve(Leave(0, 0, run.now, True))
+    assert not run.loop.syncer.learners[0].joined
+    assert run.loop.save()
+    link = ListLink()
+    loop = SyncerLoop(0, RUN, PLAN, {k: np.zeros(s, np.float32) for k, s in SHAPES.items()},
+                      link, FragmentCheckpointer(str(tmp_path)), schedule=None,
+                      clock=lambda: 100.0, record=lambda r: None, emulate_outages=False,
+                      restarted=True)  # fmt: skip
+    loop._announce()
+    (to, snap), *_ = link.sent_to
+    assert to == 0 and isinstance(snap, Snapshot) and snap.epoch == loop.syncer.epoch
 
 
 def test_peak_extra_memory_of_a_save_is_one_fragment(tmp_path):

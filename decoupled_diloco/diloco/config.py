@@ -68,6 +68,12 @@ class DilocoConfig:
     # incarnation includes XLA compilation, minutes for large models.
     heartbeat_timeout: float = 300.0
     heartbeat_every: float = 0.5  # seconds between a learner's heartbeats
+    # Seconds a learner restored from the syncer's checkpoint counts as live with no message
+    # of its life. A restored syncer announces itself to every learner it knows, and a live
+    # one answers at its next step boundary; one that left (or died) before the restore,
+    # its Leave lost with the syncer's last seconds, would otherwise hold up the rounds that
+    # wait for everyone (a K = M round, the final sync) for heartbeat_timeout.
+    confirm_timeout: float = 30.0
     join_timeout: float = 600.0  # seconds a (re)joining learner waits for the snapshot
     ema_decay: float = 0.8  # of the syncer's step / quorum / merge time averages (grace)
     # Seconds between the syncer's orbax checkpoints (streamed from a saver thread one
@@ -139,6 +145,7 @@ class DilocoConfig:
              "max_offer_norm_ratio", "0 (off) or >= 1 (a multiple of the median offer)"),
             (self.heartbeat_timeout > 0, "heartbeat_timeout", "> 0"),
             (self.heartbeat_every > 0, "heartbeat_every", "> 0"),
+            (self.confirm_timeout > 0, "confirm_timeout", "> 0"),
             (self.join_timeout > 0, "join_timeout", "> 0"),
             (0 <= self.ema_decay < 1, "ema_decay", "in [0, 1)"),
             (self.syncer_checkpoint_seconds > 0, "syncer_checkpoint_seconds", "> 0"),

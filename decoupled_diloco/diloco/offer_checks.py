@@ -6,7 +6,8 @@ Pure functions of the offer and the syncer's view of its learner; each returns a
 "incarnation", "base_version" (negative, or from the future), "stale", "counters" (c_steps
 or c_tokens out of range), "tokens_per_step", "step" (past the run's steps, or further
 ahead of the learner's reports than `SLOT_WINDOW` slots), "merged_work", "payload"
-(undecodable, leaves, shapes, dtypes), "non_finite"; `offer_scale.py` adds "norm".
+(undecodable, leaves, shapes, dtypes), "non_finite", "duplicate" (a merged offer delivered
+again: dropped, its learner not told); `offer_scale.py` adds "norm".
 
 What is plausible comes from the run's config (`RunBounds`) and from what the learner
 reported: its join and heartbeats (`registry.LearnerInfo.step`) and its merged offers.
@@ -90,6 +91,12 @@ def check_counters(
 ) -> Reason | None:
     """Versions, counters and step. `merged`: (incarnation, step, version) of this learner's
     latest merged offer of the fragment, or None."""
+    if merged is not None and (merged[0], merged[1]) == (offer.incarnation, offer.step):
+        # The offer it merged, delivered again (a link retrying a call that had reached
+        # this syncer): nothing new in it, and nothing to tell its learner, whom the version
+        # holding it tells. (A retry that reaches a restored syncer is of a lost epoch.)
+        return Reason("duplicate", f"delivered again: its offer at step {offer.step} is in "
+                      f"version {merged[2]}")  # fmt: skip
     base = offer.base_version
     if base < 0:
         return Reason("base_version", f"negative base version {base} (versions start at 0)")

@@ -4,13 +4,13 @@ Three events (events.jsonl), each with the offending message's fields, a `kind` 
 `reason` (offer_checks.py, message_checks.py, registry.py, offer_scale.py name the kinds):
 - "reject": a bad offer (malformed, implausible, off-scale). Never merged.
 - "drop_offer": an offer that will not be merged through no fault of its own (made in a
-  lost syncer life, or its learner timed out).
+  lost syncer life, or its learner timed out; or merged already, delivered again).
 - "drop_message": a Join, Heartbeat or Leave not acted on (malformed, implausible, of
   another life), or a message of a type the syncer does not know.
 The learner of a refused offer is told with `Dropped` (its work stays its own and goes into
-its next offer). The syncer's stats count them per event and per "event:kind" (a flat dict
-of ints, so a shallow copy is a snapshot); runtime/summary.py sums them over shards into
-summary.json.
+its next offer), except of a duplicate: its work is in Θ, and a version tells it so. The
+syncer's stats count them per event and per "event:kind" (a flat dict of ints, so a shallow
+copy is a snapshot); runtime/summary.py sums them over shards into summary.json.
 """
 
 from decoupled_diloco.diloco.messages import Dropped
@@ -60,8 +60,9 @@ class Refusals:
         self._refuse("reject", offer, reason, now)
 
     def drop_offer(self, offer, reason: Reason, now: float) -> None:
-        """Not a bad offer, but one that will not be merged (its learner keeps the work)."""
-        self._refuse("drop_offer", offer, reason, now)
+        """Not a bad offer, but one that will not be merged (its learner keeps the work; a
+        duplicate's learner is not told: its work is merged)."""
+        self._refuse("drop_offer", offer, reason, now, notify=reason.kind != "duplicate")
 
     def drop_message(self, msg, reason: Reason, now: float) -> None:
         """A control message (or something else) the syncer does not act on."""
@@ -81,11 +82,13 @@ class Refusals:
         self.stats[_COUNTERS[event]] += 1
         self.stats[key] = self.stats.get(key, 0) + 1
 
-    def _refuse(self, event: str, offer, reason: Reason, now: float) -> None:
+    def _refuse(self, event: str, offer, reason: Reason, now: float, notify=True) -> None:
         self._count(event, reason)
         rec = {k: _loggable(getattr(offer, k, None)) for k in _OFFER_FIELDS}
         self.record({"event": event, **rec, "kind": reason.kind, "reason": reason.text,
                      "time": now})  # fmt: skip
+        if not notify:
+            return
         try:  # a malformed envelope names nobody to tell
             m, inc, p, step = (int(getattr(offer, k)) for k in ("learner", "incarnation",
                                                                 "fragment", "step"))  # fmt: skip

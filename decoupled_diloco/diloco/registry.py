@@ -1,8 +1,11 @@
 """The syncer's learner registry: who is in the run, in which life, and who is alive.
 
 Liveness comes from messages: a learner silent for longer than `heartbeat_timeout` seconds
-is dead until it speaks again. The roster, which merge weights are normalised by
-(`merge.weigh`), holds the live learners and those that finished their step budget.
+is dead until it speaks again; an entry restored from the syncer's checkpoint, which no
+message of its life has confirmed yet, after `confirm_timeout` seconds (a learner that left
+before the restore may never speak again, and its Leave may be lost with the syncer). The
+roster, which merge weights are normalised by (`merge.weigh`), holds the live learners and
+those that finished their step budget.
 
 Lives. A learner's new life starts with a Join. A heartbeat of a life the registry never saw
 also counts as that life's join when the registry may have missed its Join (it is restored
@@ -38,8 +41,10 @@ class LearnerInfo:
 
 
 class Registry:
-    def __init__(self, num_learners: int, heartbeat_timeout: float):
+    def __init__(self, num_learners: int, heartbeat_timeout: float,
+                 confirm_timeout: float | None = None):  # fmt: skip
         self.num_learners, self.timeout = num_learners, heartbeat_timeout
+        self.confirm_timeout = heartbeat_timeout if confirm_timeout is None else confirm_timeout
         self.learners: dict[int, LearnerInfo] = {}
 
     def get(self, m) -> LearnerInfo | None:
@@ -117,20 +122,18 @@ class Registry:
         return Reason("old_incarnation", f"learner {m} incarnation {incarnation} is not its "
                       f"current one ({current})")  # fmt: skip
 
+    def _silent(self, info: LearnerInfo, now: float) -> bool:
+        limit = self.timeout if info.confirmed else min(self.timeout, self.confirm_timeout)
+        return now - info.last_seen > limit
+
     def live(self, now: float) -> list[int]:
         return sorted(
-            m
-            for m, info in self.learners.items()
-            if info.joined and now - info.last_seen <= self.timeout
+            m for m, info in self.learners.items() if info.joined and not self._silent(info, now)
         )
 
     def dead(self, now: float) -> set[int]:
-        """Joined learners silent for longer than the heartbeat timeout."""
-        return {
-            m
-            for m, info in self.learners.items()
-            if info.joined and now - info.last_seen > self.timeout
-        }
+        """Joined learners silent for longer than the heartbeat (or confirm) timeout."""
+        return {m for m, info in self.learners.items() if info.joined and self._silent(info, now)}
 
     def roster(self, now: float) -> list[int]:
         """Learners whose work merge weights are normalised by: the live ones, and those

@@ -22,6 +22,7 @@ it carries (`outer.py`), so partial and late merges add up to what synchronous r
 A merge sends the new version with the fragment's vector clock (messages.py): whether it
 holds each learner's offer. An offer that will never be merged (rejected, stale, its
 learner timed out) is answered with `Dropped`: the learner keeps the work for its next one.
+A merged offer delivered again is dropped unanswered (the version that holds it answers).
 
 Trust no message: every one is validated before it changes anything (offer_checks.py,
 message_checks.py, registry.py), an offer's size is held against the recent offers' scale
@@ -82,7 +83,7 @@ class Syncer:
         self.pending: dict[int, dict[int, tuple[Offer, dict, dict]]] = {p: {} for p in self.owned}
         self.round_open: dict[int, float | None] = {p: None for p in self.owned}
         self.quorum_at: dict[int, float | None] = {p: None for p in self.owned}
-        self.registry = Registry(cfg.learners, cfg.heartbeat_timeout)
+        self.registry = Registry(cfg.learners, cfg.heartbeat_timeout, cfg.confirm_timeout)
         self.learners = self.registry.learners  # learner -> LearnerInfo
         self.grace = GraceWindow(cfg.grace_gamma, cfg.max_grace, cfg.overlap, cfg.ema_decay)
         self.stats = dict(merges=0, bytes_in=0, bytes_out=0, offers=0, **refusals.new_stats())
@@ -190,6 +191,9 @@ class Syncer:
         if not reason:
             size = self.scale.size(decoded[1], offer.c_steps, self._sizes[p])
             reason = self.scale.check(p, size, self.theta[p])
+        if reason and reason.kind == "duplicate":
+            self.refusals.drop_offer(offer, reason, now)
+            return
         if reason:
             self.refusals.reject(offer, reason, now)
             return

@@ -175,9 +175,15 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     if sync:
         final_offers(proto, replica, outbox)
     outbox.send(proto.leave(finished))
+    lives = proto.resyncs
     deadline = clock() + cfg.final_wait
     while sync and (proto.in_flight() or proto.retrying()) and clock() < deadline:
         apply_updates(replica, proto.handle(receive(0.2)))
+        if proto.resyncs != lives:
+            # A restored syncer: its checkpoint may predate our Leave, and the offers we
+            # make it now would confirm us as live (rounds would wait for us): leave again.
+            outbox.send(proto.leave(finished))
+            lives = proto.resyncs
         apply_updates(replica, proto.apply_due(final=True))
         final_offers(proto, replica, outbox)
     if not sync:

@@ -129,10 +129,12 @@ class SyncerLoop:
 
     def _announce(self) -> None:
         """A new life: every learner the restored registry knows gets a snapshot (learners
-        that joined after the checkpoint re-register with their next heartbeat)."""
+        that joined after the checkpoint re-register with their next heartbeat), those that
+        left too: one still in its final sync waits for offers the lost life never merged,
+        and offers them again on the snapshot (a learner that is gone never reads it)."""
         with self.lock:
             snap = self.syncer.snapshot(self.clock())
-            known = [m for m, info in self.syncer.learners.items() if info.joined]
+            known = list(self.syncer.learners)
         for m in known:
             self.link.send(m, snap)
 
