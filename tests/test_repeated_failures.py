@@ -1,5 +1,6 @@
 """runtime/ray/failures.py: a learner failing the same way again and again is stopped; one
-whose failures differ, or that trains past the step of its last failure, is not."""
+whose failures differ, or that trains past the step of its last failure, is not. And each
+process Ray restarts is a new life of its learner (runtime/ray/learner.py)."""
 
 import json
 
@@ -81,3 +82,17 @@ def test_a_stopped_learner_is_reported_once_and_counted_out(tmp_path, capsys):
     assert "learner 2 failed 2 times in a row with the same error" in err
     assert "ray.max_same_failures=2" in err and "goes on with 2 learners" in err
     assert log.ledger.failures == 1
+
+
+def test_every_process_of_a_learner_gets_a_fresh_incarnation_on_any_node(tmp_path):
+    # Nothing node-local: a learner Ray restarts on another node (its own died) must not
+    # reuse the incarnation of the process it replaces, nor of any earlier one.
+    from decoupled_diloco.runtime.ray.learner import next_life
+
+    ckpt = str(tmp_path / "checkpoints")
+    lives = [next_life(ckpt, 1, 0, floor=0) for _ in range(3)]
+    assert lives == [0, 1, 2]
+    assert next_life(ckpt, 1, 0, floor=7) == 7  # its checkpoint's incarnation is ahead
+    assert next_life(ckpt, 1, 0, floor=0) == 8
+    assert next_life(ckpt, 0, 0, floor=0) == 0  # per learner (and per host of its slice)
+    assert next_life(ckpt, 1, 1, floor=0) == 0

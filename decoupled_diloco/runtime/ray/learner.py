@@ -20,7 +20,6 @@ time; the restarted process waits for the scheduled restart time before it rejoi
 import os
 import queue
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -44,23 +43,25 @@ def was_restarted() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
-def _count_life(run_id: str, m: int, host: int) -> int:
-    """How many processes of this learner this node has started (0 for the first one).
+def next_life(ckpt_dir: str, m: int, host: int, floor: int) -> int:
+    """A fresh incarnation for this process of learner m (host `host` of its slice): above
+    every one an earlier process of it took with this checkpoint directory, and at least
+    `floor` (its checkpoint's). Kept under `ckpt_dir`, which every node reaches: Ray may
+    restart a learner on another node (its own died), where a node-local count would hand
+    out an incarnation its dead predecessor had used, and the syncer would take that
+    process's offers still in flight as the new one's (work counted twice, or refused until
+    the final sync gives up)."""
+    from decoupled_diloco import paths
 
-    A node-local counter: Ray restarts an actor on a node with its resources, which for a
-    TPU learner is its own slice. Combined with the checkpoint's incarnation it gives every
-    life a fresh incarnation number.
-    """
-    path = os.path.join(tempfile.gettempdir(), "dd_lives", run_id, f"learner_{m}_{host}")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = paths.resolve(ckpt_dir) / "lives" / f"learner_{m}_{host}"
     try:
-        with open(path, encoding="utf-8") as f:
-            n = int(f.read()) + 1
+        last = int(path.read_text())
     except (FileNotFoundError, ValueError):
-        n = 0
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(str(n))
-    return n
+        last = None
+    life = floor if last is None else max(floor, last + 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    paths.write_atomic(path, str(life))
+    return life
 
 
 def _empty_out() -> dict:
@@ -249,8 +250,7 @@ class LearnerActor:
         # A restarted process takes its parameters from Θ, its position from the checkpoint;
         # a fresh run, or one resumed from the workdir's checkpoints, its whole state.
         self.loop.restore(params_too=not self.restarted)
-        lives = _count_life(self.run_id, m, self.host)
-        self.loop.incarnation = max(self.loop.incarnation, lives)
+        self.loop.incarnation = next_life(self.ckpt_dir, m, self.host, self.loop.incarnation)
         self.loop.away = "process_restart" if self.restarted else "start"
         self._set_status()
 
