@@ -205,6 +205,22 @@ def test_a_late_join_reply_of_the_same_syncer_life_is_a_version_not_a_new_life()
     np.testing.assert_equal(s.params(), kept)
 
 
+def test_a_drop_of_an_offer_to_a_lost_syncer_life_spares_its_re_offer():
+    # The restored syncer drops our offer to its lost life (epoch 0) after we took its
+    # snapshot and offered that work again at the same step (the final sync's step does not
+    # advance): the drop is not about the new offer.
+    s = Scripted()
+    s.step()
+    s.step()  # step 2: offer to epoch 0 in flight
+    s.proto.handle([Snapshot({0: 0}, moved(s.theta0, seed=13), 0.0, epoch=1, merged={0: {}})])
+    (again,) = s.proto.due_offers(final=True)
+    assert (again.step, again.envelope.epoch) == (2, 1)
+    s.proto.handle([Dropped(0, 0, 0, 2, "epoch 0: made before the syncer restore", 0.0, 0)])
+    assert s.proto.frags[0].in_flight is again and s.proto.frags[0].refused == 0
+    s.proto.handle([Dropped(0, 0, 0, 2, "off-scale", 0.0, 1)])  # a drop of the new one counts
+    assert s.proto.frags[0].in_flight is None and s.proto.frags[0].refused == 1
+
+
 def test_step_time_estimate_leaves_out_the_compiling_first_step():
     """The heartbeat's step time (the syncer's grace window is built on it) must not carry
     the first step's compilation."""

@@ -236,7 +236,10 @@ class Learner:
             elif isinstance(msg, Dropped):
                 f = self.frags[msg.fragment]
                 t = f.in_flight
-                if t is not None and (msg.step, msg.incarnation) == (t.step, self.incarnation):
+                # Ours, and of the syncer life it was made in: a drop of an offer to a lost
+                # life may arrive after we offered that work again, at the same step.
+                ours = (msg.step, msg.incarnation, msg.epoch)
+                if t is not None and ours == (t.step, self.incarnation, t.envelope.epoch):
                     f.in_flight, f.wanted = None, True  # its work is still in W: offer again
                     f.refused += 1
                     if f.refused > 1:

@@ -102,6 +102,7 @@ class Dropped:
     step: int
     reason: str
     time: float
+    epoch: int = 0  # the offer's (a drop of an offer to a lost syncer life names that life)
 
 
 @dataclasses.dataclass

@@ -90,9 +90,9 @@ class Refusals:
         if not notify:
             return
         try:  # a malformed envelope names nobody to tell
-            m, inc, p, step = (int(getattr(offer, k)) for k in ("learner", "incarnation",
-                                                                "fragment", "step"))  # fmt: skip
+            m, inc, p, step, epoch = (int(getattr(offer, k)) for k in (
+                "learner", "incarnation", "fragment", "step", "epoch"))  # fmt: skip
         except (TypeError, ValueError, AttributeError):
             return
         if 0 <= m < self.num_learners:
-            self._notices.append((m, Dropped(m, inc, p, step, reason.text, now)))
+            self._notices.append((m, Dropped(m, inc, p, step, reason.text, now, epoch)))
