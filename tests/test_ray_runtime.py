@@ -287,7 +287,8 @@ def chaos_run(cluster, tmp_path_factory):
     without learner 1. Learner 0 waits at step 10 until learner 1 is killed: it still has
     steps to offer while learner 1 restarts (it might have finished by then), and they are
     ahead of learner 1's, so each opens a round at once (an offer behind the last merged
-    round waits for the next)."""
+    round waits for the next). It runs at full speed: an emulated slow chip would stretch the
+    held step by its factor, and sleep through the restart."""
     from conftest import _small_config
 
     workdir = tmp_path_factory.mktemp("chaos")
@@ -299,7 +300,7 @@ def chaos_run(cluster, tmp_path_factory):
             "diloco.grace_gamma": 0.0,
             "train.checkpoint_every": 4,
             "diloco.syncer_checkpoint_seconds": 1.0,
-            "faults.speed_factors": [3.0, 3.0, 8.0],
+            "faults.speed_factors": [1.0, 3.0, 8.0],
             # A learner that finished before the syncer kill, its Leave lost with the syncer,
             # holds up the last learner's final sync this long (default 30 s).
             "diloco.confirm_timeout": 5.0,
