@@ -59,10 +59,10 @@ class Refusals:
         """A bad offer: never merged; its learner is told."""
         self._refuse("reject", offer, reason, now)
 
-    def drop_offer(self, offer, reason: Reason, now: float) -> None:
-        """Not a bad offer, but one that will not be merged (its learner keeps the work; a
-        duplicate's learner is not told: its work is merged)."""
-        self._refuse("drop_offer", offer, reason, now, notify=reason.kind != "duplicate")
+    def drop_offer(self, offer, reason: Reason, now: float, notify: bool = True) -> None:
+        """Not a bad offer, but one that will not be merged (its learner keeps the work and
+        is told, unless `notify` is False: a duplicate, whose work is merged)."""
+        self._refuse("drop_offer", offer, reason, now, notify)
 
     def drop_message(self, msg, reason: Reason, now: float) -> None:
         """A control message (or something else) the syncer does not act on."""
@@ -82,7 +82,7 @@ class Refusals:
         self.stats[_COUNTERS[event]] += 1
         self.stats[key] = self.stats.get(key, 0) + 1
 
-    def _refuse(self, event: str, offer, reason: Reason, now: float, notify=True) -> None:
+    def _refuse(self, event: str, offer, reason: Reason, now: float, notify: bool = True) -> None:
         self._count(event, reason)
         rec = {k: _loggable(getattr(offer, k, None)) for k in _OFFER_FIELDS}
         self.record({"event": event, **rec, "kind": reason.kind, "reason": reason.text,

@@ -41,10 +41,9 @@ class LearnerInfo:
 
 
 class Registry:
-    def __init__(self, num_learners: int, heartbeat_timeout: float,
-                 confirm_timeout: float | None = None):  # fmt: skip
+    def __init__(self, num_learners: int, heartbeat_timeout: float, confirm_timeout: float):
         self.num_learners, self.timeout = num_learners, heartbeat_timeout
-        self.confirm_timeout = heartbeat_timeout if confirm_timeout is None else confirm_timeout
+        self.confirm_timeout = confirm_timeout
         self.learners: dict[int, LearnerInfo] = {}
 
     def get(self, m) -> LearnerInfo | None:

@@ -191,8 +191,8 @@ class Syncer:
         if not reason:
             size = self.scale.size(decoded[1], offer.c_steps, self._sizes[p])
             reason = self.scale.check(p, size, self.theta[p])
-        if reason and reason.kind == "duplicate":
-            self.refusals.drop_offer(offer, reason, now)
+        if reason and reason.kind == "duplicate":  # its version tells its learner
+            self.refusals.drop_offer(offer, reason, now, notify=False)
             return
         if reason:
             self.refusals.reject(offer, reason, now)
