@@ -389,7 +389,7 @@ def test_the_final_sync_leaves_a_restored_syncer_again():
     syncer = _RestoredSyncer(s)
     s.proto.frags[0].in_flight, s.proto.frags[0].wanted = None, True
     finish(s.proto, s.replica, syncer, syncer.receive, lambda: s.clock["t"])
-    assert syncer.sent == ["offer", "Leave", "Leave", "offer"]
+    assert syncer.sent == ["offer", "Leave", "Heartbeat", "Leave", "offer"]
     assert s.proto.unmerged_steps() == [0] and s.proto.resyncs == 1
 
 

@@ -11,10 +11,21 @@ import dataclasses
 
 import numpy as np
 import pytest
-from protocol_sim import SHAPES, Sim, _rng, work_sum
+from protocol_sim import (
+    SHAPES,
+    NumpyReplica,
+    Sim,
+    _rng,
+    initial_params,
+    linear_update,
+    work_sum,
+)
 
 from decoupled_diloco.diloco.config import DilocoConfig
-from decoupled_diloco.diloco.learner import Learner
+from decoupled_diloco.diloco.fragments import make_fragment_plan
+from decoupled_diloco.diloco.learner import Learner, materialize
+from decoupled_diloco.diloco.syncer import Syncer
+from decoupled_diloco.runtime.boundary import apply_updates, finish
 
 
 def cfg(**kw) -> DilocoConfig:
@@ -274,3 +285,80 @@ def test_a_retry_after_refusals_is_not_refused_as_an_offer_from_the_future(monke
     sim.run()
     assert sim.syncer.stats.get("reject:step", 0) == 0  # only the test's own refusals
     assert_every_step_merged_once(sim, steps)
+
+
+class _SyncerLink:
+    """Learner 0's outbox and inbox, wired straight to a real syncer (delivery at once).
+    `restore`, once set: called with the next offer, which dies with the syncer; it returns
+    the restored syncer, whose snapshot reaches the learner as its announcement. Virtual clock:
+    a receive costs 1 ms, or its whole timeout when nothing arrives."""
+
+    def __init__(self, syncer, clock: dict):
+        self.syncer, self.clock, self.restore, self.inbox = syncer, clock, None, []
+
+    def _deliver(self, out) -> None:
+        self.inbox += [msg for m, msg in out if m == 0]
+
+    def offer(self, ticket, copies) -> None:
+        offer = materialize(ticket, copies)
+        if self.restore is not None:
+            self.syncer, self.restore = self.restore(), None
+            self._deliver([(0, self.syncer.snapshot(self.clock["t"]))])
+            return
+        self._deliver(self.syncer.handle(offer, self.clock["t"]))
+
+    def send(self, msg) -> None:
+        self._deliver(self.syncer.handle(msg, self.clock["t"]))
+
+    def flush(self, timeout: float = 0.0) -> bool:
+        return True
+
+    def receive(self, timeout: float) -> list:
+        out, self.inbox = self.inbox, []
+        self.clock["t"] += 1e-3 if out else timeout
+        return out
+
+
+def test_a_final_sync_reaches_a_restored_syncer_that_never_saw_its_life():
+    """The syncer's checkpoint predates the learner's rejoin (its registry holds the learner's
+    earlier life), and the syncer dies during the learner's final sync. The learner, which
+    sends no heartbeats there, must still make the restored syncer admit its life: else its
+    Leave and re-offers are refused as of another incarnation until final_wait runs out."""
+    c = cfg(learners=1, fragments=1, sync_every=2, overlap=0, final_sync=True, final_wait=60.0)
+    plan = make_fragment_plan(SHAPES, 1, "balanced", 2)
+    theta0, update, clock = initial_params(), linear_update(), {"t": 0.0}
+    syncer = Syncer(c, plan, theta0, record=lambda r: None)
+    syncer.handle(Learner(0, c, plan, 64, lambda: clock["t"]).join(), 0.0)  # life 0
+    saved = copy.deepcopy((syncer.state_dict(), syncer.meta_dict()))  # its last checkpoint
+    records = []
+
+    def restore():
+        restored = Syncer(c, plan, theta0, record=records.append, epoch=1)
+        restored.load_state_dict(*copy.deepcopy(saved), clock["t"])
+        return restored
+
+    proto = Learner(0, c, plan, 64, lambda: clock["t"], incarnation=1)  # life 0 crashed
+    link = _SyncerLink(syncer, clock)
+    replica = NumpyReplica(0, update)
+    replica.init_from_host(proto.start([s for _, s in syncer.handle(proto.join(), 0.0)]))
+    for _ in range(3):  # the offer at step 2 is merged by the syncer that dies
+        replica.step()
+        proto.stepped()
+        for ticket in proto.due_offers():
+            link.offer(ticket, replica.fragment_copies(plan.names[0]))
+        apply_updates(replica, proto.handle(link.receive(0.0)))
+        apply_updates(replica, proto.apply_due())
+    assert proto.unmerged_steps() == [1]
+    link.restore = restore  # the syncer dies with the final offer
+    finish(proto, replica, link, link.receive, lambda: clock["t"])
+    assert proto.resyncs == 1 and proto.unmerged_steps() == [0]
+    assert clock["t"] < 5.0  # not final_wait
+    merges = [r for r in records if r.get("event") == "merge"]
+    # The restore lost the merge of steps 0-1 (by design: replayed by no one); step 2 is
+    # the learner's own unmerged work, merged once.
+    assert [(r["learners"], r["c_steps"]) for r in merges] == [([0], [1])]
+    assert not link.syncer.learners[0].joined  # it left, in the life the syncer now knows
+    last = {k: work_sum(update, 0, 3)[k] - work_sum(update, 0, 2)[k] for k in theta0}
+    want = {k: v + last[k] for k, v in theta0.items()}
+    for k, v in link.syncer.global_params().items():
+        np.testing.assert_allclose(v, want[k], atol=2e-6, err_msg=k)

@@ -182,6 +182,11 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
         if proto.resyncs != lives:
             # A restored syncer: its checkpoint may predate our Leave, and the offers we
             # make it now would confirm us as live (rounds would wait for us): leave again.
+            # It may also predate our (re)join: the heartbeat first makes it admit this life
+            # (registry.py), else it refuses our Leave and offers as another incarnation's.
+            heartbeat = proto.heartbeat()
+            if heartbeat is not None:
+                outbox.send(heartbeat)
             outbox.send(proto.leave(finished))
             lives = proto.resyncs
         apply_updates(replica, proto.apply_due(final=True))
