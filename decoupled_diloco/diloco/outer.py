@@ -12,11 +12,16 @@ every N-th arrival ("Delayed Nesterov"). We clock momentum by work instead of ar
 (`clock="work"`): a merge that carries the share c of one full round of the live
 learners' work (c from `merge.weigh`, summed over its offers) advances momentum by c steps:
 
-    buf ← μ^c·buf + Δ;   Θ ← Θ − lr·(Δ + c·μ·buf)        (Nesterov; heavy ball: buf_old)
+    buf ← μ^c·buf + Δ;   Θ ← Θ − lr·(Δ + λ(c)·buf),   λ(c) = μ·(1 − μ^c)/(1 − μ)
+                                                       (Nesterov; heavy ball: buf_old)
 
-A full round (c = 1) is exactly DiLoCo's step; merges whose work adds up to one round move
-Θ by the same total step lr·Δ/(1 − μ) in the steady state (within 5% for μ = 0.9), however
-the work was split, and momentum remembers 1/(1−μ) rounds of work. `clock="merge"` is the
+A full round (c = 1, λ = μ) is exactly DiLoCo's step. λ(c) is the look that makes merges
+whose work adds up to one round move Θ by exactly DiLoCo's steady-state step lr·Δ/(1 − μ)
+per round, however the work was split: with n merges of c = 1/n the buffer settles at
+Δ_c/(1 − μ^c), and n·lr·(Δ_c + λ·Δ_c/(1 − μ^c)) = lr·Δ·(1 + μ/(1 − μ)). (The linear look
+c·μ, used before, made partial merges step less than full rounds: 7% less per round at
+μ = 0.5 with two merges a round, 14% with many; 2-5% at μ = 0.9.) Momentum remembers
+1/(1−μ) rounds of work. `clock="merge"` is the
 classic one step per merge (c = 1 always).
 """
 
@@ -52,7 +57,9 @@ def momentum_terms(momentum: float, work: float = 1.0, clock: str = "merge") -> 
         return momentum, momentum
     if not np.isfinite(work) or work < 0:
         raise ValueError(f"work must be finite and >= 0, got {work}")
-    return float(momentum**work), float(work * momentum)
+    decay = float(momentum**work)
+    # (1 − μ^c)/(1 − μ) first: exactly 1 for c = 1, so a full round is DiLoCo's step bit for bit
+    return decay, float(momentum * ((1.0 - decay) / (1.0 - momentum)))
 
 
 def outputs(theta: dict, state: OuterState, inplace: bool) -> tuple[dict, dict, dict]:
