@@ -1,7 +1,7 @@
 r"""Does Decoupled DiLoCo train as well as synchronous DiLoCo? The quality targets, checked.
 
     python experiments/quality_targets.py --scale=mid   # the 31M `mid` model (a GPU: ~30 min, est.)
-    python experiments/quality_targets.py               # tiny CPU scale, 7 arms x 2 seeds: ~22 min
+    python experiments/quality_targets.py               # tiny CPU scale, 8 arms x 2 seeds: ~25 min
     python experiments/quality_targets.py --set=data.source=shakespeare   # another corpus
 
 The few arms the targets compare (M = 4 learners, equal tokens), each run for --seeds:
@@ -18,6 +18,7 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
   decoupled_mom   `decoupled` with Nesterov momentum 0.5 at lr 0.5: the same steady-state
                   step per round of work, lr / (1 − μ) = 1, as `decoupled`'s (1.0, 0.0)
                   (README, "How outer lr and momentum relate to M, K, P and H")
+  streaming_sync_mom  streaming_sync with that (0.5, 0.5) step (the twin of decoupled_mom)
 
 and prints each target with its measured value and whether it is met (ratios per seed,
 then averaged; seed spread = (max − min) / mean of the final eval loss). Targets (issue 12):
@@ -26,9 +27,10 @@ then averaged; seed spread = (max − min) / mean of the final eval loss). Targe
                decoupled; outer momentum >= 0.5 no worse than momentum 0: decoupled_mom
                and decoupled_nag each no worse than decoupled
   cpu          decoupled ≤ 1.03x streaming_sync; decoupled_nag ≤ 1.05x streaming_sync
-Also printed, without a threshold: decoupled_nag ÷ streaming_sync_nag (the asynchrony's
-cost under the Nesterov outer step) and streaming_sync_nag ÷ streaming_sync (that outer
-step's own cost at this length).
+Also printed, without a threshold: decoupled_nag ÷ streaming_sync_nag and decoupled_mom ÷
+streaming_sync_mom (the asynchrony's cost under each momentum outer step), and
+streaming_sync_nag ÷ streaming_sync, streaming_sync_mom ÷ streaming_sync (each outer step's
+own cost at this length, without asynchrony).
 Lengths: 300 steps at batch 16 per learner on CPU (the quality ladder's), 1000 steps at
 32 x 256 tokens per learner with --scale=mid (arm_config.MID).
 """
@@ -72,6 +74,12 @@ def arms() -> list[harness.Arm]:
             base | MOMENTUM_HALF,
             "Decoupled K=1, outer (0.5, 0.5)",
         ),  # fmt: skip
+        harness.Arm(
+            "streaming_sync_mom",
+            "tiny_decoupled",
+            base | SYNC | MOMENTUM_HALF,
+            "Streaming, synchronous, outer (0.5, 0.5)",
+        ),  # fmt: skip
     ]
 
 
@@ -101,7 +109,9 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
         ("decoupled_nag", "decoupled", 1.0 if mid else None, "max"),
         ("decoupled_mom", "decoupled", 1.0 if mid else None, "max"),
         ("decoupled_nag", "streaming_sync_nag", None, "max"),
+        ("decoupled_mom", "streaming_sync_mom", None, "max"),
         ("streaming_sync_nag", "streaming_sync", None, "max"),
+        ("streaming_sync_mom", "streaming_sync", None, "max"),
     ]
     for a, b, limit, kind in checks:
         if a not in groups or b not in groups or not ratio(a, b):

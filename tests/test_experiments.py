@@ -153,6 +153,10 @@ def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(c
         sync_nag = arms["streaming_sync_nag"]["diloco"]
         assert {k for k, v in sync_nag.items() if sync[k] != v} == {"outer_lr", "outer_momentum"}
         assert sync_nag["outer_momentum"] == arms["decoupled_nag"]["diloco"]["outer_momentum"]
+        sync_mom = arms["streaming_sync_mom"]["diloco"]
+        assert {k: v for k, v in sync_mom.items() if sync[k] != v} == {
+            k: mom[k] for k in ("outer_lr", "outer_momentum")
+        }
         tokens = {c["train"]["batch_size"] * c["diloco"]["learners"] for c in arms.values()}
         assert len(tokens) == 1, (scale, tokens)  # equal tokens per step in every arm
 

@@ -322,7 +322,7 @@ def test_work_clock_steady_state_step_per_round_is_dilocos_however_split(nestero
     for n in (1, 2, 3, 8):
         theta = {"w": np.zeros(8, np.float32)}
         state = merge.OuterState.zeros(theta)
-        for r in range(rounds):
+        for _round in range(rounds):
             before = theta["w"].copy()
             for _ in range(n):
                 part = {"w": delta["w"] / np.float32(n)}
