@@ -21,8 +21,7 @@ per round, however the work was split: with n merges of c = 1/n the buffer settl
 Δ_c/(1 − μ^c), and n·lr·(Δ_c + λ·Δ_c/(1 − μ^c)) = lr·Δ·(1 + μ/(1 − μ)). (The linear look
 c·μ, used before, made partial merges step less than full rounds: 7% less per round at
 μ = 0.5 with two merges a round, 14% with many; 2-5% at μ = 0.9.) Momentum remembers
-1/(1−μ) rounds of work. `clock="merge"` is the
-classic one step per merge (c = 1 always).
+1/(1−μ) rounds of work. `clock="merge"` is the classic one step per merge (c = 1 always).
 """
 
 from __future__ import annotations
