@@ -130,6 +130,11 @@ def apply_and_beat(proto: Learner, replica, outbox: Outbox, stager=None,
     and whose stagers finish at different times)."""
     never_waits = defer and stager is not None and proto.cfg.wait_seconds == 0
     apply_updates(replica, proto.apply_due(ready=stager.ready if never_waits else None), stager)
+    beat(proto, outbox)
+
+
+def beat(proto: Learner, outbox: Outbox) -> None:
+    """Sends a heartbeat if one is due (at once after a restart or a resync)."""
     heartbeat = proto.heartbeat()
     if heartbeat is not None:
         outbox.send(heartbeat)
@@ -184,9 +189,7 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
             # make it now would confirm us as live (rounds would wait for us): leave again.
             # It may also predate our (re)join: the heartbeat first makes it admit this life
             # (registry.py), else it refuses our Leave and offers as another incarnation's.
-            heartbeat = proto.heartbeat()
-            if heartbeat is not None:
-                outbox.send(heartbeat)
+            beat(proto, outbox)
             outbox.send(proto.leave(finished))
             lives = proto.resyncs
         apply_updates(replica, proto.apply_due(final=True))
