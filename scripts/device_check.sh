@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The accelerator checks of the quality and speed issues as prepared commands for a lent GPU
+# (../.library/device: 15 minutes of device time per session, 10 per command, bare machine
+# without ml-collections, results only through $OUT: at most 8 files).
+#
+# Here, once per session (pip can download here, not there):
+#     bash scripts/device_check.sh wheels
+# There, through the device tool's `run` (carry [".whl"], timeout_s 600), in this order:
+#     bash scripts/device_check.sh quality   # mid scale: streaming_sync vs decoupled, 2 seeds
+#     bash scripts/device_check.sh more      # mid scale, seed 0: dp, decoupled_km, decoupled_mom
+#     bash scripts/device_check.sh speed     # learner overhead (mid) and MFU / memory (gemma_2b)
+# Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
+# 560), and copies the tables after every run, so a part cut short still returns what ran.
+# The quality parts share one run folder (/tmp/device_check/q): on the same warm machine
+# `more` reuses `quality`'s seed-0 runs; on a fresh one it runs them again.
+#
+# On a machine without a GPU, SMOKE=1 checks the plumbing: the tiny CPU scale, a few steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-}
+if [[ $part == wheels ]]; then
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+  # ml-collections is the only import the device image lacks (its absl-py and PyYAML are there).
+  exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux2014_x86_64 -d .whl "ml-collections>=0.1.1"
+fi
+OUT=${OUT:-/tmp/device_check/out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+DEADLINE_S=${DEADLINE_S:-560}
+Q=/tmp/device_check/q
+if [[ ${SMOKE:-0} == 1 ]]; then
+  SCALE=(--quick --set=train.steps=8 --set=train.warmup_steps=2 --set=train.eval_every=8)
+else
+  SCALE=(--scale=mid)
+fi
+python3 -c "import jax; print('devices:', jax.devices())" 2>&1 | tee -a "$OUT/$part.log"
+
+last_run_s=0  # seconds the last run took: the next one is assumed to take as long
+fits() { (( SECONDS + last_run_s + 15 < DEADLINE_S )); }
+
+# quality ARMS SEEDS NAME: runs what the run folder lacks, then copies the table as NAME.*
+quality() {
+  local start=$SECONDS
+  timeout $((DEADLINE_S - SECONDS)) python3 experiments/quality_targets.py "${SCALE[@]}" \
+    --arms="$1" --seeds="$2" --out=$Q >>"$OUT/$part.log" 2>&1
+  local rc=$?
+  last_run_s=$((SECONDS - start))
+  for ext in md json; do
+    [[ -f $Q/quality_targets.$ext ]] && cp "$Q/quality_targets.$ext" "$OUT/$3.$ext"
+  done
+  echo "[$SECONDS s] $1 seeds $2: rc $rc, $last_run_s s" | tee -a "$OUT/$part.log"
+  return $rc
+}
+
+case $part in
+  quality)
+    # The mid targets' core: Decoupled K = 1 (with grace) <= 1.02x synchronous Streaming
+    # DiLoCo, and the decoupled arm's seed spread <= 1%. One run per call, so that a timed-
+    # out call still leaves the earlier ones' tables.
+    quality streaming_sync 0 mid_2arms || exit
+    quality streaming_sync,decoupled 0 mid_2arms || exit
+    for arms in streaming_sync streaming_sync,decoupled; do
+      fits || { echo "stopped: no time for another run" | tee -a "$OUT/$part.log"; exit 0; }
+      quality $arms 0,1 mid_2arms || exit
+    done
+    ;;
+  more)
+    # <= 1.05x DP, K = M within 1% of K = 1, outer momentum 0.5 no worse than 0 (seed 0).
+    for arms in streaming_sync,decoupled,dp streaming_sync,decoupled,dp,decoupled_km \
+      streaming_sync,decoupled,dp,decoupled_km,decoupled_mom; do
+      fits || { echo "stopped: no time for another run" | tee -a "$OUT/$part.log"; exit 0; }
+      quality $arms 0 mid_5arms_seed0 || exit
+    done
+    ;;
+  speed)
+    if [[ ${SMOKE:-0} == 1 ]]; then QUICK=(--quick); else QUICK=(); fi
+    timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
+      --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
+    timeout $((DEADLINE_S - SECONDS)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
+      --part=mfu 2>&1 | tee "$OUT/speed_mfu.log"
+    ;;
+  *)
+    echo "usage: $0 wheels | quality | more | speed" >&2
+    exit 2
+    ;;
+esac
