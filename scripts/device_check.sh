@@ -10,9 +10,11 @@
 #     bash scripts/device_check.sh more      # mid scale, seed 0: dp, decoupled_km, decoupled_mom
 #     bash scripts/device_check.sh speed     # learner overhead (mid) and MFU / memory (gemma_2b)
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
-# 560), and copies the tables after every run, so a part cut short still returns what ran.
-# The quality parts share one run folder (/tmp/device_check/q): on the same warm machine
-# `more` reuses `quality`'s seed-0 runs; on a fresh one it runs them again.
+# 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
+# copies the tables after every run, so a part cut short still returns what ran.
+# The quality parts share one run folder ($DEVICE_CHECK_DIR/q, default /tmp/device_check/q):
+# on the same warm machine `more` reuses `quality`'s seed-0 runs; on a fresh one it runs
+# them again.
 #
 # On a machine without a GPU, SMOKE=1 checks the plumbing: the tiny CPU scale, a few steps.
 set -uo pipefail
@@ -24,7 +26,8 @@ if [[ $part == wheels ]]; then
   exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux2014_x86_64 -d .whl "ml-collections>=0.1.1"
 fi
-OUT=${OUT:-/tmp/device_check/out}
+DEVICE_CHECK_DIR=${DEVICE_CHECK_DIR:-/tmp/device_check}
+OUT=${OUT:-$DEVICE_CHECK_DIR/out}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -35,7 +38,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 DEADLINE_S=${DEADLINE_S:-560}
-Q=/tmp/device_check/q
+Q=$DEVICE_CHECK_DIR/q
 if [[ ${SMOKE:-0} == 1 ]]; then
   SCALE=(--quick --set=train.steps=8 --set=train.warmup_steps=2 --set=train.eval_every=8)
 else
@@ -43,8 +46,12 @@ else
 fi
 python3 -c "import jax; print('devices:', jax.devices())" 2>&1 | tee -a "$OUT/$part.log"
 
-last_run_s=0  # seconds the last run took: the next one is assumed to take as long
-fits() { (( SECONDS + last_run_s + 15 < DEADLINE_S )); }
+# The next run is assumed to take as long as the last one, and at least EXPECTED_RUN_S.
+last_run_s=0
+fits() {
+  local next=$((last_run_s > ${EXPECTED_RUN_S:-0} ? last_run_s : ${EXPECTED_RUN_S:-0}))
+  (( SECONDS + next + 15 < DEADLINE_S ))
+}
 
 # quality ARMS SEEDS NAME: runs what the run folder lacks, then copies the table as NAME.*
 quality() {

@@ -8,7 +8,9 @@ Each script runs in its own process (absl flags are process-global).
 """
 
 import json
+import os
 import pathlib
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -205,6 +207,36 @@ def test_smoke_writes_table_plot_and_runs(name, tmp_path):
     # Resumable: a second invocation finds every summary and runs nothing.
     again = _run(name, *args, timeout=300)
     assert again.stdout.count("(cached)") == len(runs)
+
+
+@pytest.mark.slow
+def test_device_check_stops_at_its_deadline_and_returns_the_tables_so_far(tmp_path):
+    """scripts/device_check.sh, as a lent GPU would run it, at the tiny CPU scale (SMOKE=1),
+    with a deadline that holds two or three of its four runs (each assumed to take 100 s at
+    least): it starts a run only if one as long as the last would end before DEADLINE_S, and
+    $OUT holds the table of every run that ended."""
+    out, deadline, expected = tmp_path / "out", 150, 100
+    env = {**os.environ, "SMOKE": "1", "DEADLINE_S": str(deadline), "OUT": str(out),
+           "EXPECTED_RUN_S": str(expected), "DEVICE_CHECK_DIR": str(tmp_path)}  # fmt: skip
+    script = ROOT / "scripts" / "device_check.sh"
+    proc = subprocess.run(["bash", str(script), "quality"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    log = (out / "quality.log").read_text()
+    # "[T s] ARMS seeds SEEDS: rc 0, D s" after each run
+    done = re.findall(r"\[(\d+) s\] (\S+) seeds (\S+): rc 0, (\d+) s", log)
+    assert [(a, s) for _, a, s, _ in done][:2] == [("streaming_sync", "0"),
+                                                   ("streaming_sync,decoupled", "0")]  # fmt: skip
+    assert len(done) < 4  # stopped: the next run would have ended past the deadline
+    assert log.rstrip().endswith("stopped: no time for another run")
+    t, last = int(done[-1][0]), int(done[-1][3])
+    assert t + max(last, expected) + 15 >= deadline
+    runs = json.loads((out / "mid_2arms.json").read_text())
+    arms, seeds = done[-1][1].split(","), [int(x) for x in done[-1][2].split(",")]
+    assert sorted((r["arm"], r["seed"]) for r in runs) == sorted(
+        (a, s) for a in arms for s in seeds
+    )
+    assert "| Streaming, synchronous |" in (out / "mid_2arms.md").read_text()
 
 
 @pytest.mark.slow
