@@ -178,6 +178,24 @@ def test_synchronous_diloco_matches_an_independent_float64_reference(M):
         np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)
 
 
+def test_the_overlap_changes_only_where_steps_are_taken():
+    """Synchronous streaming (K = M, learners wait) under outer Nesterov (0.7, 0.9): with
+    steps that ignore θ, merges applied τ = 2 steps after their offers give the same Θ as
+    merges applied at once; the overlap's steps reach the next merge, once, with the same
+    coefficient."""
+    thetas = []
+    for tau in (0, 2):
+        c = cfg(learners=4, quorum=4, fragments=3, sync_every=6, overlap=tau, max_wait=-1,
+                outer_lr=0.7, outer_momentum=0.9)  # fmt: skip
+        sim = Sim(c, 60, update=linear_update())
+        sim.run()
+        merged = sim.merged_steps()
+        assert set(merged.values()) == {60} and len(merged) == 4 * 3, merged
+        thetas.append(sim.syncer.global_params())
+    for k in thetas[0]:
+        np.testing.assert_allclose(thetas[1][k], thetas[0][k], atol=2e-5, err_msg=k)
+
+
 def test_the_reference_equivalence_needs_learners_to_apply_merges(monkeypatch):
     """The equivalence above must fail if learners never apply merges (M = 1 included)."""
     monkeypatch.setattr(Learner, "apply_due", lambda self, final=False, ready=None: [])
