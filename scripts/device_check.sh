@@ -46,11 +46,14 @@ else
 fi
 python3 -c "import jax; print('devices:', jax.devices())" 2>&1 | tee -a "$OUT/$part.log"
 
-# The next run is assumed to take as long as the last one, and at least EXPECTED_RUN_S.
+# The next run is assumed to take as long as the last one, and at least EXPECTED_RUN_S;
+# `fits` says so in the log when it would not end before the deadline.
 last_run_s=0
 fits() {
   local next=$((last_run_s > ${EXPECTED_RUN_S:-0} ? last_run_s : ${EXPECTED_RUN_S:-0}))
-  (( SECONDS + next + 15 < DEADLINE_S ))
+  (( SECONDS + next + 15 < DEADLINE_S )) && return 0
+  echo "stopped: no time for another run" | tee -a "$OUT/$part.log"
+  return 1
 }
 
 # quality ARMS SEEDS NAME: runs what the run folder lacks, then copies the table as NAME.*
@@ -75,7 +78,7 @@ case $part in
     quality streaming_sync 0 mid_2arms || exit
     quality streaming_sync,decoupled 0 mid_2arms || exit
     for arms in streaming_sync streaming_sync,decoupled; do
-      fits || { echo "stopped: no time for another run" | tee -a "$OUT/$part.log"; exit 0; }
+      fits || exit 0
       quality $arms 0,1 mid_2arms || exit
     done
     ;;
@@ -83,7 +86,7 @@ case $part in
     # <= 1.05x DP, K = M within 1% of K = 1, outer momentum 0.5 no worse than 0 (seed 0).
     for arms in streaming_sync,decoupled,dp streaming_sync,decoupled,dp,decoupled_km \
       streaming_sync,decoupled,dp,decoupled_km,decoupled_mom; do
-      fits || { echo "stopped: no time for another run" | tee -a "$OUT/$part.log"; exit 0; }
+      fits || exit 0
       quality $arms 0 mid_5arms_seed0 || exit
     done
     ;;
