@@ -178,7 +178,6 @@ def test_synchronous_diloco_matches_an_independent_float64_reference(M):
         np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)
 
 
-
 def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu) -> dict:
     """Synchronous Streaming DiLoCo with overlap in float64, written independently of the
     project's code. Fragment p (leaf names `fragments[p]`) is offered after inner step t
@@ -246,6 +245,7 @@ def test_synchronous_streaming_with_overlap_matches_an_independent_float64_refer
     theta = sim.syncer.global_params()
     for k in theta:
         np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)
+
 
 def test_the_overlap_changes_only_where_steps_are_taken():
     """Synchronous streaming (K = M, learners wait) under outer Nesterov (0.7, 0.9): with
