@@ -64,14 +64,24 @@ def test_kill_and_resume_matches_an_uninterrupted_run(small_config, tmp_path):
     assert steps == list(range(1, 11))
 
 
-def test_diloco_with_one_learner_h1_lr1_matches_plain_training(small_config, tmp_path):
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"diloco.sync_every": 1, "diloco.fragments": 1, "diloco.overlap": 0},
+        # Streaming with overlap: each merge of Θ = θ_s is applied τ steps later by rebasing
+        # onto it, from device-staged arrays (θ_s + θ_{s+τ} − θ_s: plain training again).
+        {"diloco.sync_every": 4, "diloco.fragments": 2, "diloco.overlap": 2},
+    ],
+    ids=["h1", "h4_p2_tau2"],
+)
+def test_diloco_with_one_learner_and_outer_lr1_matches_plain_training(
+    small_config, tmp_path, schedule
+):
     plain = _run(small_config(), tmp_path / "plain")
     diloco = _run(
         small_config(
             **{
-                "diloco.sync_every": 1,
-                "diloco.fragments": 1,
-                "diloco.overlap": 0,
+                **schedule,
                 "diloco.quorum": 1,
                 "diloco.max_wait": -1.0,
                 "diloco.outer_lr": 1.0,
@@ -83,7 +93,8 @@ def test_diloco_with_one_learner_h1_lr1_matches_plain_training(small_config, tmp
         ),
         tmp_path / "diloco",
     )
-    assert diloco["merges"] >= 12
+    rounds = 12 // schedule["diloco.sync_every"]  # 12 steps (small_config)
+    assert diloco["merges"] >= rounds * schedule["diloco.fragments"]
     assert abs(plain["final_eval_loss"] - diloco["final_eval_loss"]) < 1e-4
     a, _ = _final_params(tmp_path / "plain")
     b, _ = _final_params(tmp_path / "diloco")

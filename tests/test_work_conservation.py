@@ -447,3 +447,23 @@ def test_a_final_sync_reaches_a_restored_syncer_that_never_saw_its_life():
     want = {k: v + last[k] for k, v in theta0.items()}
     for k, v in link.syncer.global_params().items():
         np.testing.assert_allclose(v, want[k], atol=2e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("apply", ["rebase", "overwrite"])
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_mixing_contracts_the_outer_step_towards_one_round_of_work(apply, alpha):
+    """Every learner adds the same vector g each step (synchronous, τ = 0, P = 1). With outer
+    (lr, μ) Θ settles into moving S = lr/(1 − μ) rounds of work per round; learners that keep
+    α of their distance to each merge pull Θ back by it in their next offer, and Θ moves
+    S/(1 + α(S − 1)) rounds per round: 7 → 1.75 for DiLoCo's (0.7, 0.9) at α = 0.5."""
+    H, rounds, lr, mu = 4, 80, 0.7, 0.9
+    g = {k: np.full(s, 1e-3, np.float32) for k, s in SHAPES.items()}
+    positions = []
+    c = cfg(learners=2, quorum=2, fragments=1, sync_every=H, overlap=0, max_wait=-1,
+            outer_lr=lr, outer_momentum=mu, apply=apply, alpha=alpha)  # fmt: skip
+    sim = Sim(c, H * rounds, update=lambda params, m, step: g)
+    sim.run(on_step=lambda s: positions.append(s.syncer.global_params()["block_0/w"][0, 0]))
+    per_round = (positions[-1] - positions[-1 - 2 * 10 * H]) / 10  # 2 learners: 2 calls a step
+    S = lr / (1 - mu)
+    want = S / (1 + alpha * (S - 1)) * H * 1e-3
+    assert per_round == pytest.approx(want, rel=2e-3), (per_round, want)
