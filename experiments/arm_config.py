@@ -6,8 +6,9 @@ the same held-out sequences: eval_batches = EVAL_SEQUENCES[mode] // the learner'
 runtime's Evaluator reads eval_batches x batch_size windows, in an order fixed for every seed).
 
 TPU scale: the family's TPU config (configs/tpu_dense_multislice.py, configs/tpu_moe_v5p.py)
-keeps its model, data, train.* (lr, steps, eval set), H, outer lr and momentum, max_grace and
-heartbeat. The arm contributes only what defines its ablation:
+keeps its model, data, train.* (lr, steps, eval set), H, outer lr and momentum with the mixing
+α that goes with them (README, "How outer lr and momentum relate to M, K, P and H"),
+max_grace and heartbeat. The arm contributes only what defines its ablation:
   - the diloco.* and faults.* keys its overrides set, and those in which its CPU config
     differs from its family's CPU Decoupled reference (configs/tiny_decoupled.py,
     configs/tiny_moe_decoupled.py), e.g. quorum, max_wait, merge rule, compression, P = 1
@@ -29,8 +30,8 @@ TPU_BASE = {"dense": "tpu_dense_multislice", "moe": "tpu_moe_v5p"}
 CPU_REFERENCE = {"dense": "tiny_decoupled", "moe": "tiny_moe_decoupled"}
 # Scale settings the TPU config keeps even where an arm's CPU config differs.
 TPU_KEEPS = {
-    "diloco": ("sync_every", "outer_lr", "outer_momentum", "max_grace", "heartbeat_timeout",
-               "syncer_checkpoint_seconds"),
+    "diloco": ("sync_every", "outer_lr", "outer_momentum", "alpha", "max_grace",
+               "heartbeat_timeout", "syncer_checkpoint_seconds"),
     "faults": ("seed",),
 }  # fmt: skip
 

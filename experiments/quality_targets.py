@@ -13,8 +13,11 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
                   never waits (τ = 2); its outer step (lr 1.0, momentum 0.0 at this length)
   decoupled_km    the same with quorum K = M
   decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
-  streaming_sync_nag  streaming_sync with that outer Nesterov: what the outer step costs
-                  without any asynchrony (the twin of decoupled_nag)
+                  and the mixing α = 0.5 an outer momentum needs when learners never wait
+                  (README, "How outer lr and momentum relate to M, K, P and H"; the arm
+                  before 2026-11-26, without it: --set=diloco.alpha=0.0)
+  streaming_sync_nag  streaming_sync with DiLoCo's outer Nesterov (no mixing: DiLoCo as
+                  published): what the outer step costs without any asynchrony
   decoupled_mom   `decoupled` with Nesterov momentum 0.5 at lr 0.5: the same steady-state
                   step per round of work, lr / (1 − μ) = 1, as `decoupled`'s (1.0, 0.0)
                   (README, "How outer lr and momentum relate to M, K, P and H")
@@ -44,8 +47,9 @@ harness.define_flags("experiments/results/quality_targets", "0,1")
 M = 4
 SYNC = {"diloco.quorum": M, "diloco.overlap": 0, "diloco.max_wait": -1.0,
         "diloco.grace_gamma": 0.0, "diloco.weights": "uniform", "diloco.merge": "mean",
-        "diloco.embedding_merge": "mean"}  # fmt: skip
+        "diloco.embedding_merge": "mean", "diloco.alpha": 0.0}  # fmt: skip
 NESTEROV = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}
+MIX = {"diloco.alpha": 0.5}  # learners take half of each merge's move (diloco/learner.py)
 MOMENTUM_HALF = {"diloco.outer_lr": 0.5, "diloco.outer_momentum": 0.5}
 
 
@@ -60,7 +64,10 @@ def arms() -> list[harness.Arm]:
             "decoupled_km", "tiny_decoupled", base | {"diloco.quorum": M}, "Decoupled K=M"
         ),  # fmt: skip
         harness.Arm(
-            "decoupled_nag", "tiny_decoupled", base | NESTEROV, "Decoupled K=1, outer (0.7, 0.9)"
+            "decoupled_nag",
+            "tiny_decoupled",
+            base | NESTEROV | MIX,
+            "Decoupled K=1, outer (0.7, 0.9), alpha 0.5",
         ),  # fmt: skip
         harness.Arm(
             "streaming_sync_nag",

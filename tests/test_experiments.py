@@ -103,10 +103,11 @@ def test_tpu_scale_keeps_tpu_settings_and_the_ablation(name, configs_of):
         if c["diloco"]["sync_every"]:
             assert t["runtime"] == "ray" and t["diloco"]["sync_every"] == 24, key
             assert t["diloco"]["outer_lr"] == 0.7 and t["diloco"]["heartbeat_timeout"] == 600
+            assert t["diloco"]["alpha"] == 0.5  # the mixing that goes with that outer step
         else:
             assert t["runtime"] == "local" and t["diloco"]["sync_every"] == 0, key
         for k in ("learners", "quorum", "max_wait", "merge", "weights", "compression",
-                  "reply_compression", "alpha", "apply", "overlap"):  # fmt: skip
+                  "reply_compression", "apply", "overlap"):  # fmt: skip
             assert t["diloco"][k] == c["diloco"][k], (key, k)
         assert t["faults"] == c["faults"], key
         total = t["train"]["batch_size"] * t["diloco"]["learners"]
@@ -142,7 +143,9 @@ def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(c
             return {k for k, v in arms[arm]["diloco"].items() if ref[k] != v}
 
         assert changed("decoupled_km") == {"quorum"}
-        assert changed("decoupled_nag") == {"outer_lr", "outer_momentum"}
+        # DiLoCo's outer Nesterov, with the mixing an outer momentum needs when decoupled
+        assert changed("decoupled_nag") == {"outer_lr", "outer_momentum", "alpha"}
+        assert arms["decoupled_nag"]["diloco"]["alpha"] == 0.5 and ref["alpha"] == 0.0
         assert changed("decoupled_mom") == {"outer_lr", "outer_momentum"}
         mom = arms["decoupled_mom"]["diloco"]  # the steady-state step lr / (1 - mu) of ref's
         assert mom["outer_lr"] / (1 - mom["outer_momentum"]) == pytest.approx(

@@ -27,7 +27,10 @@ class DilocoConfig:
     # How a learner applies a merged fragment: "rebase" keeps its work the merge does not
     # hold; "overwrite" replaces the fragment (Streaming DiLoCo). See diloco/learner.py.
     apply: str = "rebase"
-    alpha: float = 0.0  # theta <- alpha*theta + (1-alpha)*merged; 0 = take the merge whole
+    # Mixing: a learner takes 1 - alpha of each merge's move (overwrite: theta <- alpha*theta +
+    # (1-alpha)*merged); 0 = the merge whole. 0.5 with an outer momentum when learners never
+    # wait (README, "How outer lr and momentum relate to M, K, P and H").
+    alpha: float = 0.0
     max_wait: float = 0.0  # seconds a learner waits at t+tau for a late merge; -1 = forever
     quorum: int = 1  # K: fresh offers needed before a fragment's round may close
     # "scheduled": one round per fragment per schedule slot, late offers join the next one;
