@@ -83,9 +83,11 @@ case $part in
     done
     ;;
   more)
-    # <= 1.05x DP, K = M within 1% of K = 1, outer momentum 0.5 no worse than 0 (seed 0).
+    # <= 1.05x DP, K = M within 1% of K = 1, outer momentum 0.5 and 0.9 (the latter with the
+    # mixing alpha 0.5) no worse than 0 (seed 0).
     for arms in streaming_sync,decoupled,dp streaming_sync,decoupled,dp,decoupled_km \
-      streaming_sync,decoupled,dp,decoupled_km,decoupled_mom; do
+      streaming_sync,decoupled,dp,decoupled_km,decoupled_mom \
+      streaming_sync,decoupled,dp,decoupled_km,decoupled_mom,decoupled_nag; do
       fits || exit 0
       quality $arms 0 mid_5arms_seed0 || exit
     done
