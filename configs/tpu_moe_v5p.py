@@ -98,8 +98,8 @@ def get_config(arg=None):
     c.diloco.outer_lr = 0.7
     c.diloco.outer_momentum = 0.9
     # Learners take half of each merge's move (the rest goes back in their next offer): with
-    # an outer momentum and learners that never wait this removed the asynchrony's cost
-    # (README, "How outer lr and momentum relate to M, K, P and H").
+    # DiLoCo's outer (0.7, 0.9) and learners that never wait this removed most of what the
+    # asynchrony cost (README, "How outer lr and momentum relate to M, K, P and H").
     c.diloco.alpha = 0.5
     c.diloco.heartbeat_timeout = 600.0  # first-step compilation of a 15.7e9-param MoE
     # Syncer checkpoints every 10 minutes (streamed one fragment at a time, off the serving

@@ -13,7 +13,7 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
                   never waits (τ = 2); its outer step (lr 1.0, momentum 0.0 at this length)
   decoupled_km    the same with quorum K = M
   decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
-                  and the mixing α = 0.5 an outer momentum needs when learners never wait
+                  and the mixing α = 0.5 that outer step needs when learners never wait
                   (README, "How outer lr and momentum relate to M, K, P and H"; the arm
                   before 2026-11-26, without it: --set=diloco.alpha=0.0)
   streaming_sync_nag  streaming_sync with DiLoCo's outer Nesterov (no mixing: DiLoCo as

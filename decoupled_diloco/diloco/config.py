@@ -28,8 +28,8 @@ class DilocoConfig:
     # hold; "overwrite" replaces the fragment (Streaming DiLoCo). See diloco/learner.py.
     apply: str = "rebase"
     # Mixing: a learner takes 1 - alpha of each merge's move (overwrite: theta <- alpha*theta +
-    # (1-alpha)*merged); 0 = the merge whole. 0.5 with an outer momentum when learners never
-    # wait (README, "How outer lr and momentum relate to M, K, P and H").
+    # (1-alpha)*merged); 0 = the merge whole. 0.5 with DiLoCo's outer (0.7, 0.9) when learners
+    # never wait (README, "How outer lr and momentum relate to M, K, P and H").
     alpha: float = 0.0
     max_wait: float = 0.0  # seconds a learner waits at t+tau for a late merge; -1 = forever
     quorum: int = 1  # K: fresh offers needed before a fragment's round may close

@@ -32,17 +32,22 @@ def merged(*parts: tuple[str, str]) -> dict[int, float]:
 MIX = "quality_targets_1000steps_mixing/"
 NAG0 = "quality_targets_1000steps_nag_parts/decoupled_nag_exact_look/"
 MOM0 = "quality_targets_1000steps_mom_exact_look/"
+LR1 = "quality_targets_1000steps_mom_lr1"
 BASE = "quality_targets_1000steps"
 REF = losses(BASE, "streaming_sync")
 DEC, NAG, MOM, SYNC_NAG = "decoupled", "decoupled_nag", "decoupled_mom", "streaming_sync_nag"
 BARS = [  # (outer step, label, [(folder, arm) of each run], synchronous twin?)
     ("(1.0, 0.0)", "rebase, α 0\n(tiny_decoupled)", [(BASE, DEC)], False),
-    ("(1.0, 0.0)", "rebase, α 0.5", [(MIX + "plain_rebase_a05", DEC)], False),
+    ("(1.0, 0.0)", "rebase, α 0.5",
+     [(MIX + "plain_rebase_a05", DEC), (MIX + "plain_rebase_a05_s1", DEC)], False),
     ("(1.0, 0.0)", "overwrite, α 0\n(the paper's)",
      [(MIX + "plain_overwrite_a0", DEC), (MIX + "plain_overwrite_a0_s1", DEC)], False),
     ("(1.0, 0.0)", "overwrite, α 0.5", [(MIX + "plain_overwrite_a05", DEC)], False),
     ("(0.5, 0.5)", "rebase, α 0", [(MOM0 + "seed0", MOM), (MOM0 + "seed1", MOM)], False),
     ("(0.5, 0.5)", "rebase, α 0.5", [(MIX + "mom_rebase_a05", MOM)], False),
+    ("(1.0, 0.5)", "sync twin, α 0", [(LR1, "streaming_sync_mom")], True),
+    ("(1.0, 0.5)", "rebase, α 0", [(LR1, MOM)], False),
+    ("(1.0, 0.5)", "rebase, α 0.5", [(MIX + "mom_lr1_rebase_a05", MOM)], False),
     ("(0.7, 0.9)", "sync twin, α 0", [(BASE, SYNC_NAG)], True),
     ("(0.7, 0.9)", "sync twin, α 0.5",
      [(MIX + "sync_nag_overwrite_a05", SYNC_NAG), (MIX + "sync_nag_overwrite_a05_s1", SYNC_NAG)],
@@ -54,11 +59,16 @@ BARS = [  # (outer step, label, [(folder, arm) of each run], synchronous twin?)
      [(MIX + "nag_overwrite_a0", NAG), (MIX + "nag_overwrite_a0_s1", NAG)], False),
     ("(0.7, 0.9)", "overwrite, α 0.5", [(MIX + "nag_overwrite_a05", NAG)], False),
 ]  # fmt: skip
-COLORS = {"(1.0, 0.0)": "tab:blue", "(0.5, 0.5)": "tab:green", "(0.7, 0.9)": "tab:red"}
+COLORS = {
+    "(1.0, 0.0)": "tab:blue",
+    "(0.5, 0.5)": "tab:green",
+    "(1.0, 0.5)": "tab:orange",
+    "(0.7, 0.9)": "tab:red",
+}
 
 
 def main() -> None:
-    fig, ax = plt.subplots(figsize=(13, 5))
+    fig, ax = plt.subplots(figsize=(15, 5))
     top = 1.0
     seen = set()
     for i, (group, _, parts, twin) in enumerate(BARS):
