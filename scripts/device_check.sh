@@ -7,7 +7,7 @@
 #     bash scripts/device_check.sh wheels
 # There, through the device tool's `run` (carry [".whl"], timeout_s 600), in this order:
 #     bash scripts/device_check.sh quality   # mid scale: streaming_sync vs decoupled, 2 seeds
-#     bash scripts/device_check.sh more      # mid scale, seed 0: dp, decoupled_km, decoupled_mom
+#     bash scripts/device_check.sh more      # mid scale, seed 0: dp, decoupled_km, _mom, _nag
 #     bash scripts/device_check.sh speed     # learner overhead (mid) and MFU / memory (gemma_2b)
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
