@@ -42,8 +42,12 @@ def _writer() -> ocp.Checkpointer:
     first (orbax's default deep-copies them, doubling a fragment's footprint): the arrays
     it is given are the syncer loop's private copies, which nothing else changes."""
     th = ocp.type_handlers
+    try:
+        numpy_handler = th.NumpyHandler(deepcopy_host_arrays=False)
+    except TypeError:  # an orbax release without the option: its default handler
+        numpy_handler = th.NumpyHandler()
     registry = th.create_type_handler_registry(
-        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),
+        (np.ndarray, numpy_handler),
         (np.number, th.ScalarHandler()),
         (jax.Array, th.ArrayHandler()),
     )
