@@ -156,6 +156,7 @@ def table(workdir: str) -> str:
         "wall_seconds",
         "merges",
         "mean_learners_per_merge",
+        "mean_offer_steps",
         "goodput",
         "uptime",
         "failures",
@@ -172,11 +173,16 @@ def table(workdir: str) -> str:
     ]
     metrics = _rows(workdir, "metrics.jsonl")
     learners = sorted({r["learner"] for r in metrics if isinstance(r["learner"], int)})
-    lines += ["", "| learner | last step | last train loss | mean tokens/s |", "|---|---|---|---|"]
+    head = "| learner | last step | last train loss | mean tokens/s | merge delay (steps) |"
+    lines += ["", head, "|---|---|---|---|---|"]
     for m in learners:
         rows = [r for r in metrics if r["learner"] == m and "loss" in r]
         rate = sum(r["tokens_per_second"] for r in rows) / max(len(rows), 1)
-        lines.append(f"| {m} | {rows[-1]['step']} | {rows[-1]['loss']:.4f} | {rate:,.0f} |")
+        delays = [r["merge_delay_steps"] for r in rows if "merge_delay_steps" in r]
+        delay = f"{sum(delays) / len(delays):.2f}" if delays else "-"
+        lines.append(
+            f"| {m} | {rows[-1]['step']} | {rows[-1]['loss']:.4f} | {rate:,.0f} | {delay} |"
+        )
     merges = _rows(workdir, "merges.jsonl")
     if merges:
         stale = [x for r in merges for x in r["staleness"]]

@@ -113,6 +113,25 @@ def test_a_merge_of_our_offer_waits_for_the_overlap_steps():
     del before
 
 
+def test_merge_delay_counts_the_steps_from_each_offer_to_the_merge_applying_it():
+    s = Scripted(overlap=1)
+    s.step()
+    s.step()  # step 2: offers
+    s.step()  # step 3
+    s.proto.handle([reply(moved(s.theta0, seed=3), 1, held_step=2)])
+    apply_updates(s.replica, s.proto.apply_due())  # applied at step 3: 1 step after it
+    assert (s.proto.delay_steps, s.proto.delays) == (1, 1)
+    s.step()  # step 4: offers again
+    s.proto.handle([reply(moved(s.theta0, seed=4), 2)])  # someone else's: not a round trip
+    apply_updates(s.replica, s.proto.apply_due())
+    assert (s.proto.delay_steps, s.proto.delays) == (1, 1)
+    for _ in range(4):
+        s.step()  # step 8: the reply to step 4's offer comes late
+    s.proto.handle([reply(moved(s.theta0, seed=5), 3, held_step=4)])
+    apply_updates(s.replica, s.proto.apply_due())
+    assert (s.proto.delay_steps, s.proto.delays) == (1 + 4, 2)
+
+
 def test_overwrite_mode_replaces_the_fragment():
     s = Scripted(apply="overwrite")
     for _ in range(3):

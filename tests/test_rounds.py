@@ -172,6 +172,14 @@ def test_allocation_ends_when_training_ends_not_after_the_tail():
     assert summary["goodput"] == pytest.approx(1.0)
 
 
+def test_mean_offer_steps_is_the_work_per_merged_offer():
+    ledger = Ledger(2, sync_every=4)
+    base = {"fragment": 0, "share": 1.0}
+    ledger.merge({**base, "learners": [0, 1], "c_steps": [4, 4], "time": 1.0})
+    ledger.merge({**base, "learners": [1], "c_steps": [10], "time": 2.0})  # waited twice
+    assert ledger.summary(3.0, uses_syncer=True, learner_steps=[4, 14])["mean_offer_steps"] == 6
+
+
 def test_a_round_opened_by_a_waiting_offer_turning_fresh_has_no_negative_quorum_wait():
     """A late offer waits; once its learner reports a later slot it counts for that slot,
     reaches the quorum and opens the round then. An offer arriving during the grace window

@@ -137,6 +137,9 @@ class Learner:
         self.applied_merges = 0
         self.resyncs = 0  # snapshots of a new syncer life applied (restores seen)
         self.deferrals = 0  # boundaries at which an arrived merge waited for its placement
+        # Round trips of our offers: steps from an offer to the boundary that applied the
+        # first version holding it (sum, count), τ at best; past H they merge less often.
+        self.delay_steps, self.delays = 0, 0
         self.step_seconds = 0.0  # moving average of seconds per step, sent in heartbeats
         self._last_step_at: float | None = None
         self.timed_intervals = 0  # step intervals measured since the last (re)start
@@ -336,6 +339,9 @@ class Learner:
                 f.in_flight, f.refused, f.sit_out = None, 0, 0
             elif held:
                 self._consume(f)
+            if held:
+                self.delay_steps += self.step - t.step
+                self.delays += 1
             f.anchor, f.version, f.arrived = Decoded(msg.payload), msg.version, None
             f.anchored += 1
             self.applied_merges += 1

@@ -120,6 +120,7 @@ class Ledger:
         self._lock = threading.Lock()
         self.merges = 0
         self.merged_learners = 0
+        self.merged_steps = 0  # steps of work the merged offers carried
         self.rejected = 0
         self.dropped = 0
         self.failures = 0
@@ -166,6 +167,7 @@ class Ledger:
         with self._lock:
             self.merges += 1
             self.merged_learners += len(rec["learners"])
+            self.merged_steps += sum(rec["c_steps"])
             self.advances.append(rec["time"])
             self.first_merge.setdefault(rec.get("fragment", 0), rec["time"])
             share = rec.get("share", 0.0)
@@ -232,6 +234,11 @@ class Ledger:
         return {
             "merges": self.merges,
             "mean_learners_per_merge": self.merged_learners / self.merges if self.merges else 0.0,
+            # H when every offer leaves on schedule; more when offers waited for a late merge
+            # of their fragment (one offer per fragment in flight, diloco/learner.py).
+            "mean_offer_steps": self.merged_steps / self.merged_learners
+            if self.merged_learners
+            else 0.0,
             "goodput": min(useful / allocated, 1.0) if allocated else 0.0,
             "uptime": uptime,
             "global_downtime_seconds": downtime,

@@ -76,6 +76,7 @@ class LearnerLoop:
         self.eval_seconds = 0.0  # time evaluating (data-parallel): idle, not compute
         self.steps_since_start = 0
         self._rate = (None, 0)  # (time, step) of the previous row
+        self._delays = (0, 0)  # the protocol's (delay_steps, delays) at the previous row
         # Since the previous row: wall seconds of steps, and of those, seconds this thread
         # waited for the device (fetching a step's metrics) or for late merges.
         self._wall, self._blocked = 0.0, 0.0
@@ -214,6 +215,7 @@ class LearnerLoop:
         cfg = self.run_cfg.diloco
         self.proto = Learner(self.m, cfg, self.plan, self.tokens_per_step, self.clock,
                              self.incarnation, self.step)  # fmt: skip
+        self._delays = (0, 0)
         self.outbox.send(self.proto.join())
         snapshots, early = [], []
         deadline = self.clock() + cfg.join_timeout
@@ -390,6 +392,12 @@ class LearnerLoop:
         if self.proto is not None:  # merges applied, and boundaries one waited for placement
             rec["merges_applied"] = self.proto.applied_merges
             rec["merges_deferred"] = self.proto.deferrals
+            # Mean steps from our offers to the merges holding them, since the previous row.
+            total, n = self.proto.delay_steps, self.proto.delays
+            last_total, last_n = self._delays
+            if n > last_n:
+                rec["merge_delay_steps"] = round((total - last_total) / (n - last_n), 2)
+            self._delays = total, n
         for k in _MOE_KEYS:
             if k in metrics:
                 rec[k] = float(metrics[k])
