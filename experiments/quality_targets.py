@@ -133,13 +133,20 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
     return out
 
 
+def offer_steps(runs) -> str:
+    """Steps of work per merged offer, per seed: H while offers leave on schedule, more when
+    they waited for a late merge of their fragment (round trips longer than H steps)."""
+    values = [r.summary.get("mean_offer_steps") for r in runs]
+    return "-" if not all(values) else " / ".join(f"{v:.1f}" for v in values)
+
+
 def markdown(results) -> str:
     groups = harness.by_arm(results)
     dp = groups.get("dp", [])
     arms_rows = [
         [runs[0].arm.label, harness.fmt([r.summary["final_eval_loss"] for r in runs]),
          harness.fmt(harness.loss_ratio(runs, dp), 4),
-         "-" if spread(runs) is None else f"{spread(runs):.3f}"]
+         "-" if spread(runs) is None else f"{spread(runs):.3f}", offer_steps(runs)]
         for runs in groups.values()
     ]  # fmt: skip
     target_rows = [
@@ -152,7 +159,8 @@ def markdown(results) -> str:
         f"Quality targets ({harness.mode_note()}); {results[0].summary['tokens']:,} tokens per "
         "run; eval loss in nats per token on the same held-out sequences.\n\n"
     )
-    arm_table = harness.table(["arm", "final eval loss", "÷ DP", "seed spread"], arms_rows)
+    header = ["arm", "final eval loss", "÷ DP", "seed spread", "steps per offer"]
+    arm_table = harness.table(header, arms_rows)
     header = ["target", "measured (mean)", "per seed", "threshold", "verdict"]
     return note + arm_table + "\n" + harness.table(header, target_rows)
 
