@@ -1,4 +1,4 @@
-"""Decoupled DiLoCo at CPU scale: 4 learners x 2 fake CPU devices, K=1, grace, RDA.
+"""Decoupled DiLoCo at CPU scale: 4 learners x 2 fake CPU devices, K=1, grace, RDA, mixing.
 
   python -m decoupled_diloco.main --config=configs/tiny_decoupled.py --workdir=/tmp/dd_dec
 

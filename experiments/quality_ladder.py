@@ -19,7 +19,9 @@ processes a quarter of DP's batch per step, for the same number of steps):
   quorum1    + K = 1: a round closes as soon as one learner reached a new slot
   grace      + the adaptive grace window (γ = 1), which lets more learners into a round
   tokens     + token weights
-  rda        + radial-directional averaging: configs/tiny_decoupled.py as shipped
+  rda        + radial-directional averaging
+  mixing     + learners take half of each merge's move (α = 0.5): configs/tiny_decoupled.py
+             as shipped (since 2026-11-26; ladders measured before end at `rda`)
 
 Every rung uses the same outer optimizer (--outer: lr, momentum; default the tiny configs'
 1.0, 0.0) with the shipped merge normalisation (roster) and momentum clock (work). The
@@ -49,14 +51,15 @@ RUNGS = [
     ("diloco", "DiLoCo (P=1, K=M, wait)", {
         "diloco.fragments": 1, "diloco.overlap": 0, "diloco.max_wait": -1.0,
         "diloco.quorum": M, "diloco.grace_gamma": 0.0, "diloco.weights": "uniform",
-        "diloco.merge": "mean", "diloco.embedding_merge": "mean"}),
+        "diloco.merge": "mean", "diloco.embedding_merge": "mean", "diloco.alpha": 0.0}),
     ("streaming", "+ P=6 fragments", {"diloco.fragments": 6}),
     ("overlap", "+ overlap tau=2", {"diloco.overlap": 2}),
     ("no_wait", "+ never wait (max_wait 0)", {"diloco.max_wait": 0.0}),
     ("quorum1", "+ K=1", {"diloco.quorum": 1}),
     ("grace", "+ grace window", {"diloco.grace_gamma": 1.0}),
     ("tokens", "+ token weights", {"diloco.weights": "tokens"}),
-    ("rda", "+ RDA (tiny_decoupled)", {"diloco.merge": "rda"}),
+    ("rda", "+ RDA", {"diloco.merge": "rda"}),
+    ("mixing", "+ mixing alpha 0.5 (tiny_decoupled)", {"diloco.alpha": 0.5}),
 ]  # fmt: skip
 
 

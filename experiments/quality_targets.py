@@ -10,12 +10,12 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
   streaming_sync  Streaming DiLoCo, synchronous: P = 6, K = M, τ = 0, learners wait for
                   every merge, plain mean, uniform weights
   decoupled       configs/tiny_decoupled.py as shipped: K = 1, grace, token weights, RDA,
-                  never waits (τ = 2); its outer step (lr 1.0, momentum 0.0 at this length)
+                  never waits (τ = 2), mixing α = 0.5 (since 2026-11-26; the arm before:
+                  --set=diloco.alpha=0.0); its outer step (lr 1.0, momentum 0.0 at this length)
   decoupled_km    the same with quorum K = M
-  decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9)
-                  and the mixing α = 0.5 that outer step needs when learners never wait
-                  (README, "How outer lr and momentum relate to M, K, P and H"; the arm
-                  before 2026-11-26, without it: --set=diloco.alpha=0.0)
+  decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9),
+                  which needs that mixing when learners never wait (README, "How outer lr
+                  and momentum relate to M, K, P and H")
   streaming_sync_nag  streaming_sync with DiLoCo's outer Nesterov (no mixing: DiLoCo as
                   published): what the outer step costs without any asynchrony
   decoupled_mom   `decoupled` with Nesterov momentum 0.5 at lr 0.5: the same steady-state

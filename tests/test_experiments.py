@@ -118,12 +118,14 @@ def test_tpu_scale_keeps_tpu_settings_and_the_ablation(name, configs_of):
 def test_ladder_changes_one_thing_per_rung_and_scales_to_mid(configs_of):
     configs = configs_of("quality_ladder")
     full = {arm: c for (arm, seed), c in configs["cpu", "full"].items() if seed == 0}
-    rungs = ["diloco", "streaming", "overlap", "no_wait", "quorum1", "grace", "tokens", "rda"]
+    rungs = ["diloco", "streaming", "overlap", "no_wait", "quorum1", "grace", "tokens", "rda",
+             "mixing"]  # fmt: skip
     assert set(full) == {"dp", *rungs}
     for below, above in zip(rungs, rungs[1:], strict=False):
         changed = {k for k, v in full[above]["diloco"].items() if full[below]["diloco"][k] != v}
         assert len(changed) == 1, (below, above, changed)
     assert full["rda"]["diloco"]["merge"] == "rda" and full["rda"]["diloco"]["quorum"] == 1
+    assert full["diloco"]["diloco"]["alpha"] == 0.0 and full["mixing"]["diloco"]["alpha"] == 0.5
     tokens = {c["train"]["batch_size"] * c["diloco"]["learners"] for c in full.values()}
     assert len(tokens) == 1  # equal tokens per step in every arm
     mid = {arm: c for (arm, seed), c in configs["mid", "full"].items() if seed == 0}
@@ -143,9 +145,9 @@ def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(c
             return {k for k, v in arms[arm]["diloco"].items() if ref[k] != v}
 
         assert changed("decoupled_km") == {"quorum"}
-        # DiLoCo's outer Nesterov, with the mixing an outer momentum needs when decoupled
-        assert changed("decoupled_nag") == {"outer_lr", "outer_momentum", "alpha"}
-        assert arms["decoupled_nag"]["diloco"]["alpha"] == 0.5 and ref["alpha"] == 0.0
+        # DiLoCo's outer Nesterov, with the mixing (tiny_decoupled's) it needs when decoupled
+        assert changed("decoupled_nag") == {"outer_lr", "outer_momentum"}
+        assert arms["decoupled_nag"]["diloco"]["alpha"] == ref["alpha"] == 0.5
         assert changed("decoupled_mom") == {"outer_lr", "outer_momentum"}
         mom = arms["decoupled_mom"]["diloco"]  # the steady-state step lr / (1 - mu) of ref's
         assert mom["outer_lr"] / (1 - mom["outer_momentum"]) == pytest.approx(
