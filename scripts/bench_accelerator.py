@@ -12,6 +12,8 @@ r"""Learners at accelerator speed: learner overhead, and MFU / memory of a prese
                    settings: H 12, P 6, tau 2, K 1, RDA), its syncer a thread of this process
       no-pipeline  decoupled with train.prefetch=0 and diloco.stage_merges=False: data read
                    and merges computed on the learner's thread (what the pipeline buys)
+      ckpt-duty1   decoupled with diloco.syncer_checkpoint_duty=1: the syncer's checkpoints
+                   every 5 s however long they take (what the duty bound buys)
     Rates come from the runs' metrics rows (log_every=1): steps per second between the row
     at --skip (compilation excluded) and the last one. Prints decoupled / plain (goal >= 0.95)
     and the learner's host_share (the share of its step the learner thread spent on host work
@@ -56,7 +58,7 @@ _SOFTCAP = flags.DEFINE_float(
 )  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dd_bench_accelerator", "Run directories.")
 
-ARMS = ("plain", "decoupled", "no-pipeline")
+ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1")
 
 
 def _quick_setup() -> None:
@@ -102,6 +104,8 @@ def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int,
     c.train.eval_batches = 1  # the final evaluation only; outside the timed window
     c.train.log_every = 1
     c.train.checkpoint_every = 0
+    if arm == "ckpt-duty1":
+        c.diloco.syncer_checkpoint_duty = 1.0
     if arm == "no-pipeline":
         c.train.prefetch = 0
         c.diloco.stage_merges = False

@@ -50,6 +50,8 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"diloco.apply": "blend"}, "diloco.apply"),
         ({"diloco.learners": 2, "diloco.sync_every": 4, "diloco.rounds": "lazy"}, "diloco.rounds"),
         ({"diloco.syncer_checkpoint_seconds": 0.0}, "diloco.syncer_checkpoint_seconds"),
+        ({"diloco.syncer_checkpoint_duty": 0.0}, "diloco.syncer_checkpoint_duty"),
+        ({"diloco.syncer_checkpoint_duty": 1.5}, "diloco.syncer_checkpoint_duty"),
         ({"diloco.reply_spares": -1}, "diloco.reply_spares"),
         ({"mesh.tensor": 3}, "mesh"),
         ({"runtime": "slurm"}, "runtime"),

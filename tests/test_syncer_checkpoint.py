@@ -4,6 +4,7 @@ the extra memory is one fragment's Θ + momentum; each fragment is restored bit-
 the version its copy was taken, with its own vector clock; a save the syncer's death
 interrupts is never committed; a corrupted fragment makes the restore fall back."""
 
+import dataclasses
 import os
 import threading
 import time
@@ -271,3 +272,34 @@ def test_an_unreadable_manifest_is_refused(tmp_path, bad):
     else:
         manifest.unlink()  # an uncommitted step is no step at all
         assert FragmentCheckpointer(str(tmp_path)).latest_step() is None
+
+
+@pytest.mark.parametrize("duty", [0.25, 1.0])
+def test_checkpoints_take_at_most_their_duty_of_the_time(tmp_path, monkeypatch, duty):
+    """Saves that take 0.1 s, due every 0.01 s: with duty 0.25 each starts at least
+    0.1 / 0.25 = 0.4 s after the previous one; with duty 1 they run back to back."""
+    starts = []
+
+    def slow_save(self):
+        starts.append(time.monotonic())
+        time.sleep(0.1)
+        return True
+
+    monkeypatch.setattr(SyncerLoop, "save", slow_save)
+    cfg = dataclasses.replace(CFG, syncer_checkpoint_seconds=0.01, syncer_checkpoint_duty=duty)
+    run = types.SimpleNamespace(diloco=cfg, train=RUN.train, data=RUN.data)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    loop = SyncerLoop(0, run, PLAN, params, ListLink(), FragmentCheckpointer(str(tmp_path)),
+                      schedule=None, clock=time.monotonic, record=lambda r: None,
+                      emulate_outages=False)  # fmt: skip
+    stop = threading.Event()
+    server = threading.Thread(target=loop.run, args=(stop,))
+    server.start()
+    time.sleep(1.5)
+    stop.set()
+    server.join()
+    gaps = np.diff(starts[:-1])  # the last one is the final save at stop
+    if duty < 1:
+        assert len(gaps) >= 2 and gaps[1:].min() >= 0.4 - 0.02, gaps  # after the first save
+    else:
+        assert len(gaps) >= 8 and gaps[1:].max() < 0.2, gaps

@@ -82,6 +82,12 @@ class DilocoConfig:
     # Seconds between the syncer's orbax checkpoints (streamed from a saver thread one
     # fragment at a time, fragment_checkpoint.py): a syncer crash loses the merges since.
     syncer_checkpoint_seconds: float = 5.0
+    # Most of the wall time the saver may spend writing: after a save of s seconds the next
+    # starts no sooner than s / duty after it (nor than syncer_checkpoint_seconds). Saves
+    # hold the GIL in orbax's Python for much of their time, which the syncer's merges and
+    # (in-process runtime) the learners' dispatch wait for: at the `mid` size on 2 CPU cores
+    # checkpoints every 5 s cost a learner 10-20% of its steps. 1 = no bound.
+    syncer_checkpoint_duty: float = 0.05
     syncer_shards: int = 1  # S: syncer shards, each owning a subset of fragments
     # Threads one merge splits each leaf over (numpy releases the GIL): 0 = every core of
     # the syncer's host. Any count gives the same bits (diloco/chunks.py).
@@ -152,6 +158,7 @@ class DilocoConfig:
             (self.join_timeout > 0, "join_timeout", "> 0"),
             (0 <= self.ema_decay < 1, "ema_decay", "in [0, 1)"),
             (self.syncer_checkpoint_seconds > 0, "syncer_checkpoint_seconds", "> 0"),
+            (0 < self.syncer_checkpoint_duty <= 1, "syncer_checkpoint_duty", "in (0, 1]"),
             (1 <= self.syncer_shards <= self.fragments, "syncer_shards",
              "in [1, diloco.fragments]"),
             (self.final_wait >= 0, "final_wait", ">= 0"),

@@ -10,7 +10,10 @@ Checkpoints (orbax, `fragment_checkpoint.py`) are streamed from a saver thread, 
 serving thread never writes one: every `diloco.syncer_checkpoint_seconds` the saver copies
 one fragment (Θ, momentum, version, slot, vector clock) under the lock, writes it outside
 the lock while merges of every fragment go on, takes the next, and commits a manifest with
-the registry, counters and event-log position (taken when the save began). Extra memory:
+the registry, counters and event-log position (taken when the save began). A save of s
+seconds puts the next one at least s / `diloco.syncer_checkpoint_duty` after its start
+(`checkpoint_gap`), so however large the model, writing checkpoints takes at most that
+share of the syncer host's time (and of its GIL). Extra memory:
 one fragment's Θ + momentum. A save is skipped while neither the versions nor the registry
 changed; a save the syncer's death interrupts is never committed. The event-log position
 is that of the save's start: records up to it are in the checkpoint; a merge recorded after
@@ -28,6 +31,13 @@ from decoupled_diloco.diloco.transport import SyncerLink
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 
 POLL_S = 0.02  # seconds: longest block on the inbox, and the poll while down
+
+
+def checkpoint_gap(interval: float, save_seconds: float, duty: float) -> float:
+    """Seconds from the start of one checkpoint to the start of the next: the configured
+    interval, or longer after a save that would otherwise take more than `duty` of the
+    time."""
+    return max(interval, save_seconds / duty)
 
 
 def owned_fragments(num_fragments: int, shards: int, shard: int) -> list[int]:
@@ -65,6 +75,7 @@ class SyncerLoop:
         self._saved_key = None
         self._saver: threading.Thread | None = None  # the checkpoint being written, if any
         self._saver_error: BaseException | None = None
+        self.save_seconds = 0.0  # how long the last background checkpoint took
         self.syncer: Syncer | None = self._restore(after_failure=restarted)
         self.restarted = restarted
 
@@ -84,8 +95,10 @@ class SyncerLoop:
                 self._set(self._restore(after_failure=True))
                 self._announce()
             self.serve_turn()
-            due = self.clock() - last_ckpt >= self.run_cfg.diloco.syncer_checkpoint_seconds
-            if due and self.save_in_background():
+            d = self.run_cfg.diloco
+            gap = checkpoint_gap(d.syncer_checkpoint_seconds, self.save_seconds,
+                                 d.syncer_checkpoint_duty)  # fmt: skip
+            if self.clock() - last_ckpt >= gap and self.save_in_background():
                 last_ckpt = self.clock()
         self.wait_for_save()
         if self.syncer is None:  # the run ended during an outage: come back to finish
@@ -211,10 +224,12 @@ class SyncerLoop:
             raise error
 
     def _save_or_keep_error(self) -> None:
+        start = time.monotonic()
         try:
             self.save()
         except BaseException as e:  # surfaced on the serving thread by wait_for_save
             self._saver_error = e
+        self.save_seconds = time.monotonic() - start
 
     def save(self) -> bool:
         """Writes a checkpoint, one fragment at a time (see the module docstring); False if
