@@ -93,7 +93,9 @@ case $part in
     done
     ;;
   speed)
-    if [[ ${SMOKE:-0} == 1 ]]; then QUICK=(--quick); else QUICK=(); fi
+    if [[ ${SMOKE:-0} == 1 ]]; then QUICK=(--quick); else QUICK=(--rounds=2 --steps=150); fi
+    # 2 rounds x 150 steps of the 4 arms: about 2 minutes on an H200 (est.; 2026-11-26: 2 x 120
+    # steps of 3 arms took 74 s); gemma_2b's first MFU batch needs more than 3 minutes.
     timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
       --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
     timeout $((DEADLINE_S - SECONDS)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
