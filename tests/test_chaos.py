@@ -203,6 +203,7 @@ def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path
     c = tiny_config(syncer_crashes=[SYNCER_CRASH_STEP], syncer_restart_delay_s=SYNCER_DELAY)
     c.train.eval_every = 5  # Θ is evaluated while the syncer is down too: deferred, no crash
     c.diloco.syncer_checkpoint_seconds = 1.0  # a checkpoint well before the crash step
+    c.diloco.syncer_checkpoint_duty = 1.0  # every second, however long saves take when loaded
     out = run(c, tmp_path)
     events, merges = out["events"], out["merges"]
     (crash,) = only(events, "syncer_crash")

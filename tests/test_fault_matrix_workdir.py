@@ -74,7 +74,8 @@ def test_a_corrupt_learner_checkpoint_falls_back_and_the_run_finishes(small_conf
 
 def test_a_corrupt_syncer_checkpoint_falls_back_to_the_previous_one(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 16, "train.checkpoint_every": 4, **DECOUPLED,
-                          "diloco.syncer_checkpoint_seconds": 0.05})  # fmt: skip
+                          "diloco.syncer_checkpoint_seconds": 0.05,
+                          "diloco.syncer_checkpoint_duty": 1.0})  # fmt: skip
     _halted(cfg, tmp_path, after=8)
     ckpt = tmp_path / "checkpoints" / "syncer_0"
     kept = _steps(ckpt)

@@ -300,6 +300,7 @@ def chaos_run(cluster, tmp_path_factory):
             "diloco.grace_gamma": 0.0,
             "train.checkpoint_every": 4,
             "diloco.syncer_checkpoint_seconds": 1.0,
+            "diloco.syncer_checkpoint_duty": 1.0,  # checkpoints as often as that, when loaded
             "faults.speed_factors": [1.0, 3.0, 8.0],
             # A learner that finished before the syncer kill, its Leave lost with the syncer,
             # holds up the last learner's final sync this long (default 30 s).
