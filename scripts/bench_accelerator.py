@@ -17,7 +17,9 @@ r"""Learners at accelerator speed: learner overhead, and MFU / memory of a prese
     Rates come from the runs' metrics rows (log_every=1): steps per second between the row
     at --skip (compilation excluded) and the last one. Prints decoupled / plain (goal >= 0.95)
     and the learner's host_share (the share of its step the learner thread spent on host work
-    instead of waiting for the device: near 1, the device starves).
+    instead of waiting for the device: near 1, the device starves), the merges it deferred
+    (their update not placed on the device in time) and stage_ms (host math and transfer of
+    one merge's update, the stager's moving mean).
 (b) MFU and peak memory of --mfu_preset at the largest batch that fits, for each remat
     policy (--remat): the batch doubles from --mfu_batch until the compiled step's memory
     (`memory_analysis()`) no longer fits the device (or --max_batch), then the largest that
@@ -130,10 +132,13 @@ def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dic
         raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
     (s0, t0), (s1, t1) = (rows[0]["step"], rows[0]["time"]), (rows[-1]["step"], rows[-1]["time"])
     shares = [r["host_share"] for r in rows[1:] if "host_share" in r]
+    stage = [r["stage_ms"] for r in rows if "stage_ms" in r]
     return {
         "steps_per_s": (s1 - s0) / (t1 - t0),
         "host_share": statistics.median(shares) if shares else float("nan"),
         "merges": summary.get("merges", 0),
+        "deferred": rows[-1].get("merges_deferred", 0),
+        "stage_ms": stage[-1] if stage else float("nan"),
     }
 
 
@@ -154,7 +159,8 @@ def overhead() -> None:
           f"step, {shape['devices']} x {jax.devices()[0].device_kind}; {rounds} rounds x "
           f"{shape['steps']} steps, first {skip} excluded", flush=True)  # fmt: skip
     print(
-        f"{'round':>5} {'arm':<12} {'steps/s':>8} {'tokens/s':>10} {'host_share':>10} {'merges':>6}"
+        f"{'round':>5} {'arm':<12} {'steps/s':>8} {'tokens/s':>10} {'host_share':>10} "
+        f"{'merges':>6} {'deferred':>8} {'stage_ms':>8}"
     )
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for r in range(rounds):
@@ -163,7 +169,8 @@ def overhead() -> None:
             results[arm].append(res)
             print(f"{r:>5} {arm:<12} {res['steps_per_s']:>8.2f} "
                   f"{res['steps_per_s'] * tokens:>10.0f} {res['host_share']:>10.3f} "
-                  f"{res['merges']:>6}", flush=True)  # fmt: skip
+                  f"{res['merges']:>6} {res['deferred']:>8} {res['stage_ms']:>8.2f}",
+                  flush=True)  # fmt: skip
     for arm in ARMS[1:]:
         ratios = [
             d["steps_per_s"] / p["steps_per_s"]

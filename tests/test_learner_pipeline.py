@@ -197,6 +197,42 @@ def test_the_stager_defers_only_what_had_a_boundary_to_be_placed():
     assert stager.ready(("w", 0, 2))  # never staged: computed at the boundary
 
 
+def test_a_placement_slower_than_a_step_is_deferred_even_when_first_seen_here():
+    """A version first seen at the boundary that applies it is waited for only when the
+    placements so far say it is placed within WAIT_SHARE of a step; a learner whose merges
+    take longer than that to place (big fragments, fast steps) keeps stepping instead."""
+    from decoupled_diloco.diloco.updates import Update
+    from decoupled_diloco.runtime.boundary import WAIT_SHARE, MergeStager
+
+    now = [0.0]
+
+    class SlowReplica(NumpyReplica):
+        def place(self, arrays):  # placing takes 0.5 s of the stager's clock
+            now[0] += 0.5
+            return super().place(arrays)
+
+    held = HeldExecutor()
+    stager = MergeStager(SlowReplica(0, None), held, clock=lambda: now[0])
+    stager.next_boundary()
+    first = Update("add", {"w": np.ones(2, np.float32)}, key=("w", 0, 1))
+    stager.stage([first])
+    assert stager.ready(first.key, step_seconds=0.1)  # nothing known yet: wait for it
+    held.release()
+    assert stager.job_seconds == pytest.approx(0.5)
+    stager.take(first)
+
+    stager.next_boundary()
+    second = Update("add", {"w": np.ones(2, np.float32)}, key=("w", 0, 2))
+    stager.stage([second])
+    assert not stager.ready(second.key, step_seconds=0.1)  # 0.5 s left > a share of 0.1 s
+    assert stager.ready(second.key, step_seconds=0.5 / WAIT_SHARE)  # within the share
+    assert stager.ready(second.key)  # the learner's step time unknown: wait
+    now[0] += 0.48  # most of the expected placement has passed
+    assert stager.ready(second.key, step_seconds=0.5)
+    held.release()
+    assert stager.ready(second.key, step_seconds=0.1)  # placed
+
+
 def test_a_learner_that_may_wait_waits_for_a_merge_being_placed():
     """max_wait > 0 (the synchronous baselines): the merge is applied at s + τ, waiting for
     its placement: the same models as merges computed at the boundary."""

@@ -379,7 +379,10 @@ class Learner:
         def delta():
             theta = compression.decode(payload)
             d = rebase_delta(resolve(anchor), theta, sent)
-            return {k: v * scale for k, v in d.items()} if scale is not None else d
+            if scale is not None:  # in place: one fewer pass over the fragment's bytes
+                for v in d.values():
+                    np.multiply(v, scale, out=v)
+            return d
 
         return Update("add", delta, 0.0, key)
 
