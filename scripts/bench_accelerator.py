@@ -59,6 +59,11 @@ _SOFTCAP = flags.DEFINE_float(
     "the fused attention kernels need)."
 )  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dd_bench_accelerator", "Run directories.")
+_EMULATE = flags.DEFINE_float(
+    "emulate_step_ms", 0.0, "Overhead only: the learner's steps run no model; each occupies an "
+    "emulated accelerator for this many ms (no CPU used), so a CPU host measures the host work "
+    "of a learner whose device is that fast (0: the real step)."
+)  # fmt: skip
 
 ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1")
 
@@ -91,6 +96,45 @@ def _pick(flag, full, quick):
 
 
 # --- (a) learner overhead --------------------------------------------------------------------
+class _Pending:
+    """A metric of an emulated step: reading it waits until that step is done."""
+
+    def __init__(self, done_at: float, value: float):
+        self.done_at, self.value = done_at, value
+
+    def __array__(self, dtype=None, copy=None):
+        time.sleep(max(self.done_at - time.perf_counter(), 0.0))
+        return np.asarray(self.value, dtype=dtype)
+
+
+class EmulatedReplica(Replica):
+    """A replica whose train step is an accelerator that takes `--emulate_step_ms` per step
+    and runs its queue asynchronously: `step` only enqueues (the host returns at once, as
+    with a real dispatch), reading a step's metrics or `ready` waits for it, sleeping (no
+    CPU). Parameters stay what they were (no gradient), but everything the protocol does
+    with them is real: fragment copies, transfers, merges applied on the device arrays.
+    What remains is the learner's host work: data, boundaries, rows, the pipeline's threads
+    and the syncer's, all competing for this host's cores and GIL as they would beside a
+    real accelerator."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._step_s, self._done_at, self._steps = _EMULATE.value / 1e3, 0.0, 0
+
+    def step(self, batch) -> dict:
+        if not isinstance(batch, jax.Array):
+            batch = self.put_batch(batch)
+        self._done_at = max(self._done_at, time.perf_counter()) + self._step_s
+        self._steps += 1
+        loss = 3.0 / (1.0 + 0.01 * self._steps)  # finite, falling: rows look like training
+        metrics = {"loss": loss, "learning_rate": 1e-3, "grad_norm": 1.0}
+        return {k: _Pending(self._done_at, v) for k, v in metrics.items()}
+
+    def ready(self) -> None:
+        time.sleep(max(self._done_at - time.perf_counter(), 0.0))
+        super().ready()
+
+
 def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int, devices: int):
     """One learner of `preset` on `devices` devices; the decoupled arms add a syncer."""
     learners = 1 if arm == "plain" else 2  # 2: the syncer settings of a multi-learner run
@@ -126,7 +170,8 @@ def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dic
     if workdir.exists():
         shutil.rmtree(workdir)  # a stale run would be resumed from its checkpoints
     run = config_lib.validate(overhead_config(arm, **shape))
-    summary = LocalRuntime(run, str(workdir), verbose=False).run()
+    replica = EmulatedReplica if _EMULATE.value else Replica
+    summary = LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
     rows = [r for r in _rows(workdir) if r["step"] >= skip]
     if len(rows) < 3:
         raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
@@ -155,9 +200,12 @@ def overhead() -> None:
     if skip + 5 > shape["steps"]:
         raise ValueError(f"--steps ({shape['steps']}) must exceed --skip ({skip}) by at least 5")
     tokens = shape["batch"] * shape["seq_len"]
+    device = jax.devices()[0].device_kind
+    if _EMULATE.value:
+        device = f"emulated accelerator at {_EMULATE.value:g} ms per step, host {device}"
     print(f"\n(a) learner overhead: {preset}, {shape['batch']} x {shape['seq_len']} tokens per "
-          f"step, {shape['devices']} x {jax.devices()[0].device_kind}; {rounds} rounds x "
-          f"{shape['steps']} steps, first {skip} excluded", flush=True)  # fmt: skip
+          f"step, {shape['devices']} x {device}; {rounds} rounds x {shape['steps']} steps, "
+          f"first {skip} excluded", flush=True)  # fmt: skip
     print(
         f"{'round':>5} {'arm':<12} {'steps/s':>8} {'tokens/s':>10} {'host_share':>10} "
         f"{'merges':>6} {'deferred':>8} {'stage_ms':>8}"

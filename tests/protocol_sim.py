@@ -70,7 +70,7 @@ class NumpyReplica:
     def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
         for k, x in arrays.items():
             if kind == "add":
-                self.state[k] = (self.state[k] + x).astype(np.float32)
+                self.state[k] = (self.state[k] + (1 - alpha) * x).astype(np.float32)
             else:
                 self.state[k] = (alpha * self.state[k] + (1 - alpha) * x).astype(np.float32)
 

@@ -40,12 +40,17 @@ def test_replica_reads_and_updates_row_slices_of_a_sharded_leaf(small_config):
     replica.apply("add", {"embedder/embedding[28:128]": x, "final_norm/scale": before[
         "final_norm/scale"] * 0 + 1})  # fmt: skip
     replica.apply("mix", {"embedder/embedding[0:28]": x[:28]}, alpha=0.25)
+    # A mixed rebase: θ + (1 − α)·δ, on a row slice and on a whole leaf.
+    rows = np.full((128, emb.shape[1]), 0.5, np.float32)
+    ones = before["final_norm/scale"] * 0 + 1
+    replica.apply("add", {"embedder/embedding[128:256]": rows, "final_norm/scale": ones}, 0.75)
     after = replica.host_params()
     want = emb.copy()
     want[28:128] += x
     want[0:28] = 0.25 * emb[0:28] + 0.75 * x[:28]
+    want[128:256] += 0.25 * 0.5
     np.testing.assert_allclose(after["embedder/embedding"], want, rtol=1e-6)
-    np.testing.assert_array_equal(after["final_norm/scale"], before["final_norm/scale"] + 1)
+    np.testing.assert_allclose(after["final_norm/scale"], before["final_norm/scale"] + 1.25)
     state = replica.state.params["embedder"]["embedding"]
     assert state.sharding == replica.flat_shardings["embedder/embedding"]  # kept
 

@@ -199,8 +199,9 @@ def test_the_stager_defers_only_what_had_a_boundary_to_be_placed():
 
 def test_a_placement_slower_than_a_step_is_deferred_even_when_first_seen_here():
     """A version first seen at the boundary that applies it is waited for only when the
-    placements so far say it is placed within WAIT_SHARE of a step; a learner whose merges
-    take longer than that to place (big fragments, fast steps) keeps stepping instead."""
+    placements so far say it is placed within WAIT_SHARE of a step or within the time the
+    learner waits for its device anyway; a learner whose merges take longer than that to
+    place (big fragments, fast steps) keeps stepping instead."""
     from decoupled_diloco.diloco.updates import Update
     from decoupled_diloco.runtime.boundary import WAIT_SHARE, MergeStager
 
@@ -227,6 +228,9 @@ def test_a_placement_slower_than_a_step_is_deferred_even_when_first_seen_here():
     assert not stager.ready(second.key, step_seconds=0.1)  # 0.5 s left > a share of 0.1 s
     assert stager.ready(second.key, step_seconds=0.5 / WAIT_SHARE)  # within the share
     assert stager.ready(second.key)  # the learner's step time unknown: wait
+    stager.slack = 0.5  # the learner waits 0.5 s a step for its device anyway
+    assert stager.ready(second.key, step_seconds=0.1)  # waiting costs the device nothing
+    stager.slack = 0.0
     now[0] += 0.48  # most of the expected placement has passed
     assert stager.ready(second.key, step_seconds=0.5)
     held.release()

@@ -91,7 +91,8 @@ class DilocoConfig:
     syncer_checkpoint_duty: float = 0.1
     syncer_shards: int = 1  # S: syncer shards, each owning a subset of fragments
     # Threads one merge splits each leaf over (numpy releases the GIL): 0 = every core of
-    # the syncer's host. Any count gives the same bits (diloco/chunks.py).
+    # the syncer's host; a learner's rebase math (updates.rebase_delta) uses as many of its
+    # host's. Any count gives the same bits (diloco/chunks.py).
     merge_threads: int = 0
     # Replies (uncompressed) no learner holds any more that the syncer keeps per fragment
     # for the next merge to write into: fresh memory page-faults on the merge's critical path

@@ -282,7 +282,8 @@ class Learner:
                 continue
             held = self._holds(snap.merged.get(p, {}), f.in_flight)
             sent = f.in_flight.sent if held else None
-            out.append(Update("add", rebase_delta(resolve(f.anchor), theta, sent)))
+            delta = rebase_delta(resolve(f.anchor), theta, sent, self.cfg.merge_threads)
+            out.append(Update("add", delta))
             if held:
                 self._consume(f)
             # Offers in flight to the lost life die with it; their work is still in W.
@@ -374,17 +375,13 @@ class Learner:
         if mix:
             return Update("mix", lambda: compression.decode(payload), self.cfg.alpha, key)
         anchor, sent = f.anchor, (f.in_flight.sent if held else None)
-        scale = np.float32(1 - self.cfg.alpha) if self.cfg.alpha else None
+        threads = self.cfg.merge_threads
 
         def delta():
-            theta = compression.decode(payload)
-            d = rebase_delta(resolve(anchor), theta, sent)
-            if scale is not None:  # in place: one fewer pass over the fragment's bytes
-                for v in d.values():
-                    np.multiply(v, scale, out=v)
-            return d
+            return rebase_delta(resolve(anchor), compression.decode(payload), sent, threads)
 
-        return Update("add", delta, 0.0, key)
+        # Mixing scales δ by 1 − α; the replica does it with the add (no host pass).
+        return Update("add", delta, self.cfg.alpha, key)
 
     def _consume(self, f: _Fragment) -> None:
         t = f.in_flight

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from decoupled_diloco.diloco import compression
+from decoupled_diloco.diloco import chunks, compression
 
 
 class Decoded:
@@ -28,8 +28,9 @@ class Decoded:
 
 
 class Update:
-    """A change of fragment leaves for the replica: θ ← θ + x ("add") or
-    θ ← α·θ + (1 − α)·x ("mix"; α = 0 sets θ = x).
+    """A change of fragment leaves for the replica: θ ← θ + (1 − α)·x ("add") or
+    θ ← α·θ + (1 − α)·x ("mix"; α = 0 sets θ = x). Both are a mix of θ with its target
+    (θ + x, or x) at weight α.
 
     x is computed on first use of `arrays` (host math: decode, differences), so a runtime
     can compute and place it on the devices ahead of the boundary that applies it: `key`
@@ -52,15 +53,30 @@ def resolve(anchor) -> dict:
     return anchor.get() if isinstance(anchor, Decoded) else anchor
 
 
-def rebase_delta(anchor: dict, theta: dict, sent: dict | None) -> dict:
+def rebase_delta(anchor: dict, theta: dict, sent: dict | None, threads: int | None = 1) -> dict:
     """δ with θ ← θ + δ moving W onto `theta`; minus our offer's work (`sent`, v̂_s) if
     `theta` holds it.
 
     θ_s = G − v̂_s in the current frame (shifts since the offer moved G and θ alike), so
     Θ_new + (θ − θ_s) = θ + (Θ_new − G + v̂_s).
+
+    One pass per leaf, in chunks split over `threads` threads (None/0: the host's cores,
+    `diloco.merge_threads`): a `mid` fragment's update is ~23 MB of memory-bound math that
+    a learner applies every few steps. Same float32 operations, same bits, for any count.
     """
-    delta = {k: np.subtract(theta[k], anchor[k], dtype=np.float32) for k in theta}
-    if sent is not None:
-        for k, v in sent.items():
-            delta[k] += v
+    delta = {}
+    for k, new in theta.items():
+        t, a = chunks.flat(new), chunks.flat(anchor[k])
+        v = chunks.flat(sent[k]) if sent is not None else None
+        d = np.empty(t.size, np.float32)
+
+        def span(lo, hi, t=t, a=a, v=v, d=d):
+            for c in chunks.slices(hi, lo):
+                np.subtract(t[c], a[c], out=d[c], dtype=np.float32)
+                if v is not None:
+                    np.add(d[c], v[c], out=d[c])
+            return []
+
+        chunks.map_spans(span, t.size, threads)
+        delta[k] = d.reshape(np.shape(new))
     return delta

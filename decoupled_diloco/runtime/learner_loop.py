@@ -80,6 +80,7 @@ class LearnerLoop:
         # Since the previous row: wall seconds of steps, and of those, seconds this thread
         # waited for the device (fetching a step's metrics) or for late merges.
         self._wall, self._blocked = 0.0, 0.0
+        self._device_wait = 0.0  # seconds this thread waited for the device, all told
         self._initial_data = data.get_state()
 
     def restore(self, params_too: bool) -> bool:
@@ -131,6 +132,7 @@ class LearnerLoop:
             if self.replica.state is None:
                 self._start()
             t_step, waited = time.perf_counter(), self.wait_seconds
+            device_wait = self._device_wait
             profiling.step(m, self.step, self.replica.ready)  # --profile's window
             metrics = self.replica.step(next(self.data))
             self.step += 1
@@ -151,6 +153,9 @@ class LearnerLoop:
             self._wall += time.perf_counter() - t_step - evaluating
             self._blocked += blocked
             self._straggle(unread, time.perf_counter() - t_step - off)
+            if self.stager is not None:  # a merge placed within this costs the device nothing
+                slack = self._device_wait - device_wait
+                self.stager.slack = 0.8 * self.stager.slack + 0.2 * slack
             self.steps_since_start += 1
             self.sink.step(m, time.perf_counter() - t_step - off, self.clock())
             if save and not diverged:
@@ -344,6 +349,7 @@ class LearnerLoop:
         t0 = time.perf_counter()
         host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
         self._blocked += time.perf_counter() - t0  # the device was still busy with it
+        self._device_wait += time.perf_counter() - t0
         if not np.isfinite(host["loss"]) and self.plan is not None:
             return True
         run = self.run_cfg

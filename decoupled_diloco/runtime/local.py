@@ -74,11 +74,15 @@ class LocalRuntime:
         verbose: bool = True,
         halt_after: int | None = None,
         ckpt_dir: str | None = None,
+        replica=Replica,
     ):
         """`halt_after`: stop every learner abruptly after that many steps, with no final
         checkpoint or summary (tests use it to emulate a killed job). `ckpt_dir`: default
-        <workdir>/checkpoints; every process of a multi-host world passes the same one."""
+        <workdir>/checkpoints; every process of a multi-host world passes the same one.
+        `replica`: what builds a learner's replica from (model, train, mesh) configs
+        (benchmarks pass one that emulates an accelerator's step time)."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
+        self._replica = replica
         self.halt_after = halt_after
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
         self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
@@ -122,7 +126,7 @@ class LocalRuntime:
             loop = LearnerLoop(
                 m,
                 run,
-                Replica(run.model, run.train, self.meshes[m]),
+                self._replica(run.model, run.train, self.meshes[m]),
                 make_iterator(run.data, "train", run.train.batch_size, m, M),
                 self.plan,
                 link,

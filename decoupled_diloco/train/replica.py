@@ -52,7 +52,9 @@ class Replica:
         self._mix = jax.jit(  # α·a + (1 − α)·b
             lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b)
         )
-        self._add = jax.jit(lambda a, d: jax.tree.map(lambda x, y: x + y, a, d))
+        self._add = jax.jit(  # a + s·d
+            lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d)
+        )
         self._copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
         self._row_updates: dict = {}  # leaf -> jitted update of a row slice of it
         self.state: TrainState | None = None
@@ -151,15 +153,15 @@ class Replica:
         return copies
 
     def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
-        """θ ← θ + x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named fragment members
-        (leaves, or row slices of one); x host arrays, or device arrays from `place`."""
+        """θ ← θ + (1 − α)·x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named fragment
+        members (leaves, or row slices of one); x host arrays, or device arrays from `place`."""
         flat = flatten_params(self.state.params)
         placed = all(isinstance(a, jax.Array) for a in arrays.values())
         placed = dict(arrays) if placed else self.place(arrays)
         x = {k: v for k, v in placed.items() if parse_member(k)[1] is None}
         mine = {k: flat[k] for k in x}
         if kind == "add":
-            flat.update(self._add(mine, x))
+            flat.update(self._add(mine, x, 1.0 - alpha))
         elif alpha:
             flat.update(self._mix(mine, x, alpha))
         else:
@@ -186,9 +188,9 @@ def _take_rows(x: jax.Array, start: int, stop: int) -> jax.Array:
 
 
 def _update_rows(full, x, start: int, kind: str, alpha):
-    """Rows start..start+len(x) of `full` ← + x ("add"), or α·rows + (1 − α)·x."""
+    """Rows start..start+len(x) of `full` ← + (1 − α)·x ("add"), or α·rows + (1 − α)·x."""
     rows = jax.lax.dynamic_slice_in_dim(full, start, x.shape[0])
-    new = rows + x if kind == "add" else alpha * rows + (1 - alpha) * x
+    new = rows + (1 - alpha) * x if kind == "add" else alpha * rows + (1 - alpha) * x
     return jax.lax.dynamic_update_slice_in_dim(full, new.astype(full.dtype), start, 0)
 
 
