@@ -22,3 +22,27 @@ def test_script_starts_and_lists_its_flags(name):
     # absl prints the script's own flags and exits 1 after --helpshort.
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.returncode in (0, 1) and f"{name}:" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
+    """--emulate_step_ms: every arm's learner steps on an emulated device that takes that
+    long per step, so no arm outruns it (the real tiny step at 1 x 16 tokens is ~1 ms),
+    while the decoupled arms still merge through a real syncer."""
+    step_ms = 8.0
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_accelerator.py"), "--part=overhead",
+           "--preset=tiny", "--batch=1", "--seq_len=16", "--devices=1", "--steps=40",
+           "--skip=8", "--rounds=1", "--dtype=float32", f"--emulate_step_ms={step_ms}",
+           f"--workdir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "emulated accelerator at 8 ms per step" in proc.stdout
+    rows = {}
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 8 and parts[0] == "0":
+            rows[parts[1]] = (float(parts[2]), int(parts[5]))
+    assert set(rows) == {"plain", "decoupled", "no-pipeline", "ckpt-duty1"}, proc.stdout
+    for arm, (steps_per_s, merges) in rows.items():
+        assert 0 < steps_per_s <= 1.02 * 1e3 / step_ms, (arm, steps_per_s)
+        assert (merges > 0) == (arm != "plain"), (arm, merges)
+    assert "decoupled / plain = " in proc.stdout
