@@ -19,7 +19,9 @@ def start_to_host(arrays: Mapping[str, jax.Array]) -> None:
         a.copy_to_host_async()
 
 
-def _gather(a: jax.Array) -> np.ndarray:
+def _gather(a: jax.Array, readonly: bool = False) -> np.ndarray:
+    if readonly and len(a.sharding.device_set) == 1:
+        return np.asarray(a)  # the transfer's own buffer (read-only), no second copy
     if not a.is_fully_addressable:
         # A learner spanning several hosts: the slice all-gathers inside itself (the
         # learner's own collective, never across learners), then every host holds it.
@@ -31,10 +33,12 @@ def _gather(a: jax.Array) -> np.ndarray:
     return out
 
 
-def to_host(arrays: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
-    """Copies named (possibly sharded) arrays to host memory, shard by shard."""
+def to_host(arrays: Mapping[str, jax.Array], readonly: bool = False) -> dict[str, np.ndarray]:
+    """Copies named (possibly sharded) arrays to host memory, shard by shard, into arrays
+    the caller owns. `readonly`: the caller only reads them, so an array on one device
+    comes back as the transfer's own (read-only) buffer, without a second copy."""
     start_to_host(arrays)
-    return {name: _gather(a) for name, a in arrays.items()}
+    return {name: _gather(a, readonly) for name, a in arrays.items()}
 
 
 def to_device(

@@ -111,8 +111,12 @@ def _encode_sign(flat: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndar
     return np.packbits(flat >= 0, bitorder="little"), scales
 
 
-def encode(arrays: dict[str, np.ndarray], method: str, block_size: int = 256) -> Encoded:
-    """Compresses float tensors with `method` (see module docstring); inputs are untouched."""
+def encode(
+    arrays: dict[str, np.ndarray], method: str, block_size: int = 256, copy: bool = True
+) -> Encoded:
+    """Compresses float tensors with `method` (see module docstring); inputs are untouched.
+    `copy=False`: the caller hands over float32 arrays it never writes again, which "none"
+    then carries as they are (one pass over the bytes fewer)."""
     _check(method, block_size)
     tensors = {}
     no_scales = np.zeros(0, np.float32)
@@ -121,7 +125,7 @@ def encode(arrays: dict[str, np.ndarray], method: str, block_size: int = 256) ->
         shape = tuple(int(d) for d in x.shape)
         flat = x.astype(np.float32, copy=False).reshape(-1)
         if method == "none":  # copy: the sender may update its arrays while this is in flight
-            tensors[name] = (shape, flat.copy(), no_scales)
+            tensors[name] = (shape, flat.copy() if copy else flat, no_scales)
         elif method == "bf16":
             tensors[name] = (shape, flat.astype(ml_dtypes.bfloat16).view(np.uint16), no_scales)
         elif method == "int1":

@@ -105,8 +105,9 @@ class Replica:
 
     @staticmethod
     def to_host(copies: dict[str, jax.Array]) -> dict[str, np.ndarray]:
-        """Host arrays of `fragment_copies` (waits for their transfer)."""
-        return transfer.to_host(copies)
+        """Host arrays of `fragment_copies` (waits for their transfer), read-only: an offer
+        only reads them (`diloco.learner.materialize`)."""
+        return transfer.to_host(copies, readonly=True)
 
     # --- steps and protocol operations -------------------------------------------------
     def put_batch(self, batch: np.ndarray) -> jax.Array:
