@@ -188,6 +188,7 @@ def table(workdir: str) -> str:
         stale = [x for r in merges for x in r["staleness"]]
         wait = sum(r["quorum_wait"] for r in merges) / len(merges)
         grace = sum(r["grace"] for r in merges) / len(merges)
+        merge_ms = 1e3 * sum(r.get("merge_seconds", 0.0) for r in merges) / len(merges)
         lines += [
             "",
             "| merges | value |",
@@ -195,6 +196,7 @@ def table(workdir: str) -> str:
             f"| mean staleness (versions) | {sum(stale) / len(stale):.2f} |",
             f"| mean quorum wait (s) | {wait:.3f} |",
             f"| mean grace used (s) | {grace:.3f} |",
+            f"| mean merge time (ms) | {merge_ms:.1f} |",
         ]
     return "\n".join(lines) + "\n"
 

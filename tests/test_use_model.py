@@ -123,6 +123,11 @@ def test_report_writes_a_png_and_a_table(runs, name, tmp_path):
     )
     text = table(str(workdir))
     assert f"{summary['final_eval_loss']:.4g}" in text and "| learner |" in text
+    if name == "dec":  # the syncer's own time per merge, from merges.jsonl
+        with open(workdir / "merges.jsonl", encoding="utf-8") as f:
+            merges = [json.loads(line) for line in f]
+        ms = 1e3 * sum(r["merge_seconds"] for r in merges) / len(merges)
+        assert f"| mean merge time (ms) | {ms:.1f} |" in text
 
 
 def test_a_finished_run_rerun_changes_nothing(runs):
