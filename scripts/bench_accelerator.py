@@ -3,6 +3,9 @@ r"""Learners at accelerator speed: learner overhead, and MFU / memory of a prese
     python scripts/bench_accelerator.py                  # on the machine's accelerator(s)
     python scripts/bench_accelerator.py --quick          # 8 fake CPU devices, tiny model, ~3 min
     python scripts/bench_accelerator.py --part=overhead  # or --part=mfu
+    python scripts/bench_accelerator.py --part=overhead --emulate_step_ms=10 --dtype=float32
+        # no accelerator: the mid learner's step is a 10 ms emulated device (sleeps), the
+        # rest (data, boundaries, transfers, outbox, syncer, stager) runs for real
 
 (a) Learner overhead, side by side in one run, rounds alternating the arms so a busy
     machine skews them alike. Every arm is one learner on the same devices, model and batch
