@@ -235,6 +235,16 @@ def test_a_placement_slower_than_a_step_is_deferred_even_when_first_seen_here():
     assert stager.ready(second.key, step_seconds=0.5)
     held.release()
     assert stager.ready(second.key, step_seconds=0.1)  # placed
+    stager.take(second)
+
+    # Two fragments' versions at one boundary: the worker places them in turn, so the
+    # second is expected after both (taking it would wait for the first as well).
+    stager.next_boundary()
+    a, b = (Update("add", {"w": np.ones(2, np.float32)}, key=(p, 0, 3)) for p in ("u", "v"))
+    stager.stage([a, b])
+    budget_step = 0.6 / WAIT_SHARE  # a budget of 0.6 s: one placement, not two
+    assert stager.ready(a.key, step_seconds=budget_step)
+    assert not stager.ready(b.key, step_seconds=budget_step)
 
 
 def test_a_learner_that_may_wait_waits_for_a_merge_being_placed():

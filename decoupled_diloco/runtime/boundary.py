@@ -59,8 +59,10 @@ class MergeStager:
         self._pool = executor or concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="stager"
         )
-        # key -> (its computation and placement, the boundary it was staged at, when)
+        # key -> (its computation and placement, the boundary it was staged at, when it is
+        # expected to be placed: the worker runs one job at a time, in order)
         self._staged: dict[tuple, tuple[concurrent.futures.Future, int, float]] = {}
+        self._tail = 0.0  # when the last job staged is expected to be placed
         self._boundary = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
@@ -82,7 +84,9 @@ class MergeStager:
                 for k in [k for k in self._staged if k[:2] == u.key[:2]]:
                     self._staged.pop(k)[0].cancel()
                 future = self._pool.submit(self._place, u)
-                self._staged[u.key] = (future, self._boundary, self._clock())
+                with self._timing:
+                    self._tail = max(self._tail, self._clock()) + self.job_seconds
+                self._staged[u.key] = (future, self._boundary, self._tail)
 
     def _place(self, u: Update) -> dict:
         t0 = self._clock()
@@ -101,17 +105,17 @@ class MergeStager:
         if it is expected to be placed within the learner's `slack` or `WAIT_SHARE` of a
         step. See the class."""
         with self._lock:
-            future, at, since = self._staged.get(key, (None, None, 0.0))
+            future, at, eta = self._staged.get(key, (None, None, 0.0))
         with self._timing:
-            expected = self.job_seconds
+            known = bool(self.job_seconds)
         if future is None or future.done():
             return True
         if at != self._boundary:
             return False
-        if not expected or not step_seconds:
+        if not known or not step_seconds:
             return True  # nothing to go by yet: as fast as computing it here
-        budget = max(WAIT_SHARE * step_seconds, self.slack)
-        return expected - (self._clock() - since) <= budget
+        # `eta` counts the jobs queued ahead of it (taking it waits for them too).
+        return eta - self._clock() <= max(WAIT_SHARE * step_seconds, self.slack)
 
     def take(self, u: Update) -> dict | None:
         """Device arrays of `u` if it was staged, else None (compute it at the boundary)."""
@@ -124,11 +128,13 @@ class MergeStager:
         return future.result()
 
     def clear(self) -> None:
-        """The learner crashed or restarted: nothing staged for its old life applies."""
+        """The learner crashed or restarted: nothing staged for its old life applies (and
+        its device queue, the slack, starts empty)."""
         with self._lock:
             for future, *_ in self._staged.values():
                 future.cancel()
             self._staged.clear()
+        self.slack = 0.0
 
 
 def apply_updates(replica, updates, stager: MergeStager | None = None) -> None:

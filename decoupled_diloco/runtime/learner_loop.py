@@ -153,7 +153,8 @@ class LearnerLoop:
             self._wall += time.perf_counter() - t_step - evaluating
             self._blocked += blocked
             self._straggle(unread, time.perf_counter() - t_step - off)
-            if self.stager is not None:  # a merge placed within this costs the device nothing
+            if self.stager is not None and not flush:  # a flush empties the device queue
+                # A merge placed within this costs the device nothing.
                 slack = self._device_wait - device_wait
                 self.stager.slack = 0.8 * self.stager.slack + 0.2 * slack
             self.steps_since_start += 1
