@@ -71,3 +71,39 @@ def row_fields(run, mesh, tokens_per_second: float) -> dict:
     if value is None or not tokens_per_second > 0:
         return {}
     return {"mfu": value}
+
+
+def largest_fitting_batch(plan, first: int, cap: int, budget: float) -> tuple[int, int] | None:
+    """(batch, planned bytes) of the largest batch first·2^k <= cap whose step fits `budget`
+    bytes, with few compilations; None if `first` does not fit.
+
+    `plan(batch)`: the step's planned device bytes (one compilation of a large model's step:
+    tens of seconds on a GPU), or None when compiling it ran out of memory. A step's plan
+    grows linearly with the batch (activations and their gradients; parameters and optimizer
+    state are fixed), so `first` and 2·`first` predict the rest: the predicted largest is
+    compiled to confirm, halving while it does not fit (a plan that grows faster than the
+    line costs a compilation per halving). Three compilations where doubling from `first`
+    would take one per power of two up to the answer and one past it.
+    """
+
+    def fits(n):
+        return n is not None and n <= budget
+
+    known = {first: plan(first)}
+    if not fits(known[first]):
+        return None
+    if 2 * first > cap:
+        return first, known[first]
+    known[2 * first] = plan(2 * first)
+    if not fits(known[2 * first]):
+        return first, known[first]
+    per = max(known[2 * first] - known[first], 0) / first  # bytes per sequence
+    batch = 2 * first
+    while 2 * batch <= cap and known[first] + per * (2 * batch - first) <= budget:
+        batch *= 2
+    while batch not in known:
+        known[batch] = plan(batch)
+        if fits(known[batch]):
+            break
+        batch //= 2
+    return batch, known[batch]

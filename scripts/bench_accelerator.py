@@ -24,10 +24,12 @@ r"""Learners at accelerator speed: learner overhead, and MFU / memory of a prese
     (their update not placed on the device in time) and stage_ms (host math and transfer of
     one merge's update, the stager's moving mean).
 (b) MFU and peak memory of --mfu_preset at the largest batch that fits, for each remat
-    policy (--remat): the batch doubles from --mfu_batch until the compiled step's memory
-    (`memory_analysis()`) no longer fits the device (or --max_batch), then the largest that
-    fit runs --mfu_steps timed steps. MFU = model FLOPs/token x tokens/s / (devices x peak);
-    blank where the device's peak is unknown (CPU).
+    policy (--remat, in that order): the largest --mfu_batch·2^k <= --max_batch whose compiled
+    step's memory (`memory_analysis()`) fits 95% of the device, found from the plans of
+    --mfu_batch and twice it (memory grows linearly with the batch) and one compile to
+    confirm (`mfu.largest_fitting_batch`); that batch then runs --mfu_steps timed steps.
+    MFU = model FLOPs/token x tokens/s / (devices x peak); blank where the device's peak is
+    unknown (CPU).
 """
 
 import json
@@ -87,7 +89,7 @@ import numpy as np  # noqa: E402
 
 from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
-from decoupled_diloco.mfu import peak_flops  # noqa: E402
+from decoupled_diloco.mfu import largest_fitting_batch, peak_flops  # noqa: E402
 from decoupled_diloco.models.flops import train_flops_per_token  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
 from decoupled_diloco.sharding import make_mesh  # noqa: E402
@@ -263,20 +265,21 @@ def device_limit() -> int | None:
 
 
 def largest_batch(preset, seq_len, remat, devices, first, cap) -> tuple[int, int] | None:
-    """(batch, planned bytes) of the largest batch first·2^k <= cap whose step fits."""
-    limit, best, batch = device_limit(), None, first
-    while batch <= cap:
+    """(batch, planned bytes) of the largest batch first·2^k <= cap whose step fits 95% of
+    the device's memory (`mfu.largest_fitting_batch`: about three compilations)."""
+    limit = device_limit()
+
+    def plan(batch: int) -> int | None:
         try:
             _, replica = mfu_run(preset, batch, seq_len, remat, devices)
-            need = compiled_bytes(replica, batch, seq_len)
-        except Exception as e:  # noqa: BLE001 - a compile that fails to fit ends the search
+            return compiled_bytes(replica, batch, seq_len)
+        except Exception as e:  # noqa: BLE001 - a compile that fails to fit is "too big"
             if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
                 raise
-            break
-        if limit is not None and need > 0.95 * limit * devices:
-            break
-        best, batch = (batch, need), batch * 2
-    return best
+            return None
+
+    budget = 0.95 * limit * devices if limit is not None else float("inf")
+    return largest_fitting_batch(plan, first, cap, budget)
 
 
 def measure_mfu(preset, batch, seq_len, remat, devices, steps) -> dict:

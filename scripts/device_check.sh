@@ -9,6 +9,7 @@
 #     bash scripts/device_check.sh quality   # mid scale: streaming_sync vs decoupled, 2 seeds
 #     bash scripts/device_check.sh more      # mid scale, seed 0: dp, decoupled_km, _mom, _nag
 #     bash scripts/device_check.sh speed     # learner overhead (mid) and MFU / memory (gemma_2b)
+#     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
 # copies the tables after every run, so a part cut short still returns what ran.
@@ -70,6 +71,16 @@ quality() {
   return $rc
 }
 
+# gemma_2b from 16 x 1024 tokens per step (the MFU target's), the likeliest remat policy
+# first: each compiles about three batches (mfu.largest_fitting_batch; a gemma_2b compile
+# took 42 s on an H100, 2026-11-25), then times the largest that fits. Rows print as they
+# finish, so a cut leaves the policies done.
+mfu() {
+  local args=(--mfu_batch=16 --remat=dots,full,none)
+  [[ ${SMOKE:-0} == 1 ]] && args=(--quick)
+  timeout $((DEADLINE_S - SECONDS)) python3 scripts/bench_accelerator.py "${args[@]}" \
+    --part=mfu 2>&1 | tee -a "$OUT/speed_mfu.log"
+}
 case $part in
   quality)
     # The mid targets' core: Decoupled K = 1 (with grace) <= 1.02x synchronous Streaming
@@ -95,14 +106,16 @@ case $part in
   speed)
     if [[ ${SMOKE:-0} == 1 ]]; then QUICK=(--quick); else QUICK=(--rounds=2 --steps=150); fi
     # 2 rounds x 150 steps of the 4 arms: about 2 minutes on an H200 (est.; 2026-11-26: 2 x 120
-    # steps of 3 arms took 74 s); gemma_2b's first MFU batch needs more than 3 minutes.
+    # steps of 3 arms took 74 s).
     timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
       --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
-    timeout $((DEADLINE_S - SECONDS)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
-      --part=mfu 2>&1 | tee "$OUT/speed_mfu.log"
+    mfu
+    ;;
+  mfu)
+    mfu
     ;;
   *)
-    echo "usage: $0 wheels | quality | more | speed" >&2
+    echo "usage: $0 wheels | quality | more | speed | mfu" >&2
     exit 2
     ;;
 esac

@@ -100,3 +100,47 @@ def test_row_fields():
     per_token = flops.train_flops_per_token(run.model, 128)
     assert mfu.row_fields(run, mesh, 1e6) == {"mfu": pytest.approx(1e6 * per_token / 2 / 989e12)}
     assert mfu.row_fields(run, mesh, 0.0) == {}  # no rate yet
+
+
+def _planner(bytes_of):
+    """plan(batch) from a bytes function (None: out of memory), recording each compile."""
+    calls = []
+
+    def plan(batch):
+        calls.append(batch)
+        return bytes_of(batch)
+
+    return plan, calls
+
+
+@pytest.mark.parametrize("budget, want", [(100 + 10 * 64, 64), (100 + 10 * 63, 32),
+                                          (100 + 10 * 256, 256), (float("inf"), 256)])  # fmt: skip
+def test_largest_fitting_batch_needs_three_compiles_when_memory_grows_linearly(budget, want):
+    """A step's plan = fixed + per-sequence bytes: the first two compiles predict the answer,
+    the third confirms it (doubling from 4 would compile every power of two up to it)."""
+    plan, calls = _planner(lambda b: 100 + 10 * b)
+    assert mfu.largest_fitting_batch(plan, 4, 256, budget) == (want, 100 + 10 * want)
+    assert calls == [4, 8, want]
+
+
+def test_largest_fitting_batch_halves_when_the_plan_grows_faster_than_linear():
+    """A prediction that does not fit (or fails to compile) halves until one fits."""
+    plan, calls = _planner(lambda b: None if b >= 64 else 100 + 10 * b + b * b)
+    got = mfu.largest_fitting_batch(plan, 4, 256, budget=100 + 10 * 200)
+    assert got == (32, 100 + 10 * 32 + 32 * 32)
+    assert calls == [4, 8, 64, 32]  # predicted 64 (156 + 22 per sequence past 4)
+    plan, calls = _planner(lambda b: 100 + 10 * b + (5000 if b > 8 else 0))
+    assert mfu.largest_fitting_batch(plan, 4, 256, budget=1000) == (8, 180)
+    assert calls == [4, 8, 64, 32, 16]
+
+
+def test_largest_fitting_batch_edges():
+    plan, calls = _planner(lambda b: 100 + 10 * b)
+    assert mfu.largest_fitting_batch(plan, 4, 256, budget=139) is None and calls == [4]
+    plan, calls = _planner(lambda b: 100 + 10 * b)
+    assert mfu.largest_fitting_batch(plan, 4, 256, budget=179) == (4, 140) and calls == [4, 8]
+    plan, calls = _planner(lambda b: 100 + 10 * b)
+    assert mfu.largest_fitting_batch(plan, 16, 16, budget=1e9) == (16, 260) and calls == [16]
+    plan, calls = _planner(lambda b: 500)  # nothing grows: the cap, confirmed
+    assert mfu.largest_fitting_batch(plan, 4, 64, budget=600) == (64, 500)
+    assert calls == [4, 8, 64]
