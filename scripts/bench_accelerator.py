@@ -1,8 +1,8 @@
-r"""Learners at accelerator speed: learner overhead, and MFU / memory of a preset.
+r"""Learners at accelerator speed: learner overhead, MFU / memory of a preset, fleet.
 
     python scripts/bench_accelerator.py                  # on the machine's accelerator(s)
     python scripts/bench_accelerator.py --quick          # 8 fake CPU devices, tiny model, ~3 min
-    python scripts/bench_accelerator.py --part=overhead  # or --part=mfu
+    python scripts/bench_accelerator.py --part=overhead  # or --part=mfu, --part=fleet
     python scripts/bench_accelerator.py --part=overhead --emulate_step_ms=10 --dtype=float32
         # no accelerator: the mid learner's step is a 10 ms emulated device (sleeps), the
         # rest (data, boundaries, transfers, outbox, syncer, stager) runs for real
@@ -30,6 +30,12 @@ r"""Learners at accelerator speed: learner overhead, and MFU / memory of a prese
     confirm (`mfu.largest_fitting_batch`); that batch then runs --mfu_steps timed steps.
     MFU = model FLOPs/token x tokens/s / (devices x peak); blank where the device's peak is
     unknown (CPU).
+(c) --part=fleet (not in "all"): --learners decoupled learners (default 4) sharing the
+    devices, as the `mid` quality runs do, beside one plain loop there: fleet steps/s ÷ the
+    plain loop's (how much of the device the fleet keeps busy), steps per offer (H when the
+    syncer and the pipelines keep up; more when offers wait for late merges, which costs
+    quality) and the merge delay in steps. With --emulate_step_ms the learners enqueue on one
+    emulated device, so a CPU host measures whether its cores keep up with that device.
 """
 
 import json
@@ -38,11 +44,15 @@ import pathlib
 import shutil
 import statistics
 import sys
+import threading
 
 from absl import app, flags, logging
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fake CPU devices, tiny model, short runs (~3 min).")
-_PART = flags.DEFINE_enum("part", "all", ["all", "overhead", "mfu"], "Which measurement.")
+_PART = flags.DEFINE_enum(
+    "part", "all", ["all", "overhead", "mfu", "fleet"], "Which measurement (all: overhead, mfu)."
+)
+_LEARNERS = flags.DEFINE_integer("learners", 4, "Fleet: decoupled learners sharing the devices.")
 _PRESET = flags.DEFINE_string("preset", None, "Overhead model preset (default mid; quick tiny).")
 _BATCH = flags.DEFINE_integer("batch", None, "Overhead sequences per step (32; quick 8).")
 _SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence (256; quick 64).")
@@ -65,9 +75,9 @@ _SOFTCAP = flags.DEFINE_float(
 )  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dd_bench_accelerator", "Run directories.")
 _EMULATE = flags.DEFINE_float(
-    "emulate_step_ms", 0.0, "Overhead only: the learner's steps run no model; each occupies an "
-    "emulated accelerator for this many ms (no CPU used), so a CPU host measures the host work "
-    "of a learner whose device is that fast (0: the real step)."
+    "emulate_step_ms", 0.0, "Overhead and fleet: the learners' steps run no model; each "
+    "occupies one emulated accelerator (shared) for this many ms (no CPU used), so a CPU host "
+    "measures the host work of learners whose device is that fast (0: the real step)."
 )  # fmt: skip
 
 ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1")
@@ -112,15 +122,32 @@ class _Pending:
         return np.asarray(self.value, dtype=dtype)
 
 
+class _EmulatedDevice:
+    """The one accelerator of the process: steps of every learner on it run one at a time,
+    in the order they are dispatched (learners sharing a GPU, like the `mid` quality runs)."""
+
+    def __init__(self):
+        self._lock, self._free_at = threading.Lock(), 0.0
+
+    def enqueue(self, seconds: float) -> float:
+        """Queues a step of `seconds`; returns when it will be done."""
+        with self._lock:
+            self._free_at = max(self._free_at, time.perf_counter()) + seconds
+            return self._free_at
+
+
+_DEVICE = _EmulatedDevice()
+
+
 class EmulatedReplica(Replica):
     """A replica whose train step is an accelerator that takes `--emulate_step_ms` per step
     and runs its queue asynchronously: `step` only enqueues (the host returns at once, as
     with a real dispatch), reading a step's metrics or `ready` waits for it, sleeping (no
-    CPU). Parameters stay what they were (no gradient), but everything the protocol does
-    with them is real: fragment copies, transfers, merges applied on the device arrays.
-    What remains is the learner's host work: data, boundaries, rows, the pipeline's threads
-    and the syncer's, all competing for this host's cores and GIL as they would beside a
-    real accelerator."""
+    CPU). Every replica of the process enqueues on the same emulated device. Parameters stay
+    what they were (no gradient), but everything the protocol does with them is real:
+    fragment copies, transfers, merges applied on the device arrays. What remains is the
+    learner's host work: data, boundaries, rows, the pipeline's threads and the syncer's, all
+    competing for this host's cores and GIL as they would beside a real accelerator."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -129,7 +156,7 @@ class EmulatedReplica(Replica):
     def step(self, batch) -> dict:
         if not isinstance(batch, jax.Array):
             batch = self.put_batch(batch)
-        self._done_at = max(self._done_at, time.perf_counter()) + self._step_s
+        self._done_at = _DEVICE.enqueue(self._step_s)
         self._steps += 1
         loss = 3.0 / (1.0 + 0.01 * self._steps)  # finite, falling: rows look like training
         metrics = {"loss": loss, "learning_rate": 1e-3, "grad_norm": 1.0}
@@ -140,14 +167,16 @@ class EmulatedReplica(Replica):
         super().ready()
 
 
-def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int, devices: int):
-    """One learner of `preset` on `devices` devices; the decoupled arms add a syncer."""
-    learners = 1 if arm == "plain" else 2  # 2: the syncer settings of a multi-learner run
-    c = config_lib.tiny_cpu_config(f"bench_{arm}", preset=preset, learners=learners,
+def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int, devices: int,
+                    learners: int = 1):  # fmt: skip
+    """`learners` learners of `preset` (one: plain), each on `devices` devices (or sharing
+    them); the decoupled arms add a syncer."""
+    multi = 1 if arm == "plain" else 2  # 2: the syncer settings of a multi-learner run
+    c = config_lib.tiny_cpu_config(f"bench_{arm}", preset=preset, learners=multi,
                                    batch_size=batch, steps=steps)  # fmt: skip
     if arm != "plain":
         config_lib.set_decoupled(c)
-        c.diloco.learners = 1  # one learner: the syncer is its only company
+        c.diloco.learners = learners  # one learner: the syncer is its only company
     c.data.seq_len = seq_len
     c.model.dtype = _pick(_DTYPE, "bfloat16", "float32")
     c.devices_per_learner = devices
@@ -163,12 +192,17 @@ def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int,
     return c
 
 
-def _rows(workdir: pathlib.Path) -> list[dict]:
+def _rows(workdir: pathlib.Path, learner: int = 0) -> list[dict]:
     with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     return sorted(
-        (r for r in rows if r.get("learner") == 0 and "loss" in r), key=lambda r: r["step"]
+        (r for r in rows if r.get("learner") == learner and "loss" in r), key=lambda r: r["step"]
     )
+
+
+def _rate(rows: list[dict]) -> float:
+    """Steps per second between the first and the last row."""
+    return (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["time"] - rows[0]["time"])
 
 
 def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dict:
@@ -180,11 +214,10 @@ def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dic
     rows = [r for r in _rows(workdir) if r["step"] >= skip]
     if len(rows) < 3:
         raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
-    (s0, t0), (s1, t1) = (rows[0]["step"], rows[0]["time"]), (rows[-1]["step"], rows[-1]["time"])
     shares = [r["host_share"] for r in rows[1:] if "host_share" in r]
     stage = [r["stage_ms"] for r in rows if "stage_ms" in r]
     return {
-        "steps_per_s": (s1 - s0) / (t1 - t0),
+        "steps_per_s": _rate(rows),
         "host_share": statistics.median(shares) if shares else float("nan"),
         "merges": summary.get("merges", 0),
         "deferred": rows[-1].get("merges_deferred", 0),
@@ -231,6 +264,57 @@ def overhead() -> None:
         ]
         print(f"{arm} / plain = {statistics.median(ratios):.3f} (per round "
               f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.95 for decoupled)")  # fmt: skip
+
+
+# --- (c) a fleet of learners sharing the device ----------------------------------------------
+def fleet() -> None:
+    """--learners decoupled learners on the same devices (the `mid` quality runs' setting),
+    against one plain loop there: how much of the device the fleet keeps busy, and whether
+    its syncer and pipelines keep up with the schedule (steps per offer near H; merges back
+    within a few steps). An offer waits for its predecessor's merge, so round trips longer
+    than H steps merge each fragment less often: what cost the H200's `mid` runs quality."""
+    preset, learners = _pick(_PRESET, "mid", "tiny"), _LEARNERS.value
+    shape = dict(preset=preset, batch=_pick(_BATCH, 32, 8), seq_len=_pick(_SEQ, 256, 64),
+                 steps=_pick(_STEPS, 200, 40), devices=_pick(_DEVICES, 1, 1))  # fmt: skip
+    skip = _pick(_SKIP, 20, 8)
+    device = jax.devices()[0].device_kind
+    if _EMULATE.value:
+        device = f"emulated accelerator at {_EMULATE.value:g} ms per step, host {device}"
+    print(f"\n(c) fleet: {learners} decoupled learners of {preset}, {shape['batch']} x "
+          f"{shape['seq_len']} tokens per step each, on {shape['devices']} x {device} "
+          f"(shared); {shape['steps']} steps, first {skip} excluded; host cores "
+          f"{os.cpu_count()}", flush=True)  # fmt: skip
+    plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip, **shape)
+    workdir = pathlib.Path(_WORKDIR.value) / "fleet"
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    run = config_lib.validate(overhead_config("decoupled", learners=learners, **shape))
+    replica = EmulatedReplica if _EMULATE.value else Replica
+    summary = LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
+    rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
+    # Rates over the window every learner is in (they start and end at different times).
+    start = max(r[0]["time"] for r in rows if r)
+    end = min(r[-1]["time"] for r in rows if r)
+    rates, delays = [], []
+    for m, learner_rows in enumerate(rows):
+        window = [r for r in learner_rows if start <= r["time"] <= end]
+        if len(window) < 3:
+            raise RuntimeError(f"learner {m}: fewer than 3 rows in the common window; "
+                               f"raise --steps")  # fmt: skip
+        rates.append(_rate(window))
+        delays += [r["merge_delay_steps"] for r in learner_rows if "merge_delay_steps" in r]
+    H, tau = run.diloco.sync_every, run.diloco.overlap
+    total = sum(rates)
+    print(f"plain loop: {plain['steps_per_s']:.2f} steps/s; fleet: {total:.2f} steps/s in all "
+          f"({', '.join(f'{r:.2f}' for r in rates)} per learner)")  # fmt: skip
+    print(f"fleet / plain = {total / plain['steps_per_s']:.3f} (the device's share the fleet "
+          f"keeps busy; 1 when the device bounds both)")  # fmt: skip
+    print(f"steps per offer = {summary.get('mean_offer_steps', float('nan')):.2f} (schedule: "
+          f"H = {H}; more: offers waited for late merges; less: final offers)")  # fmt: skip
+    print(f"merge delay = {statistics.mean(delays) if delays else float('nan'):.2f} steps "
+          f"(offer to the boundary applying its merge; tau = {tau} at best)")  # fmt: skip
+    print(f"merges {summary.get('merges', 0)}, learners per merge "
+          f"{summary.get('mean_learners_per_merge', float('nan')):.2f}")  # fmt: skip
 
 
 # --- (b) MFU and memory at the largest batch that fits ---------------------------------------
@@ -353,6 +437,8 @@ def main(argv):
         overhead()
     if _PART.value in ("all", "mfu"):
         mfu()
+    if _PART.value == "fleet":
+        fleet()
 
 
 if __name__ == "__main__":

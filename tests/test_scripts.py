@@ -2,6 +2,7 @@
 defined once (a script importing another script's module must not define a flag twice)."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -46,3 +47,28 @@ def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
         assert 0 < steps_per_s <= 1.02 * 1e3 / step_ms, (arm, steps_per_s)
         assert (merges > 0) == (arm != "plain"), (arm, merges)
     assert "decoupled / plain = " in proc.stdout
+
+
+def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
+    """--part=fleet: four decoupled learners enqueue on one emulated device, so together they
+    step no faster than one plain loop on it (each alone would be ~4x that), and their offers
+    merge through a real syncer, reported as steps per offer and merge delay."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_accelerator.py"), "--part=fleet",
+           "--preset=tiny", "--batch=1", "--seq_len=16", "--devices=1", "--steps=60",
+           "--skip=8", "--learners=4", "--dtype=float32", "--emulate_step_ms=8",
+           f"--workdir={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+
+    def number(label):
+        match = re.search(rf"{label} = ([0-9.]+)", out)
+        assert match, (label, out)
+        return float(match.group(1))
+
+    assert "4 decoupled learners of tiny" in out and "emulated accelerator at 8 ms" in out
+    assert 0.5 < number("fleet / plain") <= 1.15, out
+    assert 1 <= number("steps per offer") <= 24, out
+    assert number("merge delay") >= 0
+    merges = re.search(r"merges (\d+), learners per merge ([0-9.]+)", out)
+    assert merges and int(merges.group(1)) > 0 and 1 <= float(merges.group(2)) <= 4, out
