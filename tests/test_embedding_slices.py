@@ -69,3 +69,24 @@ def test_a_run_with_the_embedding_in_slices_trains_and_merges_every_slice(small_
     parts, _ = ckpt.read(ckpt.latest_step(), momentum=False)
     members = {k for arrays, _ in parts.values() for k in arrays["theta"]}
     assert members == {n for group in plan.names for n in group}
+
+
+def test_applying_a_merge_updates_theta_in_place(small_config):
+    """The replica's add and mix donate θ's buffers (whole leaves and the leaf of a row
+    slice): the result reuses them instead of allocating a fragment-sized copy per merge,
+    and a fragment copy taken before (an offer's snapshot) is not affected."""
+    run = config_lib.validate(small_config(**{"mesh.tensor": 2}))
+    replica = Replica(run.model, run.train, sharding.make_mesh(jax.devices()[:4], run.mesh))
+    replica.init_from_rng(jax.random.key(0))
+    leaves = ("final_norm/scale", "embedder/embedding")
+    snapshot = replica.fragment_copies(list(leaves))
+    want = replica.to_host(replica.fragment_copies(list(leaves)))
+    for kind, alpha in (("add", 0.5), ("mix", 0.25)):
+        old = replica.state.params["final_norm"]["scale"], replica.state.params["embedder"][
+            "embedding"]  # fmt: skip
+        ones = np.ones_like(want["final_norm/scale"])
+        rows = np.ones((4, want["embedder/embedding"].shape[1]), np.float32)
+        replica.apply(kind, {"final_norm/scale": ones, "embedder/embedding[0:4]": rows}, alpha)
+        assert all(x.is_deleted() for x in old), kind
+    np.testing.assert_array_equal(replica.to_host(snapshot)["final_norm/scale"],
+                                  want["final_norm/scale"])  # fmt: skip

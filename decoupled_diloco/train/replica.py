@@ -49,11 +49,15 @@ class Replica:
             lambda r: models.init_params(model_cfg, r), out_shardings=self.param_shardings
         )
         self._init_opt = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
+        # Merges update θ in place: a donated leaf's buffer holds the result (no fragment-
+        # sized allocation per merge, no second copy of it at the peak; the train step
+        # donates the whole state every step, so nothing else holds these buffers).
         self._mix = jax.jit(  # α·a + (1 − α)·b
-            lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b)
+            lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b),
+            donate_argnums=0,
         )
         self._add = jax.jit(  # a + s·d
-            lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d)
+            lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
         )
         self._copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
         self._row_updates: dict = {}  # leaf -> jitted update of a row slice of it
@@ -178,7 +182,7 @@ class Replica:
         target = self.flat_shardings[leaf]
         if leaf not in self._row_updates:
             self._row_updates[leaf] = jax.jit(
-                _update_rows, static_argnums=(2, 3), out_shardings=target
+                _update_rows, static_argnums=(2, 3), out_shardings=target, donate_argnums=0
             )
         return self._row_updates[leaf](full, x, start, kind if kind == "add" else "mix", alpha)
 
