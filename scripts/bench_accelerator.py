@@ -275,14 +275,18 @@ def fleet() -> None:
     than H steps merge each fragment less often: what cost the H200's `mid` runs quality."""
     preset, learners = _pick(_PRESET, "mid", "tiny"), _LEARNERS.value
     shape = dict(preset=preset, batch=_pick(_BATCH, 32, 8), seq_len=_pick(_SEQ, 256, 64),
-                 steps=_pick(_STEPS, 200, 40), devices=_pick(_DEVICES, 1, 1))  # fmt: skip
+                 steps=_pick(_STEPS, 200, 600), devices=_pick(_DEVICES, 1, 1))  # fmt: skip
     skip = _pick(_SKIP, 20, 8)
-    device = jax.devices()[0].device_kind
+    # Learners take disjoint devices while there are enough, then share them.
+    used = min(learners * shape["devices"], jax.device_count())
+    where = f"{used} x {jax.devices()[0].device_kind}"
     if _EMULATE.value:
-        device = f"emulated accelerator at {_EMULATE.value:g} ms per step, host {device}"
+        used = 1
+        where = f"1 emulated accelerator at {_EMULATE.value:g} ms per step, host {where}"
+    shared = "shared" if used < learners * shape["devices"] else "not shared"
     print(f"\n(c) fleet: {learners} decoupled learners of {preset}, {shape['batch']} x "
-          f"{shape['seq_len']} tokens per step each, on {shape['devices']} x {device} "
-          f"(shared); {shape['steps']} steps, first {skip} excluded; host cores "
+          f"{shape['seq_len']} tokens per step each, {shape['devices']} device(s) each, on "
+          f"{where} ({shared}); {shape['steps']} steps, first {skip} excluded; host cores "
           f"{os.cpu_count()}", flush=True)  # fmt: skip
     plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip, **shape)
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
@@ -299,8 +303,10 @@ def fleet() -> None:
     for m, learner_rows in enumerate(rows):
         window = [r for r in learner_rows if start <= r["time"] <= end]
         if len(window) < 3:
-            raise RuntimeError(f"learner {m}: fewer than 3 rows in the common window; "
-                               f"raise --steps")  # fmt: skip
+            raise RuntimeError(
+                f"learner {m}: fewer than 3 rows while every learner was stepping (one ran "
+                f"before the others had compiled?); raise --steps"
+            )  # fmt: skip
         rates.append(_rate(window))
         delays += [r["merge_delay_steps"] for r in learner_rows if "merge_delay_steps" in r]
     H, tau = run.diloco.sync_every, run.diloco.overlap

@@ -66,7 +66,7 @@ def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
         assert match, (label, out)
         return float(match.group(1))
 
-    assert "4 decoupled learners of tiny" in out and "emulated accelerator at 8 ms" in out
+    assert "4 decoupled learners of tiny" in out and "1 emulated accelerator at 8 ms" in out
     assert 0.5 < number("fleet / plain") <= 1.15, out
     assert 1 <= number("steps per offer") <= 24, out
     assert number("merge delay") >= 0
