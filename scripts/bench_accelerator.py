@@ -282,7 +282,8 @@ def fleet() -> None:
     where = f"{used} x {jax.devices()[0].device_kind}"
     if _EMULATE.value:
         used = 1
-        where = f"1 emulated accelerator at {_EMULATE.value:g} ms per step, host {where}"
+        where = (f"1 emulated accelerator at {_EMULATE.value:g} ms per step, host "
+                 f"{jax.devices()[0].device_kind}")  # fmt: skip
     shared = "shared" if used < learners * shape["devices"] else "not shared"
     print(f"\n(c) fleet: {learners} decoupled learners of {preset}, {shape['batch']} x "
           f"{shape['seq_len']} tokens per step each, {shape['devices']} device(s) each, on "

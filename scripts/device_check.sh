@@ -8,7 +8,7 @@
 # There, through the device tool's `run` (carry [".whl"], timeout_s 600), in this order:
 #     bash scripts/device_check.sh quality   # mid scale: streaming_sync vs decoupled, 2 seeds
 #     bash scripts/device_check.sh more      # mid scale, seed 0: dp, decoupled_km, _mom, _nag
-#     bash scripts/device_check.sh speed     # learner overhead (mid) and MFU / memory (gemma_2b)
+#     bash scripts/device_check.sh speed     # learner overhead and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
@@ -109,6 +109,12 @@ case $part in
     # steps of 3 arms took 74 s).
     timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
       --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
+    # Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps
+    # per offer 12)? About a minute (est.).
+    FLEET=(--part=fleet)
+    [[ ${SMOKE:-0} == 1 ]] && FLEET+=(--quick --steps=60 --emulate_step_ms=8 --dtype=float32)
+    timeout $((DEADLINE_S / 4)) python3 scripts/bench_accelerator.py "${FLEET[@]}" 2>&1 |
+      tee "$OUT/speed_fleet.log"
     mfu
     ;;
   mfu)
