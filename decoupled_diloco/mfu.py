@@ -75,35 +75,49 @@ def row_fields(run, mesh, tokens_per_second: float) -> dict:
 
 def largest_fitting_batch(plan, first: int, cap: int, budget: float) -> tuple[int, int] | None:
     """(batch, planned bytes) of the largest batch first·2^k <= cap whose step fits `budget`
-    bytes, with few compilations; None if `first` does not fit.
+    bytes, with few compilations; None if `first` does not fit (or exceeds `cap`).
 
     `plan(batch)`: the step's planned device bytes (one compilation of a large model's step:
     tens of seconds on a GPU), or None when compiling it ran out of memory. A step's plan
-    grows linearly with the batch (activations and their gradients; parameters and optimizer
-    state are fixed), so `first` and 2·`first` predict the rest: the predicted largest is
-    compiled to confirm, halving while it does not fit (a plan that grows faster than the
-    line costs a compilation per halving). Three compilations where doubling from `first`
-    would take one per power of two up to the answer and one past it.
+    grows about linearly with the batch (activations and their gradients; parameters and
+    optimizer state are fixed), so the line through the two largest batches known to fit
+    (first `first` and 2·`first`) predicts the largest that fits; it is compiled to confirm,
+    halving while it does not fit, and the line is redrawn through it until it predicts
+    nothing larger. Exact when the plan grows linearly or faster (a compilation per halving
+    then); one growing slower than its line may stop a doubling short. Three compilations
+    for a linear plan, where doubling from `first` takes one per power of two up to the
+    answer and one past it.
     """
-
-    def fits(n):
-        return n is not None and n <= budget
-
-    known = {first: plan(first)}
-    if not fits(known[first]):
+    if first < 1:
+        raise ValueError(f"first batch must be >= 1, got {first}")
+    if first > cap:
         return None
-    if 2 * first > cap:
+    known: dict[int, int | None] = {}
+
+    def fits(batch: int) -> bool:
+        if batch not in known:
+            known[batch] = plan(batch)
+        return known[batch] is not None and known[batch] <= budget
+
+    if not fits(first):
+        return None
+    if 2 * first > cap or not fits(2 * first):
         return first, known[first]
-    known[2 * first] = plan(2 * first)
-    if not fits(known[2 * first]):
-        return first, known[first]
-    per = max(known[2 * first] - known[first], 0) / first  # bytes per sequence
-    batch = 2 * first
-    while 2 * batch <= cap and known[first] + per * (2 * batch - first) <= budget:
-        batch *= 2
-    while batch not in known:
-        known[batch] = plan(batch)
-        if fits(known[batch]):
-            break
-        batch //= 2
-    return batch, known[batch]
+    small, big = first, 2 * first  # the two largest batches known to fit
+    too_big = 2 * cap  # smallest batch known not to fit (beyond cap: none yet)
+    while True:
+        per = max(known[big] - known[small], 0) / (big - small)  # bytes per sequence
+        batch = big
+        while (
+            2 * batch <= cap
+            and 2 * batch < too_big
+            and (known[big] + per * (2 * batch - big) <= budget)
+        ):
+            batch *= 2
+        if batch == big:
+            return big, known[big]
+        while batch > big and not fits(batch):
+            too_big, batch = batch, batch // 2
+        if batch == big:
+            return big, known[big]
+        small, big = big, batch

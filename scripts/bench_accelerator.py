@@ -176,7 +176,7 @@ def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int,
                                    batch_size=batch, steps=steps)  # fmt: skip
     if arm != "plain":
         config_lib.set_decoupled(c)
-        c.diloco.learners = learners  # one learner: the syncer is its only company
+        c.diloco.learners = learners  # (one: the syncer is its only company)
     c.data.seq_len = seq_len
     c.model.dtype = _pick(_DTYPE, "bfloat16", "float32")
     c.devices_per_learner = devices
@@ -198,6 +198,12 @@ def _rows(workdir: pathlib.Path, learner: int = 0) -> list[dict]:
     return sorted(
         (r for r in rows if r.get("learner") == learner and "loss" in r), key=lambda r: r["step"]
     )
+
+
+def _step_at(rows: list[dict], t: float) -> float:
+    """A learner's step count at time t (within its rows), interpolated between rows."""
+    times = [r["time"] for r in rows]
+    return float(np.interp(t, times, [r["step"] for r in rows]))
 
 
 def _rate(rows: list[dict]) -> float:
@@ -297,29 +303,30 @@ def fleet() -> None:
     replica = EmulatedReplica if _EMULATE.value else Replica
     summary = LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
     rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
-    # Rates over the window every learner is in (they start and end at different times).
-    start = max(r[0]["time"] for r in rows if r)
-    end = min(r[-1]["time"] for r in rows if r)
-    rates, delays = [], []
-    for m, learner_rows in enumerate(rows):
-        window = [r for r in learner_rows if start <= r["time"] <= end]
-        if len(window) < 3:
-            raise RuntimeError(
-                f"learner {m}: fewer than 3 rows while every learner was stepping (one ran "
-                f"before the others had compiled?); raise --steps"
-            )  # fmt: skip
-        rates.append(_rate(window))
-        delays += [r["merge_delay_steps"] for r in learner_rows if "merge_delay_steps" in r]
+    if any(len(r) < 2 for r in rows):
+        raise RuntimeError(f"a learner has fewer than 2 rows after step {skip}; raise --steps")
+    # Steps each learner took in the one interval all of them were stepping (they start and
+    # end at different times), read off its rows by linear interpolation.
+    start = max(r[0]["time"] for r in rows)
+    end = min(r[-1]["time"] for r in rows)
+    if end - start <= 0:
+        raise RuntimeError("the learners never stepped at the same time (one ran before the "
+                           "others had compiled?); raise --steps")  # fmt: skip
+    rates = [(_step_at(r, end) - _step_at(r, start)) / (end - start) for r in rows]
+    delays = [r["merge_delay_steps"] for rs in rows for r in rs if "merge_delay_steps" in r]
     H, tau = run.diloco.sync_every, run.diloco.overlap
     total = sum(rates)
     print(f"plain loop: {plain['steps_per_s']:.2f} steps/s; fleet: {total:.2f} steps/s in all "
           f"({', '.join(f'{r:.2f}' for r in rates)} per learner)")  # fmt: skip
     print(f"fleet / plain = {total / plain['steps_per_s']:.3f} (the device's share the fleet "
           f"keeps busy; 1 when the device bounds both)")  # fmt: skip
-    print(f"steps per offer = {summary.get('mean_offer_steps', float('nan')):.2f} (schedule: "
-          f"H = {H}; more: offers waited for late merges; less: final offers)")  # fmt: skip
+    print(
+        f"steps per offer = {summary.get('mean_offer_steps', float('nan')):.2f} (whole run; "
+        f"schedule: H = {H}; more: offers waited for late merges; less: final offers)"
+    )
     print(f"merge delay = {statistics.mean(delays) if delays else float('nan'):.2f} steps "
-          f"(offer to the boundary applying its merge; tau = {tau} at best)")  # fmt: skip
+          f"(mean of the rows' means past --skip: offer to the boundary applying its merge; "
+          f"tau = {tau} at best)")  # fmt: skip
     print(f"merges {summary.get('merges', 0)}, learners per merge "
           f"{summary.get('mean_learners_per_merge', float('nan')):.2f}")  # fmt: skip
 
@@ -340,8 +347,8 @@ def mfu_run(preset: str, batch: int, seq_len: int, remat: str, devices: int):
 
 
 def compiled_bytes(replica: Replica, batch: int, seq_len: int) -> int:
-    """Peak device bytes of one train step as XLA plans it (arguments + outputs + temporaries,
-    less the donated state the outputs reuse), without allocating anything."""
+    """Peak bytes per device of one train step as XLA plans it (arguments + outputs +
+    temporaries, less the donated state the outputs reuse), without allocating anything."""
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), np.int32, sharding=replica.batch_sharding)
     mem = replica._train_step.lower(replica.abstract_state(), tokens).compile().memory_analysis()
     if mem is None:  # a backend without the analysis
@@ -369,7 +376,8 @@ def largest_batch(preset, seq_len, remat, devices, first, cap) -> tuple[int, int
                 raise
             return None
 
-    budget = 0.95 * limit * devices if limit is not None else float("inf")
+    # memory_analysis() plans one device's share of a sharded step: against one device.
+    budget = 0.95 * limit if limit is not None else float("inf")
     return largest_fitting_batch(plan, first, cap, budget)
 
 

@@ -7,6 +7,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import sharding
@@ -90,3 +91,19 @@ def test_applying_a_merge_updates_theta_in_place(small_config):
         assert all(x.is_deleted() for x in old), kind
     np.testing.assert_array_equal(replica.to_host(snapshot)["final_norm/scale"],
                                   want["final_norm/scale"])  # fmt: skip
+
+
+def test_a_failed_apply_leaves_no_donated_leaf_in_the_state(small_config):
+    """A row update that fails after the whole leaves were added (a slice of the wrong
+    width) raises, and the state holds the updated leaves, not the donated buffers."""
+    run = config_lib.validate(small_config())
+    replica = Replica(run.model, run.train, sharding.make_mesh(jax.devices()[:1], run.mesh))
+    replica.init_from_rng(jax.random.key(0))
+    scale = replica.host_params()["final_norm/scale"]
+    bad = np.ones((4, 3), np.float32)  # the embedding's rows are wider than 3
+    with pytest.raises(Exception):  # noqa: B017 - whatever XLA raises for the shape
+        replica.apply("add", {"final_norm/scale": np.ones_like(scale),
+                              "embedder/embedding[0:4]": bad})  # fmt: skip
+    leaves = jax.tree.leaves(replica.state.params)
+    assert not any(x.is_deleted() for x in leaves)
+    np.testing.assert_allclose(replica.host_params()["final_norm/scale"], scale + 1)

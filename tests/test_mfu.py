@@ -144,3 +144,41 @@ def test_largest_fitting_batch_edges():
     plan, calls = _planner(lambda b: 500)  # nothing grows: the cap, confirmed
     assert mfu.largest_fitting_batch(plan, 4, 64, budget=600) == (64, 500)
     assert calls == [4, 8, 64]
+
+
+def test_largest_fitting_batch_keeps_doubling_while_the_plan_grows_slower_than_its_line():
+    """Past batch 8 each sequence adds 1 byte instead of 10: the first line under-predicts,
+    the line through the confirmed batch predicts further; the answer is the brute force's."""
+    plan, calls = _planner(lambda b: 100 + 10 * b if b <= 8 else 180 + (b - 8))
+    assert mfu.largest_fitting_batch(plan, 4, 256, budget=400) == (128, 300)
+    assert calls == [4, 8, 16, 128]
+    brute = max(b for b in (4, 8, 16, 32, 64, 128, 256) if (plan(b) or 1e9) <= 400)
+    assert brute == 128
+
+
+def test_largest_fitting_batch_rejects_a_first_batch_past_the_cap():
+    plan, calls = _planner(lambda b: 1)
+    assert mfu.largest_fitting_batch(plan, 64, 16, budget=1e9) is None and calls == []
+    with pytest.raises(ValueError, match="first batch"):
+        mfu.largest_fitting_batch(plan, 0, 16, budget=1e9)
+
+
+def test_largest_fitting_batch_matches_the_brute_force_for_linear_and_faster_growth():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        fixed, per, square = rng.uniform(0, 1e3), rng.uniform(0, 50), rng.choice([0, 0.1, 3])
+        oom = rng.choice([8, 32, 1 << 30])  # compiles from this batch on run out of memory
+        budget = rng.uniform(0, 2e4)
+
+        def bytes_of(b, fixed=fixed, per=per, square=square, oom=oom):
+            return None if b >= oom else fixed + per * b + square * b * b
+
+        first, cap = int(rng.choice([1, 2, 4])), int(rng.choice([16, 100, 256]))
+        batches = [first * 2**k for k in range(12) if first * 2**k <= cap]
+        fitting = [
+            b for b in batches if (bytes_of(b) if bytes_of(b) is not None else 1e18) <= budget
+        ]
+        want = (fitting[-1], bytes_of(fitting[-1])) if fitting else None
+        plan, calls = _planner(bytes_of)
+        assert mfu.largest_fitting_batch(plan, first, cap, budget) == want
+        assert len(calls) == len(set(calls))  # no batch compiled twice

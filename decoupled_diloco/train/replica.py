@@ -50,8 +50,10 @@ class Replica:
         )
         self._init_opt = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
         # Merges update θ in place: a donated leaf's buffer holds the result (no fragment-
-        # sized allocation per merge, no second copy of it at the peak; the train step
-        # donates the whole state every step, so nothing else holds these buffers).
+        # sized allocation per merge, no second copy of it at the peak). Nothing else holds
+        # these buffers: the train step donates the whole state every step, offers and
+        # snapshots are copies (`fragment_copies`), saves are synchronous, and only data-
+        # parallel runs (which never merge) evaluate the replica's own parameters.
         self._mix = jax.jit(  # α·a + (1 − α)·b
             lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b),
             donate_argnums=0,
@@ -165,17 +167,20 @@ class Replica:
         placed = dict(arrays) if placed else self.place(arrays)
         x = {k: v for k, v in placed.items() if parse_member(k)[1] is None}
         mine = {k: flat[k] for k in x}
-        if kind == "add":
-            flat.update(self._add(mine, x, 1.0 - alpha))
-        elif alpha:
-            flat.update(self._mix(mine, x, alpha))
-        else:
-            flat.update(x)
-        for k, value in placed.items():
-            leaf, rows = parse_member(k)
-            if rows is not None:
-                flat[leaf] = self._apply_rows(flat[leaf], leaf, rows.start, value, kind, alpha)
-        self.state = self.state._replace(params=unflatten_params(flat))
+        try:
+            if kind == "add":
+                flat.update(self._add(mine, x, 1.0 - alpha))
+            elif alpha:
+                flat.update(self._mix(mine, x, alpha))
+            else:
+                flat.update(x)
+            for k, value in placed.items():
+                leaf, rows = parse_member(k)
+                if rows is not None:
+                    flat[leaf] = self._apply_rows(flat[leaf], leaf, rows.start, value, kind,
+                                                  alpha)  # fmt: skip
+        finally:  # even after a failure: θ's donated leaves were replaced in `flat`
+            self.state = self.state._replace(params=unflatten_params(flat))
 
     def _apply_rows(self, full, leaf: str, start: int, x, kind: str, alpha: float):
         """`apply` on rows start.. of one leaf (x placed); the leaf keeps its sharding."""
