@@ -272,65 +272,6 @@ def overhead() -> None:
               f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.95 for decoupled)")  # fmt: skip
 
 
-# --- (c) a fleet of learners sharing the device ----------------------------------------------
-def fleet() -> None:
-    """--learners decoupled learners on the same devices (the `mid` quality runs' setting),
-    against one plain loop there: how much of the device the fleet keeps busy, and whether
-    its syncer and pipelines keep up with the schedule (steps per offer near H; merges back
-    within a few steps). An offer waits for its predecessor's merge, so round trips longer
-    than H steps merge each fragment less often: what cost the H200's `mid` runs quality."""
-    preset, learners = _pick(_PRESET, "mid", "tiny"), _LEARNERS.value
-    shape = dict(preset=preset, batch=_pick(_BATCH, 32, 8), seq_len=_pick(_SEQ, 256, 64),
-                 steps=_pick(_STEPS, 200, 600), devices=_pick(_DEVICES, 1, 1))  # fmt: skip
-    skip = _pick(_SKIP, 20, 8)
-    # Learners take disjoint devices while there are enough, then share them.
-    used = min(learners * shape["devices"], jax.device_count())
-    where = f"{used} x {jax.devices()[0].device_kind}"
-    if _EMULATE.value:
-        used = 1
-        where = (f"1 emulated accelerator at {_EMULATE.value:g} ms per step, host "
-                 f"{jax.devices()[0].device_kind}")  # fmt: skip
-    shared = "shared" if used < learners * shape["devices"] else "not shared"
-    print(f"\n(c) fleet: {learners} decoupled learners of {preset}, {shape['batch']} x "
-          f"{shape['seq_len']} tokens per step each, {shape['devices']} device(s) each, on "
-          f"{where} ({shared}); {shape['steps']} steps, first {skip} excluded; host cores "
-          f"{os.cpu_count()}", flush=True)  # fmt: skip
-    plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip, **shape)
-    workdir = pathlib.Path(_WORKDIR.value) / "fleet"
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    run = config_lib.validate(overhead_config("decoupled", learners=learners, **shape))
-    replica = EmulatedReplica if _EMULATE.value else Replica
-    summary = LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
-    rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
-    if any(len(r) < 2 for r in rows):
-        raise RuntimeError(f"a learner has fewer than 2 rows after step {skip}; raise --steps")
-    # Steps each learner took in the one interval all of them were stepping (they start and
-    # end at different times), read off its rows by linear interpolation.
-    start = max(r[0]["time"] for r in rows)
-    end = min(r[-1]["time"] for r in rows)
-    if end - start <= 0:
-        raise RuntimeError("the learners never stepped at the same time (one ran before the "
-                           "others had compiled?); raise --steps")  # fmt: skip
-    rates = [(_step_at(r, end) - _step_at(r, start)) / (end - start) for r in rows]
-    delays = [r["merge_delay_steps"] for rs in rows for r in rs if "merge_delay_steps" in r]
-    H, tau = run.diloco.sync_every, run.diloco.overlap
-    total = sum(rates)
-    print(f"plain loop: {plain['steps_per_s']:.2f} steps/s; fleet: {total:.2f} steps/s in all "
-          f"({', '.join(f'{r:.2f}' for r in rates)} per learner)")  # fmt: skip
-    print(f"fleet / plain = {total / plain['steps_per_s']:.3f} (the device's share the fleet "
-          f"keeps busy; 1 when the device bounds both)")  # fmt: skip
-    print(
-        f"steps per offer = {summary.get('mean_offer_steps', float('nan')):.2f} (whole run; "
-        f"schedule: H = {H}; more: offers waited for late merges; less: final offers)"
-    )
-    print(f"merge delay = {statistics.mean(delays) if delays else float('nan'):.2f} steps "
-          f"(mean of the rows' means past --skip: offer to the boundary applying its merge; "
-          f"tau = {tau} at best)")  # fmt: skip
-    print(f"merges {summary.get('merges', 0)}, learners per merge "
-          f"{summary.get('mean_learners_per_merge', float('nan')):.2f}")  # fmt: skip
-
-
 # --- (b) MFU and memory at the largest batch that fits ---------------------------------------
 def mfu_run(preset: str, batch: int, seq_len: int, remat: str, devices: int):
     """The validated RunConfig and a Replica of one learner for an MFU measurement."""
@@ -440,6 +381,65 @@ def mfu() -> None:
         row = "{:<6} {:>5} {:>7} {:>8.2f} {:>8.1f} {:>9.0f} {:>11.3f} {:>5} {:>8.2f} {:>6.1f}"
         row += " {:>9.1f}"
         print(row.format(*cells), flush=True)
+
+
+# --- (c) a fleet of learners sharing the device ----------------------------------------------
+def fleet() -> None:
+    """--learners decoupled learners on the same devices (the `mid` quality runs' setting),
+    against one plain loop there: how much of the device the fleet keeps busy, and whether
+    its syncer and pipelines keep up with the schedule (steps per offer near H; merges back
+    within a few steps). An offer waits for its predecessor's merge, so round trips longer
+    than H steps merge each fragment less often: what cost the H200's `mid` runs quality."""
+    preset, learners = _pick(_PRESET, "mid", "tiny"), _LEARNERS.value
+    shape = dict(preset=preset, batch=_pick(_BATCH, 32, 8), seq_len=_pick(_SEQ, 256, 64),
+                 steps=_pick(_STEPS, 200, 600), devices=_pick(_DEVICES, 1, 1))  # fmt: skip
+    skip = _pick(_SKIP, 20, 8)
+    # Learners take disjoint devices while there are enough, then share them.
+    used = min(learners * shape["devices"], jax.device_count())
+    where = f"{used} x {jax.devices()[0].device_kind}"
+    if _EMULATE.value:
+        used = 1
+        where = (f"1 emulated accelerator at {_EMULATE.value:g} ms per step, host "
+                 f"{jax.devices()[0].device_kind}")  # fmt: skip
+    shared = "shared" if used < learners * shape["devices"] else "not shared"
+    print(f"\n(c) fleet: {learners} decoupled learners of {preset}, {shape['batch']} x "
+          f"{shape['seq_len']} tokens per step each, {shape['devices']} device(s) each, on "
+          f"{where} ({shared}); {shape['steps']} steps, first {skip} excluded; host cores "
+          f"{os.cpu_count()}", flush=True)  # fmt: skip
+    plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip, **shape)
+    workdir = pathlib.Path(_WORKDIR.value) / "fleet"
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    run = config_lib.validate(overhead_config("decoupled", learners=learners, **shape))
+    replica = EmulatedReplica if _EMULATE.value else Replica
+    summary = LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
+    rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
+    if any(len(r) < 2 for r in rows):
+        raise RuntimeError(f"a learner has fewer than 2 rows after step {skip}; raise --steps")
+    # Steps each learner took in the one interval all of them were stepping (they start and
+    # end at different times), read off its rows by linear interpolation.
+    start = max(r[0]["time"] for r in rows)
+    end = min(r[-1]["time"] for r in rows)
+    if end - start <= 0:
+        raise RuntimeError("the learners never stepped at the same time (one ran before the "
+                           "others had compiled?); raise --steps")  # fmt: skip
+    rates = [(_step_at(r, end) - _step_at(r, start)) / (end - start) for r in rows]
+    delays = [r["merge_delay_steps"] for rs in rows for r in rs if "merge_delay_steps" in r]
+    H, tau = run.diloco.sync_every, run.diloco.overlap
+    total = sum(rates)
+    print(f"plain loop: {plain['steps_per_s']:.2f} steps/s; fleet: {total:.2f} steps/s in all "
+          f"({', '.join(f'{r:.2f}' for r in rates)} per learner)")  # fmt: skip
+    print(f"fleet / plain = {total / plain['steps_per_s']:.3f} (the device's share the fleet "
+          f"keeps busy; 1 when the device bounds both)")  # fmt: skip
+    print(
+        f"steps per offer = {summary.get('mean_offer_steps', float('nan')):.2f} (whole run; "
+        f"schedule: H = {H}; more: offers waited for late merges; less: final offers)"
+    )
+    print(f"merge delay = {statistics.mean(delays) if delays else float('nan'):.2f} steps "
+          f"(mean of the rows' means past --skip: offer to the boundary applying its merge; "
+          f"tau = {tau} at best)")  # fmt: skip
+    print(f"merges {summary.get('merges', 0)}, learners per merge "
+          f"{summary.get('mean_learners_per_merge', float('nan')):.2f}")  # fmt: skip
 
 
 def main(argv):
