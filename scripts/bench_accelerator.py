@@ -29,7 +29,11 @@ r"""Learners at accelerator speed: learner overhead, MFU / memory of a preset, f
     --mfu_batch and twice it (memory grows linearly with the batch) and one compile to
     confirm (`mfu.largest_fitting_batch`); that batch then runs --mfu_steps timed steps.
     MFU = model FLOPs/token x tokens/s / (devices x peak); blank where the device's peak is
-    unknown (CPU).
+    unknown (CPU). On CPU the plans say nothing about remat: XLA's CPU compiler plans the
+    same temporaries with and without `jax.checkpoint` (2026-11-26: `mid` at 8 x 1024,
+    11.97 / 11.94 / 11.96 GiB for none / full / dots; a checkpointed 8-block MLP 1.375 GiB
+    either way), and gemma_2b's plan at 4 x 1024 is 98.7 GiB where an H100 measured a
+    57.8 GiB peak: only an accelerator shows what remat saves and which batch fits.
 (c) --part=fleet (not in "all"): --learners decoupled learners (default 4) sharing the
     devices, as the `mid` quality runs do, beside one plain loop there: fleet steps/s ÷ the
     plain loop's (how much of the device the fleet keeps busy), steps per offer (H when the
