@@ -114,8 +114,6 @@ def largest_fitting_batch(plan, first: int, cap: int, budget: float) -> tuple[in
             and (known[big] + per * (2 * batch - big) <= budget)
         ):
             batch *= 2
-        if batch == big:
-            return big, known[big]
         while batch > big and not fits(batch):
             too_big, batch = batch, batch // 2
         if batch == big:

@@ -215,12 +215,17 @@ def _rate(rows: list[dict]) -> float:
     return (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["time"] - rows[0]["time"])
 
 
-def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dict:
+def _fresh_run(run, workdir: pathlib.Path) -> dict:
+    """Runs `run` in an empty `workdir` (on the emulated device with --emulate_step_ms);
+    returns its summary."""
     if workdir.exists():
         shutil.rmtree(workdir)  # a stale run would be resumed from its checkpoints
-    run = config_lib.validate(overhead_config(arm, **shape))
     replica = EmulatedReplica if _EMULATE.value else Replica
-    summary = LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
+    return LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
+
+
+def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dict:
+    summary = _fresh_run(config_lib.validate(overhead_config(arm, **shape)), workdir)
     rows = [r for r in _rows(workdir) if r["step"] >= skip]
     if len(rows) < 3:
         raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
@@ -412,11 +417,8 @@ def fleet() -> None:
           f"{os.cpu_count()}", flush=True)  # fmt: skip
     plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip, **shape)
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
-    if workdir.exists():
-        shutil.rmtree(workdir)
     run = config_lib.validate(overhead_config("decoupled", learners=learners, **shape))
-    replica = EmulatedReplica if _EMULATE.value else Replica
-    summary = LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
+    summary = _fresh_run(run, workdir)
     rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
     if any(len(r) < 2 for r in rows):
         raise RuntimeError(f"a learner has fewer than 2 rows after step {skip}; raise --steps")
