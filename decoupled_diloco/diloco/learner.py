@@ -366,6 +366,14 @@ class Learner:
             if f.arrived is not None:
                 yield p, f, f.arrived, f.in_flight, self._holds(f.arrived.merged, f.in_flight)
 
+    @staticmethod
+    def update_kinds(cfg: DilocoConfig) -> tuple[str, ...]:
+        """The kinds of Update this configuration's merges can take (`_update`): "mix" for
+        overwrites and for exact rebases (no compression: θ = θ_s), "add" for the others."""
+        if cfg.apply == "overwrite":
+            return ("mix",)
+        return ("add", "mix") if cfg.compression == "none" else ("add",)
+
     def _update(self, p: int, f: _Fragment, msg: Merged, held: bool, exact: bool) -> Update:
         """The Update applying version `msg` to fragment `f`; captures what it reads, so
         `arrays` may be computed later, on another thread."""

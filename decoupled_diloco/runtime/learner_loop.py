@@ -238,6 +238,10 @@ class LearnerLoop:
             self.replica.set_step(self.step)
         else:
             self.replica.init_from_host(params, self.step)
+        # The copies and merge updates of every fragment compile beside the first step's
+        # compilation instead of at the boundaries first needing them.
+        kinds = Learner.update_kinds(cfg)
+        self.replica.precompile(self.plan.names, kinds, cfg.alpha)
         self._apply(self.proto.handle(early))
 
     def _cut(self, snapshots) -> None:

@@ -7,17 +7,41 @@ by the learner's own thread at a step boundary (`fragment_copies`: on-device cop
 survive the next donation, whose host transfer is started at once).
 """
 
+import concurrent.futures
 import functools
 import math
+import threading
 
 import jax
 import numpy as np
+from absl import logging
 
 from decoupled_diloco import models, sharding, transfer
 from decoupled_diloco.diloco.fragment_members import parse_member
 from decoupled_diloco.models import flatten_params, unflatten_params
 from decoupled_diloco.train import optimizer as optim
 from decoupled_diloco.train.step import TrainState, make_train_step
+
+# The protocol's device operations on a fragment's leaves (dicts of arrays). Shared by
+# every replica of the process, so learners on the same devices compile each fragment's
+# once; `Replica.precompile` compiles them before the first step. Merges update θ in place:
+# a donated leaf's buffer holds the result (no fragment-sized allocation per merge, no
+# second copy of it at the peak). Nothing else holds those buffers: the train step donates
+# the whole state every step, offers and snapshots are copies (`fragment_copies`), saves
+# are synchronous, and only data-parallel runs (which never merge) evaluate the replica's
+# own parameters.
+_mix = jax.jit(  # α·a + (1 − α)·b
+    lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b),
+    donate_argnums=0,
+)
+_add = jax.jit(  # a + s·d
+    lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
+)
+_copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
+# One `precompile` at a time per set of devices: learners of a process sharing devices
+# compile each operation once, the later ones finding it compiled; learners on other
+# devices (other shardings, other executables) compile theirs meanwhile.
+_PRECOMPILING: dict[tuple, threading.Lock] = {}
 
 
 class Replica:
@@ -49,20 +73,10 @@ class Replica:
             lambda r: models.init_params(model_cfg, r), out_shardings=self.param_shardings
         )
         self._init_opt = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
-        # Merges update θ in place: a donated leaf's buffer holds the result (no fragment-
-        # sized allocation per merge, no second copy of it at the peak). Nothing else holds
-        # these buffers: the train step donates the whole state every step, offers and
-        # snapshots are copies (`fragment_copies`), saves are synchronous, and only data-
-        # parallel runs (which never merge) evaluate the replica's own parameters.
-        self._mix = jax.jit(  # α·a + (1 − α)·b
-            lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b),
-            donate_argnums=0,
-        )
-        self._add = jax.jit(  # a + s·d
-            lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
-        )
-        self._copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
         self._row_updates: dict = {}  # leaf -> jitted update of a row slice of it
+        self._flat_abstract = flatten_params(abstract)  # leaf -> shape and dtype
+        self._warming: concurrent.futures.Future | None = None  # `precompile` in progress
+        self._precompiled = None  # what the last `precompile` compiled
         self.state: TrainState | None = None
 
     # --- state -------------------------------------------------------------------------
@@ -124,14 +138,12 @@ class Replica:
     def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host fragment members placed with their parameters' shardings (a merge staged
         ahead); a row slice takes its leaf's (diloco/fragment_members.py)."""
-        return transfer.to_device(
-            arrays, {k: self._member_sharding(k, v) for k, v in arrays.items()}
-        )
+        return transfer.to_device(arrays, {k: self._member_sharding(k) for k in arrays})
 
-    def _member_sharding(self, name: str, value) -> jax.sharding.Sharding:
+    def _member_sharding(self, name: str) -> jax.sharding.Sharding:
         leaf, rows = parse_member(name)
         target = self.flat_shardings[leaf]
-        return target if rows is None else _rows_sharding(target, len(value))
+        return target if rows is None else _rows_sharding(target, rows.stop - rows.start)
 
     def step(self, batch) -> dict:
         """One inner step on a host batch or one `put_batch` placed; returns its metrics as
@@ -145,13 +157,86 @@ class Replica:
         """Blocks until every dispatched step has finished on the device."""
         jax.block_until_ready(self.state)
 
+    def precompile(self, fragments, kinds, alpha: float, background: bool = True) -> None:
+        """Compiles the device operations the protocol will ask for on each fragment (a list
+        of its members: leaves, or row slices of one): the on-device copy an offer takes and
+        the merge updates of `kinds` ("add", "mix") with mixing weight `alpha`, as `apply`
+        runs them. Else each compiles at the boundary where it is first needed, on the
+        learner's critical path, while its device idles: 40-150 ms per `mid` fragment's add
+        on a CPU host, at the first merges of every run. `background`: on a thread, beside
+        the first train step's compilation; the first copy or update waits for it."""
+        self._await_precompiled()
+        fragments = tuple(tuple(f) for f in fragments)
+        if (fragments, tuple(kinds), alpha) == self._precompiled:
+            return  # a restarted learner: compiled for its earlier life
+        self._precompiled = (fragments, tuple(kinds), alpha)
+        job = functools.partial(self._compile_ops, fragments, tuple(kinds), alpha)
+        if not background:
+            job()
+            return
+        self._warming = concurrent.futures.Future()
+
+        def run(future=self._warming):
+            try:
+                job()
+                future.set_result(None)
+            except Exception as e:  # noqa: BLE001 (reported by the first op that waits)
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="precompile", daemon=True).start()
+
+    def _compile_ops(self, fragments, kinds, alpha: float) -> None:
+        devices = tuple(sorted(d.id for d in self.mesh.devices.flat))
+        with _PRECOMPILING.setdefault(devices, threading.Lock()):  # (atomic)
+            for names in fragments:
+                whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
+                if whole:
+                    _copy.lower(whole).compile()
+                    if "add" in kinds:
+                        _add.lower(whole, whole, 1.0 - alpha).compile()
+                    if "mix" in kinds and alpha:  # α = 0: `apply` takes the update as it is
+                        _mix.lower(whole, whole, alpha).compile()
+                for name in names:
+                    leaf, rows = parse_member(name)
+                    if rows is None:
+                        continue
+                    full = self._abstract_member(leaf)
+                    _take_rows.lower(full, rows.start, rows.stop).compile()
+                    for kind in kinds:
+                        update = self._row_update(leaf)
+                        update.lower(full, self._abstract_member(name), rows.start, kind,
+                                     alpha).compile()  # fmt: skip
+
+    def _abstract_member(self, name: str) -> jax.ShapeDtypeStruct:
+        """A fragment member's shape, dtype and sharding on this replica (float32, as the
+        parameters and the updates are)."""
+        leaf, rows = parse_member(name)
+        shape = self._flat_abstract[leaf].shape
+        if rows is not None:
+            shape = (rows.stop - rows.start, *shape[1:])
+        dtype = self._flat_abstract[leaf].dtype
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._member_sharding(name))
+
+    def _await_precompiled(self) -> None:
+        """Waits for a background `precompile`; one that failed is logged, and the ops
+        compile where they are first used instead."""
+        warming, self._warming = self._warming, None
+        if warming is None:
+            return
+        try:
+            warming.result()
+        except Exception as e:  # noqa: BLE001
+            logging.warning("precompiling the protocol's device ops failed (%s: %s); they "
+                            "compile on first use", type(e).__name__, e)  # fmt: skip
+
     def fragment_copies(self, names) -> dict[str, jax.Array]:
         """Device copies of the named fragment members (leaves, or row slices of one:
         diloco/fragment_members.py) that survive the next donating step, with their host
         transfer already started."""
+        self._await_precompiled()
         flat = flatten_params(self.state.params)
         whole = [k for k in names if parse_member(k)[1] is None]
-        copies = self._copy({k: flat[k] for k in whole})
+        copies = _copy({k: flat[k] for k in whole}) if whole else {}
         for k in names:
             leaf, rows = parse_member(k)
             if rows is not None:  # a new array: it survives donation too
@@ -162,16 +247,19 @@ class Replica:
     def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
         """θ ← θ + (1 − α)·x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named fragment
         members (leaves, or row slices of one); x host arrays, or device arrays from `place`."""
+        self._await_precompiled()
         flat = flatten_params(self.state.params)
         placed = all(isinstance(a, jax.Array) for a in arrays.values())
         placed = dict(arrays) if placed else self.place(arrays)
         x = {k: v for k, v in placed.items() if parse_member(k)[1] is None}
         mine = {k: flat[k] for k in x}
         try:
-            if kind == "add":
-                flat.update(self._add(mine, x, 1.0 - alpha))
+            if not x:
+                pass  # only row slices (below)
+            elif kind == "add":
+                flat.update(_add(mine, x, 1.0 - alpha))
             elif alpha:
-                flat.update(self._mix(mine, x, alpha))
+                flat.update(_mix(mine, x, alpha))
             else:
                 flat.update(x)
             for k, value in placed.items():
@@ -184,12 +272,18 @@ class Replica:
 
     def _apply_rows(self, full, leaf: str, start: int, x, kind: str, alpha: float):
         """`apply` on rows start.. of one leaf (x placed); the leaf keeps its sharding."""
-        target = self.flat_shardings[leaf]
+        return self._row_update(leaf)(full, x, start, kind if kind == "add" else "mix", alpha)
+
+    def _row_update(self, leaf: str):
+        """The jitted row-slice update of `leaf` (`_update_rows`, keeping its sharding)."""
         if leaf not in self._row_updates:
             self._row_updates[leaf] = jax.jit(
-                _update_rows, static_argnums=(2, 3), out_shardings=target, donate_argnums=0
+                _update_rows,
+                static_argnums=(2, 3),
+                out_shardings=self.flat_shardings[leaf],
+                donate_argnums=0,
             )
-        return self._row_updates[leaf](full, x, start, kind if kind == "add" else "mix", alpha)
+        return self._row_updates[leaf]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
