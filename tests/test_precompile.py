@@ -8,6 +8,8 @@ learner joins. Each test uses a model width no other test uses, so the compilati
 of the process is cold for it whatever ran before.
 """
 
+import subprocess
+import sys
 import threading
 import traceback
 
@@ -17,8 +19,11 @@ import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import sharding
+from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.fragments import model_plan
-from decoupled_diloco.diloco.learner import Learner
+from decoupled_diloco.diloco.learner import Learner, materialize
+from decoupled_diloco.diloco.messages import Merged, Snapshot
+from decoupled_diloco.models import flatten_params, init_params
 from decoupled_diloco.runtime.local import LocalRuntime
 from decoupled_diloco.train.replica import Replica
 
@@ -64,7 +69,7 @@ def _sliced(small_config, d_model: int, **overrides):
 
 def _at_boundaries(compiles) -> list:
     """The compilations a copy or an update caused where it ran."""
-    return [c for c in compiles if "fragment_copies" in c[1] or "apply" in c[1]]
+    return [c for c in compiles if {"fragment_copies", "apply"} & set(c[1].split())]
 
 
 def _protocol_ops(replica: Replica, plan) -> None:
@@ -80,11 +85,22 @@ def _protocol_ops(replica: Replica, plan) -> None:
         np.testing.assert_array_equal(after[k], host[k])
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_precompiled_fragments_compile_nothing_at_a_boundary(small_config, compiles, background):
-    run, plan = _sliced(small_config, d_model=40 if background else 48)
-    mesh = sharding.make_mesh(jax.devices()[:2], run.mesh)
-    replica = Replica(run.model, run.train, mesh)
+# (devices, overrides): data-parallel (leaves replicated), and fsdp x tensor over 4 (leaves
+# and the embedding's row slices split over devices both ways).
+MESHES = {
+    "data": (2, {}),
+    "sharded": (4, {"mesh.fsdp": 2, "mesh.tensor": 2, "mesh.data": 1}),
+}
+
+
+@pytest.mark.parametrize(("background", "mesh", "d_model"),
+                         [(False, "data", 48), (True, "data", 40), (False, "sharded", 80),
+                          (True, "sharded", 88)])  # fmt: skip
+def test_precompiled_fragments_compile_nothing_at_a_boundary(small_config, compiles, background,
+                                                             mesh, d_model):  # fmt: skip
+    devices, overrides = MESHES[mesh]
+    run, plan = _sliced(small_config, d_model=d_model, **overrides)
+    replica = Replica(run.model, run.train, sharding.make_mesh(jax.devices()[:devices], run.mesh))
     replica.init_from_rng(jax.random.key(0))
     replica.precompile(plan.names, ("add", "mix"), 0.5, background=background)
     compiles.clear()
@@ -100,18 +116,54 @@ def test_without_precompiling_each_fragment_compiles_at_its_first_boundary(small
     replica.init_from_rng(jax.random.key(0))
     compiles.clear()
     _protocol_ops(replica, plan)
-    where = " ".join(frames for _, frames in compiles)
-    assert "fragment_copies" in where and "apply" in where
+    where = {frame for _, frames in compiles for frame in frames.split()}
+    assert {"fragment_copies", "apply"} <= where
     assert len(compiles) >= 3 * len(plan.names)  # copy, add, mix of every fragment at least
 
 
-def test_update_kinds_cover_what_merges_apply():
-    cfg = config_lib.tiny_cpu_config("t", learners=2).diloco
-    assert Learner.update_kinds(cfg) == ("add", "mix")  # rebase; exact rebases mix
-    cfg.compression = "int8"
-    assert Learner.update_kinds(cfg) == ("add",)
-    cfg.apply = "overwrite"
-    assert Learner.update_kinds(cfg) == ("mix",)
+def _applied_kinds(cfg, plan, params) -> set[str]:
+    """Kinds of the updates a learner applies: merges holding its offer (at the offer's own
+    boundary and later), one holding none, and a restored syncer's snapshot."""
+    learner = Learner(0, cfg, plan, 10, clock=lambda: 0.0)
+    learner.start([Snapshot({p: 0 for p in range(plan.num_fragments)}, params, 0.0)])
+    version, kinds = 0, set()
+    for wait in (0, cfg.overlap + 1):  # merged at the offer's own step, then τ + 1 later
+        while not (due := learner.due_offers()):
+            learner.stepped()
+        for ticket in due:
+            theta = {k: params[k] for k in plan.names[ticket.fragment]}
+            materialize(ticket, {k: v - 1 for k, v in theta.items()})
+        for _ in range(wait):
+            learner.stepped()
+        version += 1
+        replies = [Merged(t.fragment, version, compression.encode(params_of(plan, t.fragment,
+                   params), "none"), (0,), 0.0, merged={0: (0, t.step)}) for t in due]  # fmt: skip
+        learner.handle(replies)
+        kinds |= {u.kind for u in learner.apply_due(final=wait == 0)}
+    version += 1
+    other = Merged(0, version, compression.encode(params_of(plan, 0, params), "none"), (1,), 0.0,
+                   merged={1: (0, 5)})  # fmt: skip
+    learner.handle([other])
+    kinds |= {u.kind for u in learner.apply_due(final=True)}
+    restored = Snapshot({p: 0 for p in range(plan.num_fragments)}, params, 0.0, epoch=1)
+    return kinds | {u.kind for u in learner.handle([restored])}
+
+
+def params_of(plan, p: int, params: dict) -> dict:
+    return {k: params[k] for k in plan.names[p]}
+
+
+@pytest.mark.parametrize("apply", ["rebase", "overwrite"])
+@pytest.mark.parametrize("method", ["none", "int8"])
+def test_update_kinds_are_the_kinds_learners_apply(small_config, apply, method):
+    run = config_lib.validate(small_config(**{"diloco.learners": 2, "diloco.sync_every": 4,
+                                              "diloco.fragments": 2, "diloco.apply": apply,
+                                              "diloco.compression": method,
+                                              "diloco.alpha": 0.5}))  # fmt: skip
+    plan = model_plan(run.model, run.diloco)
+    shapes = flatten_params(jax.eval_shape(lambda: init_params(run.model, jax.random.key(0))))
+    params = {n: np.zeros(shapes[n].shape, np.float32) for names in plan.names for n in names}
+    assert _applied_kinds(run.diloco, plan, params) == set(Learner.update_kinds(run.diloco))
 
 
 def test_a_decoupled_run_compiles_no_protocol_op_on_a_learner_thread(small_config, compiles,
@@ -123,4 +175,33 @@ def test_a_decoupled_run_compiles_no_protocol_op_on_a_learner_thread(small_confi
     summary = LocalRuntime(run, str(tmp_path), verbose=False).run()
     assert summary["merges"] > 0
     assert _at_boundaries(compiles) == []
-    assert any(t == "precompile" for t, _ in compiles)  # they did compile, beforehand
+    assert any(t.startswith("precompile") for t, _ in compiles)  # they did compile, before
+
+
+_RAISES_WHILE_PRECOMPILING = """
+import os
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax
+from decoupled_diloco import config as config_lib, sharding
+from decoupled_diloco.diloco.fragments import model_plan
+from decoupled_diloco.train.replica import Replica
+c = config_lib.tiny_cpu_config("t", learners=2)
+c.model.d_model, c.model.ffw_hidden, c.model.num_layers = 136, 544, 4
+c.diloco.fragments = c.diloco.sync_every = 12
+c.devices_per_learner = 1
+run = config_lib.validate(c)
+plan = model_plan(run.model, run.diloco)
+replica = Replica(run.model, run.train, sharding.make_mesh(jax.devices()[:1], run.mesh))
+replica.precompile(plan.names, ("add", "mix"), 0.5)
+raise RuntimeError("the first train step failed")
+"""
+
+
+def test_a_process_that_fails_while_precompiling_exits_with_its_error():
+    """The precompile thread is joined at exit: torn down mid-compilation, XLA would abort
+    the process (exit 134, the error's traceback lost among its own)."""
+    proc = subprocess.run([sys.executable, "-c", _RAISES_WHILE_PRECOMPILING],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "RuntimeError: the first train step failed" in proc.stderr

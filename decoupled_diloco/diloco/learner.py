@@ -368,11 +368,11 @@ class Learner:
 
     @staticmethod
     def update_kinds(cfg: DilocoConfig) -> tuple[str, ...]:
-        """The kinds of Update this configuration's merges can take (`_update`): "mix" for
-        overwrites and for exact rebases (no compression: θ = θ_s), "add" for the others."""
-        if cfg.apply == "overwrite":
-            return ("mix",)
-        return ("add", "mix") if cfg.compression == "none" else ("add",)
+        """The kinds of Update this configuration's learners can apply: "add" (rebases, and
+        the resync onto a restored syncer's snapshot whatever `apply` is), "mix" (`_update`:
+        overwrites, and exact rebases, which need uncompressed offers)."""
+        mixes = cfg.apply == "overwrite" or cfg.compression == "none"
+        return ("add", "mix") if mixes else ("add",)
 
     def _update(self, p: int, f: _Fragment, msg: Merged, held: bool, exact: bool) -> Update:
         """The Update applying version `msg` to fragment `f`; captures what it reads, so

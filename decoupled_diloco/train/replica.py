@@ -38,10 +38,16 @@ _add = jax.jit(  # a + s·d
     lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
 )
 _copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
-# One `precompile` at a time per set of devices: learners of a process sharing devices
-# compile each operation once, the later ones finding it compiled; learners on other
-# devices (other shardings, other executables) compile theirs meanwhile.
+# Device ids -> the lock of `Replica.precompile` there.
 _PRECOMPILING: dict[tuple, threading.Lock] = {}
+
+
+def _leaf_update(kind: str, alpha: float):
+    """(jitted op, its scalar) that `Replica.apply` runs on whole leaves for an update of
+    `kind` mixed with `alpha`; None where the update simply replaces them (a mix, α = 0)."""
+    if kind == "add":
+        return _add, 1.0 - alpha
+    return (_mix, alpha) if alpha else None
 
 
 class Replica:
@@ -75,7 +81,9 @@ class Replica:
         self._init_opt = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
         self._row_updates: dict = {}  # leaf -> jitted update of a row slice of it
         self._flat_abstract = flatten_params(abstract)  # leaf -> shape and dtype
-        self._warming: concurrent.futures.Future | None = None  # `precompile` in progress
+        # Members of a fragment -> its background `precompile`, until a copy or update of
+        # the fragment waits for it.
+        self._compiling: dict[frozenset, concurrent.futures.Future] = {}
         self._precompiled = None  # what the last `precompile` compiled
         self.state: TrainState | None = None
 
@@ -163,49 +171,48 @@ class Replica:
         the merge updates of `kinds` ("add", "mix") with mixing weight `alpha`, as `apply`
         runs them. Else each compiles at the boundary where it is first needed, on the
         learner's critical path, while its device idles: 40-150 ms per `mid` fragment's add
-        on a CPU host, at the first merges of every run. `background`: on a thread, beside
-        the first train step's compilation; the first copy or update waits for it."""
+        on a CPU host, at the first merges of every run. `background`: fragment by fragment
+        on a thread, beside the first train step's compilation; a copy or update of a
+        fragment waits for that fragment's. A fragment that fails to compile is logged (its
+        ops then compile where first used)."""
         self._await_precompiled()
-        fragments = tuple(tuple(f) for f in fragments)
-        if (fragments, tuple(kinds), alpha) == self._precompiled:
+        fragments = [tuple(f) for f in fragments]
+        key = (tuple(fragments), tuple(kinds), alpha)
+        if key == self._precompiled:
             return  # a restarted learner: compiled for its earlier life
-        self._precompiled = (fragments, tuple(kinds), alpha)
-        job = functools.partial(self._compile_ops, fragments, tuple(kinds), alpha)
+        self._precompiled = key
         if not background:
-            job()
-            return
-        self._warming = concurrent.futures.Future()
-
-        def run(future=self._warming):
-            try:
-                job()
-                future.set_result(None)
-            except Exception as e:  # noqa: BLE001 (reported by the first op that waits)
-                future.set_exception(e)
-
-        threading.Thread(target=run, name="precompile", daemon=True).start()
-
-    def _compile_ops(self, fragments, kinds, alpha: float) -> None:
-        devices = tuple(sorted(d.id for d in self.mesh.devices.flat))
-        with _PRECOMPILING.setdefault(devices, threading.Lock()):  # (atomic)
             for names in fragments:
-                whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
-                if whole:
-                    _copy.lower(whole).compile()
-                    if "add" in kinds:
-                        _add.lower(whole, whole, 1.0 - alpha).compile()
-                    if "mix" in kinds and alpha:  # α = 0: `apply` takes the update as it is
-                        _mix.lower(whole, whole, alpha).compile()
-                for name in names:
-                    leaf, rows = parse_member(name)
-                    if rows is None:
-                        continue
-                    full = self._abstract_member(leaf)
-                    _take_rows.lower(full, rows.start, rows.stop).compile()
-                    for kind in kinds:
-                        update = self._row_update(leaf)
-                        update.lower(full, self._abstract_member(name), rows.start, kind,
-                                     alpha).compile()  # fmt: skip
+                self._compile_fragment(names, kinds, alpha)
+            return
+        # Not a daemon thread: the interpreter joins it at exit (XLA aborts the process if
+        # it is torn down in the middle of a compilation).
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
+        for names in fragments:
+            job = self._compile_fragment, names, kinds, alpha
+            self._compiling[frozenset(names)] = pool.submit(*job)
+        pool.shutdown(wait=False)  # its thread ends with the last fragment
+
+    def _compile_fragment(self, names, kinds, alpha: float) -> None:
+        devices = tuple(sorted(d.id for d in self.mesh.devices.flat))
+        # One at a time per set of devices: replicas sharing them find it compiled.
+        with _PRECOMPILING.setdefault(devices, threading.Lock()):  # (dict.setdefault is atomic)
+            whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
+            if whole:
+                _copy.lower(whole).compile()
+                for kind in kinds:
+                    op = _leaf_update(kind, alpha)
+                    if op is not None:
+                        op[0].lower(whole, whole, op[1]).compile()
+            for name in names:
+                leaf, rows = parse_member(name)
+                if rows is None:
+                    continue
+                full, part = self._abstract_member(leaf), self._abstract_member(name)
+                _take_rows.lower(full, rows.start, rows.stop).compile()
+                update = self._row_update(leaf)
+                for kind in kinds:
+                    update.lower(full, part, rows.start, kind, alpha).compile()
 
     def _abstract_member(self, name: str) -> jax.ShapeDtypeStruct:
         """A fragment member's shape, dtype and sharding on this replica (float32, as the
@@ -217,23 +224,25 @@ class Replica:
         dtype = self._flat_abstract[leaf].dtype
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._member_sharding(name))
 
-    def _await_precompiled(self) -> None:
-        """Waits for a background `precompile`; one that failed is logged, and the ops
-        compile where they are first used instead."""
-        warming, self._warming = self._warming, None
-        if warming is None:
-            return
-        try:
-            warming.result()
-        except Exception as e:  # noqa: BLE001
-            logging.warning("precompiling the protocol's device ops failed (%s: %s); they "
-                            "compile on first use", type(e).__name__, e)  # fmt: skip
+    def _await_precompiled(self, names=None) -> None:
+        """Waits for the background `precompile` of the fragment with these members (None:
+        of every fragment)."""
+        keys = list(self._compiling) if names is None else [frozenset(names)]
+        for key in keys:
+            future = self._compiling.pop(key, None)
+            if future is None:
+                continue
+            try:
+                future.result()
+            except Exception as e:  # noqa: BLE001 (the ops compile where first used)
+                logging.warning("precompiling the device ops of fragment %s failed (%s: %s)",
+                                sorted(key), type(e).__name__, e)  # fmt: skip
 
     def fragment_copies(self, names) -> dict[str, jax.Array]:
         """Device copies of the named fragment members (leaves, or row slices of one:
         diloco/fragment_members.py) that survive the next donating step, with their host
         transfer already started."""
-        self._await_precompiled()
+        self._await_precompiled(names)
         flat = flatten_params(self.state.params)
         whole = [k for k in names if parse_member(k)[1] is None]
         copies = _copy({k: flat[k] for k in whole}) if whole else {}
@@ -247,21 +256,17 @@ class Replica:
     def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
         """θ ← θ + (1 − α)·x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named fragment
         members (leaves, or row slices of one); x host arrays, or device arrays from `place`."""
-        self._await_precompiled()
+        self._await_precompiled(arrays)
         flat = flatten_params(self.state.params)
         placed = all(isinstance(a, jax.Array) for a in arrays.values())
         placed = dict(arrays) if placed else self.place(arrays)
         x = {k: v for k, v in placed.items() if parse_member(k)[1] is None}
-        mine = {k: flat[k] for k in x}
+        op = _leaf_update(kind, alpha)
         try:
-            if not x:
-                pass  # only row slices (below)
-            elif kind == "add":
-                flat.update(_add(mine, x, 1.0 - alpha))
-            elif alpha:
-                flat.update(_mix(mine, x, alpha))
-            else:
+            if x and op is None:
                 flat.update(x)
+            elif x:
+                flat.update(op[0]({k: flat[k] for k in x}, x, op[1]))
             for k, value in placed.items():
                 leaf, rows = parse_member(k)
                 if rows is not None:
