@@ -446,6 +446,18 @@ def fleet() -> None:
           f"tau = {tau} at best)")  # fmt: skip
     print(f"merges {summary.get('merges', 0)}, learners per merge "
           f"{summary.get('mean_learners_per_merge', float('nan')):.2f}")  # fmt: skip
+    # Where a round trip goes: offer -> merge (the learner's outbox, the link, the syncer's
+    # queue and grace) and the merge itself, in seconds and in the learners' steps; the rest
+    # of the merge delay is the reply's way back and its placement on the learner.
+    with open(workdir / "merges.jsonl", encoding="utf-8") as f:
+        merges = [r for r in map(json.loads, f) if r.get("event") == "merge"]
+    ages = [a for r in merges for a in r.get("offer_seconds", [])]
+    step_s = len(rates) / total if total else float("nan")  # one learner's seconds per step
+    if ages:
+        age, merge_s = statistics.mean(ages), statistics.mean(r["merge_seconds"] for r in merges)
+        print(f"offer to merge = {age:.3f} s ({age / step_s:.1f} steps; outbox, link, syncer "
+              f"queue and grace), merge {1e3 * merge_s:.1f} ms (mean of {len(ages)} offers, "
+              f"{len(merges)} merges)")  # fmt: skip
 
 
 def main(argv):

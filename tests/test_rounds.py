@@ -1,6 +1,8 @@
 """The syncer's schedule-slot rounds (which offers a merge holds) and the goodput ledger's
 allocation rules. Pure Syncer / Ledger tests under a fake clock."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -203,3 +205,18 @@ def test_a_round_opened_by_a_waiting_offer_turning_fresh_has_no_negative_quorum_
     assert m.learners == (0, 1)
     rec = [r for r in records if r.get("event") == "merge"][-1]
     assert rec["quorum_wait"] == pytest.approx(0.0) and rec["grace"] == pytest.approx(2.5)
+
+
+def test_merge_records_say_how_long_each_offer_took_to_merge():
+    """`offer_seconds`: from each offer's making (its `time`) to the merge holding it."""
+    plan = make_fragment_plan(SHAPES, 1, "balanced", sync_every=4)
+    params = {k: np.zeros(v, np.float32) for k, v in SHAPES.items()}
+    records = []
+    s = Syncer(DilocoConfig(learners=2, sync_every=4, quorum=2), plan, params,
+               record=records.append)  # fmt: skip
+    for m in range(2):
+        s.handle(Join(m, 0, 0.0), 0.0)
+    s.handle(dataclasses.replace(offer(0, step=4), time=0.25), 0.5)
+    (m,) = merged(s.handle(dataclasses.replace(offer(1, step=4), time=0.5), 1.0))
+    (rec,) = [r for r in records if r.get("event") == "merge"]
+    assert m.learners == (0, 1) and rec["offer_seconds"] == pytest.approx([0.75, 0.5])

@@ -357,6 +357,9 @@ class Syncer:
                 "steps": list(reply.steps),  # learner step of each merged offer
                 "incarnations": list(reply.incarnations),
                 "c_steps": [o.c_steps for o in kept],  # steps of work each offer brought
+                # Seconds from each offer's making to this merge (its learner's clock against
+                # ours): the device->host copy, outer gradient, link, our queue and the grace.
+                "offer_seconds": [now - o.time for o in kept],
                 "quorum_wait": quorum_wait,
                 "grace": grace_used,
                 "grace_window": self.grace_window(),
