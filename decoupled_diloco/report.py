@@ -157,6 +157,7 @@ def table(workdir: str) -> str:
         "merges",
         "mean_learners_per_merge",
         "mean_offer_steps",
+        "mean_offer_seconds",
         "goodput",
         "uptime",
         "failures",

@@ -133,11 +133,12 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
     return out
 
 
-def offer_steps(runs) -> str:
+def offer_steps(runs, key: str = "mean_offer_steps", digits: int = 1) -> str:
     """Steps of work per merged offer, per seed: H while offers leave on schedule, more when
-    they waited for a late merge of their fragment (round trips longer than H steps)."""
-    values = [r.summary.get("mean_offer_steps") for r in runs]
-    return "-" if not all(values) else " / ".join(f"{v:.1f}" for v in values)
+    they waited for a late merge of their fragment (round trips longer than H steps).
+    `key="mean_offer_seconds"`: the seconds from an offer to its merge, per seed."""
+    values = [r.summary.get(key) for r in runs]
+    return "-" if not all(values) else " / ".join(f"{v:.{digits}f}" for v in values)
 
 
 def markdown(results) -> str:
@@ -146,7 +147,8 @@ def markdown(results) -> str:
     arms_rows = [
         [runs[0].arm.label, harness.fmt([r.summary["final_eval_loss"] for r in runs]),
          harness.fmt(harness.loss_ratio(runs, dp), 4),
-         "-" if spread(runs) is None else f"{spread(runs):.3f}", offer_steps(runs)]
+         "-" if spread(runs) is None else f"{spread(runs):.3f}", offer_steps(runs),
+         offer_steps(runs, "mean_offer_seconds", 2)]
         for runs in groups.values()
     ]  # fmt: skip
     target_rows = [
@@ -159,7 +161,8 @@ def markdown(results) -> str:
         f"Quality targets ({harness.mode_note()}); {results[0].summary['tokens']:,} tokens per "
         "run; eval loss in nats per token on the same held-out sequences.\n\n"
     )
-    header = ["arm", "final eval loss", "÷ DP", "seed spread", "steps per offer"]
+    header = ["arm", "final eval loss", "÷ DP", "seed spread", "steps per offer",
+              "offer to merge (s)"]  # fmt: skip
     arm_table = harness.table(header, arms_rows)
     header = ["target", "measured (mean)", "per seed", "threshold", "verdict"]
     return note + arm_table + "\n" + harness.table(header, target_rows)

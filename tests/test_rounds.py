@@ -177,9 +177,13 @@ def test_allocation_ends_when_training_ends_not_after_the_tail():
 def test_mean_offer_steps_is_the_work_per_merged_offer():
     ledger = Ledger(2, sync_every=4)
     base = {"fragment": 0, "share": 1.0}
-    ledger.merge({**base, "learners": [0, 1], "c_steps": [4, 4], "time": 1.0})
-    ledger.merge({**base, "learners": [1], "c_steps": [10], "time": 2.0})  # waited twice
-    assert ledger.summary(3.0, uses_syncer=True, learner_steps=[4, 14])["mean_offer_steps"] == 6
+    ledger.merge({**base, "learners": [0, 1], "c_steps": [4, 4], "time": 1.0,
+                  "offer_seconds": [0.5, 0.25]})  # fmt: skip
+    ledger.merge({**base, "learners": [1], "c_steps": [10], "time": 2.0,  # waited twice
+                  "offer_seconds": [1.5]})  # fmt: skip
+    summary = ledger.summary(3.0, uses_syncer=True, learner_steps=[4, 14])
+    assert summary["mean_offer_steps"] == 6
+    assert summary["mean_offer_seconds"] == pytest.approx(0.75)
 
 
 def test_a_round_opened_by_a_waiting_offer_turning_fresh_has_no_negative_quorum_wait():

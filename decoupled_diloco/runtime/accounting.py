@@ -121,6 +121,7 @@ class Ledger:
         self.merges = 0
         self.merged_learners = 0
         self.merged_steps = 0  # steps of work the merged offers carried
+        self.offer_seconds = 0.0  # the merged offers' ages at their merges (summed)
         self.rejected = 0
         self.dropped = 0
         self.failures = 0
@@ -168,6 +169,7 @@ class Ledger:
             self.merges += 1
             self.merged_learners += len(rec["learners"])
             self.merged_steps += sum(rec["c_steps"])
+            self.offer_seconds += sum(rec.get("offer_seconds", ()))
             self.advances.append(rec["time"])
             self.first_merge.setdefault(rec.get("fragment", 0), rec["time"])
             share = rec.get("share", 0.0)
@@ -237,6 +239,10 @@ class Ledger:
             # H when every offer leaves on schedule; more when offers waited for a late merge
             # of their fragment (one offer per fragment in flight, diloco/learner.py).
             "mean_offer_steps": self.merged_steps / self.merged_learners
+            if self.merged_learners
+            else 0.0,
+            # Seconds from an offer's making to its merge: the first half of a round trip.
+            "mean_offer_seconds": self.offer_seconds / self.merged_learners
             if self.merged_learners
             else 0.0,
             "goodput": min(useful / allocated, 1.0) if allocated else 0.0,
