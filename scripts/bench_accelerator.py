@@ -170,6 +170,12 @@ class EmulatedReplica(Replica):
         time.sleep(max(self._done_at - time.perf_counter(), 0.0))
         super().ready()
 
+    def precompile(self, fragments, kinds, alpha: float, background: bool = True) -> None:
+        """At once: no train step compiles here for it to overlap with, and a learner that
+        waited for it at its first offers would write those steps' rows late (rates read
+        off the rows would then exceed the device's)."""
+        super().precompile(fragments, kinds, alpha, background=False)
+
 
 def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int, devices: int,
                     learners: int = 1):  # fmt: skip
