@@ -367,12 +367,14 @@ class Learner:
                 yield p, f, f.arrived, f.in_flight, self._holds(f.arrived.merged, f.in_flight)
 
     @staticmethod
-    def update_kinds(cfg: DilocoConfig) -> tuple[str, ...]:
+    def update_kinds(cfg: DilocoConfig, training: bool = False) -> tuple[str, ...]:
         """The kinds of Update this configuration's learners can apply: "add" (rebases, and
         the resync onto a restored syncer's snapshot whatever `apply` is), "mix" (`_update`:
-        overwrites, and exact rebases, which need uncompressed offers)."""
-        mixes = cfg.apply == "overwrite" or cfg.compression == "none"
-        return ("add", "mix") if mixes else ("add",)
+        overwrites, and exact rebases, which need uncompressed offers). `training`: only
+        those of the steps, not of the final sync, where exact rebases need τ = 0 (a merge
+        applied at its offer's own step)."""
+        exact = cfg.compression == "none" and (cfg.overlap == 0 or not training)
+        return ("add", "mix") if cfg.apply == "overwrite" or exact else ("add",)
 
     def _update(self, p: int, f: _Fragment, msg: Merged, held: bool, exact: bool) -> Update:
         """The Update applying version `msg` to fragment `f`; captures what it reads, so

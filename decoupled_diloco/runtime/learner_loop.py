@@ -239,8 +239,9 @@ class LearnerLoop:
         else:
             self.replica.init_from_host(params, self.step)
         # The copies and merge updates of every fragment compile beside the first step's
-        # compilation instead of at the boundaries first needing them.
-        kinds = Learner.update_kinds(cfg)
+        # compilation instead of at the boundaries first needing them (the final sync's
+        # own kinds compile there: off the steps, and only if it needs them).
+        kinds = Learner.update_kinds(cfg, training=True)
         self.replica.precompile(self.plan.names, kinds, cfg.alpha)
         self._apply(self.proto.handle(early))
 
