@@ -102,7 +102,11 @@ def test_no_good_checkpoint_stops_the_run_naming_the_files(small_config, tmp_pat
 def test_a_decoupled_resume_meets_the_syncer_at_one_cut(small_config, tmp_path):
     """Learners checkpoint at step 8, the syncer's last save holds their work up to ~step 11:
     the resumed learners skip what Θ holds instead of merging those steps a second time."""
-    cfg = small_config(**{"train.steps": 20, "train.checkpoint_every": 8, **DECOUPLED})
+    # Learners wait for late merges here: a fragment's step-10 offer goes out only once its
+    # step-6 offer is merged back, which a loaded machine may not manage by step 10 when
+    # nobody waits (then Θ holds nothing past step 8 and there is no cut to test).
+    overrides = {**DECOUPLED, "diloco.max_wait": 10.0}
+    cfg = small_config(**{"train.steps": 20, "train.checkpoint_every": 8, **overrides})
     _halted(cfg, tmp_path, after=11)
     held = collections.defaultdict(int)  # each learner's newest step in Θ
     for rec in _read(tmp_path / "merges.jsonl"):
