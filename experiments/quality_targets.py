@@ -133,10 +133,10 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
     return out
 
 
-def offer_steps(runs, key: str = "mean_offer_steps", digits: int = 1) -> str:
-    """Steps of work per merged offer, per seed: H while offers leave on schedule, more when
-    they waited for a late merge of their fragment (round trips longer than H steps).
-    `key="mean_offer_seconds"`: the seconds from an offer to its merge, per seed."""
+def per_seed(runs, key: str, digits: int) -> str:
+    """A summary figure per seed, e.g. `mean_offer_steps` (steps of work per merged offer: H
+    while offers leave on schedule, more when they waited for a late merge of their
+    fragment) or `mean_offer_seconds` (from an offer to its merge)."""
     values = [r.summary.get(key) for r in runs]
     return "-" if not all(values) else " / ".join(f"{v:.{digits}f}" for v in values)
 
@@ -147,8 +147,8 @@ def markdown(results) -> str:
     arms_rows = [
         [runs[0].arm.label, harness.fmt([r.summary["final_eval_loss"] for r in runs]),
          harness.fmt(harness.loss_ratio(runs, dp), 4),
-         "-" if spread(runs) is None else f"{spread(runs):.3f}", offer_steps(runs),
-         offer_steps(runs, "mean_offer_seconds", 2)]
+         "-" if spread(runs) is None else f"{spread(runs):.3f}",
+         per_seed(runs, "mean_offer_steps", 1), per_seed(runs, "mean_offer_seconds", 2)]
         for runs in groups.values()
     ]  # fmt: skip
     target_rows = [

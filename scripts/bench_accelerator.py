@@ -457,12 +457,12 @@ def fleet() -> None:
     # of the merge delay is the reply's way back and its placement on the learner.
     with open(workdir / "merges.jsonl", encoding="utf-8") as f:
         merges = [r for r in map(json.loads, f) if r.get("event") == "merge"]
-    ages = [a for r in merges for a in r.get("offer_seconds", [])]
     step_s = len(rates) / total if total else float("nan")  # one learner's seconds per step
-    if ages:
-        age, merge_s = statistics.mean(ages), statistics.mean(r["merge_seconds"] for r in merges)
+    if merges:
+        age = summary["mean_offer_seconds"]
+        merge_s = statistics.mean(r["merge_seconds"] for r in merges)
         print(f"offer to merge = {age:.3f} s ({age / step_s:.1f} steps; outbox, link, syncer "
-              f"queue and grace), merge {1e3 * merge_s:.1f} ms (mean of {len(ages)} offers, "
+              f"queue and grace), merge {1e3 * merge_s:.1f} ms (means over the run's "
               f"{len(merges)} merges)")  # fmt: skip
 
 
