@@ -17,6 +17,8 @@ r"""Learners at accelerator speed: learner overhead, MFU / memory of a preset, f
                    and merges computed on the learner's thread (what the pipeline buys)
       ckpt-duty1   decoupled with diloco.syncer_checkpoint_duty=1: the syncer's checkpoints
                    every 5 s however long they take (what the duty bound buys)
+      py-switch    decoupled with gil_switch_ms=0: Python's 5 ms thread switch interval
+                   instead of the run's (what the short interval buys, runtime/gil.py)
     Rates come from the runs' metrics rows (log_every=1): steps per second between the row
     at --skip (compilation excluded) and the last one. Prints decoupled / plain (goal >= 0.95)
     and the learner's host_share (the share of its step the learner thread spent on host work
@@ -40,6 +42,7 @@ r"""Learners at accelerator speed: learner overhead, MFU / memory of a preset, f
     syncer and the pipelines keep up; more when offers wait for late merges, which costs
     quality) and the merge delay in steps. With --emulate_step_ms the learners enqueue on one
     emulated device, so a CPU host measures whether its cores keep up with that device.
+    --gil_switch_ms sets the fleet's thread switch interval (0: Python's), to compare.
 """
 
 import json
@@ -84,7 +87,12 @@ _EMULATE = flags.DEFINE_float(
     "measures the host work of learners whose device is that fast (0: the real step)."
 )  # fmt: skip
 
-ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1")
+_GIL = flags.DEFINE_float(
+    "gil_switch_ms", None, "Fleet: the run's gil_switch_ms (0: Python's 5 ms; default: the "
+    "config's)."
+)  # fmt: skip
+
+ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch")
 
 
 def _quick_setup() -> None:
@@ -196,6 +204,8 @@ def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int,
     c.train.checkpoint_every = 0
     if arm == "ckpt-duty1":
         c.diloco.syncer_checkpoint_duty = 1.0
+    if arm == "py-switch":
+        c.gil_switch_ms = 0.0
     if arm == "no-pipeline":
         c.train.prefetch = 0
         c.diloco.stage_merges = False
@@ -420,10 +430,15 @@ def fleet() -> None:
     print(f"\n(c) fleet: {learners} decoupled learners of {preset}, {shape['batch']} x "
           f"{shape['seq_len']} tokens per step each, {shape['devices']} device(s) each, on "
           f"{where} ({shared}); {shape['steps']} steps, first {skip} excluded; host cores "
-          f"{os.cpu_count()}", flush=True)  # fmt: skip
+          f"{os.cpu_count()}; thread switch interval "
+          f"{_GIL.value if _GIL.value is not None else config_lib.GIL_SWITCH_MS:g} ms (0: "
+          f"Python's)", flush=True)  # fmt: skip
     plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip, **shape)
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
-    run = config_lib.validate(overhead_config("decoupled", learners=learners, **shape))
+    cfg = overhead_config("decoupled", learners=learners, **shape)
+    if _GIL.value is not None:
+        cfg.gil_switch_ms = _GIL.value
+    run = config_lib.validate(cfg)
     summary = _fresh_run(run, workdir)
     rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
     if any(len(r) < 2 for r in rows):

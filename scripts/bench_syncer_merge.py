@@ -29,20 +29,43 @@ Paths:
 
   python scripts/bench_syncer_merge.py            # N ∈ {4M, 16M}, K ∈ {1, 2, 4, 8}
   python scripts/bench_syncer_merge.py --quick    # N ∈ {1M, 4M}, fewer repetitions
+
+--part=gil: the merge beside busy Python threads, i.e. what sharing the interpreter lock
+costs it. In the local runtime the learners, their outboxes and stagers, the syncer and its
+merge threads are threads of one process. numpy lets go of the lock inside each call and
+takes it back after; a thread that wants it back while another runs Python waits until that
+one lets go, at the latest when Python's switch interval (5 ms by default) tells it to. A
+merge makes a few hundred numpy calls (per leaf and per chunk), so beside busy threads its
+time grows with their bursts, not with its bytes: on one H100 host, four `mid` learners
+sharing the GPU saw 123 ms merges (2026-11-26, experiments/results/quality_targets_mid_h100/).
+This part times `Syncer._merge` on the largest fragment of a model preset (`--k` pending
+offers) alone and beside `--busy_threads` threads that each run Python for `--busy_ms` of
+every `--busy_every_ms` (a learner thread's dispatch and bookkeeping between device waits),
+for Python's switch interval and the runtime's (`gil_switch_ms`) and for chunk sizes,
+interleaved in one run. "bursts/s kept" is the busy threads' rate with merges running back
+to back, as a share of their rate without merges: what the shorter interval costs them.
+
+  python scripts/bench_syncer_merge.py --part=gil           # mid, K 2, 4 busy threads
+  python scripts/bench_syncer_merge.py --part=gil --quick   # tiny, 3 repetitions
 """
 
 import os
 import statistics
+import sys
+import threading
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
+from decoupled_diloco import config as config_lib
 from decoupled_diloco.diloco import chunks, compression, merge, outer
 from decoupled_diloco.diloco.config import DilocoConfig
-from decoupled_diloco.diloco.fragments import make_fragment_plan
+from decoupled_diloco.diloco.fragments import make_fragment_plan, model_plan
 from decoupled_diloco.diloco.messages import Offer
 from decoupled_diloco.diloco.syncer import Syncer
+from decoupled_diloco.models.transformer import _leaves, init_params
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small fragments and 3 repetitions (about 10 s).")
 _SIZES = flags.DEFINE_list("sizes", None, "Fragment sizes in Mi-params (default 4,16; quick 1,4).")
@@ -51,6 +74,22 @@ _REPS = flags.DEFINE_integer("reps", None, "Timed repetitions per cell (default 
 _THREADS = flags.DEFINE_integer(
     "threads", 0, "Threads per merge and per copy (diloco.merge_threads; 0 = every core)."
 )
+_PART = flags.DEFINE_enum("part", "throughput", ["throughput", "gil"], "Which benchmark.")
+_PRESET = flags.DEFINE_string(
+    "preset", None, "gil: the preset whose fragment merges (mid; quick tiny)."
+)
+_FRAGMENTS = flags.DEFINE_integer(
+    "fragments", 6, "gil: fragments P of the model (6, tiny_decoupled's)."
+)
+_K = flags.DEFINE_integer("k", 2, "gil: offers per merge (2: the H100 fleet's mean).")
+_RULE = flags.DEFINE_enum("rule", "rda", ["rda", "mean"], "gil: merge rule (diloco.merge).")
+_BUSY = flags.DEFINE_integer("busy_threads", 4, "gil: Python threads running beside the merges.")
+_BUSY_MS = flags.DEFINE_float("busy_ms", 0.5, "gil: milliseconds of Python per burst.")
+_EVERY_MS = flags.DEFINE_float("busy_every_ms", 2.5, "gil: a burst starts every this many ms.")
+_SWITCH = flags.DEFINE_list(
+    "switch_ms", ["5", str(config_lib.GIL_SWITCH_MS)], "gil: switch intervals compared (ms)."
+)
+_CHUNKS = flags.DEFINE_list("chunks", ["65536", str(chunks.CHUNK)], "gil: chunk sizes compared.")
 
 
 def fragment_leaves(n: int) -> dict[str, int]:
@@ -156,8 +195,122 @@ def bench_cell(
     return [(name, statistics.median(ts)) for name, ts in times.items()]
 
 
+def fragment(preset: str, num_fragments: int) -> dict[str, np.ndarray]:
+    """The largest fragment of `preset` split into `num_fragments`: {leaf: float32 Θ}."""
+    c = config_lib.tiny_cpu_config("bench", preset=preset, learners=2)
+    config_lib.set_decoupled(c)
+    c.diloco.fragments = num_fragments
+    c.devices_per_learner = 1
+    run = config_lib.validate(c)
+    shapes = jax.eval_shape(lambda: init_params(run.model, jax.random.key(0)))
+    zeros = {k: np.zeros(v.shape, np.float32) for k, v in _leaves(shapes).items()}
+    parts = model_plan(run.model, run.diloco).split(zeros)
+    rng = np.random.default_rng(0)
+    biggest = max(parts, key=lambda p: sum(v.size for v in p.values()))
+    return {k: rng.standard_normal(v.shape, np.float32) for k, v in biggest.items()}
+
+
+class Busy:
+    """`n` threads, each running Python for `busy_s` of every `every_s` seconds."""
+
+    def __init__(self, n: int, busy_s: float, every_s: float):
+        self.n, self.busy_s, self.every_s = n, busy_s, every_s
+        self.bursts, self._stop, self._threads = [0] * n, threading.Event(), []
+
+    def _run(self, i: int) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            while time.perf_counter() - start < self.busy_s:
+                pass
+            self.bursts[i] += 1
+            time.sleep(max(self.every_s - (time.perf_counter() - start), 0.0))
+
+    def __enter__(self):
+        self._stop.clear()
+        self.bursts = [0] * self.n
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(self.n)]
+        self._t0 = time.perf_counter()
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        self.rate = sum(self.bursts) / (time.perf_counter() - self._t0)
+
+
+def timed_merges(push, merge, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        push()  # the offers' arrival: untimed, as it is off the merge's critical path
+        start = time.perf_counter()
+        merge()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def gil_main() -> None:
+    """--part=gil (module docstring)."""
+    quick = _QUICK.value
+    preset = _PRESET.value or ("tiny" if quick else "mid")
+    reps = _REPS.value or (3 if quick else 7)
+    theta = fragment(preset, _FRAGMENTS.value)
+    rng = np.random.default_rng(1)
+    payloads = [
+        compression.encode(
+            {k: 1e-3 * rng.standard_normal(v.shape, np.float32) for k, v in theta.items()}, "none"
+        )  # fmt: skip
+        for _ in range(_K.value)
+    ]
+    w = rng.uniform(0.5, 2.0, _K.value)
+    push, merge = syncer_path(theta, payloads, w, _RULE.value, _THREADS.value)
+    size = sum(v.size for v in theta.values())
+    busy = (_BUSY.value, _BUSY_MS.value / 1e3, _EVERY_MS.value / 1e3)
+    print(
+        f"load average {os.getloadavg()[0]:.2f} on {chunks.host_cores()} cores; {preset}'s "
+        f"largest of {_FRAGMENTS.value} fragments: {len(theta)} leaves, {size / 1e6:.2f}M "
+        f"params; K {_K.value}, {_RULE.value}, {chunks.resolve_threads(_THREADS.value)} merge "
+        f"threads; {busy[0]} busy threads, each {_BUSY_MS.value:g} ms of Python every "
+        f"{_EVERY_MS.value:g} ms; median of {reps} merges"
+    )
+    print(f"{'switch ms':>9} {'chunk':>8} {'alone ms':>9} {'beside ms':>10} {'beside/alone':>12} "
+          f"{'bursts/s kept':>13}")  # fmt: skip
+    before_interval, before_chunk = sys.getswitchinterval(), chunks.CHUNK
+    beside_ms = {}
+    try:
+        for switch in (float(s) for s in _SWITCH.value):
+            sys.setswitchinterval(switch / 1e3)
+            with Busy(*busy) as idle_run:  # the busy threads' own rate, nothing merging
+                time.sleep(0.5)
+            for chunk in (int(c) for c in _CHUNKS.value):
+                chunks.CHUNK = chunk
+                timed_merges(push, merge, 1)  # warm-up: buffers touched at this chunk size
+                alone = statistics.median(timed_merges(push, merge, reps))
+                with Busy(*busy) as beside_run:
+                    beside = statistics.median(timed_merges(push, merge, reps))
+                beside_ms[switch, chunk] = beside
+                print(
+                    f"{switch:>9g} {chunk:>8} {1e3 * alone:>9.1f} {1e3 * beside:>10.1f} "
+                    f"{beside / alone:>12.2f} {beside_run.rate / idle_run.rate:>13.2f}",
+                    flush=True,
+                )
+    finally:
+        sys.setswitchinterval(before_interval)
+        chunks.CHUNK = before_chunk
+    first, last = next(iter(beside_ms)), list(beside_ms)[-1]
+    print(
+        f"merge beside busy threads, switch {first[0]:g} ms / chunk {first[1]} ÷ switch "
+        f"{last[0]:g} ms / chunk {last[1]} = {beside_ms[first] / beside_ms[last]:.2f}"
+    )
+
+
 def main(argv):
     del argv
+    if _PART.value == "gil":
+        gil_main()
+        return
     quick = _QUICK.value
     sizes = [float(s) for s in (_SIZES.value or (["1", "4"] if quick else ["4", "16"]))]
     reps = _REPS.value or (3 if quick else 7)

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from decoupled_diloco import run_files
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
 
@@ -42,7 +44,9 @@ def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
         parts = line.split()
         if len(parts) == 8 and parts[0] == "0":
             rows[parts[1]] = (float(parts[2]), int(parts[5]))
-    assert set(rows) == {"plain", "decoupled", "no-pipeline", "ckpt-duty1"}, proc.stdout
+    assert set(rows) == {"plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch"}, (
+        proc.stdout
+    )
     for arm, (steps_per_s, merges) in rows.items():
         assert 0 < steps_per_s <= 1.02 * 1e3 / step_ms, (arm, steps_per_s)
         assert (merges > 0) == (arm != "plain"), (arm, merges)
@@ -56,7 +60,7 @@ def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_accelerator.py"), "--part=fleet",
            "--preset=tiny", "--batch=1", "--seq_len=16", "--devices=1", "--steps=60",
            "--skip=8", "--learners=4", "--dtype=float32", "--emulate_step_ms=8",
-           f"--workdir={tmp_path}"]  # fmt: skip
+           "--gil_switch_ms=0.5", f"--workdir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -67,9 +71,30 @@ def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
         return float(match.group(1))
 
     assert "4 decoupled learners of tiny" in out and "1 emulated accelerator at 8 ms" in out
+    assert "thread switch interval 0.5 ms" in out
+    assert run_files.read_config(str(tmp_path / "fleet")).gil_switch_ms == 0.5
     assert 0.5 < number("fleet / plain") <= 1.15, out
     assert 1 <= number("steps per offer") <= 24, out
     assert number("merge delay") >= 0
     assert 0 <= number("offer to merge") < 60, out
     merges = re.search(r"merges (\d+), learners per merge ([0-9.]+)", out)
     assert merges and int(merges.group(1)) > 0 and 1 <= float(merges.group(2)) <= 4, out
+
+
+def test_merge_beside_busy_threads_compares_switch_intervals_and_chunks():
+    """--part=gil: the syncer's merge alone and beside busy Python threads, one row per
+    switch interval and chunk size, and the ratio of the first setting to the last."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_syncer_merge.py"), "--part=gil",
+           "--quick", "--switch_ms=5,0.2", "--chunks=4096,65536", "--busy_threads=2"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    cells = {
+        (r[0], r[1]): [float(x) for x in r[2:]] for r in rows if len(r) == 6 and r[1].isdigit()
+    }
+    assert set(cells) == {(a, b) for a in ("5", "0.2") for b in ("4096", "65536")}, proc.stdout
+    for alone, beside, ratio, kept in cells.values():
+        assert alone > 0 and beside > 0 and ratio == pytest.approx(beside / alone, rel=0.05)
+        assert 0 < kept <= 1.5
+    assert re.search(r"switch 5 ms / chunk 4096 ÷ switch 0.2 ms / chunk 65536 = [0-9.]+$",
+                     proc.stdout.strip()), proc.stdout  # fmt: skip

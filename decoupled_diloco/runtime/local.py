@@ -21,7 +21,7 @@ from decoupled_diloco.diloco.fragment_members import join_members
 from decoupled_diloco.diloco.fragments import model_plan
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
-from decoupled_diloco.runtime import accounting
+from decoupled_diloco.runtime import accounting, gil
 from decoupled_diloco.runtime.learner_loop import LearnerLoop
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.runtime.records import RunLog
@@ -182,6 +182,11 @@ class LocalRuntime:
 
     # --- the run ----------------------------------------------------------------------
     def run(self) -> dict | None:
+        # Its threads share this interpreter: a short switch interval (runtime/gil.py).
+        with gil.switch_interval(self.run_cfg.gil_switch_ms):
+            return self._run()
+
+    def _run(self) -> dict | None:
         run = self.run_cfg
         run_files.write(self.workdir, run)
         self._build()

@@ -27,6 +27,7 @@ import traceback
 from decoupled_diloco import jax_world
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.preflight import FatalRunError, fatal_errors
+from decoupled_diloco.runtime import gil
 from decoupled_diloco.runtime.ray.eval import LearnerEvals
 
 COORDINATOR_WAIT_S = 300  # how long a slice's hosts wait for worker 0 (to join Ray, to serve)
@@ -106,6 +107,7 @@ class LearnerActor:
         slice_id: str = "",
     ):
         self.m, self.run, self.ckpt_dir, self.run_id, self.t0 = m, run, ckpt_dir, run_id, t0
+        gil.set_switch_interval(run.gil_switch_ms)  # the actor's process is its own
         self.host, self.hosts, self.slice_id = host, hosts, slice_id
         self.restarted = was_restarted()
         self.inbox: queue.Queue = queue.Queue()  # the link's inbox, exists before the link

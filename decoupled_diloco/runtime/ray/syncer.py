@@ -22,6 +22,7 @@ import traceback
 
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.preflight import FatalRunError, fatal_errors
+from decoupled_diloco.runtime import gil
 
 
 def initial_params(run: RunConfig) -> dict:
@@ -52,6 +53,7 @@ class SyncerActor:
         from decoupled_diloco.runtime.syncer_loop import SyncerLoop
 
         compile_cache.enable()
+        gil.set_switch_interval(run.gil_switch_ms)  # the actor's process is its own
         self.shard, self.run, self.t0 = shard, run, t0
         restarted = was_restarted()
         self._records: list[dict] = []

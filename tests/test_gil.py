@@ -1,0 +1,65 @@
+"""The run's thread switch interval (`gil_switch_ms`, runtime/gil.py): validated, set for
+the run's threads, and given back when the run ends."""
+
+import sys
+
+import pytest
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco import run_files
+from decoupled_diloco.diloco.syncer import Syncer
+from decoupled_diloco.runtime import gil
+from decoupled_diloco.runtime.local import LocalRuntime
+
+
+@pytest.mark.parametrize("bad", [-0.1, 101.0, None])
+def test_a_bad_interval_fails_at_start_up_naming_the_key(small_config, bad):
+    cfg = small_config()
+    cfg.gil_switch_ms = bad
+    with pytest.raises(ValueError, match="gil_switch_ms"):
+        config_lib.validate(cfg)
+
+
+def test_the_interval_travels_with_the_run_config(small_config):
+    cfg = small_config()
+    cfg.gil_switch_ms = 0.5
+    run = config_lib.validate(cfg)
+    assert run.gil_switch_ms == 0.5
+    back = run_files.config_from_json(run_files.config_to_json(run))
+    assert back.gil_switch_ms == 0.5
+    old = run_files.config_to_json(run)
+    del old["gil_switch_ms"]  # a run directory written before the key existed
+    assert run_files.config_from_json(old).gil_switch_ms == config_lib.GIL_SWITCH_MS
+
+
+def test_the_block_gets_the_interval_and_gives_it_back_on_error():
+    before = sys.getswitchinterval()
+    with pytest.raises(RuntimeError), gil.switch_interval(0.3):
+        assert sys.getswitchinterval() == pytest.approx(0.3e-3)
+        raise RuntimeError("a failed run")
+    assert sys.getswitchinterval() == before
+    with gil.switch_interval(0):  # 0: Python's own
+        assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("ms", [0.25, 0.0])
+def test_a_local_run_merges_under_its_interval_and_restores_python_s(
+    small_config, tmp_path, monkeypatch, ms
+):
+    seen = []
+    merge = Syncer._merge
+
+    def recording(self, p, now):
+        seen.append(sys.getswitchinterval())  # on the syncer's thread
+        return merge(self, p, now)
+
+    monkeypatch.setattr(Syncer, "_merge", recording)
+    over = {"diloco.learners": 2, "diloco.sync_every": 4, "diloco.fragments": 2,
+            "train.steps": 8, "train.eval_every": 0, "train.checkpoint_every": 0}  # fmt: skip
+    cfg = small_config(**over)
+    cfg.gil_switch_ms = ms
+    before = sys.getswitchinterval()
+    LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    assert seen, "no merge ran"
+    assert seen == pytest.approx([ms / 1e3 if ms else before] * len(seen))
+    assert sys.getswitchinterval() == before
