@@ -479,6 +479,9 @@ def fleet() -> None:
         print(f"offer to merge = {age:.3f} s ({age / step_s:.1f} steps; outbox, link, syncer "
               f"queue and grace), merge {1e3 * merge_s:.1f} ms (means over the run's "
               f"{len(merges)} merges)")  # fmt: skip
+    print(f"lock wait = {summary['lock_wait_ms']:.3f} ms (p99 {summary['lock_wait_p99_ms']:.3f} "
+          f"ms; how late a thread that slept ran Python again: the threads' bursts holding "
+          f"the interpreter lock, and the host's run queue; runtime/gil.py)")  # fmt: skip
 
 
 def main(argv):

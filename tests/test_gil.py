@@ -1,8 +1,12 @@
 """The run's thread switch interval (`gil_switch_ms`, runtime/gil.py): validated, set for
 the run's threads, and given back when the run ends."""
 
+import json
 import sys
+import threading
+import time
 
+import numpy as np
 import pytest
 
 from decoupled_diloco import config as config_lib
@@ -59,7 +63,31 @@ def test_a_local_run_merges_under_its_interval_and_restores_python_s(
     cfg = small_config(**over)
     cfg.gil_switch_ms = ms
     before = sys.getswitchinterval()
-    LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
     assert seen, "no merge ran"
+    written = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("lock_wait_ms", "lock_wait_p99_ms"):  # the run's lock probe
+        assert 0 <= summary[key] == written[key] < 1e3
     assert seen == pytest.approx([ms / 1e3 if ms else before] * len(seen))
     assert sys.getswitchinterval() == before
+
+
+def test_the_lock_probe_sees_a_thread_that_holds_the_lock():
+    with gil.LockProbe(period_s=0.002) as idle:
+        time.sleep(0.2)
+    stop = threading.Event()
+
+    def hold():  # sum over a range runs in C without letting go of the lock (~0.1 s)
+        while not stop.is_set():
+            sum(range(3_000_000))
+
+    holder = threading.Thread(target=hold)
+    with gil.LockProbe(period_s=0.002) as busy:
+        holder.start()
+        time.sleep(1.0)
+        stop.set()
+        holder.join()
+    assert idle.summary()["samples"] > 10 and busy.summary()["samples"] > 0
+    assert idle.summary()["mean_ms"] < 20 <= busy.summary()["p99_ms"], (idle.late, busy.late)
+    empty = gil.LockProbe().summary()
+    assert empty["samples"] == 0 and np.isnan(empty["mean_ms"])

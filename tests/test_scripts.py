@@ -77,6 +77,7 @@ def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
     assert 1 <= number("steps per offer") <= 24, out
     assert number("merge delay") >= 0
     assert 0 <= number("offer to merge") < 60, out
+    assert 0 <= number("lock wait") < 1e3, out
     merges = re.search(r"merges (\d+), learners per merge ([0-9.]+)", out)
     assert merges and int(merges.group(1)) > 0 and 1 <= float(merges.group(2)) <= 4, out
 

@@ -15,6 +15,10 @@ more hand-overs per millisecond.
 
 import contextlib
 import sys
+import threading
+import time
+
+import numpy as np
 
 
 def set_switch_interval(ms: float) -> None:
@@ -33,3 +37,43 @@ def switch_interval(ms: float):
         yield
     finally:
         sys.setswitchinterval(before)
+
+
+class LockProbe:
+    """How long this process's threads wait to run Python again: a thread that sleeps
+    `period_s` at a time (letting go of the interpreter lock) and records how much later
+    than asked it is running again, i.e. woken and holding the lock. On an idle process the
+    lateness is the OS's timer slack (~0.1 ms); threads that hold the lock add their bursts,
+    up to the switch interval each, and a host short of cores adds its run queue.
+
+    Use as a context manager; `summary()` afterwards: mean and p99 lateness in ms."""
+
+    def __init__(self, period_s: float = 0.005):
+        self.period_s = period_s
+        self.late: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            time.sleep(self.period_s)
+            self.late.append(time.perf_counter() - start - self.period_s)
+
+    def __enter__(self) -> "LockProbe":
+        self._thread = threading.Thread(target=self._run, name="lock_probe", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict:
+        """{"mean_ms", "p99_ms", "samples"} of the lateness (NaNs before any sample)."""
+        late = np.asarray(self.late, np.float64) * 1e3
+        if not late.size:
+            return {"mean_ms": float("nan"), "p99_ms": float("nan"), "samples": 0}
+        return {"mean_ms": float(late.mean()), "p99_ms": float(np.percentile(late, 99)),
+                "samples": int(late.size)}  # fmt: skip

@@ -183,7 +183,9 @@ class LocalRuntime:
     # --- the run ----------------------------------------------------------------------
     def run(self) -> dict | None:
         # Its threads share this interpreter: a short switch interval (runtime/gil.py).
-        with gil.switch_interval(self.run_cfg.gil_switch_ms):
+        # How long its threads wait to run Python again (summary.json's lock_wait_ms).
+        self.lock_probe = gil.LockProbe()
+        with gil.switch_interval(self.run_cfg.gil_switch_ms), self.lock_probe:
             return self._run()
 
     def _run(self) -> dict | None:
@@ -316,6 +318,8 @@ class LocalRuntime:
             self.log.ledger.summary(wall, run.uses_syncer, [loop.step for loop in self.loops]),
             stats,
         )
+        waits = self.lock_probe.summary()
+        summary.update(lock_wait_ms=waits["mean_ms"], lock_wait_p99_ms=waits["p99_ms"])
         write_json(paths.resolve(self.workdir) / "summary.json", summary)
         self.log.close()
         return summary
