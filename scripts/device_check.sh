@@ -8,7 +8,8 @@
 # There, through the device tool's `run` (carry [".whl"], timeout_s 600), in this order:
 #     bash scripts/device_check.sh quality   # mid scale: streaming_sync vs decoupled, 2 seeds
 #     bash scripts/device_check.sh more      # mid scale, seed 0: dp, decoupled_km, _mom, _nag
-#     bash scripts/device_check.sh speed     # learner overhead and fleet (mid), MFU (gemma_2b)
+#     bash scripts/device_check.sh speed     # merge beside busy threads (host), learner overhead
+#                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
@@ -105,16 +106,26 @@ case $part in
     ;;
   speed)
     if [[ ${SMOKE:-0} == 1 ]]; then QUICK=(--quick); else QUICK=(--rounds=2 --steps=150); fi
-    # 2 rounds x 150 steps of the 4 arms: about 2 minutes on an H200 (est.; 2026-11-26: 2 x 120
-    # steps of 3 arms took 74 s).
+    # The host's cores alone (~20 s): a mid merge alone and beside busy Python threads, for
+    # Python's switch interval and the runs' (runtime/gil.py), old and new chunk sizes.
+    GIL=(--part=gil)
+    [[ ${SMOKE:-0} == 1 ]] && GIL+=(--quick)
+    timeout 90 python3 scripts/bench_syncer_merge.py "${GIL[@]}" 2>&1 | tee "$OUT/speed_gil.log"
+    # 2 rounds x 150 steps of the 5 arms (py-switch: Python's 5 ms switch interval): about
+    # 2.5 minutes (2026-11-26, H100: 4 arms in ~2 minutes).
     timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
       --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
     # Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps
-    # per offer 12)? About a minute (est.).
+    # per offer 12)? 54 s on an H100 (2026-11-26); then the same with Python's switch interval.
     FLEET=(--part=fleet)
     [[ ${SMOKE:-0} == 1 ]] && FLEET+=(--quick --steps=60 --emulate_step_ms=8 --dtype=float32)
-    timeout $((DEADLINE_S / 4)) python3 scripts/bench_accelerator.py "${FLEET[@]}" 2>&1 |
-      tee "$OUT/speed_fleet.log"
+    for gil_ms in "" 0; do
+      fits || break
+      start=$SECONDS
+      timeout $((DEADLINE_S / 6)) python3 scripts/bench_accelerator.py "${FLEET[@]}" \
+        ${gil_ms:+--gil_switch_ms=$gil_ms} 2>&1 | tee -a "$OUT/speed_fleet.log"
+      last_run_s=$((SECONDS - start))
+    done
     mfu
     ;;
   mfu)

@@ -224,3 +224,25 @@ def test_merge_records_say_how_long_each_offer_took_to_merge():
     (m,) = merged(s.handle(dataclasses.replace(offer(1, step=4), time=0.5), 1.0))
     (rec,) = [r for r in records if r.get("event") == "merge"]
     assert m.learners == (0, 1) and rec["offer_seconds"] == pytest.approx([0.75, 0.5])
+
+
+def test_offers_that_queued_together_merge_in_one_round():
+    """The syncer loop hands a batch of messages to `handle_batch`: every offer in it is
+    accepted before rounds close, so offers that queued while the syncer was busy join one
+    merge per fragment instead of each closing a round of its own (as `handle` one message
+    at a time would, with K = 1 and no grace)."""
+    one_by_one = syncer()
+    out = [
+        m for o in (offer(0, step=4), offer(1, step=4)) for m in merged(one_by_one.handle(o, 1.0))
+    ]
+    assert [m.learners for m in out] == [(0,)] and one_by_one.version[0] == 1  # 1 waits
+    batched = syncer()
+    clock = iter([1.0, 1.0, 1.0])
+    (m,) = merged(batched.handle_batch([offer(0, step=4), offer(1, step=4)], lambda: next(clock)))
+    assert m.learners == (0, 1) and batched.version[0] == 1
+    # Nothing but offers is deferred: a Join in the batch is answered with its snapshot.
+    s = syncer(learners=4)
+    later = iter([2.0] * 3)
+    out = s.handle_batch([offer(0, step=4), Join(3, 1, 2.0)], lambda: next(later))
+    assert [type(msg).__name__ for _, msg in out].count("Snapshot") == 1
+    assert merged(out) and s.version[0] == 1

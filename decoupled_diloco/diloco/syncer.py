@@ -109,12 +109,15 @@ class Syncer:
         self.registry.register(m, incarnation, joined, now, *more)
 
     # --- messages --------------------------------------------------------------------
-    def handle(self, msg, now: float) -> list[tuple[int, object]]:
+    def handle(self, msg, now: float, tick: bool = True) -> list[tuple[int, object]]:
         """Processes one incoming message; returns (learner, message) pairs to send. A message
-        it cannot act on is logged and dropped (refusals.py), never raised."""
+        it cannot act on is logged and dropped (refusals.py), never raised.
+
+        `tick=False`: rounds are not closed here; the caller ticks once after a batch of
+        messages (`handle_batch`), so offers that queued up together merge together."""
         if isinstance(msg, Offer):
             self._accept(msg, now)
-            return self.tick(now)
+            return self.tick(now) if tick else self._sent()
         reason = check_message(msg, self.num_learners, self.bounds)
         if reason:
             self.refusals.drop_message(msg, reason, now)
@@ -128,7 +131,7 @@ class Syncer:
                 return []
             self.record({"event": "leave", "learner": msg.learner,
                          "finished": bool(msg.finished), "time": now})  # fmt: skip
-            return self.tick(now)
+            return self.tick(now) if tick else self._sent()
         seen = self.registry.heartbeat(msg.learner, msg.incarnation, msg.step, now)
         if seen == "join":
             # A learner in a life this syncer may have missed the Join of (its registry comes
@@ -140,7 +143,20 @@ class Syncer:
             return []
         if msg.step_seconds > 0:
             self.grace.step.update(msg.step_seconds)
-        return self.tick(now)  # a waiting offer may be fresh now
+        return self.tick(now) if tick else self._sent()  # a waiting offer may be fresh now
+
+    def handle_batch(self, msgs: list, clock: Callable[[], float]) -> list[tuple[int, object]]:
+        """Handles messages that arrived together, in order, then closes due rounds once.
+
+        Offers that queued while the syncer was busy (merging) join one round per fragment
+        instead of each closing its own: under load a merge takes more offers and the
+        syncer fewer merges, so it catches up instead of falling further behind (on the dev
+        box, four `mid` learners' offers waited 265 ms on average in the syncer's inbox, most
+        of a merge delay of 16 steps, with a round closed after every offer)."""
+        out = []
+        for msg in msgs:
+            out += self.handle(msg, clock(), tick=False)
+        return out + self.tick(clock())
 
     def _join(self, msg: Join, now: float) -> list[tuple[int, object]]:
         reason = self.registry.join(

@@ -120,10 +120,7 @@ class SyncerLoop:
         )
         msgs = self.link.receive(timeout)
         with self.lock:
-            out = []
-            for msg in msgs:
-                out += self.syncer.handle(msg, self.clock())
-            out += self.syncer.tick(self.clock())
+            out = self.syncer.handle_batch(msgs, self.clock)
         self._send(out)
 
     def _send(self, out) -> None:
