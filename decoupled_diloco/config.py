@@ -77,7 +77,7 @@ class RayConfig:
 # Python's thread switch interval while a run's threads share one interpreter
 # (runtime/gil.py): a thread waiting for the interpreter lock asks its holder to let go after
 # this long. Python's own 5 ms made every numpy call of a merge wait that long for a busy
-# learner thread; 0.2 ms merged 3x faster beside four of them (experiments/results/merge_gil/).
+# learner thread; 0.2 ms merged 1.3-2x faster beside four of them (experiments/results/merge_gil/).
 GIL_SWITCH_MS = 0.2
 
 

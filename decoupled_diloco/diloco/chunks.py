@@ -20,8 +20,9 @@ import numpy as np
 # Elements per chunk: 1 MiB of float32, so a chunk's few temporaries stay in a server core's
 # L2. Every numpy call on a chunk releases the interpreter lock and must take it back, and
 # beside busy Python threads (a process's learners) each take waits for them: 4x fewer,
-# larger calls than 64 Ki-element chunks merged a `mid` fragment 1.4-2x faster beside four
-# such threads, and no slower alone (2026-11-26, experiments/results/merge_gil/).
+# larger calls than 64 Ki-element chunks merged a `mid` fragment 1.5-2x faster beside four
+# such threads in three runs of four (one was 10% slower), and no slower alone (2026-11-26,
+# experiments/results/merge_gil/).
 CHUNK = 1 << 18
 F32 = np.float32
 _pool: concurrent.futures.ThreadPoolExecutor | None = None

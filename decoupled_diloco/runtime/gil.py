@@ -8,9 +8,9 @@ to let go after the switch interval (Python's default 5 ms), so while learner th
 Python (dispatching steps, bookkeeping) each of those calls can wait up to that long. On
 one H100 host with four `mid` learners a merge took 123 ms that takes 15 ms alone
 (experiments/results/quality_targets_mid_h100/); a merge beside four threads that hold the
-lock in 0.5 ms bursts reproduces it on a CPU, and a 0.2 ms interval merged ~3x faster there
-(experiments/results/merge_gil/). A shorter interval costs the busy threads only a few
-more hand-overs per millisecond.
+lock in 0.5 ms bursts reproduces it on a CPU (79-127 ms), and a 0.2 ms interval merged
+1.3-2x faster there (experiments/results/merge_gil/). A shorter interval costs the busy
+threads only a few more hand-overs per millisecond.
 """
 
 import contextlib
