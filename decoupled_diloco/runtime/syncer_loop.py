@@ -104,9 +104,7 @@ class SyncerLoop:
         if self.syncer is None:  # the run ended during an outage: come back to finish
             self._set(self._restore(after_failure=True))
         with self.lock:  # end of run: merge what is still pending, quorum or not
-            out = []
-            for msg in self.link.receive(0.0):
-                out += self.syncer.handle(msg, self.clock())
+            out = self.syncer.handle_batch(self.link.receive(0.0), self.clock)
             out += self.syncer.flush(self.clock())
         self._send(out)
         self.save()
