@@ -263,8 +263,12 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     if not isinstance(c.seed, int) or isinstance(c.seed, bool) or c.seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {c.seed!r}")
     gil_ms = c.get("gil_switch_ms", GIL_SWITCH_MS)
-    if isinstance(gil_ms, bool) or not isinstance(gil_ms, (int, float)) or not 0 <= gil_ms <= 100:
-        raise ValueError(f"gil_switch_ms must be in [0, 100] ms (0 = Python's), got {gil_ms!r}")
+    # Python keeps whole microseconds of it: a positive value below 1 µs would become 0.
+    number = isinstance(gil_ms, (int, float)) and not isinstance(gil_ms, bool)
+    if not number or not (gil_ms == 0 or 0.001 <= gil_ms <= 100):
+        raise ValueError(
+            f"gil_switch_ms must be 0 (Python's) or in [0.001, 100] ms, got {gil_ms!r}"
+        )
 
     model_over = {k: v for k, v in c.model.items() if k != "preset" and v is not None}
     if isinstance(model_over.get("attention_pattern"), list):

@@ -240,8 +240,12 @@ def _fresh_run(run, workdir: pathlib.Path) -> dict:
     return LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
 
 
-def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dict:
-    summary = _fresh_run(config_lib.validate(overhead_config(arm, **shape)), workdir)
+def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, gil_switch_ms=None,
+                     **shape) -> dict:  # fmt: skip
+    cfg = overhead_config(arm, **shape)
+    if gil_switch_ms is not None:
+        cfg.gil_switch_ms = gil_switch_ms
+    summary = _fresh_run(config_lib.validate(cfg), workdir)
     rows = [r for r in _rows(workdir) if r["step"] >= skip]
     if len(rows) < 3:
         raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
@@ -433,7 +437,9 @@ def fleet() -> None:
           f"{os.cpu_count()}; thread switch interval "
           f"{_GIL.value if _GIL.value is not None else config_lib.GIL_SWITCH_MS:g} ms (0: "
           f"Python's)", flush=True)  # fmt: skip
-    plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip, **shape)
+    # --gil_switch_ms applies to the plain loop too: fleet / plain compares like with like.
+    plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip,
+                             gil_switch_ms=_GIL.value, **shape)  # fmt: skip
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
     cfg = overhead_config("decoupled", learners=learners, **shape)
     if _GIL.value is not None:

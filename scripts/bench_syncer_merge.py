@@ -74,6 +74,7 @@ _REPS = flags.DEFINE_integer("reps", None, "Timed repetitions per cell (default 
 _THREADS = flags.DEFINE_integer(
     "threads", 0, "Threads per merge and per copy (diloco.merge_threads; 0 = every core)."
 )
+PYTHON_SWITCH_MS = 5.0  # Python's default switch interval
 _PART = flags.DEFINE_enum("part", "throughput", ["throughput", "gil"], "Which benchmark.")
 _PRESET = flags.DEFINE_string(
     "preset", None, "gil: the preset whose fragment merges (mid; quick tiny)."
@@ -281,7 +282,7 @@ def gil_main() -> None:
     beside_ms = {}
     try:
         for switch in (float(s) for s in _SWITCH.value):
-            sys.setswitchinterval(switch / 1e3)
+            sys.setswitchinterval((switch or PYTHON_SWITCH_MS) / 1e3)  # 0: Python's
             with Busy(*busy) as idle_run:  # the busy threads' own rate, nothing merging
                 time.sleep(0.5)
             for chunk in (int(c) for c in _CHUNKS.value):
@@ -292,7 +293,7 @@ def gil_main() -> None:
                     beside = statistics.median(timed_merges(push, merge, reps))
                 beside_ms[switch, chunk] = beside
                 print(
-                    f"{switch:>9g} {chunk:>8} {1e3 * alone:>9.1f} {1e3 * beside:>10.1f} "
+                    f"{switch:>9g} {chunk:>8} {1e3 * alone:>9.2f} {1e3 * beside:>10.2f} "
                     f"{beside / alone:>12.2f} {beside_run.rate / idle_run.rate:>13.2f}",
                     flush=True,
                 )

@@ -6,7 +6,6 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from decoupled_diloco import config as config_lib
@@ -16,7 +15,7 @@ from decoupled_diloco.runtime import gil
 from decoupled_diloco.runtime.local import LocalRuntime
 
 
-@pytest.mark.parametrize("bad", [-0.1, 101.0, None])
+@pytest.mark.parametrize("bad", [-0.1, 0.0004, 101.0, None])
 def test_a_bad_interval_fails_at_start_up_naming_the_key(small_config, bad):
     cfg = small_config()
     cfg.gil_switch_ms = bad
@@ -39,7 +38,7 @@ def test_the_interval_travels_with_the_run_config(small_config):
 def test_the_block_gets_the_interval_and_gives_it_back_on_error():
     before = sys.getswitchinterval()
     with pytest.raises(RuntimeError), gil.switch_interval(0.3):
-        assert sys.getswitchinterval() == pytest.approx(0.3e-3)
+        assert sys.getswitchinterval() == pytest.approx(0.3e-3, rel=0.01)
         raise RuntimeError("a failed run")
     assert sys.getswitchinterval() == before
     with gil.switch_interval(0):  # 0: Python's own
@@ -68,7 +67,7 @@ def test_a_local_run_merges_under_its_interval_and_restores_python_s(
     written = json.loads((tmp_path / "summary.json").read_text())
     for key in ("lock_wait_ms", "lock_wait_p99_ms"):  # the run's lock probe
         assert 0 <= summary[key] == written[key] < 1e3
-    assert seen == pytest.approx([ms / 1e3 if ms else before] * len(seen))
+    assert seen == pytest.approx([ms / 1e3 if ms else before] * len(seen), rel=0.01)
     assert sys.getswitchinterval() == before
 
 
@@ -77,9 +76,9 @@ def test_the_lock_probe_sees_a_thread_that_holds_the_lock():
         time.sleep(0.2)
     stop = threading.Event()
 
-    def hold():  # sum over a range runs in C without letting go of the lock (~0.1 s)
+    def hold():  # sum over a range runs in C without letting go of the lock (~0.2 s)
         while not stop.is_set():
-            sum(range(3_000_000))
+            sum(range(10_000_000))
 
     holder = threading.Thread(target=hold)
     with gil.LockProbe(period_s=0.002) as busy:
@@ -88,6 +87,19 @@ def test_the_lock_probe_sees_a_thread_that_holds_the_lock():
         stop.set()
         holder.join()
     assert idle.summary()["samples"] > 10 and busy.summary()["samples"] > 0
-    assert idle.summary()["mean_ms"] < 20 <= busy.summary()["p99_ms"], (idle.late, busy.late)
+    assert idle.summary()["mean_ms"] < 20 <= busy.summary()["p99_ms"], (idle.counts, busy.counts)
+    assert busy.summary()["mean_ms"] > idle.summary()["mean_ms"]
     empty = gil.LockProbe().summary()
-    assert empty["samples"] == 0 and np.isnan(empty["mean_ms"])
+    assert empty == {"mean_ms": None, "p99_ms": None, "samples": 0}
+
+
+def test_overlapping_runs_give_back_the_interval_the_first_found():
+    before = sys.getswitchinterval()
+    first, second = gil.switch_interval(0.25), gil.switch_interval(0.5)
+    first.__enter__()
+    second.__enter__()
+    assert sys.getswitchinterval() == pytest.approx(0.5e-3, rel=0.01)
+    first.__exit__(None, None, None)  # the first ends while the second still runs
+    assert sys.getswitchinterval() == pytest.approx(0.5e-3, rel=0.01)
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before

@@ -240,9 +240,23 @@ def test_offers_that_queued_together_merge_in_one_round():
     clock = iter([1.0, 1.0, 1.0])
     (m,) = merged(batched.handle_batch([offer(0, step=4), offer(1, step=4)], lambda: next(clock)))
     assert m.learners == (0, 1) and batched.version[0] == 1
-    # Nothing but offers is deferred: a Join in the batch is answered with its snapshot.
+    # Only closing rounds waits for the batch's end: a Join in it is answered at once.
     s = syncer(learners=4)
     later = iter([2.0] * 3)
     out = s.handle_batch([offer(0, step=4), Join(3, 1, 2.0)], lambda: next(later))
     assert [type(msg).__name__ for _, msg in out].count("Snapshot") == 1
     assert merged(out) and s.version[0] == 1
+
+
+def test_a_round_whose_offers_are_void_starts_afresh():
+    """A Join of a new life voids the learner's pending offer; when that was the round's
+    only offer, the round is gone: the next offer's quorum wait starts at that offer, not at
+    the void one (else the grace window's quorum estimate takes the gap as a wait)."""
+    s = syncer(learners=2, overlap=1, max_grace=5.0)
+    s.grace.gamma = 1.0
+    s.grace.step.update(1.0)
+    s.handle_batch([offer(0, step=4), Join(0, 1, 10.0)], lambda: 10.0)
+    assert s.round_open[0] is None and s.quorum_at[0] is None and s.next_deadline() is None
+    window = s.grace_window()
+    s.handle(offer(1, step=4), 110.0)
+    assert s.grace.quorum.value < 1.0 and s.grace_window() == pytest.approx(window)

@@ -72,7 +72,8 @@ def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
 
     assert "4 decoupled learners of tiny" in out and "1 emulated accelerator at 8 ms" in out
     assert "thread switch interval 0.5 ms" in out
-    assert run_files.read_config(str(tmp_path / "fleet")).gil_switch_ms == 0.5
+    for run in ("fleet", "fleet_plain"):  # the plain loop runs with the same interval
+        assert run_files.read_config(str(tmp_path / run)).gil_switch_ms == 0.5
     assert 0.5 < number("fleet / plain") <= 1.15, out
     assert 1 <= number("steps per offer") <= 24, out
     assert number("merge delay") >= 0
@@ -94,8 +95,10 @@ def test_merge_beside_busy_threads_compares_switch_intervals_and_chunks():
         (r[0], r[1]): [float(x) for x in r[2:]] for r in rows if len(r) == 6 and r[1].isdigit()
     }
     assert set(cells) == {(a, b) for a in ("5", "0.2") for b in ("4096", "65536")}, proc.stdout
-    for alone, beside, ratio, kept in cells.values():
-        assert alone > 0 and beside > 0 and ratio == pytest.approx(beside / alone, rel=0.05)
+    for alone, beside, ratio, kept in cells.values():  # times print to 0.01 ms
+        assert alone > 0 and beside > 0
+        assert (beside - 0.005) / (alone + 0.005) <= ratio + 0.005
+        assert ratio - 0.005 <= (beside + 0.005) / (alone - 0.005)
         assert 0 < kept <= 1.5
     assert re.search(r"switch 5 ms / chunk 4096 ÷ switch 0.2 ms / chunk 65536 = [0-9.]+$",
                      proc.stdout.strip()), proc.stdout  # fmt: skip

@@ -167,7 +167,8 @@ class Syncer:
             return []
         earlier = {}  # what Θ holds of the learner's earlier lives: its snapshot says so
         for p in self.owned:  # offers of an earlier life are void
-            self.pending[p].pop(msg.learner, None)
+            if self.pending[p].pop(msg.learner, None) is not None:
+                self._round_gone(p)
             entry = self.merged_into[p].pop(msg.learner, None)
             if entry is not None:
                 earlier[p] = entry[:2]
@@ -237,6 +238,13 @@ class Syncer:
             for m in [m for m in self.pending[p] if m in dead]:
                 offer = self.pending[p].pop(m)[0]
                 self.refusals.drop_offer(offer, Reason("not_live", "learner not live"), now)
+                self._round_gone(p)
+
+    def _round_gone(self, p: int) -> None:
+        """Fragment p's round has no offer left (its offers were void or dropped): the next
+        offer opens a new one, whose quorum wait and grace start then."""
+        if not self.pending[p]:
+            self.round_open[p] = self.quorum_at[p] = None
 
     def slot(self, offer: Offer) -> int:
         """The schedule slot an offer stands for (diloco/rounds.py)."""

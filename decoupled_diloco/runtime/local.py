@@ -183,9 +183,7 @@ class LocalRuntime:
     # --- the run ----------------------------------------------------------------------
     def run(self) -> dict | None:
         # Its threads share this interpreter: a short switch interval (runtime/gil.py).
-        # How long its threads wait to run Python again (summary.json's lock_wait_ms).
-        self.lock_probe = gil.LockProbe()
-        with gil.switch_interval(self.run_cfg.gil_switch_ms), self.lock_probe:
+        with gil.switch_interval(self.run_cfg.gil_switch_ms):
             return self._run()
 
     def _run(self) -> dict | None:
@@ -207,6 +205,8 @@ class LocalRuntime:
         self.progress = Progress(run.train.steps)
         self.t0 = time.monotonic()
         self.syncers = self._syncer_loops() if run.uses_syncer else []
+        # How long the run's threads wait to run Python again (summary.json's lock_wait_ms).
+        self.lock_probe = gil.LockProbe().start()
         syncer_threads = [
             self._thread(f"syncer{s}", loop.run, self._syncers_stop)
             for s, loop in enumerate(self.syncers)
@@ -218,6 +218,7 @@ class LocalRuntime:
         self._syncers_stop.set()  # learners are done: let the syncer flush and stop
         for t in syncer_threads:
             t.join()
+        self.lock_probe.stop()
         self.progress.close()
         if self.errors:
             raise RuntimeError("a learner or syncer thread failed") from self.errors[0]
@@ -318,7 +319,7 @@ class LocalRuntime:
             self.log.ledger.summary(wall, run.uses_syncer, [loop.step for loop in self.loops]),
             stats,
         )
-        waits = self.lock_probe.summary()
+        waits = self.lock_probe.summary()  # None where it took no sample
         summary.update(lock_wait_ms=waits["mean_ms"], lock_wait_p99_ms=waits["p99_ms"])
         write_json(paths.resolve(self.workdir) / "summary.json", summary)
         self.log.close()
