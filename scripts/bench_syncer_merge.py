@@ -90,6 +90,9 @@ _EVERY_MS = flags.DEFINE_float("busy_every_ms", 2.5, "gil: a burst starts every 
 _SWITCH = flags.DEFINE_list(
     "switch_ms", ["5", str(config_lib.GIL_SWITCH_MS)], "gil: switch intervals compared (ms)."
 )
+_MOMENTUM = flags.DEFINE_float(
+    "outer_momentum", 0.0, "gil: the syncer's outer momentum (0: the decoupled configs')."
+)
 _CHUNKS = flags.DEFINE_list("chunks", ["65536", str(chunks.CHUNK)], "gil: chunk sizes compared.")
 
 
@@ -110,13 +113,15 @@ def timed(path) -> float:
     return time.perf_counter() - start
 
 
-def syncer_path(theta: dict, payloads: list, w: np.ndarray, rule: str, threads: int) -> tuple:
+def syncer_path(theta: dict, payloads: list, w: np.ndarray, rule: str, threads: int,
+                momentum: float = DilocoConfig.outer_momentum) -> tuple:  # fmt: skip
     """(push the K offers, Syncer._merge) on a one-fragment syncer owning a copy of Θ."""
     k = len(payloads)
     plan = make_fragment_plan({name: x.shape for name, x in theta.items()}, 1)
     # Quorum K + 1 with only K offering: offers stay pending until _merge is called.
     cfg = DilocoConfig(learners=k + 1, sync_every=1, quorum=k + 1, grace_gamma=0.0, merge=rule,
-                       max_staleness=1 << 30, merge_threads=threads)  # fmt: skip
+                       max_staleness=1 << 30, merge_threads=threads,
+                       outer_momentum=momentum)  # fmt: skip
     syncer = Syncer(cfg, plan, theta)
     for m in range(k + 1):
         syncer.register(m, 0, True, 0.0, 1 << 40)
@@ -266,13 +271,14 @@ def gil_main() -> None:
         for _ in range(_K.value)
     ]
     w = rng.uniform(0.5, 2.0, _K.value)
-    push, merge = syncer_path(theta, payloads, w, _RULE.value, _THREADS.value)
+    push, merge = syncer_path(theta, payloads, w, _RULE.value, _THREADS.value, _MOMENTUM.value)
     size = sum(v.size for v in theta.values())
     busy = (_BUSY.value, _BUSY_MS.value / 1e3, _EVERY_MS.value / 1e3)
     print(
         f"load average {os.getloadavg()[0]:.2f} on {chunks.host_cores()} cores; {preset}'s "
         f"largest of {_FRAGMENTS.value} fragments: {len(theta)} leaves, {size / 1e6:.2f}M "
-        f"params; K {_K.value}, {_RULE.value}, {chunks.resolve_threads(_THREADS.value)} merge "
+        f"params; K {_K.value}, {_RULE.value}, outer momentum {_MOMENTUM.value:g}, "
+        f"{chunks.resolve_threads(_THREADS.value)} merge "
         f"threads; {busy[0]} busy threads, each {_BUSY_MS.value:g} ms of Python every "
         f"{_EVERY_MS.value:g} ms; median of {reps} merges"
     )

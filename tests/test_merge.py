@@ -411,3 +411,33 @@ def test_a_learners_rebase_delta_in_chunks_and_threads_is_exact(monkeypatch, thr
             want = want + sent[k]
         assert got[k].shape == np.shape(new[k]) and got[k].dtype == np.float32
         np.testing.assert_array_equal(got[k], want)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("clock", ["merge", "work"])
+def test_momentum_0_steps_theta_bit_for_bit_and_leaves_the_buffer(
+    monkeypatch, inplace, nesterov, clock
+):
+    """With momentum 0 the fused step is Θ − lr·Δ exactly, and skips the buffer (read by no
+    later step while the momentum is 0): the syncer's merge then makes two passes less."""
+    monkeypatch.setattr(chunks, "CHUNK", 7)  # many chunks, ragged last one
+    rng = np.random.default_rng(21)
+    theta, vs = tree(rng), [tree(rng, scale=0.01) for _ in range(3)]
+    w = np.array([1.0, 2.0, 0.5])
+    buffers = tree(rng)  # not zeros: a buffer left as it is must still hold these
+    state = merge.OuterState({k: x.copy() for k, x in buffers.items()})
+    expected_delta = merge.merge(vs, w, "rda")
+    new, new_state = merge.merge_outer_step(
+        {k: x.copy() for k, x in theta.items()}, vs, w, "rda", state, 0.7, 0.0,
+        nesterov=nesterov, clock=clock, work=0.5, inplace=inplace,
+    )  # fmt: skip
+    for k in SHAPES:
+        want = theta[k] - np.multiply(expected_delta[k], np.float32(0.7), dtype=np.float32)
+        np.testing.assert_array_equal(new[k], want)
+        np.testing.assert_array_equal(new_state.momentum[k], buffers[k])
+    # The same merge with momentum 0.5 does move the buffer (the fast path is momentum 0's).
+    moved = merge.OuterState({k: x.copy() for k, x in buffers.items()})
+    merge.merge_outer_step({k: x.copy() for k, x in theta.items()}, vs, w, "rda", moved,
+                           0.7, 0.5, clock=clock, work=0.5, inplace=True)  # fmt: skip
+    assert not np.array_equal(moved.momentum["ffw/down"], buffers["ffw/down"])
