@@ -1,3 +1,5 @@
+# The batching A/B of README.md: `before` is a worktree of the commit before
+# Syncer.handle_batch (git worktree add /tmp/ab/before 5a8b8e0), `after` this checkout.
 for i in 1 2 3; do
   for arm in before after; do
     if [ $arm = before ]; then dir=/tmp/ab/before; else dir=/work/main; fi
