@@ -669,6 +669,11 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
     for msg in msgs:
         local.handle(msg, 0.0)
         ray.get(syncer_actor.post.remote(msg))
+        # One message per batch, as `local` handles them: the actor's loop handles what it
+        # takes as one batch, rounds closing after it (Syncer.handle_batch).
+        deadline = time.monotonic() + 60
+        while ray.get(syncer_actor.queued.remote()) and time.monotonic() < deadline:
+            time.sleep(0.01)
     deadline = time.monotonic() + 60
     records = []
     while time.monotonic() < deadline:

@@ -318,9 +318,8 @@ class LocalRuntime:
             wall,
             self.log.ledger.summary(wall, run.uses_syncer, [loop.step for loop in self.loops]),
             stats,
+            self.lock_probe.summary(),
         )
-        waits = self.lock_probe.summary()  # None where it took no sample
-        summary.update(lock_wait_ms=waits["mean_ms"], lock_wait_p99_ms=waits["p99_ms"])
         write_json(paths.resolve(self.workdir) / "summary.json", summary)
         self.log.close()
         return summary

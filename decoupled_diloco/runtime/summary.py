@@ -12,8 +12,11 @@ def run_summary(
     wall_seconds: float,
     accounting: dict,
     syncer_stats: list[dict],
+    lock_wait: dict | None = None,
 ) -> dict:
-    """`accounting`: `Ledger.summary(...)`; `syncer_stats`: each live syncer shard's stats."""
+    """`accounting`: `Ledger.summary(...)`; `syncer_stats`: each live syncer shard's stats;
+    `lock_wait`: `gil.LockProbe.summary()` of the process that ran every learner and syncer
+    (the local runtime's; None under Ray, whose actors are processes of their own)."""
     summary = {
         "name": run.name,
         "final_eval_loss": final_eval_loss,
@@ -24,6 +27,9 @@ def run_summary(
     }
     summary.update(accounting)
     summary.update(refusal_counts(syncer_stats))
+    waits = lock_wait or {}
+    summary["lock_wait_ms"] = waits.get("mean_ms")  # None: not measured
+    summary["lock_wait_p99_ms"] = waits.get("p99_ms")
     if run.uses_syncer:
         communicated = sum(s["bytes_in"] + s["bytes_out"] for s in syncer_stats)
         summary["bytes_communicated"] = int(communicated)

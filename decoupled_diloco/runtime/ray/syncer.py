@@ -106,6 +106,11 @@ class SyncerActor:
     def post(self, msg) -> None:
         self.inbox.put(msg)
 
+    def queued(self) -> int:
+        """Messages posted and not yet taken by the serving loop (it handles what it takes
+        as one batch: `Syncer.handle_batch`)."""
+        return self.inbox.qsize()
+
     def poll(self) -> dict:
         import ray
 
