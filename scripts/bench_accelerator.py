@@ -186,9 +186,9 @@ class EmulatedReplica(Replica):
 
 
 def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int, devices: int,
-                    learners: int = 1):  # fmt: skip
+                    learners: int = 1, gil_switch_ms: float | None = None):  # fmt: skip
     """`learners` learners of `preset` (one: plain), each on `devices` devices (or sharing
-    them); the decoupled arms add a syncer."""
+    them); the decoupled arms add a syncer. `gil_switch_ms`: the run's (None: the config's)."""
     multi = 1 if arm == "plain" else 2  # 2: the syncer settings of a multi-learner run
     c = config_lib.tiny_cpu_config(f"bench_{arm}", preset=preset, learners=multi,
                                    batch_size=batch, steps=steps)  # fmt: skip
@@ -204,6 +204,8 @@ def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int,
     c.train.checkpoint_every = 0
     if arm == "ckpt-duty1":
         c.diloco.syncer_checkpoint_duty = 1.0
+    if gil_switch_ms is not None:
+        c.gil_switch_ms = gil_switch_ms
     if arm == "py-switch":
         c.gil_switch_ms = 0.0
     if arm == "no-pipeline":
@@ -240,12 +242,8 @@ def _fresh_run(run, workdir: pathlib.Path) -> dict:
     return LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
 
 
-def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, gil_switch_ms=None,
-                     **shape) -> dict:  # fmt: skip
-    cfg = overhead_config(arm, **shape)
-    if gil_switch_ms is not None:
-        cfg.gil_switch_ms = gil_switch_ms
-    summary = _fresh_run(config_lib.validate(cfg), workdir)
+def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dict:
+    summary = _fresh_run(config_lib.validate(overhead_config(arm, **shape)), workdir)
     rows = [r for r in _rows(workdir) if r["step"] >= skip]
     if len(rows) < 3:
         raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
@@ -441,10 +439,9 @@ def fleet() -> None:
     plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip,
                              gil_switch_ms=_GIL.value, **shape)  # fmt: skip
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
-    cfg = overhead_config("decoupled", learners=learners, **shape)
-    if _GIL.value is not None:
-        cfg.gil_switch_ms = _GIL.value
-    run = config_lib.validate(cfg)
+    run = config_lib.validate(
+        overhead_config("decoupled", learners=learners, gil_switch_ms=_GIL.value, **shape)
+    )
     summary = _fresh_run(run, workdir)
     rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
     if any(len(r) < 2 for r in rows):
