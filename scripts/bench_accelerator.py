@@ -19,12 +19,14 @@ r"""Learners at accelerator speed: learner overhead, MFU / memory of a preset, f
                    every 5 s however long they take (what the duty bound buys)
       py-switch    decoupled with gil_switch_ms=0: Python's 5 ms thread switch interval
                    instead of the run's (what the short interval buys, runtime/gil.py)
+      host-rebase  decoupled with diloco.device_rebase=False: each merge's rebase computed
+                   on the host, then placed (what computing it on the devices buys)
     Rates come from the runs' metrics rows (log_every=1): steps per second between the row
     at --skip (compilation excluded) and the last one. Prints decoupled / plain (goal >= 0.95)
     and the learner's host_share (the share of its step the learner thread spent on host work
     instead of waiting for the device: near 1, the device starves), the merges it deferred
-    (their update not placed on the device in time) and stage_ms (host math and transfer of
-    one merge's update, the stager's moving mean).
+    (their update not placed on the device in time) and stage_ms (computing and placing one
+    merge's update, the stager's moving mean).
 (b) MFU and peak memory of --mfu_preset at the largest batch that fits, for each remat
     policy (--remat, in that order): the largest --mfu_batch·2^k <= --max_batch whose compiled
     step's memory (`memory_analysis()`) fits 95% of the device, found from the plans of
@@ -92,7 +94,7 @@ _GIL = flags.DEFINE_float(
     "config's)."
 )  # fmt: skip
 
-ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch")
+ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase")
 
 
 def _quick_setup() -> None:
@@ -208,6 +210,8 @@ def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int,
         c.gil_switch_ms = gil_switch_ms
     if arm == "py-switch":
         c.gil_switch_ms = 0.0
+    if arm == "host-rebase":
+        c.diloco.device_rebase = False
     if arm == "no-pipeline":
         c.train.prefetch = 0
         c.diloco.stage_merges = False

@@ -111,8 +111,9 @@ case $part in
     GIL=(--part=gil)
     [[ ${SMOKE:-0} == 1 ]] && GIL+=(--quick)
     timeout 90 python3 scripts/bench_syncer_merge.py "${GIL[@]}" 2>&1 | tee "$OUT/speed_gil.log"
-    # 2 rounds x 150 steps of the 5 arms (py-switch: Python's 5 ms switch interval): about
-    # 2.5 minutes (2026-11-26, H100: 4 arms in ~2 minutes).
+    # 2 rounds x 150 steps of the 6 arms (py-switch: Python's 5 ms switch interval;
+    # host-rebase: merges' rebases on the host): about 3 minutes (2026-11-26, H100: 4 arms
+    # in ~2 minutes).
     timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
       --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
     # Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps

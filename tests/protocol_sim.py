@@ -60,6 +60,12 @@ class NumpyReplica:
     def place(arrays: dict) -> dict:
         return {k: np.array(v, np.float32) for k, v in arrays.items()}
 
+    @staticmethod
+    def rebase_delta(new: dict, anchor: dict, sent: dict | None) -> dict:
+        """`Replica.rebase_delta` of placed arrays: the same float32 operations."""
+        x = {k: np.subtract(t, anchor[k], dtype=np.float32) for k, t in new.items()}
+        return x if sent is None else {k: np.add(d, sent[k]) for k, d in x.items()}
+
     def fragment_copies(self, names) -> dict:
         return {k: self.state[k].copy() for k in names}
 
@@ -200,12 +206,14 @@ class Sim:
     up_delay(m, msg) / down_delay(m, msg): seconds a message takes to the syncer / to learner
     m (defaults 0). `step_time[m]`: seconds per inner step of learner m, or a function
     (m, step) -> seconds. `stage`: learners stage merges (runtime/boundary.MergeStager) on
-    `stage_executor` (default: computed at once, so nothing depends on thread timing).
+    `stage_executor` (default: computed at once, so nothing depends on thread timing), with
+    `device_rebase` their rebases "on the devices" (`NumpyReplica.rebase_delta`, G kept).
     """
 
     def __init__(self, cfg: DilocoConfig, steps: int, update=None, step_time=None,
                  up_delay=None, down_delay=None, shapes=SHAPES, params=None,
-                 stage: bool = False, stage_executor=None):  # fmt: skip
+                 stage: bool = False, stage_executor=None,
+                 device_rebase: bool = False):  # fmt: skip
         self.cfg, self.shapes = cfg, shapes
         self.update = update or linear_update()
         self.plan = make_fragment_plan(shapes, cfg.fragments, "balanced", cfg.sync_every)
@@ -226,7 +234,7 @@ class Sim:
             replica = NumpyReplica(m, self.update)
             outbox = Outbox(link, materialize, replica.to_host, inline=True)
             executor = stage_executor or ImmediateExecutor()
-            stager = MergeStager(replica, executor) if stage else None
+            stager = MergeStager(replica, executor, device_rebase=device_rebase) if stage else None
             self.learners.append(_Learner(proto, replica, link, outbox, 0.0, steps, stager=stager))
             snaps = [msg for _, msg in self.syncer.handle(proto.join(), self.t)]
             replica.init_from_host(proto.start([s for s in snaps if isinstance(s, Snapshot)]))

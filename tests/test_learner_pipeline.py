@@ -105,21 +105,34 @@ def _final_state(sim: Sim) -> dict:
         dict(learners=4, quorum=2, alpha=0.25, outer_momentum=0.9, outer_lr=0.7),
     ],
 )
-def test_staged_merges_give_bit_identical_models(kw):
+@pytest.mark.parametrize("device_rebase", [False, True])
+def test_staged_merges_give_bit_identical_models(kw, device_rebase):
     """Every learner's θ and the syncer's Θ are bit-identical with merges staged ahead and
-    computed at the boundary; most applied merges were staged."""
+    computed at the boundary; most applied merges were staged. With `device_rebase` the
+    stager computes rebases from Θ_new, v̂ and the G it kept from the version before
+    (placed again only when it has not got it: a learner's first merge of a fragment)."""
     runs = {}
     for stage in (False, True):
         sim = Sim(cfg(**kw), 30, up_delay=lambda m, msg: 1.5 * m,
-                  down_delay=lambda m, msg: 0.7 + m, stage=stage)  # fmt: skip
+                  down_delay=lambda m, msg: 0.7 + m, stage=stage,
+                  device_rebase=device_rebase)  # fmt: skip
         sim.run()
         runs[stage] = sim
     plain, staged = _final_state(runs[False]), _final_state(runs[True])
     for k in plain:
         np.testing.assert_array_equal(staged[k], plain[k], err_msg=k)
-    hits = sum(lr.stager.hits for lr in runs[True].learners)
-    misses = sum(lr.stager.misses for lr in runs[True].learners)
+    stagers = [lr.stager for lr in runs[True].learners]
+    hits, misses = sum(s.hits for s in stagers), sum(s.misses for s in stagers)
     assert hits > 0 and hits >= misses, (hits, misses)
+    moves = sum(s.anchor_moves for s in stagers)
+    rebases = sum(s.rebases for s in stagers)
+    if not device_rebase or kw.get("apply") == "overwrite":
+        assert rebases == moves == 0  # overwrites are mixes: nothing to rebase on devices
+        return
+    # G placed once per learner and fragment (its first merge), and again only where a
+    # version superseded one staged before it was applied, which these delays make rare.
+    first = len(stagers) * runs[True].plan.num_fragments
+    assert rebases > 2 * first and moves <= first + rebases // 10, (rebases, moves, first)
 
 
 def test_a_learner_that_never_waits_applies_a_merge_once_it_is_placed():
@@ -154,9 +167,12 @@ def test_a_learner_that_never_waits_applies_a_merge_once_it_is_placed():
         dict(overlap=1, fragments=3, quorum=2, compression="int8"),
     ],
 )
-def test_deferred_merges_conserve_work_whenever_placements_finish(seed, kw):
+@pytest.mark.parametrize("device_rebase", [False, True])
+def test_deferred_merges_conserve_work_whenever_placements_finish(seed, kw, device_rebase):
     """Placements finish at random moments (also after a learner's last step, whose
-    deferred merge the final sync must apply before offering the rest)."""
+    deferred merge the final sync must apply before offering the rest); with
+    `device_rebase`, versions superseded and cancelled before their job ran leave the G a
+    rebase takes right."""
     rng = np.random.default_rng(seed)
     ups, downs = rng.uniform(0, 3, 3), rng.uniform(0, 4, 3)
     held, steps = HeldExecutor(), 30
@@ -166,7 +182,8 @@ def test_deferred_merges_conserve_work_whenever_placements_finish(seed, kw):
             held.release()
 
     sim = Sim(cfg(**kw), steps, up_delay=lambda m, msg: ups[m], down_delay=lambda m, msg: downs[m],
-              step_time=[1.0, 1.7, 0.6], stage=True, stage_executor=held)  # fmt: skip
+              step_time=[1.0, 1.7, 0.6], stage=True, stage_executor=held,
+              device_rebase=device_rebase)  # fmt: skip
     sim.run(on_step)
     if kw.get("compression", "none") == "none":
         assert_every_step_merged_once(sim, steps)
@@ -174,6 +191,48 @@ def test_deferred_merges_conserve_work_whenever_placements_finish(seed, kw):
         merged = sim.merged_steps()
         assert all(merged.get((m, p), 0) == steps
                    for m in range(3) for p in range(sim.plan.num_fragments)), merged  # fmt: skip
+
+
+def test_a_device_rebase_takes_the_g_its_update_names():
+    """The stager keeps the Θ_new it placed as the next rebase's G only for the update that
+    names it: a version superseding one staged before it was applied rebases on the G
+    before both (placed again), a rebase after an applied one on the kept Θ_new, and after
+    `clear` (a restart) nothing kept is used."""
+    from protocol_sim import ImmediateExecutor
+
+    from decoupled_diloco.diloco import compression
+    from decoupled_diloco.diloco.updates import Rebase, Update, rebase_delta
+    from decoupled_diloco.runtime.boundary import MergeStager
+
+    rng = np.random.default_rng(0)
+    thetas = [{"w": rng.standard_normal(5).astype(np.float32)} for _ in range(5)]
+    sent = {"w": rng.standard_normal(5).astype(np.float32)}
+    stager = MergeStager(NumpyReplica(0, None), ImmediateExecutor(), device_rebase=True)
+
+    def staged(version, anchored, anchor_version, held=False):
+        """The x the stager computes for Θ_version on G = Θ_anchor_version, and the host's."""
+        payload = compression.encode(thetas[version], "none")
+        v = sent if held else None
+        key = (0, 0, version, 0, anchored, held, False)
+        r = Rebase(payload, thetas[anchor_version], v, (0, 0, 0, anchored, anchor_version),
+                   (0, 0, 0, anchored + 1, version))  # fmt: skip
+        u = Update("add", lambda: rebase_delta(thetas[anchor_version], thetas[version], v), 0.0,
+                   key, rebase=r)  # fmt: skip
+        stager.stage([u])
+        return stager.take(u)["w"], u.arrays["w"]
+
+    for device, host in [
+        staged(1, 0, 0),  # the first: G placed
+        staged(2, 0, 0, held=True),  # supersedes version 1 (never applied): G placed again
+        staged(3, 1, 2),  # version 2 applied: its Θ_new is this G
+        staged(4, 2, 3, held=True),
+    ]:
+        np.testing.assert_array_equal(device, host)
+    assert stager.anchor_moves == 2 and stager.rebases == 4
+    stager.clear()
+    device, host = staged(4, 3, 4)  # would find Θ_4 kept under this G's name, but a restart
+    np.testing.assert_array_equal(device, host)
+    assert stager.anchor_moves == 3
 
 
 def test_the_stager_defers_only_what_had_a_boundary_to_be_placed():

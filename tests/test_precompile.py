@@ -23,6 +23,7 @@ from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.fragments import model_plan
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Merged, Snapshot
+from decoupled_diloco.diloco.updates import rebase_delta
 from decoupled_diloco.models import flatten_params, init_params
 from decoupled_diloco.runtime.local import LocalRuntime
 from decoupled_diloco.train.replica import Replica
@@ -68,18 +69,31 @@ def _sliced(small_config, d_model: int, **overrides):
 
 
 def _at_boundaries(compiles) -> list:
-    """The compilations a copy or an update caused where it ran."""
-    return [c for c in compiles if {"fragment_copies", "apply"} & set(c[1].split())]
+    """The compilations a copy, an update or a rebase staged on the devices caused where it
+    ran."""
+    ops = {"fragment_copies", "apply", "rebase_delta"}
+    return [c for c in compiles if ops & set(c[1].split())]
 
 
 def _protocol_ops(replica: Replica, plan) -> None:
-    """Every fragment's copy, add and mix, as the learner's boundaries run them."""
+    """Every fragment's copy, add and mix, as the learner's boundaries run them, and its
+    rebase computed on the devices (`MergeStager` with `diloco.device_rebase`), which must
+    give the host rebase's bits."""
     host = replica.host_params()
+    rng = np.random.default_rng(0)
     for names in plan.names:
         copies = replica.to_host(replica.fragment_copies(names))
         zeros = {k: np.zeros_like(v) for k, v in copies.items()}
         replica.apply("add", zeros, 0.5)
         replica.apply("mix", copies, 0.5)
+        new, sent = ({k: rng.standard_normal(v.shape).astype(np.float32)
+                      for k, v in copies.items()} for _ in range(2))  # fmt: skip
+        for v in (sent, None):
+            placed = [replica.place(a) for a in (new, copies)] + [v and replica.place(v)]
+            on_device = replica.to_host(replica.rebase_delta(*placed))
+            on_host = rebase_delta(copies, new, v)
+            for k in on_host:
+                np.testing.assert_array_equal(on_device[k], on_host[k], err_msg=k)
     after = replica.host_params()
     for k in host:  # adding 0 and mixing θ with itself leave θ as it was
         np.testing.assert_array_equal(after[k], host[k])

@@ -64,7 +64,7 @@ from decoupled_diloco.diloco.messages import (
     Offer,
     Snapshot,
 )
-from decoupled_diloco.diloco.updates import Decoded, Update, rebase_delta, resolve
+from decoupled_diloco.diloco.updates import Decoded, Rebase, Update, rebase_delta, resolve
 
 # Boundaries in a row a rebase may wait for its update to be placed on the devices
 # (`apply_due`'s `ready`) before the learner waits for it instead.
@@ -390,8 +390,11 @@ class Learner:
         def delta():
             return rebase_delta(resolve(anchor), compression.decode(payload), sent, threads)
 
+        inc = self.incarnation
+        parts = Rebase(payload, anchor, sent, (p, inc, f.epoch, f.anchored, f.version),
+                       (p, inc, msg.epoch, f.anchored + 1, msg.version))  # fmt: skip
         # Mixing scales δ by 1 − α; the replica does it with the add (no host pass).
-        return Update("add", delta, self.cfg.alpha, key)
+        return Update("add", delta, self.cfg.alpha, key, rebase=parts)
 
     def _consume(self, f: _Fragment) -> None:
         t = f.in_flight

@@ -27,6 +27,26 @@ class Decoded:
             return self._arrays
 
 
+class Rebase:
+    """The inputs of a rebase's x = Θ_new − G + v̂ (`rebase_delta`), for a runtime that
+    computes it where θ lives: `new` Θ_new's payload, `anchor` G (a `Decoded` or a dict),
+    `sent` v̂ (None: the version does not hold our offer). `anchor_key` names G,
+    `after_key` the anchor applying this update makes (Θ_new): fragment, learner
+    incarnation, syncer life (epoch), anchor count, version. A runtime that keeps the Θ_new
+    it placed under `after_key` finds it as the next update's G under its `anchor_key`,
+    and need not move G again."""
+
+    def __init__(self, new, anchor, sent: dict | None, anchor_key: tuple, after_key: tuple):
+        self.new, self.anchor, self.sent = new, anchor, sent
+        self.anchor_key, self.after_key = anchor_key, after_key
+
+    def new_arrays(self) -> dict:
+        return compression.decode(self.new)
+
+    def anchor_arrays(self) -> dict:
+        return resolve(self.anchor)
+
+
 class Update:
     """A change of fragment leaves for the replica: θ ← θ + (1 − α)·x ("add") or
     θ ← α·θ + (1 − α)·x ("mix"; α = 0 sets θ = x). Both are a mix of θ with its target
@@ -36,10 +56,14 @@ class Update:
     can compute and place it on the devices ahead of the boundary that applies it: `key`
     names the computation (equal keys, equal x), see `Learner.upcoming`."""
 
-    def __init__(self, kind: str, compute, alpha: float = 0.0, key: tuple | None = None):
+    def __init__(self, kind: str, compute, alpha: float = 0.0, key: tuple | None = None,
+                 rebase: Rebase | None = None):  # fmt: skip
         self.kind, self.alpha, self.key = kind, alpha, key  # kind: "add" | "mix"
         self._compute = compute if callable(compute) else (lambda: compute)
         self._arrays = None
+        # An "add" that is a rebase: its inputs, for a runtime that computes x on the
+        # devices instead (`Rebase`); `arrays` stays the host computation of the same x.
+        self.rebase = rebase
 
     @property
     def arrays(self) -> dict:

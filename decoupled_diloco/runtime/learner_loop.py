@@ -67,7 +67,9 @@ class LearnerLoop:
         if plan is not None:
             self.outbox = Outbox(link, materialize, replica.to_host, inline_offers)
             if run.diloco.stage_merges:
-                self.stager = MergeStager(replica, clock=clock)
+                self.stager = MergeStager(
+                    replica, clock=clock, device_rebase=run.diloco.device_rebase
+                )
         if run.train.prefetch:
             self.data = Prefetch(data, run.train.prefetch, replica.put_batch)
         self.restored = None  # a checkpointed TrainState to resume from (first start)
@@ -405,7 +407,7 @@ class LearnerLoop:
             rec["merges_applied"] = self.proto.applied_merges
             rec["merges_deferred"] = self.proto.deferrals
             if self.stager is not None and self.stager.job_seconds:
-                # Host math and transfer of one merge's update (the stager's moving mean):
+                # Computing and placing one merge's update (the stager's moving mean):
                 # above a step, a learner that never waits defers merges to place them.
                 rec["stage_ms"] = round(1e3 * self.stager.job_seconds, 3)
             # Mean steps from our offers to the merges holding them, since the previous row.

@@ -45,6 +45,7 @@ FREE_TO_CHANGE = frozenset(
         "train.prefetch",
         "train.metrics_lag",
         "diloco.stage_merges",
+        "diloco.device_rebase",
         "diloco.merge_threads",
         "diloco.reply_spares",
         "ray.address",

@@ -38,6 +38,14 @@ _add = jax.jit(  # a + s·d
     lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
 )
 _copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
+# A rebase's x = Θ_new − G + v̂ (`diloco.updates.rebase_delta`, the same float32 operations
+# in the same order: the same bits), from arrays on the devices (`MergeStager`). Θ_new is
+# not donated: it stays as the next rebase's G. v̂ is used once.
+_rebase_held = jax.jit(
+    lambda new, anchor, sent: jax.tree.map(lambda t, a, v: (t - a) + v, new, anchor, sent),
+    donate_argnums=2,
+)
+_rebase_shift = jax.jit(lambda new, anchor: jax.tree.map(lambda t, a: t - a, new, anchor))
 # Device ids -> the lock of `Replica.precompile` there.
 _PRECOMPILING: dict[tuple, threading.Lock] = {}
 
@@ -148,6 +156,14 @@ class Replica:
         ahead); a row slice takes its leaf's (diloco/fragment_members.py)."""
         return transfer.to_device(arrays, {k: self._member_sharding(k) for k in arrays})
 
+    def rebase_delta(self, new: dict, anchor: dict, sent: dict | None) -> dict:
+        """x = Θ_new − G + v̂ (v̂ None: Θ_new − G) on the devices, from arrays `place`d
+        there; bit for bit `diloco.updates.rebase_delta` of their host values."""
+        self._await_precompiled(new)
+        if sent is None:
+            return _rebase_shift(new, anchor)
+        return _rebase_held(new, anchor, sent)
+
     def _member_sharding(self, name: str) -> jax.sharding.Sharding:
         leaf, rows = parse_member(name)
         target = self.flat_shardings[leaf]
@@ -197,6 +213,10 @@ class Replica:
         devices = tuple(sorted(d.id for d in self.mesh.devices.flat))
         # One at a time per set of devices: replicas sharing them find it compiled.
         with _PRECOMPILING.setdefault(devices, threading.Lock()):  # (dict.setdefault is atomic)
+            if "add" in kinds:  # a rebase staged on the devices (diloco.device_rebase)
+                members = {k: self._abstract_member(k) for k in names}
+                _rebase_shift.lower(members, members).compile()
+                _rebase_held.lower(members, members, members).compile()
             whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
             if whole:
                 _copy.lower(whole).compile()
