@@ -60,6 +60,10 @@ class NumpyReplica:
     def place(arrays: dict) -> dict:
         return {k: np.array(v, np.float32) for k, v in arrays.items()}
 
+    def outer_gradient(self, names, anchor: dict) -> dict:
+        """`Replica.outer_gradient`: v = G − θ, the same float32 subtraction."""
+        return {k: np.subtract(anchor[k], self.state[k], dtype=np.float32) for k in names}
+
     @staticmethod
     def rebase_delta(new: dict, anchor: dict, sent: dict | None) -> dict:
         """`Replica.rebase_delta` of placed arrays: the same float32 operations."""

@@ -126,9 +126,13 @@ def test_staged_merges_give_bit_identical_models(kw, device_rebase):
     assert hits > 0 and hits >= misses, (hits, misses)
     moves = sum(s.anchor_moves for s in stagers)
     rebases = sum(s.rebases for s in stagers)
+    on_device = sum(s.offers_on_device for s in stagers)
     if not device_rebase or kw.get("apply") == "overwrite":
-        assert rebases == moves == 0  # overwrites are mixes: nothing to rebase on devices
+        assert rebases == moves == on_device == 0  # overwrites are mixes: no G kept
         return
+    # Offers whose v = G − θ the devices computed from the G kept: all but each fragment's
+    # first (no merge yet) and the final sync's.
+    assert on_device >= runs[True].syncer.stats["offers"] // 2, on_device
     # G placed once per learner and fragment (its first merge), and again only where a
     # version superseded one staged before it was applied, which these delays make rare.
     first = len(stagers) * runs[True].plan.num_fragments
@@ -354,6 +358,9 @@ def test_a_decoupled_runs_rows_carry_host_share_and_mfu(small_config, tmp_path, 
     rows = [r for r in rows if isinstance(r.get("learner"), int) and "loss" in r]
     assert rows and any(hits), "no merge was applied from staged device arrays"
     assert any(r.get("merges_applied", 0) > 0 for r in rows)  # and the rows count them
+    # diloco.device_rebase (the default): rebases and offers' v computed on the devices
+    assert max(r["device_rebases"] for r in rows) > 0
+    assert max(r["device_offers"] for r in rows) > 0
     assert all(r["merges_deferred"] >= 0 for r in rows)
     flops = train_flops_per_token(run.model, run.data.seq_len)
     devices = jax.device_count() // 2

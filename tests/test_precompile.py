@@ -71,7 +71,7 @@ def _sliced(small_config, d_model: int, **overrides):
 def _at_boundaries(compiles) -> list:
     """The compilations a copy, an update or a rebase staged on the devices caused where it
     ran."""
-    ops = {"fragment_copies", "apply", "rebase_delta"}
+    ops = {"fragment_copies", "apply", "rebase_delta", "outer_gradient"}
     return [c for c in compiles if ops & set(c[1].split())]
 
 
@@ -94,6 +94,11 @@ def _protocol_ops(replica: Replica, plan) -> None:
             on_host = rebase_delta(copies, new, v)
             for k in on_host:
                 np.testing.assert_array_equal(on_device[k], on_host[k], err_msg=k)
+        # An offer's v = G − θ from a G on the devices, as `materialize` computes it.
+        on_device = replica.to_host(replica.outer_gradient(names, replica.place(new)))
+        theta = replica.to_host(replica.fragment_copies(names))
+        for k in names:
+            np.testing.assert_array_equal(on_device[k], np.subtract(new[k], theta[k]), err_msg=k)
     after = replica.host_params()
     for k in host:  # adding 0 and mixing θ with itself leave θ as it was
         np.testing.assert_array_equal(after[k], host[k])

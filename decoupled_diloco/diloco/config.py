@@ -110,7 +110,8 @@ class DilocoConfig:
     stage_merges: bool = True
     # With stage_merges: a rebase's δ = Θ_new − G + v̂ is computed on the learner's devices
     # (the stager only places Θ_new, and v̂ when the version holds our offer; G is the
-    # previous version it placed, kept there) instead of on the host. Host math on ~23 MB
+    # previous version it placed, kept there) instead of on the host, and so is an offer's
+    # v = G − θ when that G is its anchor. Host math on ~23 MB
     # per `mid` merge took the stager longer than a step on an H100's host. Costs one copy
     # of the parameters in device memory (the last Θ_p placed, per fragment): turn it off
     # where that does not fit. Same bits either way.

@@ -83,6 +83,9 @@ class InFlight:
     envelope: Offer  # the message without its payload
     method: str  # wire compression of the outer gradient
     keep: bool  # keep v as the syncer decodes it (`sent`): rebasing subtracts it later
+    # Names `anchor` like `Rebase.anchor_key` (fragment, incarnation, epoch, anchor count,
+    # version): a runtime holding G on the devices under this name may compute v there.
+    anchor_key: tuple = ()
     sent: dict | None = None  # set by `materialize`
 
 
@@ -102,15 +105,19 @@ class _Fragment:
     sit_out: int = 0  # boundaries to let pass before it is offered again (after refusals)
 
 
-def materialize(ticket: InFlight, local: dict[str, np.ndarray]) -> Offer:
+def materialize(ticket: InFlight, local: dict[str, np.ndarray], outer: bool = False) -> Offer:
     """The wire offer of `ticket` from the host copy of θ_p at its step: v = G_p − θ_p,
-    encoded.
+    encoded (`outer`: `local` is v itself, computed on the devices from the G that
+    `ticket.anchor_key` names: the same float32 subtraction).
 
     Touches nothing but `ticket.sent`, so it may run on another thread than the protocol
     (the anchor it reads is never modified in place).
     """
-    anchor = resolve(ticket.anchor)
-    v = {k: np.subtract(anchor[k], local[k], dtype=np.float32) for k in anchor}
+    if outer:
+        v = {k: np.asarray(x, np.float32) for k, x in local.items()}
+    else:
+        anchor = resolve(ticket.anchor)
+        v = {k: np.subtract(anchor[k], local[k], dtype=np.float32) for k in anchor}
     encoded = compression.encode(v, ticket.method, copy=False)  # v is never written again
     if ticket.keep:
         ticket.sent = v if ticket.method == "none" else compression.decode(encoded)
@@ -222,8 +229,9 @@ class Learner:
             )
             keep = self.cfg.apply == "rebase"
             f.in_flight = InFlight(
-                p, self.step, f.c_steps, f.c_tokens, f.anchor, envelope, self.cfg.compression, keep
-            )
+                p, self.step, f.c_steps, f.c_tokens, f.anchor, envelope, self.cfg.compression, keep,
+                (p, self.incarnation, f.epoch, f.anchored, f.version),
+            )  # fmt: skip
             out.append(f.in_flight)
         return out
 

@@ -410,6 +410,11 @@ class LearnerLoop:
                 # Computing and placing one merge's update (the stager's moving mean):
                 # above a step, a learner that never waits defers merges to place them.
                 rec["stage_ms"] = round(1e3 * self.stager.job_seconds, 3)
+            if self.stager is not None and self.stager.device_rebase:
+                # Rebases and offers' outer gradients the devices computed, since this
+                # learner's loop started (diloco.device_rebase).
+                rec["device_rebases"] = self.stager.rebases
+                rec["device_offers"] = self.stager.offers_on_device
             # Mean steps from our offers to the merges holding them, since the previous row.
             total, n = self.proto.delay_steps, self.proto.delays
             last_total, last_n = self._delays

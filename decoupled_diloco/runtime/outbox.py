@@ -1,7 +1,8 @@
 """A learner's outbox: its messages on their way to its link, in order, off its thread.
 
 Offers leave the learner's step boundary as on-device fragment copies (their host transfer
-already started); the outbox's thread waits for the bytes, computes the outer gradient and
+already started), or as their outer gradient computed there (`diloco.device_rebase`); the
+outbox's thread waits for the bytes, computes the outer gradient if it is not computed yet,
 encodes it (`Learner.materialize`) and hands the wire message to the link. Joins, heartbeats
 and leaves queue behind earlier offers, so the syncer sees them in the learner's order.
 This is learner work on a learner-owned thread: the transport only carries the result.
@@ -32,12 +33,13 @@ class Outbox:
             self._thread = threading.Thread(target=self._loop, daemon=True, name="outbox")
             self._thread.start()
 
-    def offer(self, ticket, copies: dict) -> None:
-        """Queues an offer: `ticket` from `Learner.due_offers`, `copies` of its leaves."""
+    def offer(self, ticket, copies: dict, outer: bool = False) -> None:
+        """Queues an offer: `ticket` from `Learner.due_offers`, `copies` of its leaves (or,
+        `outer`, its outer gradient computed on the devices)."""
         if self.inline:
-            self._send(self._make(ticket, copies))
+            self._send(self._make(ticket, copies, outer))
         else:
-            self._queue.put((ticket, copies))
+            self._queue.put((ticket, (copies, outer)))
 
     def send(self, msg) -> None:
         if self.inline:
@@ -66,8 +68,9 @@ class Outbox:
         if self.link is not None:
             self.link.reset()
 
-    def _make(self, ticket, copies: dict):
-        return self._materialize(ticket, self._to_host(copies))
+    def _make(self, ticket, copies: dict, outer: bool = False):
+        host = self._to_host(copies)
+        return self._materialize(ticket, host, outer) if outer else self._materialize(ticket, host)
 
     def _send(self, msg) -> None:
         if self.link is not None:
@@ -79,6 +82,6 @@ class Outbox:
             if isinstance(item, threading.Event):
                 item.set()
             elif copies is not None:
-                self._send(self._make(item, copies))
+                self._send(self._make(item, *copies))
             else:
                 self._send(item)

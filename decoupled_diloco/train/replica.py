@@ -46,6 +46,9 @@ _rebase_held = jax.jit(
     donate_argnums=2,
 )
 _rebase_shift = jax.jit(lambda new, anchor: jax.tree.map(lambda t, a: t - a, new, anchor))
+# An offer's outer gradient v = G − θ (`diloco.learner.materialize`'s float32 subtraction),
+# from the G a `MergeStager` kept on the devices; a new array, so it survives donation.
+_outer = jax.jit(lambda anchor, theta: jax.tree.map(lambda a, t: a - t, anchor, theta))
 # Device ids -> the lock of `Replica.precompile` there.
 _PRECOMPILING: dict[tuple, threading.Lock] = {}
 
@@ -220,6 +223,8 @@ class Replica:
             whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
             if whole:
                 _copy.lower(whole).compile()
+                if "add" in kinds:  # and an offer's v = G − θ from that G
+                    _outer.lower(whole, whole).compile()
                 for kind in kinds:
                     op = _leaf_update(kind, alpha)
                     if op is not None:
@@ -230,6 +235,8 @@ class Replica:
                     continue
                 full, part = self._abstract_member(leaf), self._abstract_member(name)
                 _take_rows.lower(full, rows.start, rows.stop).compile()
+                if "add" in kinds:
+                    _outer_rows.lower(part, full, rows.start, rows.stop).compile()
                 update = self._row_update(leaf)
                 for kind in kinds:
                     update.lower(full, part, rows.start, kind, alpha).compile()
@@ -273,6 +280,21 @@ class Replica:
         transfer.start_to_host(copies)
         return copies
 
+    def outer_gradient(self, names, anchor: dict) -> dict[str, jax.Array]:
+        """v = G − θ for the named fragment members, G (`anchor`) on the devices already, with
+        the host transfer started: `fragment_copies`' counterpart for an offer whose
+        outer gradient is computed here (`diloco.device_rebase`)."""
+        self._await_precompiled(names)
+        flat = flatten_params(self.state.params)
+        whole = [k for k in names if parse_member(k)[1] is None]
+        out = _outer({k: anchor[k] for k in whole}, {k: flat[k] for k in whole}) if whole else {}
+        for k in names:
+            leaf, rows = parse_member(k)
+            if rows is not None:
+                out[k] = _outer_rows(anchor[k], flat[leaf], rows.start, rows.stop)
+        transfer.start_to_host(out)
+        return out
+
     def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
         """θ ← θ + (1 − α)·x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named fragment
         members (leaves, or row slices of one); x host arrays, or device arrays from `place`."""
@@ -314,6 +336,11 @@ class Replica:
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _take_rows(x: jax.Array, start: int, stop: int) -> jax.Array:
     return x[start:stop]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _outer_rows(anchor: jax.Array, x: jax.Array, start: int, stop: int) -> jax.Array:
+    return anchor - x[start:stop]
 
 
 def _update_rows(full, x, start: int, kind: str, alpha):
