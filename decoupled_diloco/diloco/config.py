@@ -114,7 +114,8 @@ class DilocoConfig:
     # v = G − θ when that G is its anchor. Host math on ~23 MB
     # per `mid` merge took the stager longer than a step on an H100's host. Costs one copy
     # of the parameters in device memory (the last Θ_p placed, per fragment): turn it off
-    # where that does not fit. Same bits either way.
+    # where that does not fit. Same bits either way (but for subnormals, |x| < 1.2e-38,
+    # which XLA may flush to zero).
     device_rebase: bool = True
 
     @property

@@ -108,7 +108,7 @@ class _Fragment:
 def materialize(ticket: InFlight, local: dict[str, np.ndarray], outer: bool = False) -> Offer:
     """The wire offer of `ticket` from the host copy of θ_p at its step: v = G_p − θ_p,
     encoded (`outer`: `local` is v itself, computed on the devices from the G that
-    `ticket.anchor_key` names: the same float32 subtraction).
+    `ticket.anchor_key` names: the same float32 subtraction, but XLA may flush subnormals).
 
     Touches nothing but `ticket.sent`, so it may run on another thread than the protocol
     (the anchor it reads is never modified in place).

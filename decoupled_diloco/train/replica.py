@@ -39,8 +39,9 @@ _add = jax.jit(  # a + s·d
 )
 _copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
 # A rebase's x = Θ_new − G + v̂ (`diloco.updates.rebase_delta`, the same float32 operations
-# in the same order: the same bits), from arrays on the devices (`MergeStager`). Θ_new is
-# not donated: it stays as the next rebase's G. v̂ is used once.
+# in the same order: the same bits, except that XLA may flush subnormals, |x| < 1.2e-38, to
+# zero where numpy keeps them), from arrays on the devices (`MergeStager`). Θ_new is not
+# donated: it stays as the next rebase's G. v̂ is used once.
 _rebase_held = jax.jit(
     lambda new, anchor, sent: jax.tree.map(lambda t, a, v: (t - a) + v, new, anchor, sent),
     donate_argnums=2,
@@ -161,7 +162,8 @@ class Replica:
 
     def rebase_delta(self, new: dict, anchor: dict, sent: dict | None) -> dict:
         """x = Θ_new − G + v̂ (v̂ None: Θ_new − G) on the devices, from arrays `place`d
-        there; bit for bit `diloco.updates.rebase_delta` of their host values."""
+        there; bit for bit `diloco.updates.rebase_delta` of their host values (but for
+        subnormals, which XLA may flush to zero)."""
         self._await_precompiled(new)
         if sent is None:
             return _rebase_shift(new, anchor)
@@ -256,14 +258,18 @@ class Replica:
         of every fragment)."""
         keys = list(self._compiling) if names is None else [frozenset(names)]
         for key in keys:
-            future = self._compiling.pop(key, None)
+            # Removed only once done: the stager's thread (a device rebase) and the learner's
+            # may both ask, and each must wait for it.
+            future = self._compiling.get(key)
             if future is None:
                 continue
             try:
                 future.result()
             except Exception as e:  # noqa: BLE001 (the ops compile where first used)
-                logging.warning("precompiling the device ops of fragment %s failed (%s: %s)",
-                                sorted(key), type(e).__name__, e)  # fmt: skip
+                if self._compiling.pop(key, None) is not None:  # logged once
+                    logging.warning("precompiling the device ops of fragment %s failed (%s: %s)",
+                                    sorted(key), type(e).__name__, e)  # fmt: skip
+            self._compiling.pop(key, None)
 
     def fragment_copies(self, names) -> dict[str, jax.Array]:
         """Device copies of the named fragment members (leaves, or row slices of one:
