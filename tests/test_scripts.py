@@ -44,9 +44,8 @@ def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
         parts = line.split()
         if len(parts) == 8 and parts[0] == "0":
             rows[parts[1]] = (float(parts[2]), int(parts[5]))
-    assert set(rows) == {"plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch"}, (
-        proc.stdout
-    )
+    arms = {"plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase"}
+    assert set(rows) == arms, proc.stdout
     for arm, (steps_per_s, merges) in rows.items():
         assert 0 < steps_per_s <= 1.02 * 1e3 / step_ms, (arm, steps_per_s)
         assert (merges > 0) == (arm != "plain"), (arm, merges)
