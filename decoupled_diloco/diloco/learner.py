@@ -85,7 +85,7 @@ class InFlight:
     keep: bool  # keep v as the syncer decodes it (`sent`): rebasing subtracts it later
     # Names `anchor` like `Rebase.anchor_key` (fragment, incarnation, epoch, anchor count,
     # version): a runtime holding G on the devices under this name may compute v there.
-    anchor_key: tuple = ()
+    anchor_key: tuple
     sent: dict | None = None  # set by `materialize`
 
 

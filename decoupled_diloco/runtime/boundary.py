@@ -136,7 +136,7 @@ class MergeStager:
         """The device arrays of the version of Θ_p named `key` (`Rebase.anchor_key`,
         `InFlight.anchor_key`) if this stager placed it last for that fragment, else None."""
         with self._anchor_lock:
-            named, arrays = self._anchors.get(key[0], (None, None)) if key else (None, None)
+            named, arrays = self._anchors.get(key[0], (None, None))
         return arrays if named == key else None
 
     def ready(self, key: tuple, step_seconds: float = 0.0) -> bool:

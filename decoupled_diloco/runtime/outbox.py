@@ -22,9 +22,10 @@ from decoupled_diloco.diloco.transport import LearnerLink
 class Outbox:
     def __init__(self, link: LearnerLink | None, materialize: Callable, to_host: Callable,
                  inline: bool = False):  # fmt: skip
-        """`materialize(ticket, host arrays)` makes the wire offer; `to_host(copies)` waits
-        for a fragment's bytes (the replica's). `link` None: a non-leading host of a
-        multi-host learner (it sends nothing)."""
+        """`materialize(ticket, host arrays, outer)` makes the wire offer
+        (`diloco.learner.materialize`); `to_host(copies)` waits for a fragment's bytes (the
+        replica's). `link` None: a non-leading host of a multi-host learner (it sends
+        nothing)."""
         self.link, self._materialize, self._to_host = link, materialize, to_host
         self.inline = inline
         self._queue: queue.Queue = queue.Queue()
@@ -69,8 +70,7 @@ class Outbox:
             self.link.reset()
 
     def _make(self, ticket, copies: dict, outer: bool = False):
-        host = self._to_host(copies)
-        return self._materialize(ticket, host, outer) if outer else self._materialize(ticket, host)
+        return self._materialize(ticket, self._to_host(copies), outer)
 
     def _send(self, msg) -> None:
         if self.link is not None:

@@ -269,35 +269,38 @@ class Replica:
                 if self._compiling.pop(key, None) is not None:  # logged once
                     logging.warning("precompiling the device ops of fragment %s failed (%s: %s)",
                                     sorted(key), type(e).__name__, e)  # fmt: skip
-            self._compiling.pop(key, None)
+            else:
+                self._compiling.pop(key, None)
 
     def fragment_copies(self, names) -> dict[str, jax.Array]:
         """Device copies of the named fragment members (leaves, or row slices of one:
         diloco/fragment_members.py) that survive the next donating step, with their host
         transfer already started."""
-        self._await_precompiled(names)
-        flat = flatten_params(self.state.params)
-        whole = [k for k in names if parse_member(k)[1] is None]
-        copies = _copy({k: flat[k] for k in whole}) if whole else {}
-        for k in names:
-            leaf, rows = parse_member(k)
-            if rows is not None:  # a new array: it survives donation too
-                copies[k] = _take_rows(flat[leaf], rows.start, rows.stop)
-        transfer.start_to_host(copies)
-        return copies
+        # A row slice is a new array: it survives donation too.
+        return self._per_member(names, _copy, lambda _, x, r: _take_rows(x, r.start, r.stop))
 
     def outer_gradient(self, names, anchor: dict) -> dict[str, jax.Array]:
         """v = G − θ for the named fragment members, G (`anchor`) on the devices already, with
         the host transfer started: `fragment_copies`' counterpart for an offer whose
         outer gradient is computed here (`diloco.device_rebase`)."""
+        return self._per_member(
+            names,
+            lambda leaves: _outer({k: anchor[k] for k in leaves}, leaves),
+            lambda name, x, r: _outer_rows(anchor[name], x, r.start, r.stop),
+        )
+
+    def _per_member(self, names, whole, rows) -> dict[str, jax.Array]:
+        """New device arrays of the named fragment members, host transfer started:
+        `whole({leaf: θ leaf})` for the whole leaves among them, and for each row slice
+        `rows(member name, θ leaf, its rows)`."""
         self._await_precompiled(names)
         flat = flatten_params(self.state.params)
-        whole = [k for k in names if parse_member(k)[1] is None]
-        out = _outer({k: anchor[k] for k in whole}, {k: flat[k] for k in whole}) if whole else {}
+        leaves = {k: flat[k] for k in names if parse_member(k)[1] is None}
+        out = dict(whole(leaves)) if leaves else {}
         for k in names:
-            leaf, rows = parse_member(k)
-            if rows is not None:
-                out[k] = _outer_rows(anchor[k], flat[leaf], rows.start, rows.stop)
+            leaf, part = parse_member(k)
+            if part is not None:
+                out[k] = rows(k, flat[leaf], part)
         transfer.start_to_host(out)
         return out
 
