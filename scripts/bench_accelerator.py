@@ -96,6 +96,11 @@ _GIL = flags.DEFINE_float(
 
 ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase")
 
+_FLEET_ARM = flags.DEFINE_enum(
+    "fleet_arm", "decoupled", ARMS[1:], "Fleet: the learners' configuration, one of the "
+    "overhead arms (host-rebase: rebases and outer gradients on the host)."
+)  # fmt: skip
+
 
 def _quick_setup() -> None:
     """--quick runs on 8 fake CPU devices: XLA reads the flag when JAX starts."""
@@ -433,7 +438,7 @@ def fleet() -> None:
         where = (f"1 emulated accelerator at {_EMULATE.value:g} ms per step, host "
                  f"{jax.devices()[0].device_kind}")  # fmt: skip
     shared = "shared" if used < learners * shape["devices"] else "not shared"
-    print(f"\n(c) fleet: {learners} decoupled learners of {preset}, {shape['batch']} x "
+    print(f"\n(c) fleet: {learners} {_FLEET_ARM.value} learners of {preset}, {shape['batch']} x "
           f"{shape['seq_len']} tokens per step each, {shape['devices']} device(s) each, on "
           f"{where} ({shared}); {shape['steps']} steps, first {skip} excluded; host cores "
           f"{os.cpu_count()}; thread switch interval "
@@ -444,7 +449,7 @@ def fleet() -> None:
                              gil_switch_ms=_GIL.value, **shape)  # fmt: skip
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
     run = config_lib.validate(
-        overhead_config("decoupled", learners=learners, gil_switch_ms=_GIL.value, **shape)
+        overhead_config(_FLEET_ARM.value, learners=learners, gil_switch_ms=_GIL.value, **shape)
     )
     summary = _fresh_run(run, workdir)
     rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
