@@ -117,14 +117,15 @@ case $part in
     timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
       --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
     # Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps
-    # per offer 12)? 54 s on an H100 (2026-11-26); then the same with Python's switch interval.
+    # per offer 12)? 54 s on an H100 (2026-11-26); then the same with Python's switch interval,
+    # then with the rebases on the host (what the device rebases buy the round trip).
     FLEET=(--part=fleet)
     [[ ${SMOKE:-0} == 1 ]] && FLEET+=(--quick --steps=60 --emulate_step_ms=8 --dtype=float32)
-    for gil_ms in "" 0; do
+    for variant in "" --gil_switch_ms=0 --fleet_arm=host-rebase; do
       fits || break
       start=$SECONDS
       timeout $((DEADLINE_S / 6)) python3 scripts/bench_accelerator.py "${FLEET[@]}" \
-        ${gil_ms:+--gil_switch_ms=$gil_ms} 2>&1 | tee -a "$OUT/speed_fleet.log"
+        $variant 2>&1 | tee -a "$OUT/speed_fleet.log"
       last_run_s=$((SECONDS - start))
     done
     mfu
