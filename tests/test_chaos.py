@@ -199,8 +199,10 @@ def test_decoupled_goodput_beats_data_parallel_under_the_same_crash(learner_cras
     assert dec["goodput"] > dp["goodput"]
 
 
-def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path):
+@pytest.mark.parametrize("local_syncer", ["thread", "process"])
+def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path, local_syncer):
     c = tiny_config(syncer_crashes=[SYNCER_CRASH_STEP], syncer_restart_delay_s=SYNCER_DELAY)
+    c.local_syncer = local_syncer  # the outage is emulated inside the syncer's process too
     c.train.eval_every = 5  # Θ is evaluated while the syncer is down too: deferred, no crash
     c.diloco.syncer_checkpoint_seconds = 1.0  # a checkpoint well before the crash step
     c.diloco.syncer_checkpoint_duty = 1.0  # every second, however long saves take when loaded

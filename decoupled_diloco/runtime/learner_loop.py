@@ -15,6 +15,7 @@ due merges are applied on the replica, a heartbeat goes out. A step's metrics ar
 
 import collections
 import os
+import threading
 import time
 
 import jax
@@ -29,6 +30,10 @@ from decoupled_diloco.runtime.outbox import Outbox
 
 _MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
 POLL_S = 0.02  # seconds between checks while a learner is down
+
+
+class RunAbortedError(Exception):
+    """A learner stops waiting for the syncer: its runtime saw the run fail elsewhere."""
 
 
 class LearnerLoop:
@@ -54,12 +59,14 @@ class LearnerLoop:
         between_steps=None,
         inline_offers: bool = False,
         host: int = 0,
+        abort: threading.Event | None = None,
     ):
         self.m, self.run_cfg, self.replica, self.data, self.plan = m, run, replica, data, plan
         self.link, self.schedule, self.clock = link, schedule, clock
         self.sink, self.ckpt = sink, ckpt
         self.emulate_crashes, self.evaluate, self.host = emulate_crashes, evaluate, host
         self.between_steps = between_steps
+        self.abort = abort  # set: the run failed elsewhere; waiting for replies raises
         self.tokens_per_step = run.train.batch_size * run.data.seq_len
         self.step, self.incarnation = 0, 0
         self.proto: Learner | None = None
@@ -285,6 +292,10 @@ class LearnerLoop:
                    offer_work)  # fmt: skip
 
     def _receive(self, timeout: float) -> list:
+        if self.abort is not None and self.abort.is_set():
+            # No reply may come (the syncer failed): neither a synchronous boundary nor the
+            # final sync waits out its timeout for one.
+            raise RunAbortedError(f"learner {self.m}: the run failed elsewhere")
         return self.link.receive(timeout) if self.link is not None else []
 
     def _apply(self, updates) -> None:

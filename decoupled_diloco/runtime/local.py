@@ -2,9 +2,10 @@
 
 This file only decides where the roles run and how messages travel: every learner's
 `LearnerLoop` on its own thread over its own disjoint device subset (XLA releases the GIL,
-so learners really run concurrently), every syncer shard's `SyncerLoop` on a host thread,
-in-process queues between them (`links.py`). Faults are emulated in the loops. The main
-thread evaluates the global model while they train and writes the summary.
+so learners really run concurrently), every syncer shard's `SyncerLoop` on a host thread or
+in a process of its own (`local_syncer`; `syncer_process.py`), in-process queues between
+them (`links.py`). Faults are emulated in the loops. The main thread evaluates the global
+model while they train and writes the summary.
 """
 
 import queue
@@ -22,11 +23,12 @@ from decoupled_diloco.diloco.fragments import model_plan
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.runtime import accounting, gil
-from decoupled_diloco.runtime.learner_loop import LearnerLoop
+from decoupled_diloco.runtime.learner_loop import LearnerLoop, RunAbortedError
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.runtime.records import RunLog
 from decoupled_diloco.runtime.summary import run_summary
 from decoupled_diloco.runtime.syncer_loop import SyncerLoop
+from decoupled_diloco.runtime.syncer_process import SyncerProcess
 from decoupled_diloco.train.evaluate import Evaluator
 from decoupled_diloco.train.replica import Replica
 
@@ -66,6 +68,13 @@ class _Sink:
         self.rt.log.ledger.finish(m, t)
 
 
+def syncers_in_processes(run: RunConfig, devices) -> bool:
+    """Whether `local_syncer` puts this run's syncer shards in processes of their own."""
+    if run.local_syncer == "auto":
+        return devices[0].platform != "cpu"
+    return run.local_syncer == "process"
+
+
 class LocalRuntime:
     def __init__(
         self,
@@ -88,6 +97,7 @@ class LocalRuntime:
         self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
         self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
         self.stop = threading.Event()  # learners stop (a budget, a test, a failure)
+        self.failed = threading.Event()  # a thread failed: learners wait for no reply
         self._syncers_stop = threading.Event()  # set once every learner has finished
         self.errors: list[BaseException] = []
         self.t0 = 0.0
@@ -136,6 +146,7 @@ class LocalRuntime:
                 Checkpointer(self.ckpt_dir / f"learner_{m}"),
                 emulate_crashes=True,
                 between_steps=lambda m=m: self._maybe_halt(m),
+                abort=self.failed,
             )
             self.loops.append(loop)
         self.evaluator = Evaluator(
@@ -143,6 +154,30 @@ class LocalRuntime:
         )
         if not run.uses_syncer:  # the learner is the model: it evaluates itself
             self.loops[0].evaluate = self.evaluator
+        # Syncer processes start now: their imports overlap the learners' compilation.
+        self.syncer_processes = (
+            [
+                SyncerProcess(
+                    s,
+                    run,
+                    self.plan,
+                    self._syncer_link(s),
+                    self.ckpt_dir / f"syncer_{s}",
+                    self.log.record,
+                    self.schedule,
+                )  # fmt: skip
+                for s in range(shards)
+            ]
+            if run.uses_syncer and syncers_in_processes(run, devices)
+            else []
+        )
+
+    def _syncer_link(self, shard: int) -> LocalSyncerLink:
+        return LocalSyncerLink(
+            self.syncer_inboxes[shard],
+            self.learner_inboxes,
+            reply_seconds=lambda m, n: self.schedule.transfer_seconds(m, n),
+        )
 
     def _maybe_halt(self, m: int) -> None:
         if self.halt_after is not None and self.loops[m].step >= self.halt_after:
@@ -156,13 +191,12 @@ class LocalRuntime:
         init = seed.host_params()
         seed.drop()
         self.init_params = init  # Θ_0
+        if self.syncer_processes:
+            for proc in self.syncer_processes:
+                proc.start(init, self.t0)
+            return list(self.syncer_processes)
         loops = []
         for s in range(run.diloco.syncer_shards):
-            link = LocalSyncerLink(
-                self.syncer_inboxes[s],
-                self.learner_inboxes,
-                reply_seconds=lambda m, n: self.schedule.transfer_seconds(m, n),
-            )
             ckpt = FragmentCheckpointer(self.ckpt_dir / f"syncer_{s}")
             loops.append(
                 SyncerLoop(
@@ -170,7 +204,7 @@ class LocalRuntime:
                     run,
                     self.plan,
                     init,
-                    link,
+                    self._syncer_link(s),
                     ckpt,
                     self.schedule,
                     self.now,
@@ -220,11 +254,11 @@ class LocalRuntime:
             t.join()
         self.lock_probe.stop()
         self.progress.close()
+        for loop in self.syncers:
+            loop.close()
         if self.errors:
             raise RuntimeError("a learner or syncer thread failed") from self.errors[0]
         for loop in self.loops:
-            loop.ckpt.close()
-        for loop in self.syncers:
             loop.ckpt.close()
         if self.halt_after is not None:
             return None
@@ -236,8 +270,11 @@ class LocalRuntime:
                 target(stop)
             except _HaltError:
                 return
+            except RunAbortedError:  # another thread's failure stopped this one
+                return
             except BaseException as e:  # surface the failure to the main thread
                 self.errors.append(e)
+                self.failed.set()
                 self.stop.set()
                 self._syncers_stop.set()
                 raise

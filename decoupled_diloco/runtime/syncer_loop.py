@@ -159,6 +159,10 @@ class SyncerLoop:
         with self.lock:
             return dict(self.syncer.stats) if self.syncer is not None else {}
 
+    def close(self) -> None:
+        """After `run`: releases the checkpointer."""
+        self.ckpt.close()
+
     # --- checkpoints ------------------------------------------------------------------
     def _restore(self, after_failure: bool) -> Syncer:
         """A new life: a new epoch, then the latest checkpoint if there is one."""

@@ -139,7 +139,7 @@ class SyncerActor:
     def _main(self) -> None:
         try:
             self.loop.run(self._stop)
-            self.loop.ckpt.close()
+            self.loop.close()
         except BaseException:
             err = traceback.format_exc()
             print(f"syncer shard {self.shard} failed:\n{err}", file=sys.stderr, flush=True)

@@ -1,0 +1,255 @@
+"""A syncer shard in a process of its own, for the local runtime (`local_syncer`).
+
+The local runtime runs learners on threads of one interpreter. A syncer on a thread beside
+them shares their interpreter lock: a merge makes a few hundred numpy calls, each of which
+must take the lock back from threads dispatching steps, so on one H100 host a `mid` merge
+that takes 15 ms alone took 123 ms beside four learners, merges came back 9-18 steps late
+and the decoupled arm trained a worse model (experiments/README.md, issue 12). In a process
+of its own the syncer has its own interpreter and the host's other cores; the learners'
+process keeps only the hand-over: the `SyncerProcess` here forwards what arrives in the
+shard's inbox (after the fault schedule's link delays, as before) over a `Wire`, and passes
+the replies on to the learners' links. Offers and merged fragments cross through shared
+memory with copies that run without the interpreter lock (`wire.py`).
+
+The child runs the same `SyncerLoop` as a syncer thread does (emulated outages included;
+checkpoints in the same directory), so a run's results do not depend on where its syncer
+runs. Records go back to the parent, which writes them as a thread's would. The child is
+started with "spawn" (never fork a process whose threads run XLA) at the start of the run,
+so its imports overlap the learners' compilation, and uses JAX, if at all, on the CPU: the
+learners' accelerator stays theirs.
+"""
+
+import contextlib
+import itertools
+import multiprocessing
+import threading
+import time
+import traceback
+
+from decoupled_diloco.runtime.wire import Wire, WireClosedError
+
+POLL_S = 0.02  # seconds: the forwarder's longest block on the inbox
+START_TIMEOUT_S = 300.0  # the child's imports and restore, on a loaded host
+FINISH_TIMEOUT_S = 600.0  # the final merges and checkpoint, after the last learner
+
+
+class SyncerProcessError(RuntimeError):
+    """The syncer's process failed or died; the message holds its traceback or exit code."""
+
+
+class SyncerProcess:
+    """The parent's end of shard `shard`: what the local runtime asks of a `SyncerLoop`
+    (`run`, `global_params`, `stats`, `close`), served by a process.
+
+    `start(init_params, t0)` hands the child Θ_0 and the run's clock origin; `run(stop)`
+    forwards messages until `stop`, then has the child merge what is pending, save and
+    report, and returns its final Θ and stats for `global_params` and `stats`."""
+
+    def __init__(self, shard: int, run, plan, link, ckpt_dir: str, record, schedule):
+        self.shard, self.link, self.record, self.schedule = shard, link, record, schedule
+        self._outages_sent = 0
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=_child_main,
+            args=(theirs, shard, run, plan, str(ckpt_dir)),
+            name=f"syncer{shard}",
+            daemon=True,
+        )
+        self.process.start()
+        theirs.close()
+        self.wire = Wire(ours)
+        self._requests = itertools.count()
+        self._answers: dict[int, list] = {}  # request id -> [event, answer]
+        self._answers_lock = threading.Lock()
+        self._done = threading.Event()
+        self._final: dict | None = None  # {"params", "stats"} from the child's last words
+        self._error: str | None = None
+        self._last_reply = None
+        self._reader: threading.Thread | None = None
+
+    # --- the run ----------------------------------------------------------------------
+    def start(self, init_params: dict, t0: float) -> None:
+        self.wire.send("start", init_params, t0=t0)
+        self._reader = threading.Thread(
+            target=self._read, name=f"syncer{self.shard}-replies", daemon=True
+        )
+        self._reader.start()
+
+    def run(self, stop: threading.Event) -> None:
+        """Forwards the shard's inbox to the child until `stop`, then finishes it."""
+        try:
+            while not stop.is_set() and not self._done.is_set():
+                self._send_outages()
+                msgs = self.link.receive(POLL_S)
+                if msgs:
+                    self.wire.send("msgs", msgs)
+            if not self._done.is_set():
+                msgs = self.link.receive(0.0)
+                if msgs:
+                    self.wire.send("msgs", msgs)
+                self.wire.send("stop")
+        except WireClosedError:
+            pass  # the reader says why
+        if not self._done.wait(FINISH_TIMEOUT_S):
+            self._error = self._error or f"no answer in {FINISH_TIMEOUT_S:.0f} s after the run"
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+        if self._error is not None:
+            raise SyncerProcessError(f"syncer shard {self.shard}'s process: {self._error}")
+
+    def _send_outages(self) -> None:
+        """A step schedule's syncer outages are placed on the timeline as the learners reach
+        their steps, in this process's schedule: the child's copy learns them from here (a
+        seconds schedule is the same in both from the start)."""
+        down = list(self.schedule.syncer_down)
+        if len(down) != self._outages_sent:
+            self.wire.send("outages", down)
+            self._outages_sent = len(down)
+
+    def _read(self) -> None:
+        """The replies thread: replies to learners, records, answers, last words."""
+        try:
+            while True:
+                kind, meta, obj = self.wire.recv()
+                if kind == "reply":
+                    self._last_reply = obj
+                    self.link.send(meta["learner"], obj)
+                elif kind == "again":  # the reply before, to one more learner
+                    self.link.send(meta["learner"], self._last_reply)
+                elif kind == "record":
+                    self.record(obj)
+                elif kind == "answer":
+                    with self._answers_lock:
+                        slot = self._answers.pop(meta["id"], None)
+                    if slot is not None:
+                        slot[1] = obj
+                        slot[0].set()
+                elif kind == "done":
+                    self._final = obj
+                    break
+                elif kind == "error":
+                    self._error = f"failed:\n{obj}"
+                    break
+        except WireClosedError:
+            self.process.join(timeout=5)
+            self._error = (
+                f"exited with code {self.process.exitcode} before the run ended"
+                if self._final is None
+                else None
+            )
+        finally:
+            self._done.set()
+            with self._answers_lock:  # nobody waits for an answer that cannot come
+                for slot in self._answers.values():
+                    slot[0].set()
+                self._answers.clear()
+
+    # --- what the runtime reads -------------------------------------------------------
+    def global_params(self) -> dict | None:
+        """A copy of this shard's Θ (fragment members); None while the shard is down."""
+        if self._done.is_set():
+            return None if self._final is None else self._final["params"]
+        request = next(self._requests)
+        slot = [threading.Event(), None]
+        with self._answers_lock:
+            self._answers[request] = slot
+        try:
+            self.wire.send("params", id=request)
+        except WireClosedError:
+            return None
+        slot[0].wait()
+        return slot[1]
+
+    def stats(self) -> dict:
+        return {} if self._final is None else dict(self._final["stats"])
+
+    def close(self) -> None:
+        self.wire.close()
+        if self.process.is_alive():
+            self.process.kill()
+
+
+class _PipeSyncerLink:
+    """The child's `SyncerLink`: messages the parent forwarded; replies back over the wire.
+
+    One merge's reply goes to every live learner as the same object: it crosses once, and
+    the parent hands that object to each of them."""
+
+    def __init__(self, wire: Wire):
+        import queue
+
+        self.wire, self.inbox = wire, queue.Queue()
+        self._last = None
+
+    def receive(self, timeout: float) -> list:
+        from decoupled_diloco.runtime.links import _drain
+
+        return _drain(self.inbox, timeout)
+
+    def send(self, learner: int, msg) -> None:
+        if msg is self._last:
+            self.wire.send("again", learner=learner)
+        else:
+            self.wire.send("reply", msg, learner=learner)
+            self._last = msg
+
+
+def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
+    """The child process: waits for Θ_0 and the clock, then runs the shard's loop."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # the learners' accelerator stays theirs
+
+    from decoupled_diloco import faults
+    from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
+    from decoupled_diloco.runtime import gil
+    from decoupled_diloco.runtime.syncer_loop import SyncerLoop
+
+    gil.set_switch_interval(run.gil_switch_ms)  # its own threads: saver, merge threads
+    wire = Wire(conn)
+    try:
+        started = wire.recv(START_TIMEOUT_S)
+        if started is None or started[0] != "start":
+            return
+        _, meta, init_params = started
+        t0 = meta["t0"]
+        link = _PipeSyncerLink(wire)
+        schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
+        loop = SyncerLoop(
+            shard, run, plan, init_params, link, FragmentCheckpointer(ckpt_dir), schedule,
+            lambda: time.monotonic() - t0,  # CLOCK_MONOTONIC: the parent's clock too
+            lambda rec: wire.send("record", rec),
+            emulate_outages=True,
+        )  # fmt: skip
+        stop = threading.Event()
+
+        def serve_parent() -> None:
+            try:
+                while True:
+                    kind, meta, obj = wire.recv()
+                    if kind == "msgs":
+                        for msg in obj:
+                            link.inbox.put(msg)
+                    elif kind == "outages":  # the parent's timeline (a step schedule's)
+                        schedule.syncer_down = obj
+                    elif kind == "params":
+                        wire.send("answer", loop.global_params(), id=meta["id"])
+                    elif kind == "stop":
+                        break
+            except WireClosedError:
+                pass  # the parent is gone: finish as if told to
+            stop.set()
+
+        threading.Thread(target=serve_parent, name="from-parent", daemon=True).start()
+        loop.run(stop)
+        loop.close()
+        wire.send("done", {"params": loop.global_params(), "stats": loop.stats()})
+        wire.settle(FINISH_TIMEOUT_S)  # keep Θ's segment until the parent has copied it
+    except BaseException:
+        with contextlib.suppress(WireClosedError):
+            wire.send("error", traceback.format_exc())
+        raise
+    finally:
+        wire.close()

@@ -1,0 +1,203 @@
+"""Objects between two processes of one host: a pipe for the pickle, shared memory for arrays.
+
+A `Wire` is one process's end. `send(kind, obj, **meta)` pickles `obj` with protocol 5;
+every numpy buffer of at least `INLINE_BYTES` leaves the pickle (out of band) and is copied
+into one shared-memory segment of the sender's pool, and the pipe carries only the pickle,
+the segment's name and where each buffer lies in it. The receiver copies the buffers out
+into one array of its own, acknowledges, and the sender reuses the segment for a later
+message. Both copies are numpy copies, which run without the interpreter lock: a process
+whose threads keep the lock busy (learners dispatching steps) moves a fragment of tens of
+MB with a few short holds of it, where pickling through the pipe would hold it for the whole
+copy and a pipe write loop would take it back once per 64 KiB.
+
+Segments live as long as the wire: the sender unlinks its own at `close` (a killed process's
+are unlinked by multiprocessing's resource tracker); a receiver maps each of its peer's
+segments once and keeps the mapping, so a segment reused for the next fragment costs no page
+faults. One thread may `recv` at a time; any thread may `send`. Acknowledgements leave from a
+thread of their own, so a receiver never blocks on the pipe's other direction: two ends that
+both receive on one thread and send on another cannot wait on each other.
+"""
+
+import contextlib
+import io
+import pickle
+import queue
+import threading
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+
+INLINE_BYTES = 1 << 16  # smaller buffers stay inside the pickle
+_ALIGN = 64  # bytes: each buffer starts on a cache line of the segment
+_FIRST_USER_DTYPE = 256  # numpy's NPY_USERDEF: dtypes registered by other packages
+_GRAIN = 1 << 20  # segment sizes are rounded up to this, so fragments of near sizes share them
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _from_bytes(buf, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """numpy leaves arrays of dtypes it does not know (ml_dtypes' bfloat16, int4, float8: the
+    compressed wire formats) inside the pickle; these leave it as raw bytes too."""
+
+    def reducer_override(self, obj):
+        if (
+            type(obj) is np.ndarray
+            and obj.dtype.num >= _FIRST_USER_DTYPE
+            and obj.flags.c_contiguous
+            and obj.nbytes >= INLINE_BYTES
+        ):
+            raw = pickle.PickleBuffer(obj.reshape(-1).view(np.uint8))
+            return _from_bytes, (raw, obj.dtype, obj.shape)
+        return NotImplemented
+
+
+class WireClosedError(EOFError):
+    """The peer closed its end or its process died."""
+
+
+class Wire:
+    def __init__(self, conn):
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._free: dict[int, list[shared_memory.SharedMemory]] = {}  # size -> our idle ones
+        self._lent: dict[str, shared_memory.SharedMemory] = {}  # ours the peer has not acked
+        self._mapped: dict[str, shared_memory.SharedMemory] = {}  # the peer's we have mapped
+        self.bytes_sent = 0  # out-of-band bytes, both ways (for the tests and benchmarks)
+        self.bytes_received = 0
+        self._acks: queue.Queue = queue.Queue()
+        self._ack_thread: threading.Thread | None = None
+
+    # --- sending ----------------------------------------------------------------------
+    def send(self, kind: str, obj=None, **meta) -> None:
+        """Sends `obj` (anything picklable) tagged `kind`, with keyword metadata."""
+        buffers: list[memoryview] = []
+
+        def out_of_band(b: pickle.PickleBuffer) -> bool:
+            raw = b.raw()
+            if raw.nbytes < INLINE_BYTES:
+                return True  # in band
+            buffers.append(raw)
+            return False
+
+        out = io.BytesIO()
+        _Pickler(out, protocol=5, buffer_callback=out_of_band).dump(obj)
+        data = out.getvalue()
+        seg_name, spans = None, []
+        if buffers:
+            offsets, total = [], 0
+            for raw in buffers:
+                offsets.append(total)
+                total = _round_up(total + raw.nbytes, _ALIGN)
+            seg = self._segment(total)
+            for raw, off in zip(buffers, offsets, strict=True):
+                dst = np.frombuffer(seg.buf, np.uint8, raw.nbytes, off)
+                np.copyto(dst, np.frombuffer(raw, np.uint8))  # without the interpreter lock
+                spans.append((off, raw.nbytes))
+            seg_name = seg.name
+            self.bytes_sent += total
+        try:
+            with self._send_lock:
+                self.conn.send((kind, meta, data, seg_name, spans))
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
+            raise WireClosedError(f"the peer of this wire is gone ({e})") from e
+
+    def _segment(self, nbytes: int) -> shared_memory.SharedMemory:
+        size = _round_up(max(nbytes, 1), _GRAIN)
+        with self._pool_lock:
+            idle = self._free.get(size)
+            seg = idle.pop() if idle else shared_memory.SharedMemory(create=True, size=size)
+            self._lent[seg.name] = seg
+        return seg
+
+    def _acked(self, name: str) -> None:
+        with self._pool_lock:
+            seg = self._lent.pop(name, None)
+            if seg is not None:
+                self._free.setdefault(seg.size, []).append(seg)
+
+    # --- receiving --------------------------------------------------------------------
+    def recv(self, timeout: float | None = None) -> tuple[str, dict, object] | None:
+        """(kind, meta, obj) of the next message; None if none came within `timeout` s
+        (None: wait for one). Raises WireClosedError when the peer is gone."""
+        while True:
+            try:
+                if timeout is not None and not self.conn.poll(timeout):
+                    return None
+                kind, meta, data, seg_name, spans = self.conn.recv()
+            except (EOFError, OSError) as e:
+                raise WireClosedError(f"the peer of this wire is gone ({e!r})") from e
+            if kind == "_ack":
+                self._acked(meta["segment"])
+                continue
+            buffers = []
+            if seg_name is not None:
+                seg = self._mapped.get(seg_name)
+                if seg is None:
+                    seg = self._mapped[seg_name] = shared_memory.SharedMemory(name=seg_name)
+                end = spans[-1][0] + spans[-1][1]
+                own = np.empty(end, np.uint8)
+                np.copyto(own, np.frombuffer(seg.buf, np.uint8, end))  # lock-free copy
+                self.bytes_received += end
+                self._ack(seg_name)  # the sender may reuse it now
+                buffers = [memoryview(own[off : off + n]) for off, n in spans]
+            return kind, meta, pickle.loads(data, buffers=buffers)
+
+    def _ack(self, seg_name: str) -> None:
+        if self._ack_thread is None:
+            self._ack_thread = threading.Thread(target=self._send_acks, name="wire-acks",
+                                                daemon=True)  # fmt: skip
+            self._ack_thread.start()
+        self._acks.put(seg_name)
+
+    def _send_acks(self) -> None:
+        while True:
+            name = self._acks.get()
+            if name is None:
+                return
+            try:
+                self.send("_ack", segment=name)
+            except WireClosedError:
+                return
+
+    def settle(self, timeout: float) -> bool:
+        """Receives (and drops) messages until the peer has acknowledged every segment this
+        end sent, or `timeout` s passed: a process that is about to exit calls it after its
+        last message, so its segments outlive the peer's copy of them. True when settled."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._pool_lock:
+                if not self._lent:
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                self.recv(min(left, 0.1))
+            except WireClosedError:
+                return False
+
+    # --- the end ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Closes the pipe, unmaps the peer's segments and unlinks this end's own."""
+        self._acks.put(None)
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        with self._pool_lock:
+            own = list(self._lent.values()) + [s for v in self._free.values() for s in v]
+            self._lent.clear()
+            self._free.clear()
+        for seg in own:
+            seg.close()
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()
+        for seg in self._mapped.values():
+            seg.close()
+        self._mapped.clear()
