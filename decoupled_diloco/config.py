@@ -80,10 +80,9 @@ class RayConfig:
 # learner thread; 0.2 ms merged 1.3-2x faster beside four of them (experiments/results/merge_gil/).
 GIL_SWITCH_MS = 0.2
 
-# Where the local runtime runs its syncer shards (runtime/syncer_process.py says why):
-# "thread" beside the learners, "process" in a process of its own each, "auto" = a process
-# when the learners run on an accelerator (its host's cores are the syncer's), threads on CPU.
-LOCAL_SYNCERS = ("auto", "thread", "process")
+# Where the local runtime runs its syncer shards: "thread" beside the learners, or "process",
+# one of its own each (runtime/syncer_process.py: what it costs and when it may pay).
+LOCAL_SYNCERS = ("thread", "process")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +101,7 @@ class RunConfig:
     ray: RayConfig = RayConfig()  # only read by runtime == "ray"
     distributed: DistributedConfig = DistributedConfig()  # one JAX world over several hosts
     gil_switch_ms: float = GIL_SWITCH_MS
-    local_syncer: str = "auto"  # one of LOCAL_SYNCERS; read by runtime == "local" only
+    local_syncer: str = "thread"  # one of LOCAL_SYNCERS; read by runtime == "local" only
 
     @property
     def num_learners(self) -> int:
@@ -160,10 +159,10 @@ def default_config() -> ml_collections.ConfigDict:
     # (learners, outboxes, stagers, syncer, merges) share one interpreter; 0 = Python's own
     # (5 ms). runtime/gil.py says why.
     c.gil_switch_ms = GIL_SWITCH_MS
-    # runtime = "local": each syncer shard on a "thread" of the learners' process, in a
-    # "process" of its own (no interpreter lock shared with the learners), or "auto" (a
-    # process when learners run on an accelerator, else a thread). runtime/syncer_process.py.
-    c.local_syncer = "auto"
+    # runtime = "local": each syncer shard on a "thread" of the learners' process or in a
+    # "process" of its own (no interpreter lock shared with the learners, but every offer and
+    # merge copied across; runtime/syncer_process.py).
+    c.local_syncer = "thread"
     # Model: a preset name plus optional per-field overrides; None = the preset's value
     # (decoupled_diloco/models/config.py ModelConfig).
     c.model = _placeholders(models.ModelConfig)
@@ -279,7 +278,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         raise ValueError(
             f"gil_switch_ms must be 0 (Python's) or in [0.001, 100] ms, got {gil_ms!r}"
         )
-    local_syncer = c.get("local_syncer", "auto")
+    local_syncer = c.get("local_syncer", "thread")
     if local_syncer not in LOCAL_SYNCERS:
         raise ValueError(f"local_syncer must be one of {LOCAL_SYNCERS}, got {local_syncer!r}")
 

@@ -96,6 +96,13 @@ _GIL = flags.DEFINE_float(
 
 ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase")
 
+_LOCAL_SYNCER = flags.DEFINE_enum(
+    "local_syncer",
+    None,
+    ["thread", "process"],
+    "The decoupled runs' syncer: on a thread "
+    "beside the learners or in a process of its own (default: the config's, thread).",
+)
 _FLEET_ARM = flags.DEFINE_enum(
     "fleet_arm", "decoupled", ARMS[1:], "Fleet: the learners' configuration, one of the "
     "overhead arms (host-rebase: rebases and outer gradients on the host)."
@@ -213,6 +220,8 @@ def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int,
         c.diloco.syncer_checkpoint_duty = 1.0
     if gil_switch_ms is not None:
         c.gil_switch_ms = gil_switch_ms
+    if _LOCAL_SYNCER.value is not None:
+        c.local_syncer = _LOCAL_SYNCER.value
     if arm == "py-switch":
         c.gil_switch_ms = 0.0
     if arm == "host-rebase":
@@ -443,7 +452,7 @@ def fleet() -> None:
           f"{where} ({shared}); {shape['steps']} steps, first {skip} excluded; host cores "
           f"{os.cpu_count()}; thread switch interval "
           f"{_GIL.value if _GIL.value is not None else config_lib.GIL_SWITCH_MS:g} ms (0: "
-          f"Python's)", flush=True)  # fmt: skip
+          f"Python's); syncer on a {_LOCAL_SYNCER.value or 'thread'}", flush=True)  # fmt: skip
     # --gil_switch_ms applies to the plain loop too: fleet / plain compares like with like.
     plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip,
                              gil_switch_ms=_GIL.value, **shape)  # fmt: skip

@@ -49,6 +49,7 @@ to back, as a share of their rate without merges: what the shorter interval cost
   python scripts/bench_syncer_merge.py --part=gil --quick   # tiny, 3 repetitions
 """
 
+import multiprocessing
 import os
 import statistics
 import sys
@@ -66,6 +67,7 @@ from decoupled_diloco.diloco.fragments import make_fragment_plan, model_plan
 from decoupled_diloco.diloco.messages import Offer
 from decoupled_diloco.diloco.syncer import Syncer
 from decoupled_diloco.models.transformer import _leaves, init_params
+from decoupled_diloco.runtime.wire import Wire
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small fragments and 3 repetitions (about 10 s).")
 _SIZES = flags.DEFINE_list("sizes", None, "Fragment sizes in Mi-params (default 4,16; quick 1,4).")
@@ -310,6 +312,76 @@ def gil_main() -> None:
     print(
         f"merge beside busy threads, switch {first[0]:g} ms / chunk {first[1]} ÷ switch "
         f"{last[0]:g} ms / chunk {last[1]} = {beside_ms[first] / beside_ms[last]:.2f}"
+    )
+    process_rounds(theta, payloads, w, reps, busy, beside_ms[last])
+
+
+def _round_server(conn, theta, k, w, rule, threads, momentum) -> None:
+    """A syncer process's side of `process_rounds`: merges the K offers of each round it is
+    sent and answers with Θ and how long the merge took there."""
+    received: list = [None] * k
+    push, merge_fn = syncer_path(theta, received, w, rule, threads, momentum)
+    end = Wire(conn)
+    while True:
+        kind, _, obj = end.recv()
+        if kind != "round":
+            break
+        received[:] = obj
+        push()
+        start = time.perf_counter()
+        (_, reply), *_ = merge_fn()  # one Merged for every learner: it crosses once
+        merge_s = time.perf_counter() - start
+        end.send("theta", reply, merge_s=merge_s)
+    end.settle(30.0)
+    end.close()
+
+
+def process_rounds(theta, payloads, w, reps: int, busy: tuple, thread_beside_s: float) -> None:
+    """The same merge in a syncer process of its own (`local_syncer = "process"`), as the
+    learners' process sees it beside its busy threads: the K offers cross the wire, the child
+    merges them, Θ comes back. Its threads never wait for this process's interpreter lock."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_round_server, daemon=True,
+                        args=(theirs, theta, len(payloads), w, _RULE.value, _THREADS.value,
+                              _MOMENTUM.value))  # fmt: skip
+    child.start()
+    theirs.close()
+    end = Wire(ours)
+
+    def rounds(n: int) -> tuple[float, float]:
+        total, merged = [], []
+        for _ in range(n):
+            start = time.perf_counter()
+            end.send("round", payloads)
+            _, meta, _ = end.recv()
+            total.append(time.perf_counter() - start)
+            merged.append(meta["merge_s"])
+        return statistics.median(total), statistics.median(merged)
+
+    try:
+        rounds(2)  # warm-up: the child's imports are done, segments mapped
+        alone, alone_merge = rounds(reps)
+        with Busy(*busy) as idle_run:
+            time.sleep(0.5)
+        with Busy(*busy) as beside_run:
+            beside, beside_merge = rounds(reps)
+        end.send("stop")
+        child.join(30)
+    finally:
+        end.close()
+        if child.is_alive():
+            child.kill()
+    print(f"{'syncer process':>18} {'alone ms':>9} {'beside ms':>10} {'of which merge':>14} "
+          f"{'bursts/s kept':>13}")  # fmt: skip
+    print(
+        f"{'offers -> Θ back':>18} {1e3 * alone:>9.2f} {1e3 * beside:>10.2f} "
+        f"{1e3 * beside_merge:>14.2f} {beside_run.rate / idle_run.rate:>13.2f}"
+    )
+    print(
+        f"syncer process round beside busy threads ÷ the merge beside them on a thread "
+        f"(last row above) = {beside / thread_beside_s:.2f} (merge alone there "
+        f"{1e3 * alone_merge:.2f} ms)"
     )
 
 

@@ -117,11 +117,13 @@ case $part in
     timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
       --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
     # Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps
-    # per offer 12)? 54 s on an H100 (2026-11-26); then the same with Python's switch interval,
-    # then with the rebases on the host (what the device rebases buy the round trip).
+    # per offer 12)? 54 s on an H100 (2026-11-26); then the same with the syncer in a process
+    # of its own (runtime/syncer_process.py: worse on the 2-core dev box, unmeasured beside a
+    # GPU), with Python's switch interval, with the rebases on the host (what the device
+    # rebases buy the round trip).
     FLEET=(--part=fleet)
     [[ ${SMOKE:-0} == 1 ]] && FLEET+=(--quick --steps=60 --emulate_step_ms=8 --dtype=float32)
-    for variant in "" --gil_switch_ms=0 --fleet_arm=host-rebase; do
+    for variant in "" --local_syncer=process --gil_switch_ms=0 --fleet_arm=host-rebase; do
       fits || break
       start=$SECONDS
       timeout $((DEADLINE_S / 6)) python3 scripts/bench_accelerator.py "${FLEET[@]}" \

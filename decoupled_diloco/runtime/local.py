@@ -68,13 +68,6 @@ class _Sink:
         self.rt.log.ledger.finish(m, t)
 
 
-def syncers_in_processes(run: RunConfig, devices) -> bool:
-    """Whether `local_syncer` puts this run's syncer shards in processes of their own."""
-    if run.local_syncer == "auto":
-        return devices[0].platform != "cpu"
-    return run.local_syncer == "process"
-
-
 class LocalRuntime:
     def __init__(
         self,
@@ -168,7 +161,7 @@ class LocalRuntime:
                 )  # fmt: skip
                 for s in range(shards)
             ]
-            if run.uses_syncer and syncers_in_processes(run, devices)
+            if run.uses_syncer and run.local_syncer == "process"
             else []
         )
 

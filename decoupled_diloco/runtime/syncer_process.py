@@ -11,12 +11,26 @@ shard's inbox (after the fault schedule's link delays, as before) over a `Wire`,
 the replies on to the learners' links. Offers and merged fragments cross through shared
 memory with copies that run without the interpreter lock (`wire.py`).
 
+What it costs, measured on the 2-core dev box (2026-11-27): every offer and every merge is
+copied twice more (into shared memory and out of it), ~75 MB per `mid` merge of two offers.
+`bench_syncer_merge.py --part=gil`: a `mid` round (2 offers across, merge, Θ back) took
+47.6 ms beside four busy threads where the same merge on a thread beside them took 30.3 ms.
+`bench_accelerator.py --part=fleet --emulate_step_ms=10.4` (four `mid` learners at the
+H200's step rate): 33.3 / 29.8 steps per offer with the syncer in a process against 11.7 /
+11.4 on a thread (H = 12), offers merged 1.5-1.7 s after they were made against 0.2-0.3 s:
+there the copies, not the lock, use up the cores (experiments/results/fleet_emulated/). So
+a thread is the default; a process may pay on a host with cores to spare whose learner
+threads keep the lock busy, which no GPU run has measured yet (`device_check.sh speed` runs
+the fleet both ways).
+
 The child runs the same `SyncerLoop` as a syncer thread does (emulated outages included;
-checkpoints in the same directory), so a run's results do not depend on where its syncer
-runs. Records go back to the parent, which writes them as a thread's would. The child is
-started with "spawn" (never fork a process whose threads run XLA) at the start of the run,
-so its imports overlap the learners' compilation, and uses JAX, if at all, on the CPU: the
-learners' accelerator stays theirs.
+a step schedule's outages are forwarded as the learners reach them; checkpoints in the same
+directory), so a run's results do not depend on where its syncer runs: a synchronous run
+gives the same merges and loss to the bit (tests/test_syncer_process.py). Records go back
+to the parent, which writes them as a thread's would. The child is started with "spawn"
+(never fork a process whose threads run XLA) while the learners are built, so its imports
+overlap their compilation, and uses JAX, if at all, on the CPU: the learners' accelerator
+stays theirs.
 """
 
 import contextlib

@@ -10,16 +10,22 @@ whose threads keep the lock busy (learners dispatching steps) moves a fragment o
 MB with a few short holds of it, where pickling through the pipe would hold it for the whole
 copy and a pipe write loop would take it back once per 64 KiB.
 
-Segments live as long as the wire: the sender unlinks its own at `close` (a killed process's
-are unlinked by multiprocessing's resource tracker); a receiver maps each of its peer's
-segments once and keeps the mapping, so a segment reused for the next fragment costs no page
-faults. One thread may `recv` at a time; any thread may `send`. Acknowledgements leave from a
-thread of their own, so a receiver never blocks on the pipe's other direction: two ends that
-both receive on one thread and send on another cannot wait on each other.
+Where the shared-memory file system has no room for a new segment (a container's /dev/shm
+is often 64 MB), a message goes whole through the pipe instead: slower (pickled under the
+lock), never lost. Segments live as long as the wire: the sender unlinks its own at `close`
+(a killed process's are unlinked by multiprocessing's resource tracker); a receiver maps
+each of its peer's segments once and keeps the mapping, so a segment reused for the next
+fragment costs no page faults.
+
+One thread may `recv` at a time; any thread may `send`. Acknowledgements leave from a thread
+of their own, so a receiver never blocks on the pipe's other direction: two ends that both
+receive on one thread and send on another cannot wait on each other.
 """
 
 import contextlib
 import io
+import math
+import os
 import pickle
 import queue
 import threading
@@ -31,7 +37,18 @@ import numpy as np
 INLINE_BYTES = 1 << 16  # smaller buffers stay inside the pickle
 _ALIGN = 64  # bytes: each buffer starts on a cache line of the segment
 _FIRST_USER_DTYPE = 256  # numpy's NPY_USERDEF: dtypes registered by other packages
+_SHM_DIR = "/dev/shm"
+_SHM_HEADROOM = 64 << 20  # bytes of /dev/shm left to others when a segment is created
 _GRAIN = 1 << 20  # segment sizes are rounded up to this, so fragments of near sizes share them
+
+
+def _shm_free_bytes() -> float:
+    """Free bytes where POSIX shared memory lives (Linux: /dev/shm); unknown = unbounded."""
+    try:
+        st = os.statvfs(_SHM_DIR)
+    except OSError:
+        return math.inf
+    return st.f_bavail * st.f_frsize
 
 
 def _round_up(n: int, to: int) -> int:
@@ -72,6 +89,7 @@ class Wire:
         self._mapped: dict[str, shared_memory.SharedMemory] = {}  # the peer's we have mapped
         self.bytes_sent = 0  # out-of-band bytes, both ways (for the tests and benchmarks)
         self.bytes_received = 0
+        self.inline_fallbacks = 0  # messages sent inside the pickle for want of shared memory
         self._acks: queue.Queue = queue.Queue()
         self._ack_thread: threading.Thread | None = None
 
@@ -91,12 +109,15 @@ class Wire:
         _Pickler(out, protocol=5, buffer_callback=out_of_band).dump(obj)
         data = out.getvalue()
         seg_name, spans = None, []
+        seg = self._segment(sum(_round_up(b.nbytes, _ALIGN) for b in buffers)) if buffers else None
+        if buffers and seg is None:  # no room in shared memory: everything in the pickle
+            data, buffers = pickle.dumps(obj, protocol=5), []
+            self.inline_fallbacks += 1
         if buffers:
             offsets, total = [], 0
             for raw in buffers:
                 offsets.append(total)
                 total = _round_up(total + raw.nbytes, _ALIGN)
-            seg = self._segment(total)
             for raw, off in zip(buffers, offsets, strict=True):
                 dst = np.frombuffer(seg.buf, np.uint8, raw.nbytes, off)
                 np.copyto(dst, np.frombuffer(raw, np.uint8))  # without the interpreter lock
@@ -109,11 +130,19 @@ class Wire:
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
             raise WireClosedError(f"the peer of this wire is gone ({e})") from e
 
-    def _segment(self, nbytes: int) -> shared_memory.SharedMemory:
+    def _segment(self, nbytes: int) -> shared_memory.SharedMemory | None:
+        """A segment of at least `nbytes` from the pool, or a new one; None when the shared
+        memory file system has no room for a new one (a container's /dev/shm is often
+        64 MB: writing past it would kill the process with SIGBUS, not raise)."""
         size = _round_up(max(nbytes, 1), _GRAIN)
         with self._pool_lock:
             idle = self._free.get(size)
-            seg = idle.pop() if idle else shared_memory.SharedMemory(create=True, size=size)
+            if idle:
+                seg = idle.pop()
+            else:
+                if _shm_free_bytes() < size + _SHM_HEADROOM:
+                    return None
+                seg = shared_memory.SharedMemory(create=True, size=size)
             self._lent[seg.name] = seg
         return seg
 
