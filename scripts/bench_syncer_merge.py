@@ -44,6 +44,9 @@ every `--busy_every_ms` (a learner thread's dispatch and bookkeeping between dev
 for Python's switch interval and the runtime's (`gil_switch_ms`) and for chunk sizes,
 interleaved in one run. "bursts/s kept" is the busy threads' rate with merges running back
 to back, as a share of their rate without merges: what the shorter interval costs them.
+A last row times the same merge in a syncer process of its own (`local_syncer = "process"`)
+as the busy threads' process sees it: the K offers copied across through shared memory, the
+merge there, Θ copied back (runtime/syncer_process.py), against the last row on a thread.
 
   python scripts/bench_syncer_merge.py --part=gil           # mid, K 2, 4 busy threads
   python scripts/bench_syncer_merge.py --part=gil --quick   # tiny, 3 repetitions
