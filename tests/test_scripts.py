@@ -99,5 +99,18 @@ def test_merge_beside_busy_threads_compares_switch_intervals_and_chunks():
         assert (beside - 0.005) / (alone + 0.005) <= ratio + 0.005
         assert ratio - 0.005 <= (beside + 0.005) / (alone - 0.005)
         assert 0 < kept <= 1.5
-    assert re.search(r"switch 5 ms / chunk 4096 ÷ switch 0.2 ms / chunk 65536 = [0-9.]+$",
-                     proc.stdout.strip()), proc.stdout  # fmt: skip
+    assert re.search(r"switch 5 ms / chunk 4096 ÷ switch 0.2 ms / chunk 65536 = [0-9.]+\n",
+                     proc.stdout), proc.stdout  # fmt: skip
+    # The same merge through a syncer process: the round, of which the merge there, and the
+    # round over the thread's merge beside the busy threads.
+    row = re.search(r"offers -> Θ back +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+)", proc.stdout)
+    assert row, proc.stdout
+    alone, beside, merge_there, kept = (float(x) for x in row.groups())
+    assert 0 < merge_there <= beside and alone > 0 and 0 < kept <= 1.5
+    ratio = re.search(r"on a thread \(last row above\) = ([0-9.]+)", proc.stdout)
+    thread_beside = cells["0.2", "65536"][1]
+    assert (
+        ratio
+        and abs(float(ratio.group(1)) - beside / thread_beside)
+        <= 0.02 * float(ratio.group(1)) + 0.01
+    ), proc.stdout
