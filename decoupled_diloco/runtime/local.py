@@ -211,7 +211,11 @@ class LocalRuntime:
     def run(self) -> dict | None:
         # Its threads share this interpreter: a short switch interval (runtime/gil.py).
         with gil.switch_interval(self.run_cfg.gil_switch_ms):
-            return self._run()
+            try:
+                return self._run()
+            finally:  # however the run ended: no syncer process outlives it
+                for proc in getattr(self, "syncer_processes", []):
+                    proc.close()
 
     def _run(self) -> dict | None:
         run = self.run_cfg

@@ -180,9 +180,11 @@ class SyncerProcess:
         return {} if self._final is None else dict(self._final["stats"])
 
     def close(self) -> None:
+        """Closes the wire and ends the process if it still runs (idempotent)."""
         self.wire.close()
         if self.process.is_alive():
             self.process.kill()
+            self.process.join(timeout=5)
 
 
 class _PipeSyncerLink:
