@@ -187,7 +187,12 @@ class LearnerLoop:
         if self.replica.state is not None:
             if diverged:  # its last steps diverged: leave without offering them, unsaved
                 self.sink.event(self._event("nan_at_end"))
-            self._finish(offer_work=not diverged)
+            try:
+                self._finish(offer_work=not diverged)
+            except RunAbortedError:  # the run failed elsewhere: keep this learner's work
+                if not diverged:
+                    self.save()
+                raise
             if not diverged:
                 self.save()
         self.sink.event(self._event("learner_done"))

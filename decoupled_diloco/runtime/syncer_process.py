@@ -36,6 +36,7 @@ stays theirs.
 import contextlib
 import itertools
 import multiprocessing
+import os
 import threading
 import time
 import traceback
@@ -43,8 +44,7 @@ import traceback
 from decoupled_diloco.runtime.wire import Wire, WireClosedError
 
 POLL_S = 0.02  # seconds: the forwarder's longest block on the inbox
-START_TIMEOUT_S = 300.0  # the child's imports and restore, on a loaded host
-FINISH_TIMEOUT_S = 600.0  # the final merges and checkpoint, after the last learner
+SETTLE_S = 600.0  # how long the child's last words wait for the parent to copy Θ
 
 
 class SyncerProcessError(RuntimeError):
@@ -105,8 +105,12 @@ class SyncerProcess:
                 self.wire.send("stop")
         except WireClosedError:
             pass  # the reader says why
-        if not self._done.wait(FINISH_TIMEOUT_S):
-            self._error = self._error or f"no answer in {FINISH_TIMEOUT_S:.0f} s after the run"
+        # The final merges and checkpoint take what they take; a dead child ends the wait
+        # (the reader sees the pipe close).
+        while not self._done.wait(1.0):
+            if not self.process.is_alive() and not self._reader.is_alive():
+                self._error = self._error or f"exited with code {self.process.exitcode}"
+                break
         self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
@@ -153,9 +157,11 @@ class SyncerProcess:
                 if self._final is None
                 else None
             )
+        except BaseException:  # the hand-over itself failed: the run must not go on blind
+            self._error = f"its replies could not be handed over:\n{traceback.format_exc()}"
         finally:
-            self._done.set()
             with self._answers_lock:  # nobody waits for an answer that cannot come
+                self._done.set()
                 for slot in self._answers.values():
                     slot[0].set()
                 self._answers.clear()
@@ -163,28 +169,34 @@ class SyncerProcess:
     # --- what the runtime reads -------------------------------------------------------
     def global_params(self) -> dict | None:
         """A copy of this shard's Θ (fragment members); None while the shard is down."""
-        if self._done.is_set():
-            return None if self._final is None else self._final["params"]
         request = next(self._requests)
         slot = [threading.Event(), None]
-        with self._answers_lock:
+        with self._answers_lock:  # the reader's end sets `_done` under this lock
+            if self._done.is_set():
+                return None if self._final is None else self._final["params"]
             self._answers[request] = slot
         try:
             self.wire.send("params", id=request)
         except WireClosedError:
             return None
-        slot[0].wait()
+        while not slot[0].wait(1.0):
+            if not self.process.is_alive():
+                return None
         return slot[1]
 
     def stats(self) -> dict:
         return {} if self._final is None else dict(self._final["stats"])
 
     def close(self) -> None:
-        """Closes the wire and ends the process if it still runs (idempotent)."""
-        self.wire.close()
+        """Ends the process if it still runs, then closes the wire (idempotent). The
+        segments of a child that did not end cleanly are unlinked here: its own cleanup never
+        ran, and multiprocessing's would wait for this process to exit."""
         if self.process.is_alive():
             self.process.kill()
-            self.process.join(timeout=5)
+        self.process.join(timeout=5)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        self.wire.close(unlink_mapped=self.process.exitcode != 0)
 
 
 class _PipeSyncerLink:
@@ -198,6 +210,7 @@ class _PipeSyncerLink:
 
         self.wire, self.inbox = wire, queue.Queue()
         self._last = None
+        self._lock = threading.Lock()  # "again" refers to the previous send: one at a time
 
     def receive(self, timeout: float) -> list:
         from decoupled_diloco.runtime.links import _drain
@@ -205,11 +218,12 @@ class _PipeSyncerLink:
         return _drain(self.inbox, timeout)
 
     def send(self, learner: int, msg) -> None:
-        if msg is self._last:
-            self.wire.send("again", learner=learner)
-        else:
-            self.wire.send("reply", msg, learner=learner)
-            self._last = msg
+        with self._lock:
+            if msg is self._last:
+                self.wire.send("again", learner=learner)
+            else:
+                self.wire.send("reply", msg, learner=learner)
+                self._last = msg
 
 
 def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
@@ -226,10 +240,9 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
     gil.set_switch_interval(run.gil_switch_ms)  # its own threads: saver, merge threads
     wire = Wire(conn)
     try:
-        started = wire.recv(START_TIMEOUT_S)
-        if started is None or started[0] != "start":
-            return
-        _, meta, init_params = started
+        kind, meta, init_params = wire.recv()  # no timeout: a parent that dies closes the pipe
+        if kind != "start":
+            raise RuntimeError(f"a syncer process got {kind!r} before 'start'")
         t0 = meta["t0"]
         link = _PipeSyncerLink(wire)
         schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
@@ -256,13 +269,17 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
                         break
             except WireClosedError:
                 pass  # the parent is gone: finish as if told to
+            except BaseException:  # nobody would read the parent's messages: end the process
+                with contextlib.suppress(WireClosedError):
+                    wire.send("error", traceback.format_exc())
+                os._exit(1)
             stop.set()
 
         threading.Thread(target=serve_parent, name="from-parent", daemon=True).start()
         loop.run(stop)
         loop.close()
         wire.send("done", {"params": loop.global_params(), "stats": loop.stats()})
-        wire.settle(FINISH_TIMEOUT_S)  # keep Θ's segment until the parent has copied it
+        wire.settle(SETTLE_S)  # keep Θ's segment until the parent has copied it
     except BaseException:
         with contextlib.suppress(WireClosedError):
             wire.send("error", traceback.format_exc())

@@ -22,6 +22,7 @@ of their own, so a receiver never blocks on the pipe's other direction: two ends
 receive on one thread and send on another cannot wait on each other.
 """
 
+import collections
 import contextlib
 import io
 import math
@@ -38,7 +39,9 @@ INLINE_BYTES = 1 << 16  # smaller buffers stay inside the pickle
 _ALIGN = 64  # bytes: each buffer starts on a cache line of the segment
 _FIRST_USER_DTYPE = 256  # numpy's NPY_USERDEF: dtypes registered by other packages
 _SHM_DIR = "/dev/shm"
-_SHM_HEADROOM = 64 << 20  # bytes of /dev/shm left to others when a segment is created
+_SHM_HEADROOM = 16 << 20  # bytes of /dev/shm left to others when a segment is created
+_MAX_IDLE = 8  # idle segments a sender keeps for reuse; older ones are unlinked
+_MAX_MAPPED = 16  # segments of the peer a receiver keeps mapped
 _GRAIN = 1 << 20  # segment sizes are rounded up to this, so fragments of near sizes share them
 
 
@@ -84,9 +87,12 @@ class Wire:
         self.conn = conn
         self._send_lock = threading.Lock()
         self._pool_lock = threading.Lock()
-        self._free: dict[int, list[shared_memory.SharedMemory]] = {}  # size -> our idle ones
+        self._free: list[shared_memory.SharedMemory] = []  # our idle ones, oldest first
         self._lent: dict[str, shared_memory.SharedMemory] = {}  # ours the peer has not acked
-        self._mapped: dict[str, shared_memory.SharedMemory] = {}  # the peer's we have mapped
+        # the peer's we have mapped, least recently used first
+        self._mapped: collections.OrderedDict[str, shared_memory.SharedMemory] = (
+            collections.OrderedDict()
+        )
         self.bytes_sent = 0  # out-of-band bytes, both ways (for the tests and benchmarks)
         self.bytes_received = 0
         self.inline_fallbacks = 0  # messages sent inside the pickle for want of shared memory
@@ -136,9 +142,10 @@ class Wire:
         64 MB: writing past it would kill the process with SIGBUS, not raise)."""
         size = _round_up(max(nbytes, 1), _GRAIN)
         with self._pool_lock:
-            idle = self._free.get(size)
-            if idle:
-                seg = idle.pop()
+            fits = [s for s in self._free if s.size >= size]
+            if fits:  # the smallest idle one that fits
+                seg = min(fits, key=lambda s: s.size)
+                self._free.remove(seg)
             else:
                 if _shm_free_bytes() < size + _SHM_HEADROOM:
                     return None
@@ -149,8 +156,12 @@ class Wire:
     def _acked(self, name: str) -> None:
         with self._pool_lock:
             seg = self._lent.pop(name, None)
-            if seg is not None:
-                self._free.setdefault(seg.size, []).append(seg)
+            if seg is None:
+                return
+            self._free.append(seg)
+            old = self._free.pop(0) if len(self._free) > _MAX_IDLE else None
+        if old is not None:  # the pool stays bounded (the peer's mapping goes the same way)
+            _release(old, unlink=True)
 
     # --- receiving --------------------------------------------------------------------
     def recv(self, timeout: float | None = None) -> tuple[str, dict, object] | None:
@@ -171,6 +182,9 @@ class Wire:
                 seg = self._mapped.get(seg_name)
                 if seg is None:
                     seg = self._mapped[seg_name] = shared_memory.SharedMemory(name=seg_name)
+                    if len(self._mapped) > _MAX_MAPPED:  # one the sender no longer uses, likely
+                        _release(self._mapped.popitem(last=False)[1], unlink=False)
+                self._mapped.move_to_end(seg_name)
                 end = spans[-1][0] + spans[-1][1]
                 own = np.empty(end, np.uint8)
                 np.copyto(own, np.frombuffer(seg.buf, np.uint8, end))  # lock-free copy
@@ -214,19 +228,27 @@ class Wire:
                 return False
 
     # --- the end ----------------------------------------------------------------------
-    def close(self) -> None:
-        """Closes the pipe, unmaps the peer's segments and unlinks this end's own."""
+    def close(self, unlink_mapped: bool = False) -> None:
+        """Closes the pipe, unmaps the peer's segments and unlinks this end's own (and the
+        peer's too with `unlink_mapped`: a peer that died cannot)."""
         self._acks.put(None)
         with contextlib.suppress(OSError):
             self.conn.close()
         with self._pool_lock:
-            own = list(self._lent.values()) + [s for v in self._free.values() for s in v]
+            own = list(self._lent.values()) + self._free
             self._lent.clear()
-            self._free.clear()
+            self._free = []
         for seg in own:
-            seg.close()
-            with contextlib.suppress(FileNotFoundError):
-                seg.unlink()
+            _release(seg, unlink=True)
         for seg in self._mapped.values():
-            seg.close()
+            _release(seg, unlink=unlink_mapped)
         self._mapped.clear()
+
+
+def _release(seg: shared_memory.SharedMemory, unlink: bool) -> None:
+    """Unmaps a segment (a view still in use keeps it mapped) and unlinks it if asked."""
+    with contextlib.suppress(BufferError):
+        seg.close()
+    if unlink:
+        with contextlib.suppress(FileNotFoundError):
+            seg.unlink()
