@@ -37,10 +37,12 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import queue
 import threading
 import time
 import traceback
 
+from decoupled_diloco.runtime.links import _drain
 from decoupled_diloco.runtime.wire import Wire, WireClosedError
 
 POLL_S = 0.02  # seconds: the forwarder's longest block on the inbox
@@ -150,13 +152,9 @@ class SyncerProcess:
                 elif kind == "error":
                     self._error = f"failed:\n{obj}"
                     break
-        except WireClosedError:
+        except WireClosedError:  # before its last words ("done" or "error")
             self.process.join(timeout=5)
-            self._error = (
-                f"exited with code {self.process.exitcode} before the run ended"
-                if self._final is None
-                else None
-            )
+            self._error = f"exited with code {self.process.exitcode} before the run ended"
         except BaseException:  # the hand-over itself failed: the run must not go on blind
             self._error = f"its replies could not be handed over:\n{traceback.format_exc()}"
         finally:
@@ -206,15 +204,11 @@ class _PipeSyncerLink:
     the parent hands that object to each of them."""
 
     def __init__(self, wire: Wire):
-        import queue
-
         self.wire, self.inbox = wire, queue.Queue()
         self._last = None
         self._lock = threading.Lock()  # "again" refers to the previous send: one at a time
 
     def receive(self, timeout: float) -> list:
-        from decoupled_diloco.runtime.links import _drain
-
         return _drain(self.inbox, timeout)
 
     def send(self, learner: int, msg) -> None:

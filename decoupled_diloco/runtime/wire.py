@@ -12,10 +12,11 @@ copy and a pipe write loop would take it back once per 64 KiB.
 
 Where the shared-memory file system has no room for a new segment (a container's /dev/shm
 is often 64 MB), a message goes whole through the pipe instead: slower (pickled under the
-lock), never lost. Segments live as long as the wire: the sender unlinks its own at `close`
-(a killed process's are unlinked by multiprocessing's resource tracker); a receiver maps
-each of its peer's segments once and keeps the mapping, so a segment reused for the next
-fragment costs no page faults.
+lock), never lost. A sender keeps up to `_MAX_IDLE` idle segments for reuse and unlinks the
+rest, and all of its own at `close` (a killed process's are unlinked by multiprocessing's
+resource tracker, or by `close(unlink_mapped=True)` on the peer); a receiver keeps up to
+`_MAX_MAPPED` of its peer's segments mapped, so a segment reused for the next fragment costs
+no page faults.
 
 One thread may `recv` at a time; any thread may `send`. Acknowledgements leave from a thread
 of their own, so a receiver never blocks on the pipe's other direction: two ends that both
@@ -114,21 +115,19 @@ class Wire:
         out = io.BytesIO()
         _Pickler(out, protocol=5, buffer_callback=out_of_band).dump(obj)
         data = out.getvalue()
-        seg_name, spans = None, []
-        seg = self._segment(sum(_round_up(b.nbytes, _ALIGN) for b in buffers)) if buffers else None
+        spans, total = [], 0  # (offset, bytes) of each buffer in the segment
+        for raw in buffers:
+            spans.append((total, raw.nbytes))
+            total = _round_up(total + raw.nbytes, _ALIGN)
+        seg = self._segment(total) if buffers else None
         if buffers and seg is None:  # no room in shared memory: everything in the pickle
-            data, buffers = pickle.dumps(obj, protocol=5), []
+            data, buffers, spans = pickle.dumps(obj, protocol=5), [], []
             self.inline_fallbacks += 1
+        for raw, (off, n) in zip(buffers, spans, strict=True):
+            dst = np.frombuffer(seg.buf, np.uint8, n, off)
+            np.copyto(dst, np.frombuffer(raw, np.uint8))  # without the interpreter lock
+        seg_name = seg.name if buffers else None
         if buffers:
-            offsets, total = [], 0
-            for raw in buffers:
-                offsets.append(total)
-                total = _round_up(total + raw.nbytes, _ALIGN)
-            for raw, off in zip(buffers, offsets, strict=True):
-                dst = np.frombuffer(seg.buf, np.uint8, raw.nbytes, off)
-                np.copyto(dst, np.frombuffer(raw, np.uint8))  # without the interpreter lock
-                spans.append((off, raw.nbytes))
-            seg_name = seg.name
             self.bytes_sent += total
         try:
             with self._send_lock:
