@@ -146,6 +146,16 @@ def _summary(workdir: str) -> dict:
     return json.loads(path.read_text())
 
 
+def mean_merge_delay(rows: list[dict]) -> float | None:
+    """Mean steps from an offer to the boundary applying the merge holding it, over the
+    merges of these learner metrics rows (each row's mean weighted by its `merges_held`;
+    rows written before that key count once). None: no merge held an offer."""
+    held = [(r["merge_delay_steps"], r.get("merges_held", 1)) for r in rows
+            if "merge_delay_steps" in r]  # fmt: skip
+    n = sum(k for _, k in held)
+    return sum(d * k for d, k in held) / n if n else None
+
+
 def table(workdir: str) -> str:
     """The run's summary and per-learner figures as markdown."""
     s = _summary(workdir)
@@ -158,6 +168,7 @@ def table(workdir: str) -> str:
         "mean_learners_per_merge",
         "mean_offer_steps",
         "mean_offer_seconds",
+        "mean_merge_delay_steps",
         "goodput",
         "uptime",
         "failures",
@@ -179,8 +190,8 @@ def table(workdir: str) -> str:
     for m in learners:
         rows = [r for r in metrics if r["learner"] == m and "loss" in r]
         rate = sum(r["tokens_per_second"] for r in rows) / max(len(rows), 1)
-        delays = [r["merge_delay_steps"] for r in rows if "merge_delay_steps" in r]
-        delay = f"{sum(delays) / len(delays):.2f}" if delays else "-"
+        delay = mean_merge_delay(rows)
+        delay = "-" if delay is None else f"{delay:.2f}"
         lines.append(
             f"| {m} | {rows[-1]['step']} | {rows[-1]['loss']:.4f} | {rate:,.0f} | {delay} |"
         )

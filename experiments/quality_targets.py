@@ -136,8 +136,10 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
 def per_seed(runs, key: str, digits: int) -> str:
     """A summary figure per seed, e.g. `mean_offer_steps` (steps of work per merged offer: H
     while offers leave on schedule, more when they waited for a late merge of their
-    fragment), `mean_offer_seconds` (from an offer to its merge) or `lock_wait_ms` (how late
-    a thread of the run's process ran Python again, runtime/gil.py)."""
+    fragment), `mean_merge_delay_steps` (from an offer to the boundary applying its merge:
+    τ when merges come back in time), `mean_offer_seconds` (from an offer to its merge) or
+    `lock_wait_ms` (how late a thread of the run's process ran Python again,
+    runtime/gil.py). "-" where a seed has none (0: no merges, or none held an offer late)."""
     values = [r.summary.get(key) for r in runs]
     return "-" if not all(values) else " / ".join(f"{v:.{digits}f}" for v in values)
 
@@ -149,8 +151,8 @@ def markdown(results) -> str:
         [runs[0].arm.label, harness.fmt([r.summary["final_eval_loss"] for r in runs]),
          harness.fmt(harness.loss_ratio(runs, dp), 4),
          "-" if spread(runs) is None else f"{spread(runs):.3f}",
-         per_seed(runs, "mean_offer_steps", 1), per_seed(runs, "mean_offer_seconds", 2),
-         per_seed(runs, "lock_wait_ms", 2)]
+         per_seed(runs, "mean_offer_steps", 1), per_seed(runs, "mean_merge_delay_steps", 1),
+         per_seed(runs, "mean_offer_seconds", 2), per_seed(runs, "lock_wait_ms", 2)]
         for runs in groups.values()
     ]  # fmt: skip
     target_rows = [
@@ -164,7 +166,7 @@ def markdown(results) -> str:
         "run; eval loss in nats per token on the same held-out sequences.\n\n"
     )
     header = ["arm", "final eval loss", "÷ DP", "seed spread", "steps per offer",
-              "offer to merge (s)", "lock wait (ms)"]  # fmt: skip
+              "merge delay (steps)", "offer to merge (s)", "lock wait (ms)"]  # fmt: skip
     arm_table = harness.table(header, arms_rows)
     header = ["target", "measured (mean)", "per seed", "threshold", "verdict"]
     return note + arm_table + "\n" + harness.table(header, target_rows)

@@ -125,6 +125,7 @@ import numpy as np  # noqa: E402
 
 from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco import report  # noqa: E402
 from decoupled_diloco.mfu import largest_fitting_batch, peak_flops  # noqa: E402
 from decoupled_diloco.models.flops import train_flops_per_token  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
@@ -472,7 +473,7 @@ def fleet() -> None:
         raise RuntimeError("the learners never stepped at the same time (one ran before the "
                            "others had compiled?); raise --steps")  # fmt: skip
     rates = [(_step_at(r, end) - _step_at(r, start)) / (end - start) for r in rows]
-    delays = [r["merge_delay_steps"] for rs in rows for r in rs if "merge_delay_steps" in r]
+    delay = report.mean_merge_delay([r for rs in rows for r in rs])
     H, tau = run.diloco.sync_every, run.diloco.overlap
     total = sum(rates)
     print(f"plain loop: {plain['steps_per_s']:.2f} steps/s; fleet: {total:.2f} steps/s in all "
@@ -483,8 +484,8 @@ def fleet() -> None:
         f"steps per offer = {summary.get('mean_offer_steps', float('nan')):.2f} (whole run; "
         f"schedule: H = {H}; more: offers waited for late merges; less: final offers)"
     )
-    print(f"merge delay = {statistics.mean(delays) if delays else float('nan'):.2f} steps "
-          f"(mean of the rows' means past --skip: offer to the boundary applying its merge; "
+    print(f"merge delay = {float('nan') if delay is None else delay:.2f} steps "
+          f"(mean over the merges of the rows past --skip: offer to the boundary applying it; "
           f"tau = {tau} at best)")  # fmt: skip
     print(f"merges {summary.get('merges', 0)}, learners per merge "
           f"{summary.get('mean_learners_per_merge', float('nan')):.2f}")  # fmt: skip

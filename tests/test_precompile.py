@@ -202,6 +202,7 @@ def test_a_decoupled_run_compiles_no_protocol_op_on_a_learner_thread(small_confi
                                                   "diloco.max_wait": 0.0})  # fmt: skip
     summary = LocalRuntime(run, str(tmp_path), verbose=False).run()
     assert summary["merges"] > 0
+    assert summary["mean_merge_delay_steps"] > 0  # τ = 1: held merges apply a step later
     assert [c for c in _at_boundaries(compiles) if "_finish" not in c[1].split()] == []
     assert any(t.startswith("precompile") for t, _ in compiles)  # they did compile, before
 

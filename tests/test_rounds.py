@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from decoupled_diloco import report
 from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
@@ -184,6 +185,19 @@ def test_mean_offer_steps_is_the_work_per_merged_offer():
     summary = ledger.summary(3.0, uses_syncer=True, learner_steps=[4, 14])
     assert summary["mean_offer_steps"] == 6
     assert summary["mean_offer_seconds"] == pytest.approx(0.75)
+
+
+def test_mean_merge_delay_weights_each_row_by_the_merges_it_covers():
+    ledger = Ledger(2, sync_every=4)
+    ledger.row({"learner": 0, "step": 10, "merge_delay_steps": 2.0, "merges_held": 3})
+    ledger.row({"learner": 1, "step": 10, "merge_delay_steps": 10.0, "merges_held": 1})
+    ledger.row({"learner": 1, "step": 20, "loss": 1.0})  # no merge held an offer
+    summary = ledger.summary(3.0, uses_syncer=True, learner_steps=[10, 20])
+    assert summary["mean_merge_delay_steps"] == pytest.approx(4.0)  # (3·2 + 10) / 4
+    rows = [{"merge_delay_steps": 2.0, "merges_held": 3}, {"merge_delay_steps": 10.0,
+            "merges_held": 1}, {"loss": 1.0}]  # fmt: skip
+    assert report.mean_merge_delay(rows) == pytest.approx(4.0)
+    assert report.mean_merge_delay([{"loss": 1.0}]) is None
 
 
 def test_a_round_opened_by_a_waiting_offer_turning_fresh_has_no_negative_quorum_wait():

@@ -122,6 +122,10 @@ class Ledger:
         self.merged_learners = 0
         self.merged_steps = 0  # steps of work the merged offers carried
         self.offer_seconds = 0.0  # the merged offers' ages at their merges (summed)
+        # Learners' steps from an offer to the boundary applying the merge holding it
+        # (summed), and how many such merges (their metrics rows).
+        self.delay_steps = 0.0
+        self.delayed_merges = 0
         self.rejected = 0
         self.dropped = 0
         self.failures = 0
@@ -175,6 +179,15 @@ class Ledger:
             share = rec.get("share", 0.0)
             for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
                 self.useful_steps[m] += c * share
+
+    def row(self, rec: dict) -> None:
+        """A learner's metrics row: the merge delay of the merges it applied since its
+        previous row (`merge_delay_steps`, the mean over `merges_held`)."""
+        n = rec.get("merges_held", 0)
+        if n:
+            with self._lock:
+                self.delay_steps += rec["merge_delay_steps"] * n
+                self.delayed_merges += n
 
     def is_down(self, who) -> bool:
         with self._lock:
@@ -244,6 +257,11 @@ class Ledger:
             # Seconds from an offer's making to its merge: the first half of a round trip.
             "mean_offer_seconds": self.offer_seconds / self.merged_learners
             if self.merged_learners
+            else 0.0,
+            # Steps from an offer to the boundary applying the merge holding it: τ when
+            # merges come back in time, more when they are late (learners' metrics rows).
+            "mean_merge_delay_steps": self.delay_steps / self.delayed_merges
+            if self.delayed_merges
             else 0.0,
             "goodput": min(useful / allocated, 1.0) if allocated else 0.0,
             "uptime": uptime,

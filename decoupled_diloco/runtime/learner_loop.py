@@ -436,6 +436,7 @@ class LearnerLoop:
             last_total, last_n = self._delays
             if n > last_n:
                 rec["merge_delay_steps"] = round((total - last_total) / (n - last_n), 2)
+                rec["merges_held"] = n - last_n  # the merges that mean is over
             self._delays = total, n
         for k in _MOE_KEYS:
             if k in metrics:

@@ -8,6 +8,7 @@ them (`links.py`). Faults are emulated in the loops. The main thread evaluates t
 model while they train and writes the summary.
 """
 
+import logging
 import queue
 import threading
 import time
@@ -270,11 +271,13 @@ class LocalRuntime:
             except RunAbortedError:  # another thread's failure stopped this one
                 return
             except BaseException as e:  # surface the failure to the main thread
+                # Logged here (every failure, in the order they happen); `run` raises the
+                # first. Not re-raised: the thread's exception hook would print it twice.
+                logging.error("thread %s failed", name, exc_info=e)
                 self.errors.append(e)
                 self.failed.set()
                 self.stop.set()
                 self._syncers_stop.set()
-                raise
 
         t = threading.Thread(target=go, name=name, daemon=True)
         t.start()

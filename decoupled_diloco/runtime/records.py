@@ -32,6 +32,7 @@ class RunLog:
 
     def row(self, rec: dict) -> None:
         self.metrics.write(rec)
+        self.ledger.row(rec)
         if self.tensorboard is not None:
             self.tensorboard.row(rec)
 
