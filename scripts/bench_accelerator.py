@@ -123,9 +123,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from decoupled_diloco import compile_cache  # noqa: E402
+from decoupled_diloco import compile_cache, report  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
-from decoupled_diloco import report  # noqa: E402
 from decoupled_diloco.mfu import largest_fitting_batch, peak_flops  # noqa: E402
 from decoupled_diloco.models.flops import train_flops_per_token  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
