@@ -139,7 +139,8 @@ def per_seed(runs, key: str, digits: int) -> str:
     fragment), `mean_merge_delay_steps` (from an offer to the boundary applying its merge:
     τ when merges come back in time), `mean_offer_seconds` (from an offer to its merge) or
     `lock_wait_ms` (how late a thread of the run's process ran Python again,
-    runtime/gil.py). "-" where a seed has none (0: no merges, or none held an offer late)."""
+    runtime/gil.py). "-" where a seed's is 0 or missing (data-parallel has no merges;
+    synchronous arms apply each merge at its offer's own step: no delay)."""
     values = [r.summary.get(key) for r in runs]
     return "-" if not all(values) else " / ".join(f"{v:.{digits}f}" for v in values)
 
