@@ -102,17 +102,20 @@ _CHILD = textwrap.dedent(
     import json, os, sys
     import numpy as np
     from decoupled_diloco import jax_world
-    host, port = int(sys.argv[1]), int(sys.argv[2])
+    host, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     jax_world.initialize(jax_world.slice_world("127.0.0.1", 2, host, port), timeout_s=120)
     import jax
     from jax.experimental import multihost_utils
     slices = multihost_utils.process_allgather(np.int32(os.environ["SLICE"]))
-    print(json.dumps({
-        "count": jax.process_count(), "index": jax.process_index(),
-        "devices": jax.device_count(), "local": jax.local_device_count(),
-        "slices_in_world": sorted(int(s) for s in np.ravel(slices)),
-        "megascale": sorted(k for k in os.environ if k.startswith("MEGASCALE_")),
-    }))
+    # A file, written and closed before shutdown: Gloo writes to the same stdout, and a
+    # block-buffered pipe is not flushed if the runtime's shutdown ends the process.
+    with open(out_path, "w") as f:
+        json.dump({
+            "count": jax.process_count(), "index": jax.process_index(),
+            "devices": jax.device_count(), "local": jax.local_device_count(),
+            "slices_in_world": sorted(int(s) for s in np.ravel(slices)),
+            "megascale": sorted(k for k in os.environ if k.startswith("MEGASCALE_")),
+        }, f)
     jax.distributed.shutdown()
     """
 )
@@ -140,14 +143,17 @@ def test_two_slices_of_two_processes_form_two_worlds_on_cpu(tmp_path):
                 "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             }
-            cmd = [sys.executable, "-c", _CHILD, str(host), str(port)]
+            out_path = tmp_path / f"slice{s}_host{host}.json"
+            cmd = [sys.executable, "-c", _CHILD, str(host), str(port), str(out_path)]
             pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            procs.append((s, host, subprocess.Popen(cmd, env=env, **pipes)))
-    for s, host, p in procs:
+            procs.append((s, host, out_path, subprocess.Popen(cmd, env=env, **pipes)))
+    for s, host, out_path, p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-2000:]
-        (line,) = [x for x in out.splitlines() if x.startswith("{")]  # Gloo prints too
-        got = json.loads(line)
+        assert out_path.exists(), (
+            f"slice {s} host {host} wrote no result:\n{out[-1000:]}{err[-2000:]}"
+        )
+        got = json.loads(out_path.read_text())
         assert got == {
             "count": 2,
             "index": host,
