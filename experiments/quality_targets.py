@@ -1,7 +1,7 @@
 r"""Does Decoupled DiLoCo train as well as synchronous DiLoCo? The quality targets, checked.
 
     python experiments/quality_targets.py --scale=mid   # the 31M `mid` model (a GPU: ~30 min, est.)
-    python experiments/quality_targets.py               # tiny CPU scale, 8 arms x 2 seeds: ~25 min
+    python experiments/quality_targets.py               # tiny CPU scale, 9 arms x 2 seeds: ~28 min
     python experiments/quality_targets.py --set=data.source=shakespeare   # another corpus
 
 The few arms the targets compare (M = 4 learners, equal tokens), each run for --seeds:
@@ -22,6 +22,8 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
                   step per round of work, lr / (1 − μ) = 1, as `decoupled`'s (1.0, 0.0)
                   (README, "How outer lr and momentum relate to M, K, P and H")
   streaming_sync_mom  streaming_sync with that (0.5, 0.5) step (the twin of decoupled_mom)
+  decoupled_lr075  `decoupled` with outer lr 0.75: a smaller step, which costs mixing learners
+                  less than synchronous ones (experiments/README.md, section 0; not a target)
 
 and prints each target with its measured value and whether it is met (ratios per seed,
 then averaged; seed spread = (max − min) / mean of the final eval loss). Targets (issue 12):
@@ -33,7 +35,7 @@ then averaged; seed spread = (max − min) / mean of the final eval loss). Targe
 Also printed, without a threshold: decoupled_nag ÷ streaming_sync_nag and decoupled_mom ÷
 streaming_sync_mom (the asynchrony's cost under each momentum outer step), and
 streaming_sync_nag ÷ streaming_sync, streaming_sync_mom ÷ streaming_sync (each outer step's
-own cost at this length, without asynchrony).
+own cost at this length, without asynchrony), decoupled_lr075 ÷ streaming_sync and ÷ decoupled.
 Lengths: 300 steps at batch 16 per learner on CPU (the quality ladder's), 1000 steps at
 32 x 256 tokens per learner with --scale=mid (arm_config.MID).
 """
@@ -51,6 +53,7 @@ SYNC = {"diloco.quorum": M, "diloco.overlap": 0, "diloco.max_wait": -1.0,
 NESTEROV = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}
 MIX = {"diloco.alpha": 0.5}  # learners take half of each merge's move (diloco/learner.py)
 MOMENTUM_HALF = {"diloco.outer_lr": 0.5, "diloco.outer_momentum": 0.5}
+SMALLER_STEP = {"diloco.outer_lr": 0.75}
 
 
 def arms() -> list[harness.Arm]:
@@ -87,6 +90,12 @@ def arms() -> list[harness.Arm]:
             base | SYNC | MOMENTUM_HALF,
             "Streaming, synchronous, outer (0.5, 0.5)",
         ),  # fmt: skip
+        harness.Arm(
+            "decoupled_lr075",
+            "tiny_decoupled",
+            base | SMALLER_STEP,
+            "Decoupled K=1, outer lr 0.75",
+        ),  # fmt: skip
     ]
 
 
@@ -119,6 +128,8 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
         ("decoupled_mom", "streaming_sync_mom", None, "max"),
         ("streaming_sync_nag", "streaming_sync", None, "max"),
         ("streaming_sync_mom", "streaming_sync", None, "max"),
+        ("decoupled_lr075", "streaming_sync", None, "max"),
+        ("decoupled_lr075", "decoupled", None, "max"),
     ]
     for a, b, limit, kind in checks:
         if a not in groups or b not in groups or not ratio(a, b):

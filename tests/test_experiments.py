@@ -154,6 +154,8 @@ def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(c
             ref["outer_lr"] / (1 - ref["outer_momentum"])
         )
         assert mom["outer_momentum"] >= 0.5
+        assert changed("decoupled_lr075") == {"outer_lr"}
+        assert arms["decoupled_lr075"]["diloco"]["outer_lr"] < ref["outer_lr"]
         sync = arms["streaming_sync"]["diloco"]
         assert sync["quorum"] == 4 and sync["max_wait"] == -1 and sync["overlap"] == 0
         assert sync["fragments"] == ref["fragments"] == 6
