@@ -69,6 +69,8 @@ AGE_RUNS = {  # label -> folders
     "H 12, 1 s links, α 0.75": ["lat_1.0_a075"],
     "H 12, 1 s links (code of 11-26)": ["lat_1.0_a05", "lat_1.0_a05_s1"],
     "H 12, 2 s links (code of 11-26)": ["lat_2.0_a05"],
+    "H 12, on time, outer lr 0.75": ["lat0_lr075"],
+    "H 12, 1 s links, outer lr 0.75": ["lat_1.0_lr075_a05"],
 }
 README_DELAYS = {"lat_1.0_a05": {0: 9.9}, "lat_1.0_a05_s1": {1: 10.5}, "lat_2.0_a05": {0: 17.6}}
 
@@ -90,7 +92,7 @@ def ages(folder: str) -> dict[int, tuple[float, float]]:
 
 
 def age_panel(ax) -> None:
-    for (label, folders), marker in zip(AGE_RUNS.items(), "osD^vPX", strict=True):
+    for (label, folders), marker in zip(AGE_RUNS.items(), "osD^vPX<>", strict=True):
         points = [p for folder in folders for p in ages(folder).values()]
         if points:
             xs, ys = zip(*points, strict=True)
