@@ -155,6 +155,7 @@ BAD = [
     ("more steps than the learner took", {"c_steps": 10**6}, None, "counters"),
     ("absurd token count", {"c_tokens": 2**60}, None, "counters"),
     ("no work", {"c_steps": 0}, None, "counters"),
+    ("steps without tokens", {"c_tokens": 0}, None, "counters"),
     ("nan counter", {"c_tokens": float("nan")}, None, "c_tokens must be an integer"),
     ("float counter", {"c_steps": 4.0}, None, "c_steps must be an integer"),
     ("string learner", {"learner": "0"}, None, "learner must be an integer"),
@@ -177,6 +178,15 @@ BAD = [
         "payload",
     ),
 ]
+
+
+def test_numpy_integer_counters_are_read_as_numbers():
+    # A syncer without run bounds checks tokens per step against 2**53: an int32 c_steps
+    # times that must not overflow (numpy keeps the int32 type).
+    h = Harness()
+    out = h.send(h.offer(c_steps=np.int32(4), c_tokens=np.int64(4 * 64)))
+    assert [type(msg) for _, msg in out] == [Merged, Merged]
+    assert h.syncer.stats["rejected_offers"] == 0
 
 
 @pytest.mark.parametrize("case,fields,make_payload,reason", BAD, ids=[b[0] for b in BAD])

@@ -104,14 +104,17 @@ def check_counters(
         return Reason("base_version", f"base version {base} is from the future (now {version})")
     if version - base > max_staleness:
         return Reason("stale", f"stale: base {base}, now {version}")
-    if not 1 <= offer.c_steps <= offer.step or not 0 <= offer.c_tokens <= MAX_TOKENS:
+    # An offer holds at least one step of work and every step some tokens (a token-weighted
+    # merge of offers without tokens has no weight to normalise).
+    if not 1 <= offer.c_steps <= offer.step or not 1 <= offer.c_tokens <= MAX_TOKENS:
         return Reason(
             "counters",
             f"counters out of range: c_steps={offer.c_steps} (step {offer.step}; an offer holds "
-            f"at least one step of work), c_tokens={offer.c_tokens}",
+            f"at least one step of work), c_tokens={offer.c_tokens} (at least one token)",
         )
     # Its weight in merges grows with tokens per step: no more than a step's batch can hold.
-    if offer.c_tokens > offer.c_steps * bounds.tokens_ceiling:
+    # (Python ints: a numpy counter times a large ceiling would overflow.)
+    if int(offer.c_tokens) > int(offer.c_steps) * bounds.tokens_ceiling:
         return Reason(
             "tokens_per_step",
             f"c_tokens={offer.c_tokens} in c_steps={offer.c_steps} is more than "
