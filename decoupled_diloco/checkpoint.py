@@ -117,12 +117,13 @@ class Checkpointer:
                 except Exception as e:  # unreadable files are a refused step, like bad bytes
                     out, reason = None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
                 if not reason:
+                    for bad, why in refused:  # newer than the one used: out of the way
+                        self._set_aside(bad, why)
                     return out
-                refused.append(f"{self.directory}/{s}: {reason}")
-                self._set_aside(s, reason)
-        raise CorruptCheckpointError(
-            "no kept checkpoint step can be trusted: " + "; ".join(refused)
-        )
+                refused.append((s, reason))
+        # None verifies: all stay, so a retry fails alike instead of starting afresh.
+        raise CorruptCheckpointError("no kept checkpoint step can be trusted: " + "; ".join(
+            f"{self.directory}/{s}: {why}" for s, why in refused))  # fmt: skip
 
     def _set_aside(self, step: int, reason: str) -> None:
         moved = set_aside(self.directory / str(step), reason)

@@ -150,8 +150,10 @@ class FragmentCheckpointer:
         return out, body["meta"]
 
     def restore(self, step: int | None = None) -> tuple[dict[int, tuple[dict, dict]], dict]:
-        """The newest committed step (at or before `step`) that verifies; refused steps are
-        moved aside (and listed in `refused`). CorruptCheckpointError when none does."""
+        """The newest committed step (at or before `step`) that verifies; the newer steps it
+        refused are moved aside (and listed in `refused`). CorruptCheckpointError when none
+        verifies: then every step stays where it is, so a retry fails alike instead of
+        finding no checkpoint and starting afresh."""
         with self._lock:
             candidates = [s for s in reversed(self.all_steps()) if step is None or s <= step]
             if not candidates:
@@ -159,14 +161,17 @@ class FragmentCheckpointer:
             refused = []
             for s in candidates:
                 try:
-                    return self.read(s)
+                    out = self.read(s)
                 except CorruptCheckpointError as e:
-                    refused.append(str(e))
-                    if not self.read_only:
-                        reason = str(e).split(": ", 1)[1]
-                        self.refused.append((s, reason, set_aside(self.path / str(s), reason)))
+                    refused.append((s, str(e)))
+                    continue
+                if not self.read_only:
+                    for bad, why in refused:
+                        reason = why.split(": ", 1)[1]
+                        self.refused.append((bad, reason, set_aside(self.path / str(bad), reason)))
+                return out
         raise CorruptCheckpointError(
-            "no kept checkpoint step can be trusted: " + "; ".join(refused)
+            "no kept checkpoint step can be trusted: " + "; ".join(why for _, why in refused)
         )
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import types
 import numpy as np
 import pytest
 
+from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
@@ -259,6 +260,25 @@ def test_a_read_only_load_of_theta_skips_the_momenta(tmp_path):
     assert parts[1][1]["version"] == 1 and meta["plan"] == PLAN.to_json()
 
 
+def test_when_no_save_verifies_every_one_stays_and_a_retry_fails_alike(tmp_path):
+    # Moving them aside would leave no checkpoint at all: the next attempt would start the
+    # global model afresh from Θ_0 while the learners resume theirs.
+    d = tmp_path / "syncer_0"
+    run = Run(d)
+    for seed, p in ((1, 0), (2, 3)):
+        run.merge(p, seed=seed)
+        assert run.loop.save()
+    for n in (1, 2):
+        manifest = d / str(n) / "manifest.json"
+        manifest.write_text(manifest.read_text()[:-20])
+    for _ in range(2):
+        ckpt = FragmentCheckpointer(str(d))
+        with pytest.raises(CorruptCheckpointError, match=r"no kept checkpoint step.*/2: .*/1: "):
+            ckpt.restore()
+        assert ckpt.all_steps() == [1, 2] and not ckpt.refused
+        assert not (tmp_path / "corrupt").exists()
+
+
 @pytest.mark.parametrize("bad", ["manifest", "missing"])
 def test_an_unreadable_manifest_is_refused(tmp_path, bad):
     run = Run(tmp_path)
@@ -283,6 +303,7 @@ def test_checkpoints_take_at_most_their_duty_of_the_time(tmp_path, monkeypatch, 
     def slow_save(self):
         starts.append(time.monotonic())
         time.sleep(0.1)
+        self._saved_key = ((0, len(starts)),), ()  # a save holding merges
         return True
 
     monkeypatch.setattr(SyncerLoop, "save", slow_save)
@@ -303,3 +324,25 @@ def test_checkpoints_take_at_most_their_duty_of_the_time(tmp_path, monkeypatch, 
         assert len(gaps) >= 2 and gaps[1:].min() >= 0.4 - 0.02, gaps  # after the first save
     else:
         assert len(gaps) >= 8 and gaps[1:].max() < 0.2, gaps
+
+
+def test_what_a_save_costs_ignores_merge_less_saves_and_one_slow_save(tmp_path, monkeypatch):
+    """The duty spaces saves by the shorter of the last two that held merges: the first,
+    merge-less saves (they meet the learners' compilation) and one slow save do not stretch
+    the gap; saves that stay slow do."""
+    from decoupled_diloco.runtime import syncer_loop
+
+    now = [0.0]
+    monkeypatch.setattr(syncer_loop.time, "monotonic", lambda: now[0])
+    loop = Run(tmp_path).loop
+    for version, seconds, cost in [(0, 3.0, 0.0), (1, 0.5, 0.5), (2, 4.0, 0.5), (3, 4.0, 4.0),
+                                   (4, 0.5, 0.5)]:  # fmt: skip
+
+        def fake_save(self, version=version, seconds=seconds):
+            now[0] += seconds
+            self._saved_key = ((0, version), (1, 0)), ()
+            return True
+
+        monkeypatch.setattr(SyncerLoop, "save", fake_save)
+        loop._save_or_keep_error()
+        assert loop.save_seconds == cost, version

@@ -13,7 +13,9 @@ the lock while merges of every fragment go on, takes the next, and commits a man
 the registry, counters and event-log position (taken when the save began). A save of s
 seconds puts the next one at least s / `diloco.syncer_checkpoint_duty` after its start
 (`checkpoint_gap`), so however large the model, writing checkpoints takes at most that
-share of the syncer host's time (and of its GIL). Extra memory:
+share of the syncer host's time (and of its GIL). s is the shorter of the last two saves
+that held merges: one slowed by something passing (the learners' compilation, which the
+first, merge-less saves meet) does not space out the ones after it. Extra memory:
 one fragment's Θ + momentum. A save is skipped while neither the versions nor the registry
 changed; a save the syncer's death interrupts is never committed. The event-log position
 is that of the save's start: records up to it are in the checkpoint; a merge recorded after
@@ -75,7 +77,7 @@ class SyncerLoop:
         self._saved_key = None
         self._saver: threading.Thread | None = None  # the checkpoint being written, if any
         self._saver_error: BaseException | None = None
-        self.save_seconds = 0.0  # how long the last background checkpoint took
+        self._save_times: list[float] = []  # seconds of the last two saves holding merges
         self.syncer: Syncer | None = self._restore(after_failure=restarted)
         self.restarted = restarted
 
@@ -222,13 +224,20 @@ class SyncerLoop:
         if error is not None:
             raise error
 
+    @property
+    def save_seconds(self) -> float:
+        """What a save costs, for `checkpoint_gap`: the shorter of the last two that held
+        merges (0 before any)."""
+        return min(self._save_times, default=0.0)
+
     def _save_or_keep_error(self) -> None:
         start = time.monotonic()
         try:
-            self.save()
+            wrote = self.save()
         except BaseException as e:  # surfaced on the serving thread by wait_for_save
-            self._saver_error = e
-        self.save_seconds = time.monotonic() - start
+            self._saver_error, wrote = e, False
+        if wrote and any(v for _, v in self._saved_key[0]):
+            self._save_times = [*self._save_times[-1:], time.monotonic() - start]
 
     def save(self) -> bool:
         """Writes a checkpoint, one fragment at a time (see the module docstring); False if
