@@ -67,11 +67,13 @@ def main(argv) -> None:
     other = sorted(k for k in overrides if not k.startswith("data.") and k != "train.eval_batches")
     if other:
         sys.exit(f"error: only --config.data.* and --config.train.eval_batches apply, not {other}")
+    from decoupled_diloco.checkpoint import CorruptCheckpointError
+
     try:
         loss, source = evaluate(
             FLAGS.workdir, FLAGS.step, data, overrides.get("train.eval_batches")
         )
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CorruptCheckpointError) as e:
         sys.exit(f"error: {e}")
     print(f"eval_loss={loss:.6f} ({source}; {FLAGS.workdir})", flush=True)
 

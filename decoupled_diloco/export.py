@@ -55,9 +55,11 @@ def main(argv) -> None:
     if not FLAGS.workdir or not FLAGS.out:
         sys.exit("usage: python -m decoupled_diloco.export --workdir=DIR --out=PATH [--step=N]")
     cli.start(flags.FLAGS["verbosity"].present)
+    from decoupled_diloco.checkpoint import CorruptCheckpointError
+
     try:
         source = export(FLAGS.workdir, FLAGS.out, FLAGS.step)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CorruptCheckpointError) as e:
         sys.exit(f"error: {e}")
     print(f"exported {source} -> {FLAGS.out}", flush=True)
 

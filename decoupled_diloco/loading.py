@@ -95,7 +95,8 @@ def _restore(manager, n: int, arrays=None) -> tuple[dict, dict]:
 
 
 def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
-    """Θ from every syncer shard: each shard's newest checkpoint (at or before `step`)."""
+    """Θ from every syncer shard: each shard's newest checkpoint (at or before `step`) that
+    verifies; a newer one that does not is skipped with a warning and named in `source`."""
     params, picked = {}, []
     for shard in range(config.diloco.syncer_shards):
         directory = ckpt_dir / f"syncer_{shard}"
@@ -105,27 +106,53 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
         saves = ckpt.all_steps()
         if not saves:
             raise FileNotFoundError(f"syncer shard {shard}: no checkpoint in {ckpt_dir}")
-        reached = {n: _learner_step(ckpt, n) for n in saves}
-        ok = [n for n in saves if step is None or reached[n] <= step]
-        if not ok:
+        refused, reached = [], {}
+        for n in saves:
+            try:
+                reached[n] = _learner_step(ckpt, n)
+            except CorruptCheckpointError as e:
+                refused.append(str(e))
+        ok = sorted((n for n in reached if step is None or reached[n] <= step), reverse=True)
+        if not ok and not refused:
             raise ValueError(
                 f"no syncer checkpoint at or before step {step}: shard {shard} keeps saves "
                 f"{saves} at learner steps {[reached[n] for n in saves]}"
             )
-        n = max(ok)
-        parts, _ = ckpt.read(n, momentum=False)
-        for arrays, _ in parts.values():
-            params.update({k: np.asarray(v, np.float32) for k, v in arrays["theta"].items()})
-        picked.append(f"#{n} (learner step {reached[n]})")
+        for n in ok:
+            try:
+                parts, _ = ckpt.read(n, momentum=False)
+            except CorruptCheckpointError as e:
+                refused.append(str(e))
+                continue
+            for arrays, _ in parts.values():
+                params.update({k: np.asarray(v, np.float32) for k, v in arrays["theta"].items()})
+            picked.append(f"#{n} (learner step {reached[n]})" + _refused_note(refused))
+            break
+        else:
+            raise CorruptCheckpointError(
+                f"syncer shard {shard}: no checkpoint at or before step {step} can be trusted: "
+                + "; ".join(refused)
+            )
         ckpt.close()
     return join_members(params), "syncer checkpoints " + ", ".join(picked)
 
 
+def _refused_note(refused: list[str]) -> str:
+    """Logs the newer checkpoints a load passed over; the note for the model's `source`."""
+    for why in refused:
+        logging.warning("checkpoint refused, an older one is used: %s", why)
+    return f" [{len(refused)} newer refused: {'; '.join(refused)}]" if refused else ""
+
+
 def _learner_step(ckpt: FragmentCheckpointer, n: int) -> int:
     """The newest learner step the registry of syncer checkpoint n had seen."""
-    manifest = json.loads((ckpt.path / str(n) / MANIFEST).read_text())
-    learners = manifest["meta"].get("learners", {}).values()
-    return max((e[2] for e in learners), default=0)
+    path = ckpt.path / str(n) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        learners = manifest["meta"].get("learners", {}).values()
+        return max((e[2] for e in learners), default=0)
+    except Exception as e:  # a checkpoint whose manifest cannot be read is refused
+        raise CorruptCheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
 
 
 def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
@@ -146,10 +173,21 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
     )
-    state, _ = _restore(manager, max(ok), abstract)
-    manager.close()
-    flat = models.flatten_params(jax.device_get(state.params))
-    return {k: np.asarray(v, np.float32) for k, v in flat.items()}, f"learner step {max(ok)}"
+    refused = []
+    for n in sorted(ok, reverse=True):
+        try:
+            state, _ = _restore(manager, n, abstract)
+        except Exception as e:  # unreadable files are refused like bad bytes
+            why = str(e) if isinstance(e, CorruptCheckpointError) else f"{directory}/{n}: {e}"
+            refused.append(why)
+            continue
+        manager.close()
+        flat = models.flatten_params(jax.device_get(state.params))
+        source = f"learner step {n}" + _refused_note(refused)
+        return {k: np.asarray(v, np.float32) for k, v in flat.items()}, source
+    raise CorruptCheckpointError(
+        f"no learner checkpoint at or before step {step} can be trusted: " + "; ".join(refused)
+    )
 
 
 def _load_export(root: epath.Path, step: int | None) -> Model:

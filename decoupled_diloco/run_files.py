@@ -101,7 +101,11 @@ def read_config(path: str) -> RunConfig:
             f"{file} not found: {path} is not a run's workdir or an exported model (runs "
             "write it when they start)"
         )
-    return config_from_json(json.loads(file.read_text()))
+    try:
+        text = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}): a damaged run record") from e
+    return config_from_json(text)
 
 
 def read_tokenizer(path: str, data: DataConfig) -> Tokenizer:

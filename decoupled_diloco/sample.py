@@ -60,6 +60,8 @@ def main(argv) -> None:
     if not FLAGS.workdir:
         sys.exit('usage: python -m decoupled_diloco.sample --workdir=DIR --prompt="TEXT"')
     cli.start(flags.FLAGS["verbosity"].present)
+    from decoupled_diloco.checkpoint import CorruptCheckpointError
+
     try:
         results = sample(
             FLAGS.workdir,
@@ -71,7 +73,7 @@ def main(argv) -> None:
             FLAGS.num_samples,
             FLAGS.step,
         )
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CorruptCheckpointError) as e:
         sys.exit(f"error: {e}")
     for i, (prompt, completion) in enumerate(results):
         print(f"--- sample {i} ---\n{prompt}{completion}", flush=True)

@@ -31,7 +31,7 @@ def runs(tmp_path_factory):
     from conftest import _small_config
 
     root = tmp_path_factory.mktemp("runs")
-    dp = _small_config(**{"train.steps": 8})
+    dp = _small_config(**{"train.steps": 8, "train.checkpoint_every": 4})  # keeps 2 saves
     dec = _small_config(**{"train.steps": 12, "diloco.learners": 2, "diloco.sync_every": 4,
                            "diloco.fragments": 2, "diloco.overlap": 1, "diloco.grace_gamma": 0.0,
                            "faults.crashes": [[1, 4.0]], "faults.restart_delay_s": 1.0,
@@ -162,3 +162,41 @@ def test_entry_points_fail_in_one_clear_line(tmp_path):
     assert 'unknown config key sourc (Did you mean "source"' in typo.stderr
     nothing = _cli("decoupled_diloco.evaluate", f"--workdir={tmp_path}/none")
     assert nothing.returncode != 0 and "run_config.json not found" in nothing.stderr
+
+
+def _flip_largest(step_dir) -> None:
+    files = [p for p in step_dir.rglob("*") if p.is_file() and "arrays" in str(p)]
+    with open(max(files, key=lambda p: p.stat().st_size), "r+b") as f:
+        f.seek(f.seek(0, 2) // 2)
+        f.write(b"\xff" * 64)
+
+
+@pytest.mark.parametrize("name,kind", [("dp", "learner_0"), ("dec", "syncer_0")])
+def test_a_corrupt_newest_checkpoint_is_passed_over_then_named(runs, name, kind, tmp_path):
+    """Reading the model, a checkpoint that does not verify is never used: the newest good
+    one is, and the model's `source` says which was refused; with none good the entry points
+    say so in one line."""
+    import shutil
+
+    workdir = tmp_path / name
+    shutil.copytree(runs[name][0], workdir)
+    ckpt = workdir / "checkpoints" / kind
+    steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    assert len(steps) >= 2, steps
+    _flip_largest(ckpt / str(steps[-1]))
+    model = decoupled_diloco.load(str(workdir))
+    assert "1 newer refused" in model.source and f"/{steps[-1]}" in model.source, model.source
+    assert str(steps[-2]) in model.source.split("[")[0]
+    assert all(np.isfinite(v).all() for v in model.params.values())
+    for n in steps[:-1]:
+        _flip_largest(ckpt / str(n))
+    with pytest.raises(decoupled_diloco.checkpoint.CorruptCheckpointError, match="trusted"):
+        decoupled_diloco.load(str(workdir))
+    for tool, *args in (("evaluate",), ("sample", "--prompt=a"), ("export", f"--out={tmp_path}/x")):
+        out = _cli(f"decoupled_diloco.{tool}", f"--workdir={workdir}", *args)
+        assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert "can be trusted" in out.stderr
+    (workdir / "run_config.json").write_text('{"model": {"pre')
+    out = _cli("decoupled_diloco.evaluate", f"--workdir={workdir}")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "run_config.json is not valid JSON" in out.stderr
