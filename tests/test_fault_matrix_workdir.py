@@ -5,6 +5,7 @@ trace, a Decoupled resume that must not count work twice, a NaN model that must 
 import collections
 import json
 import os
+import shutil
 import threading
 
 import pytest
@@ -124,6 +125,20 @@ def test_a_decoupled_resume_meets_the_syncer_at_one_cut(small_config, tmp_path):
         for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
             merged[(m, rec["fragment"])] += c
     assert merged and max(merged.values()) <= 20, merged
+
+
+def test_a_resume_on_a_syncer_without_the_learners_work_says_what_is_lost(small_config, tmp_path):
+    """Learners checkpoint at step 8, the syncer's checkpoints are gone (its disk was lost):
+    resumed, they take Θ_0 and their 8 steps are gone from the global model. That is
+    recorded, never silent."""
+    cfg = small_config(**{"train.steps": 12, "train.checkpoint_every": 4, **DECOUPLED})
+    _halted(cfg, tmp_path, after=9)
+    shutil.rmtree(tmp_path / "checkpoints" / "syncer_0")
+    assert _steps(tmp_path / "checkpoints" / "learner_0")[-1] == 8
+    launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    cuts = {e["learner"]: e for e in _read(tmp_path / "events.jsonl") if e["event"] == "resume_cut"}
+    for m in (0, 1):
+        assert (cuts[m]["lost_steps"], cuts[m]["skipped_steps"], cuts[m]["step"]) == (8, 0, 8)
 
 
 def test_two_runs_on_one_workdir_the_second_is_refused(tmp_path):

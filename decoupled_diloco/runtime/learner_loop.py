@@ -20,6 +20,7 @@ import time
 
 import jax
 import numpy as np
+from absl import logging
 
 from decoupled_diloco import checkpoint, faults, mfu, profiling
 from decoupled_diloco.data.prefetch import Prefetch
@@ -264,14 +265,14 @@ class LearnerLoop:
         ours each fragment holds our work (any earlier life's): a learner restored from an
         older checkpoint than that (a resumed run, a restarted process) skips ahead to the
         newest such step, so no step's work reaches Θ twice; steps after the oldest one
-        that some fragment lacks are lost with the state that held them. Both are
-        recorded (`resume_cut`)."""
-        held = [
-            clock.get(self.m, clock.get(str(self.m)))
-            for snap in snapshots
-            for clock in snap.merged.values()
-        ]
-        held = [int(h[1]) for h in held if h is not None]
+        that some fragment lacks are lost with the state that held them (a fragment whose
+        clock has no entry for us holds none of our steps). Both are recorded
+        (`resume_cut`), and a loss is logged."""
+        held = []
+        for snap in snapshots:
+            for clock in snap.merged.values():
+                entry = clock.get(self.m, clock.get(str(self.m)))
+                held.append(0 if entry is None else int(entry[1]))
         if not held:
             return
         skipped = max(max(held) - self.step, 0)
@@ -282,6 +283,12 @@ class LearnerLoop:
             self.step = self.proto.step = self.step + skipped
         if skipped or lost:
             self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost))
+        if lost:
+            logging.warning(
+                "learner %d: the syncer's Θ lacks up to %d of its steps (some fragment holds "
+                "its work only up to step %d); they are lost, training goes on from step %d",
+                self.m, lost, min(held), self.step,
+            )  # fmt: skip
 
     def _boundary(self) -> None:
         # A multi-host learner (inline offers) applies every merge at the same boundary on
