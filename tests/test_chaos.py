@@ -256,6 +256,10 @@ def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path
         and e["time"] < crash["time"]
     ]
     assert len(only(events, "join")) < restore["log_position"] <= len(before) + len(syncer_events)
+    # The lost life's merges after its checkpoint no longer count: Θ lost them.
+    rolled = [r for r in before if r["version"] > restored[r["fragment"]]]
+    assert out["summary"]["rolled_back_merges"] == len(rolled)
+    assert out["summary"]["merges"] == len(merges) - len(rolled)
     # Evaluations of Θ went on around the outage (none while Θ was partly gone).
     evals = [r["time"] for r in out["metrics"] if r["learner"] == "global"]
     assert any(t < crash["time"] for t in evals) and any(t > restore["time"] for t in evals)

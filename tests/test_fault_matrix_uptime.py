@@ -235,3 +235,28 @@ def test_a_learner_down_in_a_gap_does_not_pace_it():
     steps = [[0.1 * i for i in range(1, 11)], [0.1, 0.2]]
     gaps = down_gaps([0.0, 1.05], steps, [(1, 0.25, 2.0)], (0.0, 1.05), tolerance=8)
     assert gaps == [(0.0, 1.05)]
+
+
+def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path):
+    """Learner 0's merges of fragment 0 at versions 1-3, of fragment 1 at 1-2; the syncer
+    restores fragment 0 at version 1 and fragment 1 at 2: the merges at versions 2 and 3 of
+    fragment 0 are gone from Θ, and their steps no longer count as useful."""
+    from decoupled_diloco.runtime.records import RunLog
+
+    log = RunLog(str(tmp_path), Ledger(1, sync_every=4, fragments=2))
+    for t, (p, version) in enumerate([(0, 1), (1, 1), (0, 2), (1, 2), (0, 3)]):
+        log.ledger.step(0, 1.0, t + 1.0)
+        rec = {"fragment": p, "version": version, "offer_seconds": [0.1], "time": t + 1.5}
+        log.record({"event": "merge", "learners": [0], "c_steps": [4], "share": 0.5, **rec})
+    assert log.ledger.useful_steps == [10.0] and log.ledger.merges == 5
+    log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 1, "1": 2},
+               "after_failure": True, "time": 6.0})  # fmt: skip
+    assert log.ledger.useful_steps == [6.0]
+    s = log.ledger.summary(wall=7.0, uses_syncer=True, learner_steps=[5])
+    assert (s["merges"], s["rolled_back_merges"], s["mean_offer_steps"]) == (3, 2, 4.0)
+    # The restored life merges version 2 again; a later restore at 1 takes that one back.
+    log.record({"event": "merge", "fragment": 0, "version": 2, "learners": [0], "c_steps": [4],
+                "share": 0.5, "time": 6.5})  # fmt: skip
+    log.event({"event": "syncer_restore", "shard": 0, "versions": {0: 1}, "time": 7.0})
+    assert log.ledger.useful_steps == [6.0] and log.ledger.rolled_back_merges == 3
+    log.close()

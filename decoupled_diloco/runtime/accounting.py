@@ -6,8 +6,9 @@ last step, final offers and checkpoint, is not allocation), where a learner's st
 useful once its work reached a merged global fragment (per fragment, weighted by the
 fragment's share of the parameters; a merge record's c_steps are the steps its offers
 brought, and each step travels in exactly one merged offer per fragment, see
-diloco/learner.py; work lost to a crash does not count); in a run without a syncer, steps
-that survive to the end (not lost to a restore) are useful.
+diloco/learner.py; work lost to a crash, or with merges a syncer restore rolled back, does
+not count); in a run without a syncer, steps that survive to the end (not lost to a
+restore) are useful.
 
 uptime and global_downtime_seconds are measured in the run's own time scale, so that a
 slow host is not downtime: a wall-clock window cannot tell a slow step from a stall, the
@@ -118,7 +119,10 @@ class Ledger:
         """`sync_every`, `fragments`: the run's H and P (H = 0: data-parallel)."""
         self.tolerance = tolerance_steps(sync_every)
         self._lock = threading.Lock()
-        self.merges = 0
+        self.merges = 0  # merges Θ still holds (a syncer restore rolls later ones back)
+        self.rolled_back_merges = 0
+        # fragment -> [(version, what the merge credited)], to take back on a rollback
+        self._credited: dict[int, list[tuple[int, tuple]]] = {}
         self.merged_learners = 0
         self.merged_steps = 0  # steps of work the merged offers carried
         self.offer_seconds = 0.0  # the merged offers' ages at their merges (summed)
@@ -170,15 +174,39 @@ class Ledger:
 
     def merge(self, rec: dict) -> None:
         with self._lock:
-            self.merges += 1
-            self.merged_learners += len(rec["learners"])
-            self.merged_steps += sum(rec["c_steps"])
-            self.offer_seconds += sum(rec.get("offer_seconds", ()))
-            self.advances.append(rec["time"])
-            self.first_merge.setdefault(rec.get("fragment", 0), rec["time"])
             share = rec.get("share", 0.0)
-            for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
-                self.useful_steps[m] += c * share
+            useful = [(m, c * share) for m, c in zip(rec["learners"], rec["c_steps"], strict=True)]
+            credit = (len(rec["learners"]), sum(rec["c_steps"]),
+                      sum(rec.get("offer_seconds", ())), useful)  # fmt: skip
+            self._credit(credit, +1)
+            fragment = rec.get("fragment", 0)
+            self._credited.setdefault(fragment, []).append((rec.get("version", 0), credit))
+            self.advances.append(rec["time"])
+            self.first_merge.setdefault(fragment, rec["time"])
+
+    def _credit(self, credit: tuple, sign: int) -> None:
+        learners, steps, offer_seconds, useful = credit
+        self.merges += sign
+        self.merged_learners += sign * learners
+        self.merged_steps += sign * steps
+        self.offer_seconds += sign * offer_seconds
+        for m, u in useful:
+            self.useful_steps[m] += sign * u
+
+    def rollback(self, versions: dict) -> None:
+        """A syncer shard restored its fragments at `versions` (fragment -> version): the
+        merges past them are gone from Θ, and their steps with them (its learners rebase
+        away from what was lost and do not offer it again), so they are no longer useful."""
+        with self._lock:
+            for p, v in versions.items():
+                kept = []
+                for version, credit in self._credited.get(int(p), []):
+                    if version > v:
+                        self._credit(credit, -1)
+                        self.rolled_back_merges += 1
+                    else:
+                        kept.append((version, credit))
+                self._credited[int(p)] = kept
 
     def row(self, rec: dict) -> None:
         """A learner's metrics row: the merge delay of the merges it applied since its
@@ -248,6 +276,7 @@ class Ledger:
         uptime, downtime = self.uptime(wall)
         return {
             "merges": self.merges,
+            "rolled_back_merges": self.rolled_back_merges,  # merges a syncer restore undid
             "mean_learners_per_merge": self.merged_learners / self.merges if self.merges else 0.0,
             # H when every offer leaves on schedule; more when offers waited for a late merge
             # of their fragment (one offer per fragment in flight, diloco/learner.py).

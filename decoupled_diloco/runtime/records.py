@@ -56,10 +56,12 @@ class RunLog:
             ledger.restart(rec["learner"], t)
         elif kind == "syncer_crash":
             ledger.failure(("syncer", rec["shard"]), t)
-        elif kind == "syncer_restore" and rec.get("after_failure"):
-            if not ledger.is_down(("syncer", rec["shard"])):
-                ledger.failure(("syncer", rec["shard"]), t)
-            ledger.restart(("syncer", rec["shard"]), t)
+        elif kind == "syncer_restore":
+            ledger.rollback(rec["versions"])  # (a resumed run's ledger holds none past them)
+            if rec.get("after_failure"):
+                if not ledger.is_down(("syncer", rec["shard"])):
+                    ledger.failure(("syncer", rec["shard"]), t)
+                ledger.restart(("syncer", rec["shard"]), t)
         elif kind == "reject":
             ledger.rejected += 1
         elif kind == "drop_offer":
