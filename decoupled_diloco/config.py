@@ -330,7 +330,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
     _check_microbatches(train_cfg, batch_ways)
 
     fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults", **_seed_of(c.faults, c.seed))
-    faults.validate_fault_spec(fault_spec, m)
+    faults.validate_fault_spec(fault_spec, m, max_step=train_cfg.steps)
 
     ray_cfg = _dataclass_from(RayConfig, c.get("ray", ml_collections.ConfigDict()), "ray")
     ray_cfg.validate(c.runtime)  # (a TPU config run as runtime "local" needs no Ray paths)

@@ -32,22 +32,30 @@ def _integral(x) -> bool:
     return not isinstance(x, bool) and float(x) == int(x)
 
 
-def validate(spec) -> None:
+def validate(spec, max_step: int | None = None) -> None:
     """Checks a `unit = "steps"` FaultSpec's explicit schedule (raises ValueError naming the
-    field): whole steps, crashes at step >= 1 (a learner that has trained)."""
+    field): whole steps, crashes at step >= 1 (a learner that has trained) and, given the
+    run's `max_step`, before it (a fault that can never happen is a mistaken schedule)."""
 
     def fail(field: str, msg: str):
         raise ValueError(f'faults.{field} with faults.unit="steps" {msg}')
 
+    last = f"< train.steps ({max_step})" if max_step is not None else ""
     for entry in spec.crashes:
         if not _integral(entry[1]) or entry[1] < 1:
             fail("crashes", f"needs whole steps >= 1 (the crash follows that step), got {entry!r}")
+        if max_step is not None and entry[1] >= max_step:
+            fail("crashes", f"needs steps {last}: {entry!r} would never happen")
     for entry in spec.membership:
         if not (_integral(entry[1]) and _integral(entry[2])):
             fail("membership", f"needs whole steps, got {entry!r}")
+        if max_step is not None and entry[1] >= max_step:
+            fail("membership", f"needs joins {last}: {entry!r} would never join")
     for s in spec.syncer_crashes:
         if not _integral(s) or s < 1:
             fail("syncer_crashes", f"needs whole steps >= 1, got {spec.syncer_crashes}")
+        if max_step is not None and s >= max_step:
+            fail("syncer_crashes", f"needs steps {last}: {s} would never happen")
 
 
 def in_seconds(spec, step_s: float):

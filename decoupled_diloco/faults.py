@@ -102,31 +102,58 @@ def _fail(field: str, msg: str):
     raise ValueError(f"faults.{field} {msg}")
 
 
-def validate_fault_spec(spec: FaultSpec, num_learners: int) -> None:
-    """Raises ValueError naming the offending `faults.<field>` (or `num_learners`)."""
+def _is_number(x) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+
+def _check_shapes(spec: FaultSpec) -> None:
+    """Every field has the form its docs give (a flat list where pairs are due, a string
+    among numbers): named here, before any arithmetic on it could fail unnamed."""
+    forms = {"crashes": ("learner", spec.unit), "membership": ("learner", "join", "leave")}
+    for field, names in forms.items():
+        entries = getattr(spec, field)
+        if not isinstance(entries, tuple | list):
+            _fail(field, f"must be a list of ({', '.join(names)}) entries, got {entries!r}")
+        for entry in entries:
+            if not isinstance(entry, tuple | list) or len(entry) != len(names):
+                _fail(field, f"entries must be ({', '.join(names)}), got {entry!r}")
+            if not all(_is_number(x) for x in entry):
+                _fail(field, f"entries must hold numbers, got {entry!r}")
+    for field in ("speed_factors", "link_latency_s", "link_bandwidth_bps", "syncer_crashes"):
+        values = getattr(spec, field)
+        if not isinstance(values, tuple | list) or not all(_is_number(x) for x in values):
+            _fail(field, f"must be a list of numbers, got {values!r}")
+    for f in dataclasses.fields(FaultSpec):
+        v = getattr(spec, f.name)
+        if isinstance(f.default, int | float) and not _is_number(v):
+            _fail(f.name, f"must be a number, got {v!r}")
+
+
+def validate_fault_spec(spec: FaultSpec, num_learners: int, max_step: int | None = None) -> None:
+    """Raises ValueError naming the offending `faults.<field>` (or `num_learners`).
+    `max_step`: the run's last step; a step schedule's faults must fall inside it."""
     if num_learners < 1:
         raise ValueError(f"num_learners must be >= 1, got {num_learners}")
     m = num_learners
 
     def learner_ok(i, field):
-        if int(i) != i or not 0 <= i < m:
-            _fail(field, f"names learner {i!r}, but learners are 0..{m - 1}")
+        if not isinstance(i, int | np.integer) or isinstance(i, bool) or not 0 <= i < m:
+            _fail(field, f"names learner {i!r}, but learners are the integers 0..{m - 1}")
 
     if spec.unit not in UNITS:
         _fail("unit", f"must be one of {UNITS}, got {spec.unit!r}")
+    _check_shapes(spec)
     steps = spec.unit == "steps"
     for entry in spec.crashes:
-        if len(entry) != 2:
-            _fail("crashes", f"entries must be (learner, {spec.unit}), got {entry!r}")
         learner_ok(entry[0], "crashes")
         if not entry[1] >= 0:
             _fail("crashes", f"times must be >= 0, got {entry!r}")
-    for field in ("chip_mtbf_hours", "restart_delay_s", "straggler_rate_per_hour"):
+    for field in ("chip_mtbf_hours", "straggler_rate_per_hour", "speed_noise"):
         if not getattr(spec, field) >= 0:
             _fail(field, f"must be >= 0, got {getattr(spec, field)}")
-    for field in ("speed_noise", "syncer_restart_delay_s"):
-        if not getattr(spec, field) >= 0:
-            _fail(field, f"must be >= 0, got {getattr(spec, field)}")
+    for field in ("restart_delay_s", "syncer_restart_delay_s"):  # a restart that never comes
+        if not 0 <= getattr(spec, field) < math.inf:  # is a removal: faults.membership
+            _fail(field, f"must be finite and >= 0, got {getattr(spec, field)}")
     if int(spec.chips_per_learner) != spec.chips_per_learner or spec.chips_per_learner < 1:
         _fail("chips_per_learner", f"must be an integer >= 1, got {spec.chips_per_learner}")
     if not spec.straggler_duration_s > 0:
@@ -148,15 +175,13 @@ def validate_fault_spec(spec: FaultSpec, num_learners: int) -> None:
     if any(not x >= 0 for x in spec.link_latency_s + spec.link_bandwidth_bps):
         _fail("link_latency_s", "and faults.link_bandwidth_bps values must be >= 0")
     for entry in spec.membership:
-        if len(entry) != 3:
-            _fail("membership", f"entries must be (learner, join, leave), got {entry!r}")
         learner_ok(entry[0], "membership")
         if not 0 <= entry[1] < entry[2]:
             _fail("membership", f"needs 0 <= join < leave, got {entry!r}")
     if any(not t >= 0 for t in spec.syncer_crashes):
         _fail("syncer_crashes", f"times must be >= 0, got {spec.syncer_crashes}")
     if steps:
-        fault_steps.validate(spec)
+        fault_steps.validate(spec, max_step)
 
 
 def fault_spec_from_dict(d: Mapping) -> FaultSpec:

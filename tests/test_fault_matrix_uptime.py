@@ -195,6 +195,21 @@ def test_bad_step_schedules_are_refused_naming_the_field(fields, match):
         validate_fault_spec(FaultSpec(**fields), 2)
 
 
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(crashes=((0, 60),)), r"faults.crashes .*< train.steps \(60\): \(0, 60\) would"),
+        (dict(syncer_crashes=(75,)), "faults.syncer_crashes .*75 would never happen"),
+        (dict(membership=((1, 60, 80),)), "faults.membership .*would never join"),
+    ],
+)
+def test_a_step_schedule_past_the_runs_end_is_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        validate_fault_spec(FaultSpec(unit="steps", **fields), 2, max_step=60)
+    validate_fault_spec(FaultSpec(unit="steps", crashes=((0, 59),), syncer_crashes=(59,),
+                                  membership=((1, 59, 80),)), 2, max_step=60)  # fmt: skip
+
+
 def test_seconds_schedules_keep_fractional_times():
     validate_fault_spec(FaultSpec(crashes=((0, 2.5),), syncer_crashes=(0.5,)), 2)
 

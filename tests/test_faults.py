@@ -178,6 +178,17 @@ def test_fault_spec_from_dict_round_trip_and_unknown_key():
         ({"membership": ((0, 5.0, 5.0),)}, "faults.membership"),
         ({"membership": ((9, 0.0, 5.0),)}, "faults.membership"),
         ({"syncer_crashes": (-1.0,)}, "faults.syncer_crashes"),
+        # malformed: a flat pair, a string among numbers, a bool learner, a restart never due
+        ({"crashes": (0, 5)}, "faults.crashes entries must be"),
+        ({"crashes": ((0, "5"),)}, "faults.crashes entries must hold numbers"),
+        ({"crashes": ((True, 5.0),)}, "faults.crashes entries must hold numbers"),
+        ({"crashes": ((0.0, 5.0),)}, "faults.crashes names learner 0.0"),
+        ({"membership": (1, 5, 30)}, "faults.membership entries must be"),
+        ({"speed_factors": (1.0, "x")}, "faults.speed_factors must be a list of numbers"),
+        ({"syncer_crashes": 5.0}, "faults.syncer_crashes must be a list of numbers"),
+        ({"restart_delay_s": "1"}, "faults.restart_delay_s must be a number"),
+        ({"syncer_restart_delay_s": float("inf")}, "faults.syncer_restart_delay_s must be finite"),
+        ({"restart_delay_s": float("nan")}, "faults.restart_delay_s must be finite"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
