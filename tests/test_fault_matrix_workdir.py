@@ -67,6 +67,7 @@ def test_a_corrupt_learner_checkpoint_falls_back_and_the_run_finishes(small_conf
     refused = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "checkpoint_refused"]
     assert [e["checkpoint_step"] for e in refused] == [8]
     assert os.path.isdir(refused[0]["moved_to"])
+    assert 0 <= refused[0]["time"] < summary["wall_seconds"]  # on the attempt's clock
     assert summary["steps"] == 12 and summary["final_eval_loss"] < 6.0
     # The second attempt resumed from step 4: steps 5-12 ran in it.
     rows = [r for r in _read(tmp_path / "metrics.jsonl") if r["learner"] == 0 and "loss" in r]

@@ -222,6 +222,7 @@ class LocalRuntime:
         run = self.run_cfg
         run_files.write(self.workdir, run)
         self._build()
+        self.t0 = time.monotonic()  # (before the restores: their refusals are events too)
         resumed = [loop.restore(params_too=True) for loop in self.loops]
         if any(resumed):
             steps = [loop.step for loop in self.loops]
@@ -235,7 +236,6 @@ class LocalRuntime:
             if self.verbose:
                 print(f"resuming from checkpoints at learner steps {steps}", flush=True)
         self.progress = Progress(run.train.steps)
-        self.t0 = time.monotonic()
         self.syncers = self._syncer_loops() if run.uses_syncer else []
         # How long the run's threads wait to run Python again (summary.json's lock_wait_ms).
         self.lock_probe = gil.LockProbe().start()
