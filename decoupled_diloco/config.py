@@ -124,14 +124,20 @@ def _placeholders(dc) -> ml_collections.ConfigDict:
 
 
 def _section(dc, skip=()) -> ml_collections.ConfigDict:
-    """A section holding a dataclass's defaults (tuples as lists, as absl overrides them)."""
+    """A section holding a dataclass's defaults. A tuple default becomes a list held by a
+    reference of any type, so that `--config.faults.crashes='[[0, 50]]'` is read as a Python
+    literal (absl cannot override a list field; validation checks the shape)."""
     return ml_collections.ConfigDict(
         {
-            f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+            f.name: _literal(list(f.default)) if isinstance(f.default, tuple) else f.default
             for f in dataclasses.fields(dc)
             if f.name not in skip
         }
     )
+
+
+def _literal(value) -> ml_collections.FieldReference:
+    return ml_collections.FieldReference(value, field_type=object)
 
 
 def _run_seed_placeholder() -> ml_collections.FieldReference:

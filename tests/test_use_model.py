@@ -20,6 +20,8 @@ from decoupled_diloco.report import plot, table
 from decoupled_diloco.runtime import launch
 from decoupled_diloco.sample import sample
 
+DP = {"train.steps": 8, "train.checkpoint_every": 4}  # keeps 2 saves
+
 
 def _run(cfg, workdir) -> dict:
     return launch.run(config_lib.validate(cfg), str(workdir), verbose=False)
@@ -31,11 +33,14 @@ def runs(tmp_path_factory):
     from conftest import _small_config
 
     root = tmp_path_factory.mktemp("runs")
-    dp = _small_config(**{"train.steps": 8, "train.checkpoint_every": 4})  # keeps 2 saves
+    dp = _small_config(**DP)
     dec = _small_config(**{"train.steps": 12, "diloco.learners": 2, "diloco.sync_every": 4,
                            "diloco.fragments": 2, "diloco.overlap": 1, "diloco.grace_gamma": 0.0,
                            "faults.crashes": [[1, 4.0]], "faults.restart_delay_s": 1.0,
-                           "faults.speed_factors": [1.0, 3.0]})  # fmt: skip
+                           "faults.speed_factors": [1.0, 3.0],
+                           # a save every merge or so: two or more kept, however fast the run
+                           "diloco.syncer_checkpoint_seconds": 0.2,
+                           "diloco.syncer_checkpoint_duty": 1.0})  # fmt: skip
     moe = _small_config(**{"train.steps": 6, "model.preset": "tiny_moe",
                            "model.capacity_factor": 0.0})  # fmt: skip
     out = {}
@@ -135,11 +140,11 @@ def test_a_finished_run_rerun_changes_nothing(runs):
     before = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
     from conftest import _small_config
 
-    again = _run(_small_config(**{"train.steps": 8}), workdir)
+    again = _run(_small_config(**DP), workdir)
     assert again == json.loads((workdir / "summary.json").read_text()) == summary
     assert {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()} == before
     with pytest.raises(ValueError, match="another config"):
-        _run(_small_config(**{"train.steps": 9}), workdir)
+        _run(_small_config(**{**DP, "train.steps": 9}), workdir)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -164,11 +169,13 @@ def test_entry_points_fail_in_one_clear_line(tmp_path):
     assert nothing.returncode != 0 and "run_config.json not found" in nothing.stderr
 
 
-def _flip_largest(step_dir) -> None:
-    files = [p for p in step_dir.rglob("*") if p.is_file() and "arrays" in str(p)]
-    with open(max(files, key=lambda p: p.stat().st_size), "r+b") as f:
-        f.seek(f.seek(0, 2) // 2)
-        f.write(b"\xff" * 64)
+def _flip_arrays(step_dir) -> None:
+    """Bad bytes in the middle of every array file of a checkpoint step (Θ, moments)."""
+    for path in step_dir.rglob("*"):
+        if path.is_file() and "arrays" in str(path) and path.stat().st_size > 1024:
+            with open(path, "r+b") as f:
+                f.seek(f.seek(0, 2) // 2)
+                f.write(b"\xff" * 64)
 
 
 @pytest.mark.parametrize("name,kind", [("dp", "learner_0"), ("dec", "syncer_0")])
@@ -183,13 +190,13 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_then_named(runs, name, kind,
     ckpt = workdir / "checkpoints" / kind
     steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
     assert len(steps) >= 2, steps
-    _flip_largest(ckpt / str(steps[-1]))
+    _flip_arrays(ckpt / str(steps[-1]))
     model = decoupled_diloco.load(str(workdir))
     assert "1 newer refused" in model.source and f"/{steps[-1]}" in model.source, model.source
     assert str(steps[-2]) in model.source.split("[")[0]
     assert all(np.isfinite(v).all() for v in model.params.values())
     for n in steps[:-1]:
-        _flip_largest(ckpt / str(n))
+        _flip_arrays(ckpt / str(n))
     with pytest.raises(decoupled_diloco.checkpoint.CorruptCheckpointError, match="trusted"):
         decoupled_diloco.load(str(workdir))
     for tool, *args in (("evaluate",), ("sample", "--prompt=a"), ("export", f"--out={tmp_path}/x")):
