@@ -327,16 +327,16 @@ def test_checkpoints_take_at_most_their_duty_of_the_time(tmp_path, monkeypatch, 
 
 
 def test_what_a_save_costs_ignores_merge_less_saves_and_one_slow_save(tmp_path, monkeypatch):
-    """The duty spaces saves by the shorter of the last two that held merges: the first,
-    merge-less saves (they meet the learners' compilation) and one slow save do not stretch
-    the gap; saves that stay slow do."""
+    """The duty spaces saves by the shorter of the last two that held merges: the first
+    saves (they meet the learners' compilation) and one slow save do not stretch the gap;
+    saves that stay slow do."""
     from decoupled_diloco.runtime import syncer_loop
 
     now = [0.0]
     monkeypatch.setattr(syncer_loop.time, "monotonic", lambda: now[0])
     loop = Run(tmp_path).loop
-    for version, seconds, cost in [(0, 3.0, 0.0), (1, 0.5, 0.5), (2, 4.0, 0.5), (3, 4.0, 4.0),
-                                   (4, 0.5, 0.5)]:  # fmt: skip
+    for version, seconds, cost in [(0, 3.0, 0.0), (1, 9.0, 0.0), (2, 0.5, 0.5), (3, 4.0, 0.5),
+                                   (4, 4.0, 4.0), (5, 0.5, 0.5)]:  # fmt: skip
 
         def fake_save(self, version=version, seconds=seconds):
             now[0] += seconds

@@ -14,8 +14,9 @@ the registry, counters and event-log position (taken when the save began). A sav
 seconds puts the next one at least s / `diloco.syncer_checkpoint_duty` after its start
 (`checkpoint_gap`), so however large the model, writing checkpoints takes at most that
 share of the syncer host's time (and of its GIL). s is the shorter of the last two saves
-that held merges: one slowed by something passing (the learners' compilation, which the
-first, merge-less saves meet) does not space out the ones after it. Extra memory:
+that held merges (none stretches the gap before two have): one slowed by something passing
+(the learners' compilation, which the first saves meet) does not space out the ones after
+it. Extra memory:
 one fragment's Θ + momentum. A save is skipped while neither the versions nor the registry
 changed; a save the syncer's death interrupts is never committed. The event-log position
 is that of the save's start: records up to it are in the checkpoint; a merge recorded after
@@ -227,8 +228,8 @@ class SyncerLoop:
     @property
     def save_seconds(self) -> float:
         """What a save costs, for `checkpoint_gap`: the shorter of the last two that held
-        merges (0 before any)."""
-        return min(self._save_times, default=0.0)
+        merges (0 before two have)."""
+        return min(self._save_times) if len(self._save_times) == 2 else 0.0
 
     def _save_or_keep_error(self) -> None:
         start = time.monotonic()
