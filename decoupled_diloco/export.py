@@ -28,10 +28,11 @@ def export(workdir: str, out: str, step: int | None = None) -> str:
     from decoupled_diloco import integrity, run_files
     from decoupled_diloco.loading import EXPORT_MARKER, PARAMS, load
 
-    model = load(workdir, step)
     root = epath.Path(out)
-    if (root / EXPORT_MARKER).exists() or (root / PARAMS).exists():
-        raise ValueError(f"{out} holds an export already: choose a new --out")
+    if root.exists() and any(root.iterdir()):  # a run's workdir, an export, anything else
+        held = sorted(p.name for p in root.iterdir())[:4]
+        raise ValueError(f"{out} is not empty (it holds {', '.join(held)}): choose a new --out")
+    model = load(workdir, step)
     root.mkdir(parents=True, exist_ok=True)
     run_files.write(out, model.config, model.tokenizer)
     manager = ocp.CheckpointManager(root / PARAMS)
@@ -44,7 +45,9 @@ def export(workdir: str, out: str, step: int | None = None) -> str:
     )
     manager.wait_until_finished()
     manager.close()
-    info = {"source": f"{workdir}: {model.source}", "step": step, "leaves": len(model.params)}
+    # The learner step the parameters hold (not the --step asked for: the newest save at or
+    # before it), so `load(export, step)` can say whether the export is at or before `step`.
+    info = {"source": f"{workdir}: {model.source}", "step": model.step, "leaves": len(model.params)}
     (root / EXPORT_MARKER).write_text(json.dumps(info, indent=1))
     return model.source
 

@@ -41,6 +41,7 @@ class Model:
     tokenizer: Tokenizer
     params: dict[str, np.ndarray]
     source: str  # where the params came from, e.g. "syncer checkpoints #12 (learner step 300)"
+    step: int | None = None  # the learner step they hold (None: an export that did not say)
 
     def nested(self) -> dict:
         """The params as the model's nested dict (`models.forward` takes it)."""
@@ -67,10 +68,10 @@ def load(path: str, step: int | None = None) -> Model:
     tokenizer = run_files.read_tokenizer(path, config.data)
     ckpt_dir = epath.Path(config.ray.checkpoint_dir or root / "checkpoints")
     if config.uses_syncer:
-        params, source = _syncer_theta(ckpt_dir, config, step)
+        params, source, reached = _syncer_theta(ckpt_dir, config, step)
     else:
-        params, source = _learner_params(ckpt_dir / "learner_0", config, step)
-    return Model(config, tokenizer, params, source)
+        params, source, reached = _learner_params(ckpt_dir / "learner_0", config, step)
+    return Model(config, tokenizer, params, source, reached)
 
 
 def _manager(directory: epath.Path) -> ocp.CheckpointManager:
@@ -96,8 +97,9 @@ def _restore(manager, n: int, arrays=None) -> tuple[dict, dict]:
 
 def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
     """Θ from every syncer shard: each shard's newest checkpoint (at or before `step`) that
-    verifies; a newer one that does not is skipped with a warning and named in `source`."""
-    params, picked = {}, []
+    verifies; a newer one that does not is skipped with a warning and named in `source`.
+    Returns (Θ, source, the newest learner step the picked checkpoints had seen)."""
+    params, picked, reached_steps = {}, [], []
     for shard in range(config.diloco.syncer_shards):
         directory = ckpt_dir / f"syncer_{shard}"
         if not directory.exists():
@@ -127,6 +129,7 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
             for arrays, _ in parts.values():
                 params.update({k: np.asarray(v, np.float32) for k, v in arrays["theta"].items()})
             picked.append(f"#{n} (learner step {reached[n]})" + _refused_note(refused))
+            reached_steps.append(reached[n])
             break
         else:
             raise CorruptCheckpointError(
@@ -134,7 +137,8 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
                 + "; ".join(refused)
             )
         ckpt.close()
-    return join_members(params), "syncer checkpoints " + ", ".join(picked)
+    source = "syncer checkpoints " + ", ".join(picked)
+    return join_members(params), source, max(reached_steps)
 
 
 def _refused_note(refused: list[str]) -> str:
@@ -184,7 +188,7 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
         manager.close()
         flat = models.flatten_params(jax.device_get(state.params))
         source = f"learner step {n}" + _refused_note(refused)
-        return {k: np.asarray(v, np.float32) for k, v in flat.items()}, source
+        return {k: np.asarray(v, np.float32) for k, v in flat.items()}, source, n
     raise CorruptCheckpointError(
         f"no learner checkpoint at or before step {step} can be trusted: " + "; ".join(refused)
     )
@@ -192,12 +196,15 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
 
 def _load_export(root: epath.Path, step: int | None) -> Model:
     info = json.loads((root / EXPORT_MARKER).read_text())
-    if step is not None and step != info.get("step"):
-        raise ValueError(f"{root} is an export of step {info.get('step')}, not {step}")
+    exported = info.get("step")
+    if step is not None and exported is None:
+        raise ValueError(f"{root} does not record the step it holds: load it without --step")
+    if step is not None and exported > step:
+        raise ValueError(f"{root} is an export of step {exported}, after step {step}")
     config = run_files.read_config(str(root))
     tokenizer = run_files.read_tokenizer(str(root), config.data)
     manager = _manager(root / PARAMS)
     arrays, _ = _restore(manager, manager.latest_step())
     manager.close()
     params = {k: np.asarray(v, np.float32) for k, v in arrays.items()}
-    return Model(config, tokenizer, params, f"export of {info.get('source', '?')}")
+    return Model(config, tokenizer, params, f"export of {info.get('source', '?')}", exported)

@@ -85,8 +85,24 @@ def test_export_round_trips_bit_exactly(runs, tmp_path):
     assert a.params.keys() == b.params.keys() and a.config == b.config
     for k in a.params:
         np.testing.assert_array_equal(a.params[k], b.params[k])
-    with pytest.raises(ValueError, match="export already"):
-        export(str(workdir), str(tmp_path / "model"))
+    # It records the step its parameters hold; --step means "at or before", as for a run.
+    assert a.step == b.step == json.loads((tmp_path / "model" / "export.json").read_text())["step"]
+    assert decoupled_diloco.load(str(tmp_path / "model"), step=a.step + 5).step == a.step
+    with pytest.raises(ValueError, match=f"export of step {a.step}, after step {a.step - 1}"):
+        decoupled_diloco.load(str(tmp_path / "model"), step=a.step - 1)
+    # Never into a directory that holds something: an export, or a run's workdir.
+    for taken in (tmp_path / "model", workdir):
+        before = sorted(p.name for p in taken.iterdir())
+        with pytest.raises(ValueError, match="is not empty"):
+            export(str(workdir), str(taken))
+        assert sorted(p.name for p in taken.iterdir()) == before
+
+
+def test_an_export_of_an_earlier_step_records_the_step_it_holds(runs, tmp_path):
+    workdir, summary = runs["dp"]  # learner checkpoints at steps 4 and 8
+    export(str(workdir), str(tmp_path / "m"), step=6)
+    info = json.loads((tmp_path / "m" / "export.json").read_text())
+    assert info["step"] == 4 and decoupled_diloco.load(str(tmp_path / "m"), step=4).step == 4
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
