@@ -22,6 +22,9 @@ from ml_collections import config_flags  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
 
+# What makes the tokenizer: the model's vocabulary, not an evaluation choice.
+TOKENIZER_KEYS = {"tokenizer", "spm_model_path", "spm_vocab_size"}
+
 
 def evaluate(
     path: str,
@@ -32,17 +35,26 @@ def evaluate(
     """(mean held-out loss, where Θ came from) of the model at `path` on its eval split, or
     on the corpus `data_overrides` (DataConfig fields) describes."""
     import jax
+    from etils import epath
 
-    from decoupled_diloco import sharding
+    from decoupled_diloco import run_files, sharding
     from decoupled_diloco.data import validate_data_config
     from decoupled_diloco.loading import load
     from decoupled_diloco.train.evaluate import Evaluator
 
+    overrides = dict(data_overrides or {})
+    fixed = sorted(set(overrides) & TOKENIZER_KEYS)
+    if fixed:
+        raise ValueError(f"data.{fixed[0]} cannot change: the model is scored with the tokenizer "
+                         "it trained with (its ids are the model's vocabulary)")  # fmt: skip
     model = load(path, step)
     run = model.config
-    overrides = dict(data_overrides or {})
     if overrides.get("path") and "source" not in overrides:  # as in a run: path alone selects it
         overrides["source"] = "path"
+    if overrides.get("source", "path") != "path" and "path" not in overrides:
+        overrides["path"] = ""  # another source: the run's own corpus path no longer applies
+    if run.data.tokenizer == "sentencepiece":  # the run's model file, never one trained anew
+        overrides["spm_model_path"] = str(epath.Path(path) / run_files.TOKENIZER)
     data = dataclasses.replace(run.data, **overrides)
     validate_data_config(data)
     # Learner 0's devices and mesh, as the run's own evaluations used (else what there is).

@@ -223,3 +223,25 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_then_named(runs, name, kind,
     out = _cli("decoupled_diloco.evaluate", f"--workdir={workdir}")
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "run_config.json is not valid JSON" in out.stderr
+
+
+def test_evaluate_elsewhere_keeps_the_runs_tokenizer_and_drops_its_path(small_config, tmp_path):
+    """A sentencepiece run trained on a text file, scored on the stdlib corpus: with the
+    run's own tokenizer.model (no tokenizer trained for the other corpus), the run's path
+    dropped for the other source, and tokenizer overrides refused."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over a lazy dog.\n"
+                            for i in range(3000)))  # fmt: skip
+    cache = tmp_path / "cache"
+    cfg = small_config(**{"train.steps": 4, "data.path": str(text), "data.cache_dir": str(cache),
+                          "data.tokenizer": "sentencepiece", "data.spm_vocab_size": 300,
+                          "model.vocab_size": 300})  # fmt: skip
+    _run(cfg, tmp_path / "run")
+    trained = sorted(p.name for p in cache.rglob("*"))
+    elsewhere = {"source": "stdlib", "max_corpus_bytes": 100_000}
+    loss, _ = evaluate(str(tmp_path / "run"), data_overrides=elsewhere)
+    assert np.isfinite(loss)
+    assert sorted(p.name for p in cache.rglob("*")) == trained  # nothing trained anew
+    for key, value in (("tokenizer", "byte"), ("spm_vocab_size", 500)):
+        with pytest.raises(ValueError, match=f"data.{key} cannot change"):
+            evaluate(str(tmp_path / "run"), data_overrides={key: value})
