@@ -262,6 +262,42 @@ def set_decoupled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def _check_train(t: TrainConfig) -> None:
+    """Every `train.*` value in its range (ValueError naming the key): a value outside it
+    would fail deep in a learner thread, or train quietly on something else."""
+
+    def whole(x, low: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+    def real(x) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+    checks = [
+        (whole(t.steps, 1), "steps", "an integer >= 1"),
+        (whole(t.batch_size, 1), "batch_size", "an integer >= 1"),
+        (whole(t.microbatches, 1), "microbatches", "an integer >= 1"),
+        (real(t.learning_rate) and t.learning_rate > 0, "learning_rate", "> 0 and finite"),
+        (whole(t.warmup_steps, 0), "warmup_steps", "an integer >= 0"),
+        (real(t.min_lr_ratio) and 0 <= t.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]"),
+        (real(t.weight_decay) and t.weight_decay >= 0, "weight_decay", ">= 0"),
+        (real(t.b1) and 0 <= t.b1 < 1, "b1", "in [0, 1)"),
+        (real(t.b2) and 0 <= t.b2 < 1, "b2", "in [0, 1)"),
+        (real(t.eps) and t.eps > 0, "eps", "> 0"),
+        (real(t.grad_clip) and t.grad_clip >= 0, "grad_clip", ">= 0 (0 disables clipping)"),
+        (whole(t.eval_every, 0), "eval_every", "an integer >= 0 (0 = only at the end)"),
+        (whole(t.eval_batches, 1), "eval_batches", "an integer >= 1"),
+        (whole(t.log_every, 1), "log_every", "an integer >= 1"),
+        (whole(t.checkpoint_every, 0), "checkpoint_every", "an integer >= 0 (0 = at the end)"),
+        (whole(t.prefetch, 0), "prefetch", "an integer >= 0 (batches ahead)"),
+        (whole(t.metrics_lag, 1), "metrics_lag",
+         "an integer >= 1 (steps dispatched before a step's metrics are read)"),
+        (isinstance(t.tensorboard, bool), "tensorboard", "True or False"),
+    ]  # fmt: skip
+    for ok, key, want in checks:
+        if not ok:
+            raise ValueError(f"train.{key} must be {want}, got {getattr(t, key)!r}")
+
+
 def data_config(c: ml_collections.ConfigDict) -> DataConfig:
     """The validated `data` section alone (tools that only read the corpus)."""
     data_cfg = _dataclass_from(DataConfig, c.data, "data", **_seed_of(c.data, c.seed))
@@ -302,21 +338,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
         )
 
     train_cfg = _dataclass_from(TrainConfig, c.train, "train", seed=c.seed)
-    for key in ("steps", "batch_size"):
-        if getattr(train_cfg, key) < 1:
-            raise ValueError(f"train.{key} must be >= 1, got {getattr(train_cfg, key)}")
-    if train_cfg.learning_rate <= 0:
-        raise ValueError(f"train.learning_rate must be > 0, got {train_cfg.learning_rate}")
-    if train_cfg.prefetch < 0:
-        raise ValueError(f"train.prefetch must be >= 0 (batches ahead), got {train_cfg.prefetch}")
-    lag = train_cfg.metrics_lag
-    if not isinstance(lag, int) or isinstance(lag, bool) or lag < 1:
-        raise ValueError(
-            f"train.metrics_lag must be >= 1 (steps dispatched before a step's metrics are "
-            f"read), got {train_cfg.metrics_lag}"
-        )
-    if not isinstance(train_cfg.tensorboard, bool):
-        raise ValueError(f"train.tensorboard must be True or False, got {train_cfg.tensorboard!r}")
+    _check_train(train_cfg)
 
     diloco_cfg = _dataclass_from(DilocoConfig, c.diloco, "diloco")
     diloco_cfg.validate()

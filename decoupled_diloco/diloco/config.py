@@ -158,7 +158,7 @@ class DilocoConfig:
             (1 <= self.quorum <= M, "quorum", "in [1, diloco.learners]"),
             (self.grace_gamma >= 0, "grace_gamma", ">= 0"),
             (self.max_grace >= 0, "max_grace", ">= 0"),
-            (self.outer_lr > 0, "outer_lr", "> 0"),
+            (0 < self.outer_lr < float("inf"), "outer_lr", "> 0 and finite"),
             (0 <= self.outer_momentum < 1, "outer_momentum", "in [0, 1)"),
             (self.max_staleness >= 0, "max_staleness", ">= 0"),
             (self.max_offer_norm_ratio == 0 or self.max_offer_norm_ratio >= 1,
