@@ -146,3 +146,16 @@ def test_each_host_of_a_learner_checkpoints_its_own_position(tmp_path, monkeypat
     with pytest.raises(FileNotFoundError, match="no data position of host 2"):
         checkpoint.restore_learner(ckpt, None, params_too=False)
     ckpt.close()
+
+
+def test_a_tfds_corpus_that_is_not_prepared_is_refused_without_a_download(tmp_path):
+    """A registered dataset under an empty data_dir: named, and nothing fetched there."""
+    pytest.importorskip("tensorflow_datasets")
+    from decoupled_diloco.data.config import DataConfig
+    from decoupled_diloco.data.tfds_source import open_tfds_splits
+
+    empty = tmp_path / "tfds"
+    cfg = DataConfig(source="tfds", tfds_name="mnist", tfds_data_dir=str(empty))
+    with pytest.raises(ValueError, match="data.tfds_name='mnist'.*runs never download"):
+        open_tfds_splits(cfg)
+    assert not empty.exists() or not any(empty.rglob("*"))

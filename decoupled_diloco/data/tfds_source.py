@@ -77,13 +77,16 @@ def open_tfds_splits(cfg: DataConfig) -> dict[str, RecordRange]:
 
     def open_split(split: str) -> RecordRange:
         try:
+            # Never a download: a wrong data_dir must not start preparing the corpus (C4 is
+            # terabytes) on every host; it is prepared once, ahead of the run.
             source = tfds.data_source(
-                cfg.tfds_name, split=split, data_dir=cfg.tfds_data_dir or None
+                cfg.tfds_name, split=split, data_dir=cfg.tfds_data_dir or None, download=False
             )
         except Exception as e:
             raise ValueError(
                 f"data.tfds_name={cfg.tfds_name!r} (split {split!r}, data_dir "
-                f"{cfg.tfds_data_dir!r}): cannot open it with tfds.data_source: {e}"
+                f"{cfg.tfds_data_dir!r}): cannot open a prepared copy with tfds.data_source "
+                f"(runs never download; prepare it first, e.g. `tfds build`): {e}"
             ) from e
         records = RecordRange(source, 0, len(source), cfg.tfds_text_key)
         if not len(records):
