@@ -55,6 +55,7 @@ def main(argv) -> None:
     except ValueError as e:
         sys.exit(f"config error: {e}")
     from decoupled_diloco.checkpoint import CorruptCheckpointError
+    from decoupled_diloco.runtime.local import RunInterruptedError
     from decoupled_diloco.runtime.workdir import WorkdirBusyError
 
     _install_profiler(run)
@@ -62,6 +63,9 @@ def main(argv) -> None:
         summary = launch.run(run, _WORKDIR.value, force=_FORCE.value)
     except (FatalRunError, ValueError, WorkdirBusyError, launch.ModelNotFiniteError) as e:
         sys.exit(f"error: {e}")  # bad data or run files; a workdir of another run or in use
+    except RunInterruptedError as e:
+        print(f"{e}: learners and syncer saved; the same command resumes", file=sys.stderr)
+        sys.exit(130)
     except RuntimeError as e:
         corrupt = _cause(e, CorruptCheckpointError)
         if corrupt is None:

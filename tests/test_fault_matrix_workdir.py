@@ -211,3 +211,50 @@ def test_a_non_finite_model_is_a_failed_run(small_config, tmp_path):
     assert "failed" in json.loads((tmp_path / "summary.json").read_text())
     with pytest.raises(launch.ModelNotFiniteError):  # and stays failed when re-run
         launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+
+
+def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path):
+    """SIGINT mid-run: learners offer what Θ lacks and save, the syncer merges and saves,
+    exit 130 without a traceback and without summary.json; the same command then finishes
+    with every step of every learner merged exactly once per fragment."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps = 120
+    args = [sys.executable, "-m", "decoupled_diloco.main", "--config=configs/tiny_decoupled.py",
+            f"--workdir={tmp_path}", "--config.diloco.learners=2", f"--config.train.steps={steps}",
+            "--config.train.batch_size=8", "--config.data.seq_len=64",
+            "--config.data.max_corpus_bytes=400000", "--config.train.log_every=1",
+            "--config.train.eval_every=0", "--config.train.eval_batches=2",
+            "--config.train.checkpoint_every=0"]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(args, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = _read(metrics) if metrics.exists() else []
+        reached = [max((r["step"] for r in rows if r.get("learner") == m), default=0)
+                   for m in (0, 1)]  # fmt: skip
+        if min(reached) >= 10:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "the same command resumes" in err, err[-3000:]
+    assert not (tmp_path / "summary.json").exists()
+    saved = [_steps(tmp_path / "checkpoints" / f"learner_{m}")[-1] for m in (0, 1)]
+    assert all(10 <= s < steps for s in saved), saved
+
+    again = subprocess.run(args, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    events = _read(tmp_path / "events.jsonl")
+    assert not [e for e in events if e["event"] == "resume_cut"]  # nothing skipped or lost
+    merged = collections.Counter()
+    for rec in _read(tmp_path / "merges.jsonl"):
+        for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
+            merged[(m, rec["fragment"])] += c
+    fragments = {rec["fragment"] for rec in _read(tmp_path / "merges.jsonl")}
+    assert merged == {(m, p): steps for m in (0, 1) for p in fragments}, merged

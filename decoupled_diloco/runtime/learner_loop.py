@@ -81,6 +81,9 @@ class LearnerLoop:
         if run.train.prefetch:
             self.data = Prefetch(data, run.train.prefetch, replica.put_batch)
         self.restored = None  # a checkpointed TrainState to resume from (first start)
+        # Set with the runtime's `stop` when the user interrupts the run: the learner offers
+        # its unmerged work and saves, leaving (not finishing) so a resume rejoins.
+        self.interrupted = False
         self.away = "start"  # why the learner is about to (re)start
         self.wait_seconds = 0.0  # time blocked on late merges: idle, not compute
         self.eval_seconds = 0.0  # time evaluating (data-parallel): idle, not compute
@@ -189,7 +192,7 @@ class LearnerLoop:
             if diverged:  # its last steps diverged: leave without offering them, unsaved
                 self.sink.event(self._event("nan_at_end"))
             try:
-                self._finish(offer_work=not diverged)
+                self._finish(finished=not self.interrupted, offer_work=not diverged)
             except RunAbortedError:  # the run failed elsewhere: keep this learner's work
                 if not diverged:
                     self.save()

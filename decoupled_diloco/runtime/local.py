@@ -10,6 +10,7 @@ model while they train and writes the summary.
 
 import logging
 import queue
+import sys
 import threading
 import time
 
@@ -32,6 +33,11 @@ from decoupled_diloco.runtime.syncer_loop import SyncerLoop
 from decoupled_diloco.runtime.syncer_process import SyncerProcess
 from decoupled_diloco.train.evaluate import Evaluator
 from decoupled_diloco.train.replica import Replica
+
+
+class RunInterruptedError(KeyboardInterrupt):
+    """The user interrupted the run (Ctrl-C): every learner offered its unmerged work and
+    saved, the syncer merged it and saved; no summary is written, the same command resumes."""
 
 
 class _HaltError(Exception):
@@ -94,6 +100,7 @@ class LocalRuntime:
         self.failed = threading.Event()  # a thread failed: learners wait for no reply
         self._syncers_stop = threading.Event()  # set once every learner has finished
         self.errors: list[BaseException] = []
+        self.interrupted = False  # Ctrl-C: learners saved their work, no summary
         self.t0 = 0.0
         self.ckpt_dir = paths.resolve(ckpt_dir or f"{workdir}/checkpoints")
 
@@ -246,7 +253,10 @@ class LocalRuntime:
         learner_threads = [
             self._thread(f"learner{m}", loop.run, self.stop) for m, loop in enumerate(self.loops)
         ]
-        self._watch(learner_threads)
+        try:
+            self._watch(learner_threads)
+        except KeyboardInterrupt:
+            self._interrupt(learner_threads)
         self._syncers_stop.set()  # learners are done: let the syncer flush and stop
         for t in syncer_threads:
             t.join()
@@ -258,11 +268,33 @@ class LocalRuntime:
             raise RuntimeError("a learner or syncer thread failed") from self.errors[0]
         for loop in self.loops:
             loop.ckpt.close()
+        if self.interrupted:
+            steps = [loop.step for loop in self.loops]
+            raise RunInterruptedError(f"interrupted at learner steps {steps}")
         if self.halt_after is not None:
             return None
         return self._finish()
 
+    def _interrupt(self, learner_threads) -> None:
+        """Ctrl-C: learners stop at their next step, offer what Θ lacks of their work and
+        save; the syncer merges it and saves (a second Ctrl-C stops at once, losing what
+        the last checkpoints do not hold)."""
+        print("\ninterrupted: the learners offer their unmerged work and save, then the "
+              "syncer (Ctrl-C again stops at once); the same command resumes", file=sys.stderr,
+              flush=True)  # fmt: skip
+        self.interrupted = True
+        for loop in self.loops:
+            loop.interrupted = True
+        self.stop.set()
+        # Not Thread.is_alive: a join the KeyboardInterrupt cut short can leave a running
+        # thread marked as stopped (CPython's tstate lock); each thread sets `done` itself.
+        for t in learner_threads:
+            while not t.done.wait(timeout=0.2):
+                pass
+
     def _thread(self, name: str, target, stop) -> threading.Thread:
+        done = threading.Event()  # set when `target` has returned or failed
+
         def go():
             try:
                 target(stop)
@@ -278,8 +310,11 @@ class LocalRuntime:
                 self.failed.set()
                 self.stop.set()
                 self._syncers_stop.set()
+            finally:
+                done.set()
 
         t = threading.Thread(target=go, name=name, daemon=True)
+        t.done = done
         t.start()
         return t
 
