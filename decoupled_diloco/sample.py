@@ -31,12 +31,25 @@ def sample(
     step: int | None = None,
 ):
     """[(prompt, completion text)] for every prompt, `num_samples` times each."""
+    import math
+
     import jax
 
     from decoupled_diloco.loading import load
     from decoupled_diloco.models.decode import generate
 
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"--num_samples must be >= 1, got {num_samples}")
+    if max_new_tokens < 0 or top_k < 0:
+        raise ValueError(f"--max_new_tokens and --top_k must be >= 0, got {max_new_tokens}, "
+                         f"{top_k}")  # fmt: skip
     model = load(path, step)
+    if top_k > model.config.model.vocab_size:
+        vocab = model.config.model.vocab_size
+        raise ValueError(f"--top_k={top_k} is more than the model's vocabulary ({vocab}); "
+                         "0 samples from all of it")  # fmt: skip
     tok = model.tokenizer
     batch = [p for p in prompts for _ in range(num_samples)]
     ids = [[int(i) for i in tok.encode(p)] for p in batch]

@@ -131,6 +131,12 @@ def test_sampling_is_deterministic_per_seed(runs):
         sample(str(workdir), ["def ", "x"], 16, 1.0, 5, seed=s, num_samples=2) for s in (0, 0, 1)
     ]
     assert hot[0] == hot[1] and hot[0] != hot[2] and len(hot[0]) == 4
+    for kwargs, why in [({"temperature": -1.0}, "--temperature must be >= 0"),
+                        ({"temperature": float("nan")}, "--temperature must be >= 0"),
+                        ({"num_samples": 0}, "--num_samples must be >= 1"),
+                        ({"top_k": 1000}, "--top_k=1000 is more than the model's")]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            sample(str(workdir), ["def "], 4, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["dp", "dec", "moe"])
