@@ -68,9 +68,15 @@ def main(argv) -> None:
         sys.exit(130)
     except RuntimeError as e:
         corrupt = _cause(e, CorruptCheckpointError)
-        if corrupt is None:
+        if corrupt is not None:
+            sys.exit(f"error: {corrupt}")
+        oom = _out_of_memory(e)
+        if oom is None:
             raise
-        sys.exit(f"error: {corrupt}")
+        sys.exit(f"error: a learner ran out of device memory ({oom}). Lower train.batch_size, "
+                 "raise train.microbatches, set model.remat=dots or full, or give each learner "
+                 "more devices (devices_per_learner), then run in a new --workdir (or resume "
+                 "this one with --force_resume)")  # fmt: skip
     finally:
         profiling.close()
     print(
@@ -105,6 +111,16 @@ def join_world(config) -> None:
 
     dist = config_lib.distributed_config(config)
     jax_world.initialize(dist.world(), dist.initialization_timeout)
+
+
+def _out_of_memory(e: BaseException | None) -> str | None:
+    """The first line of an XLA out-of-memory error `e` was raised from, if any."""
+    while e is not None:
+        if "RESOURCE_EXHAUSTED" in str(e):
+            line = next(ln for ln in str(e).splitlines() if "RESOURCE_EXHAUSTED" in ln)
+            return line.strip()[:300]
+        e = e.__cause__
+    return None
 
 
 def _cause(e: BaseException | None, kind: type) -> BaseException | None:
