@@ -35,6 +35,32 @@ def _rows(workdir: str, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def run_time(rows: list[dict], attempt_seconds: list[float] | None = None) -> list[dict]:
+    """`rows` (one file's records, in file order) with `time` on the run's clock. Each
+    attempt of a resumed run counts time from its own start, so a record whose time falls
+    far below the latest of its attempt opens the next attempt; attempt k's records move by
+    the wall seconds of the attempts before it (`attempt_seconds`, attempts.jsonl), or by
+    the latest time of each earlier attempt's records when those are not known."""
+    out, offset, latest, k = [], 0.0, 0.0, 0
+    for r in rows:
+        t = r.get("time")
+        if isinstance(t, int | float):
+            if t < 0.5 * latest and latest - t > 1.0:  # the next attempt's clock
+                known = attempt_seconds is not None and k < len(attempt_seconds)
+                offset += attempt_seconds[k] if known else latest
+                latest, k = 0.0, k + 1
+            latest = max(latest, t)
+            r = {**r, "time": t + offset}
+        out.append(r)
+    return out
+
+
+def _attempt_seconds(workdir: str) -> list[float] | None:
+    records = _rows(workdir, "attempts.jsonl")
+    seconds = [r.get("own", {}).get("wall_seconds") for r in records]
+    return seconds if records and all(isinstance(x, int | float) for x in seconds) else None
+
+
 def _marks(ax, events: list[dict]) -> None:
     seen = set()
     for e in events:
@@ -95,8 +121,9 @@ def plot(workdir: str, out: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics, merges = _rows(workdir, "metrics.jsonl"), _rows(workdir, "merges.jsonl")
-    events = _rows(workdir, "events.jsonl")
+    attempts = _attempt_seconds(workdir)  # a resumed run: one clock across its attempts
+    metrics, merges, events = (run_time(_rows(workdir, f"{name}.jsonl"), attempts)
+                               for name in ("metrics", "merges", "events"))  # fmt: skip
     moe = [r for r in metrics if "expert_load" in r]
     panels = 2 + (2 if merges else 0) + (1 if moe else 0)  # no merge panels for DP runs
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.2))

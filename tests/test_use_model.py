@@ -262,3 +262,14 @@ def test_out_of_device_memory_is_one_line_with_what_to_change(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: a learner ran out of device memory (RESOURCE_EXHAUSTED")
     assert "train.microbatches" in last and "model.remat" in last
+
+
+def test_a_resumed_runs_records_are_drawn_on_one_clock():
+    """Each attempt's records count from its own start: the second attempt's move by the
+    first attempt's wall seconds (attempts.jsonl), or by its last record's time."""
+    from decoupled_diloco.report import run_time
+
+    rows = [{"time": t} for t in (0.5, 10.0, 9.8, 30.0, 1.0, 5.0, 4.5, 20.0)] + [{"step": 3}]
+    shifted = [r.get("time") for r in run_time(rows, [31.0, 25.0])]
+    assert shifted == [0.5, 10.0, 9.8, 30.0, 32.0, 36.0, 35.5, 51.0, None]
+    assert [r["time"] for r in run_time(rows[:6])] == [0.5, 10.0, 9.8, 30.0, 31.0, 35.0]
