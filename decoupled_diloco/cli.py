@@ -46,6 +46,20 @@ def one_line(e: BaseException) -> str:
 _CONFIG_ERRORS = (AttributeError, KeyError, OSError, TypeError, ValueError)
 
 
+def _config_error(e: BaseException, argv: list[str]) -> str:
+    """`one_line(e)`, an unknown key named by its whole dotted path as the flag gave it
+    (ml_collections names only its last part)."""
+    line = one_line(e)
+    prefix = "unknown config key "
+    if line.startswith(prefix):
+        key = line[len(prefix) :].split(" ", 1)[0]
+        for arg in argv:
+            name = arg.split("=", 1)[0].lstrip("-")
+            if name.startswith("config.") and name.endswith(f".{key}"):
+                return prefix + name[len("config.") :] + line[len(prefix) + len(key) :]
+    return line
+
+
 def run(main, define_flags) -> None:
     """absl's app.run for an entry point whose flags `define_flags` defines (a config
     flag reads its --config.* overrides as it is defined: a typo is one line there too)."""
@@ -56,7 +70,7 @@ def run(main, define_flags) -> None:
     try:
         define_flags()
     except _CONFIG_ERRORS as e:
-        sys.exit(f"error: {one_line(e)}\n{CONFIG_DOCS}")
+        sys.exit(f"error: {_config_error(e, sys.argv)}\n{CONFIG_DOCS}")
     app.run(main, flags_parser=parse_flags)
 
 
@@ -77,4 +91,4 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         return app.parse_flags_with_usage(argv)
     except _CONFIG_ERRORS as e:
-        sys.exit(f"error: {one_line(e)}\n{CONFIG_DOCS}")
+        sys.exit(f"error: {_config_error(e, argv)}\n{CONFIG_DOCS}")

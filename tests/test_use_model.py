@@ -179,14 +179,14 @@ def test_entry_points_fail_in_one_clear_line(tmp_path):
     typo = _cli("decoupled_diloco.main", "--config=configs/tiny_dense.py",
                 f"--workdir={tmp_path}", "--config.diloco.learnrs=8")  # fmt: skip
     assert typo.returncode != 0 and "Traceback" not in typo.stderr
-    assert 'unknown config key learnrs (Did you mean "learners"' in typo.stderr
+    assert 'unknown config key diloco.learnrs (Did you mean "learners"' in typo.stderr
     missing = _cli("decoupled_diloco.main", "--config=configs/nope.py", f"--workdir={tmp_path}")
     assert missing.returncode != 0 and "config file configs/nope.py not found" in missing.stderr
     helped = _cli("decoupled_diloco.main", "--help")
     assert helped.returncode == 0 and "decoupled_diloco/config.py" in helped.stdout
     typo = _cli("decoupled_diloco.evaluate", f"--workdir={tmp_path}", "--config.data.sourc=x")
     assert typo.returncode != 0 and "Traceback" not in typo.stderr
-    assert 'unknown config key sourc (Did you mean "source"' in typo.stderr
+    assert 'unknown config key data.sourc (Did you mean "source"' in typo.stderr
     nothing = _cli("decoupled_diloco.evaluate", f"--workdir={tmp_path}/none")
     assert nothing.returncode != 0 and "run_config.json not found" in nothing.stderr
 
