@@ -125,7 +125,7 @@ def _check_shapes(spec: FaultSpec) -> None:
             _fail(field, f"must be a list of numbers, got {values!r}")
     for f in dataclasses.fields(FaultSpec):
         v = getattr(spec, f.name)
-        if isinstance(f.default, int | float) and not _is_number(v):
+        if _is_number(f.default) and not _is_number(v):
             _fail(f.name, f"must be a number, got {v!r}")
 
 

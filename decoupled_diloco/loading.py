@@ -132,6 +132,7 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
             reached_steps.append(reached[n])
             break
         else:
+            ckpt.close()
             raise CorruptCheckpointError(
                 f"syncer shard {shard}: no checkpoint at or before step {step} can be trusted: "
                 + "; ".join(refused)
@@ -189,6 +190,7 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
         flat = models.flatten_params(jax.device_get(state.params))
         source = f"learner step {n}" + _refused_note(refused)
         return {k: np.asarray(v, np.float32) for k, v in flat.items()}, source, n
+    manager.close()
     raise CorruptCheckpointError(
         f"no learner checkpoint at or before step {step} can be trusted: " + "; ".join(refused)
     )
