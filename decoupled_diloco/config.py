@@ -403,9 +403,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
 
 def _check_microbatches(t: TrainConfig, batch_ways: int) -> None:
     """Every microbatch must split evenly over the batch-parallel devices, as a batch does."""
-    n = t.microbatches
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"train.microbatches must be an int >= 1, got {n!r}")
+    n = t.microbatches  # (an int >= 1: _check_train)
     if t.batch_size % n or (t.batch_size // n) % batch_ways:
         raise ValueError(
             f"train.batch_size ({t.batch_size}) must be divisible by train.microbatches ({n}) "

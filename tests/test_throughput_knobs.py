@@ -217,7 +217,7 @@ def test_bad_model_knobs_are_refused(overrides, message):
 @pytest.mark.parametrize(
     "microbatches, batch_size, message",
     [
-        (0, 8, "train.microbatches must be an int >= 1"),
+        (0, 8, "train.microbatches must be an integer >= 1"),
         (3, 8, r"divisible by train.microbatches \(3\)"),
         (4, 8, r"batch-parallel devices \(8"),  # 2 rows per microbatch on 8 devices
     ],
