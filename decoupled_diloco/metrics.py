@@ -39,6 +39,11 @@ class JsonlWriter:
             self._file.replace_content("".join(kept).encode())
         return len(lines) - len(kept)
 
+    def count(self) -> int:
+        """Records in the file, those of earlier attempts of the run included."""
+        with self._lock:
+            return sum(1 for ln in self._file.content().decode().splitlines() if ln.strip())
+
     def close(self) -> None:
         with self._lock:
             self._file.close()

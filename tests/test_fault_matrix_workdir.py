@@ -136,10 +136,14 @@ def test_a_resume_on_a_syncer_without_the_learners_work_says_what_is_lost(small_
     _halted(cfg, tmp_path, after=9)
     shutil.rmtree(tmp_path / "checkpoints" / "syncer_0")
     assert _steps(tmp_path / "checkpoints" / "learner_0")[-1] == 8
-    launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    lost = len(_read(tmp_path / "merges.jsonl"))  # the first attempt's merges: Θ lost them
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
     cuts = {e["learner"]: e for e in _read(tmp_path / "events.jsonl") if e["event"] == "resume_cut"}
     for m in (0, 1):
         assert (cuts[m]["lost_steps"], cuts[m]["skipped_steps"], cuts[m]["step"]) == (8, 0, 8)
+    records = len(_read(tmp_path / "merges.jsonl"))
+    assert lost > 0 and summary["rolled_back_merges"] == lost
+    assert summary["merges"] == records - lost
 
 
 def test_two_runs_on_one_workdir_the_second_is_refused(tmp_path):
@@ -258,3 +262,7 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path)
             merged[(m, rec["fragment"])] += c
     fragments = {rec["fragment"] for rec in _read(tmp_path / "merges.jsonl")}
     assert merged == {(m, p): steps for m in (0, 1) for p in fragments}, merged
+    # summary.json counts the merges of both attempts: Θ holds every one of them.
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    records = len(_read(tmp_path / "merges.jsonl"))
+    assert (summary["merges"], summary["rolled_back_merges"]) == (records, 0)

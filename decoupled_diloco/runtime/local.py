@@ -391,6 +391,7 @@ class LocalRuntime:
             self.log.ledger.summary(wall, run.uses_syncer, [loop.step for loop in self.loops]),
             stats,
             self.lock_probe.summary(),
+            self.log.merges.count(),
         )
         write_json(paths.resolve(self.workdir) / "summary.json", summary)
         self.log.close()

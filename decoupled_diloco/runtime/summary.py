@@ -13,10 +13,15 @@ def run_summary(
     accounting: dict,
     syncer_stats: list[dict],
     lock_wait: dict | None = None,
+    merge_records: int | None = None,
 ) -> dict:
     """`accounting`: `Ledger.summary(...)`; `syncer_stats`: each live syncer shard's stats;
     `lock_wait`: `gil.LockProbe.summary()` of the process that ran every learner and syncer
-    (the local runtime's; None under Ray, whose actors are processes of their own)."""
+    (the local runtime's; None under Ray, whose actors are processes of their own);
+    `merge_records`: the records in merges.jsonl, every attempt's. With them a resumed run's
+    `merges` are the merges Θ holds over all its attempts (not the last attempt's), and
+    `rolled_back_merges` those merges.jsonl records but Θ lost (a syncer restore, a kill
+    after the syncer's last checkpoint)."""
     summary = {
         "name": run.name,
         "final_eval_loss": final_eval_loss,
@@ -30,6 +35,11 @@ def run_summary(
     waits = lock_wait or {}
     summary["lock_wait_ms"] = waits.get("mean_ms")  # None: not measured
     summary["lock_wait_p99_ms"] = waits.get("p99_ms")
+    held = [s.get("held_merges") for s in syncer_stats]
+    if run.uses_syncer and held and None not in held:
+        summary["merges"] = sum(held)
+        if merge_records is not None:
+            summary["rolled_back_merges"] = max(merge_records - sum(held), 0)
     if run.uses_syncer:
         communicated = sum(s["bytes_in"] + s["bytes_out"] for s in syncer_stats)
         summary["bytes_communicated"] = int(communicated)

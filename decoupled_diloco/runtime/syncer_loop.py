@@ -159,8 +159,12 @@ class SyncerLoop:
             return {k: v.copy() for k, v in self.syncer.global_params().items()}
 
     def stats(self) -> dict:
+        """The syncer's counters, and `held_merges`: the merges its Θ holds (one version
+        each; a restore re-creates the numbers it lost), over every attempt of the run."""
         with self.lock:
-            return dict(self.syncer.stats) if self.syncer is not None else {}
+            if self.syncer is None:
+                return {}
+            return {**self.syncer.stats, "held_merges": sum(self.syncer.version.values())}
 
     def close(self) -> None:
         """After `run`: releases the checkpointer."""

@@ -360,6 +360,7 @@ class RayRuntime:
             wall,
             self.ledger.summary(wall, True, [s["step"] for s in self.status]),
             stats,
+            merge_records=self.log.merges.count(),
         )
         write_json(paths.resolve(self.workdir) / "summary.json", summary)
         self.progress.close()
