@@ -121,6 +121,13 @@ class LearnerLoop:
 
     # --- the loop ---------------------------------------------------------------------
     def run(self, stop) -> None:
+        try:
+            self._train(stop)
+        finally:  # also when the loop fails: a reader left placing batches on the device
+            if isinstance(self.data, Prefetch):  # aborts the process at its exit
+                self.data.close()
+
+    def _train(self, stop) -> None:
         run, m = self.run_cfg, self.m
         seen = self.clock()  # faults up to here have been applied
         # Dispatched steps whose metrics (loss, NaN check) the host has not read yet: it reads
