@@ -217,10 +217,14 @@ def test_a_non_finite_model_is_a_failed_run(small_config, tmp_path):
         launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
 
 
-def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path):
-    """SIGINT mid-run: learners offer what Θ lacks and save, the syncer merges and saves,
-    exit 130 without a traceback and without summary.json; the same command then finishes
-    with every step of every learner merged exactly once per fragment."""
+@pytest.mark.parametrize(
+    "local_syncer", ["thread", pytest.param("process", marks=pytest.mark.slow)]
+)
+def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path, local_syncer):
+    """SIGINT to the run's process group, as a terminal's Ctrl-C sends it (a syncer process
+    gets it too): learners offer what Θ lacks and save, the syncer merges and saves, exit 130
+    without a traceback and without summary.json; the same command then finishes with every
+    step of every learner merged exactly once per fragment."""
     import signal
     import subprocess
     import sys
@@ -232,10 +236,11 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path)
             "--config.train.batch_size=8", "--config.data.seq_len=64",
             "--config.data.max_corpus_bytes=400000", "--config.train.log_every=1",
             "--config.train.eval_every=0", "--config.train.eval_batches=2",
-            "--config.train.checkpoint_every=0"]  # fmt: skip
+            "--config.train.checkpoint_every=0",
+            f"--config.local_syncer={local_syncer}"]  # fmt: skip
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(args, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, start_new_session=True)  # fmt: skip
     metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         rows = _read(metrics) if metrics.exists() else []
@@ -244,7 +249,7 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path)
         if min(reached) >= 10:
             break
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "the same command resumes" in err, err[-3000:]

@@ -222,7 +222,13 @@ class _PipeSyncerLink:
 
 def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
     """The child process: waits for Θ_0 and the clock, then runs the shard's loop."""
+    import signal
+
     import jax
+
+    # A terminal's Ctrl-C reaches the whole process group: the parent stops the run (the
+    # learners' final offers still need this shard), then stops this process itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     jax.config.update("jax_platforms", "cpu")  # the learners' accelerator stays theirs
 
