@@ -1,4 +1,5 @@
-"""Decoupled DiLoCo at CPU scale: 4 learners x 2 fake CPU devices, K=1, grace, RDA, mixing.
+"""Decoupled DiLoCo at CPU scale: 4 learners x 2 fake CPU devices, K=1, grace, RDA, mixing,
+outer lr 0.75 (`set_decoupled`).
 
   python -m decoupled_diloco.main --config=configs/tiny_decoupled.py --workdir=/tmp/dd_dec
 

@@ -1,8 +1,8 @@
 r"""Where quality goes: from synchronous DiLoCo to Decoupled DiLoCo, one change at a time.
 
     pip install -e .   # once
-    python experiments/quality_ladder.py --quick      # 9 arms, 1 seed, 120 steps: ~7 min
-    python experiments/quality_ladder.py              # 9 arms x seeds 0,1, 300 steps: ~45 min
+    python experiments/quality_ladder.py --quick      # 11 arms, 1 seed, 120 steps: ~8 min
+    python experiments/quality_ladder.py              # 11 arms x seeds 0,1, 300 steps: ~50 min
     python experiments/quality_ladder.py --outer=0.7,0.9   # the rungs with DiLoCo's outer step
     python experiments/quality_ladder.py --scale=mid  # the 31M `mid` model (a GPU: ~1 h)
     python experiments/quality_ladder.py --set=data.source=shakespeare   # another corpus
@@ -20,23 +20,30 @@ processes a quarter of DP's batch per step, for the same number of steps):
   grace      + the adaptive grace window (γ = 1), which lets more learners into a round
   tokens     + token weights
   rda        + radial-directional averaging
-  mixing     + learners take half of each merge's move (α = 0.5): configs/tiny_decoupled.py
-             as shipped (since 2026-11-26; ladders measured before end at `rda`)
+  mixing     + learners take half of each merge's move (α = 0.5) (since 2026-11-26; ladders
+             measured before end at `rda`)
+  outer_lr   + outer lr 0.75: configs/tiny_decoupled.py as shipped (since 2026-11-27; ladders
+             measured before end at `mixing`)
 
-Every rung uses the same outer optimizer (--outer: lr, momentum; default the tiny configs'
-1.0, 0.0) with the shipped merge normalisation (roster) and momentum clock (work). The
+Every rung below the last uses synchronous DiLoCo's outer step (lr 1.0, no momentum);
+--outer=lr,momentum puts one outer step on every rung and leaves out the last. All use the
+shipped merge normalisation (roster) and momentum clock (work). The
 table gives each rung's final eval loss (mean ± sample std over seeds), its ratio to DP and
 to the rung below (per seed, then averaged), the spread of its seeds ((max − min) / mean),
 learners per merge, and offers dropped. With --scale=mid the per-learner batch is 32 x 256
 tokens and runs last 1000 steps (300 with --quick), on whatever devices exist.
 """
 
+import arm_config
 import harness
 from absl import app, flags
 from arm_config import LADDER_FULL, LADDER_QUICK
 
 harness.define_flags("experiments/results/quality_ladder", "0,1")
-flags.DEFINE_list("outer", ["1.0", "0.0"], "Outer lr and momentum of every DiLoCo rung.")
+flags.DEFINE_list(
+    "outer", [], "Outer lr and momentum of every DiLoCo rung (then without the `outer_lr` "
+    "rung). Default: synchronous DiLoCo's (1.0, 0.0), then tiny_decoupled's lr on the last rung.",
+)  # fmt: skip
 flags.DEFINE_float(
     "latency_s", 0.0, "One-way link latency of every learner of the DiLoCo rungs (seconds): "
     "replies then land steps late, as when a syncer or a network is slow.",
@@ -51,7 +58,8 @@ RUNGS = [
     ("diloco", "DiLoCo (P=1, K=M, wait)", {
         "diloco.fragments": 1, "diloco.overlap": 0, "diloco.max_wait": -1.0,
         "diloco.quorum": M, "diloco.grace_gamma": 0.0, "diloco.weights": "uniform",
-        "diloco.merge": "mean", "diloco.embedding_merge": "mean", "diloco.alpha": 0.0}),
+        "diloco.merge": "mean", "diloco.embedding_merge": "mean", "diloco.alpha": 0.0,
+        "diloco.outer_lr": 1.0, "diloco.outer_momentum": 0.0}),
     ("streaming", "+ P=6 fragments", {"diloco.fragments": 6}),
     ("overlap", "+ overlap tau=2", {"diloco.overlap": 2}),
     ("no_wait", "+ never wait (max_wait 0)", {"diloco.max_wait": 0.0}),
@@ -59,7 +67,8 @@ RUNGS = [
     ("grace", "+ grace window", {"diloco.grace_gamma": 1.0}),
     ("tokens", "+ token weights", {"diloco.weights": "tokens"}),
     ("rda", "+ RDA", {"diloco.merge": "rda"}),
-    ("mixing", "+ mixing alpha 0.5 (tiny_decoupled)", {"diloco.alpha": 0.5}),
+    ("mixing", "+ mixing alpha 0.5", {"diloco.alpha": 0.5}),
+    ("outer_lr", "+ outer lr {shipped:g} (tiny_decoupled)", {"diloco.outer_lr": None}),
 ]  # fmt: skip
 
 
@@ -68,18 +77,22 @@ def per_learner_batch() -> int:
 
 
 def arms() -> list[harness.Arm]:
-    lr, mu = (float(x) for x in flags.FLAGS.outer)
     b = per_learner_batch()
     out = [harness.Arm("dp", "tiny_dense", {"train.batch_size": M * b}, "data-parallel")]
-    over = {"diloco.learners": M, "devices_per_learner": 2, "train.batch_size": b,
-            "diloco.outer_lr": lr, "diloco.outer_momentum": mu}  # fmt: skip
+    over = {"diloco.learners": M, "devices_per_learner": 2, "train.batch_size": b}
+    rungs = RUNGS
+    if flags.FLAGS.outer:  # one outer step on every rung: the last rung would change nothing
+        lr, mu = (float(x) for x in flags.FLAGS.outer)
+        fixed = {"diloco.outer_lr": lr, "diloco.outer_momentum": mu}
+        rungs = [(n, label, change | fixed) for n, label, change in RUNGS[:-1]]
     if flags.FLAGS.latency_s:
         over["faults.link_latency_s"] = [flags.FLAGS.latency_s] * M
     if flags.FLAGS.speed_noise:
         over["faults.speed_noise"] = flags.FLAGS.speed_noise
-    for name, label, change in RUNGS:
-        over = over | change
-        out.append(harness.Arm(name, "tiny_decoupled", dict(over), label))
+    shipped = arm_config.load_config("tiny_decoupled").diloco.outer_lr
+    for name, label, change in rungs:
+        over = over | {k: shipped if v is None else v for k, v in change.items()}  # None: shipped
+        out.append(harness.Arm(name, "tiny_decoupled", dict(over), label.format(shipped=shipped)))
     return out
 
 
@@ -109,11 +122,14 @@ def markdown(results) -> str:
         below = None if is_dp else runs
     header = ["rung", "final eval loss", "÷ DP", "÷ rung below", "seed spread",
               "learners / merge", "dropped offers"]  # fmt: skip
-    lr, mu = flags.FLAGS.outer
+    if flags.FLAGS.outer:
+        outer = "outer lr {}, momentum {} on every rung".format(*flags.FLAGS.outer)
+    else:
+        outer = "outer lr 1.0, momentum 0.0 up to the last rung"
     lag = flags.FLAGS.latency_s, flags.FLAGS.speed_noise
     faults = f"; link latency {lag[0]} s, speed noise {lag[1]}" if any(lag) else ""
     note = (
-        f"The ladder ({harness.mode_note()}); outer lr {lr}, momentum {mu} on every rung{faults}; "
+        f"The ladder ({harness.mode_note()}); {outer}{faults}; "
         f"{results[0].summary['tokens']:,} tokens per run; eval loss in nats per token on "
         "the same held-out sequences. Ratios per seed, then averaged; seed spread = (max − "
         "min) / mean of the final loss.\n\n"

@@ -8,22 +8,23 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
 
   dp              one learner, the whole batch
   streaming_sync  Streaming DiLoCo, synchronous: P = 6, K = M, τ = 0, learners wait for
-                  every merge, plain mean, uniform weights
+                  every merge, plain mean, uniform weights, outer lr 1.0 (DiLoCo's)
   decoupled       configs/tiny_decoupled.py as shipped: K = 1, grace, token weights, RDA,
                   never waits (τ = 2), mixing α = 0.5 (since 2026-11-26; the arm before:
-                  --set=diloco.alpha=0.0); its outer step (lr 1.0, momentum 0.0 at this length)
+                  --set=diloco.alpha=0.0), outer lr 0.75 without momentum (since 2026-11-27;
+                  before: 1.0, the arm decoupled_lr1)
   decoupled_km    the same with quorum K = M
   decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9),
                   which needs that mixing when learners never wait (README, "How outer lr
                   and momentum relate to M, K, P and H")
   streaming_sync_nag  streaming_sync with DiLoCo's outer Nesterov (no mixing: DiLoCo as
                   published): what the outer step costs without any asynchrony
-  decoupled_mom   `decoupled` with Nesterov momentum 0.5 at lr 0.5: the same steady-state
-                  step per round of work, lr / (1 − μ) = 1, as `decoupled`'s (1.0, 0.0)
+  decoupled_mom   `decoupled` with Nesterov momentum 0.5 at half its lr (0.375): the same
+                  steady-state step per round of work, lr / (1 − μ), as `decoupled`'s
                   (README, "How outer lr and momentum relate to M, K, P and H")
   streaming_sync_mom  streaming_sync with that (0.5, 0.5) step (the twin of decoupled_mom)
-  decoupled_lr075  `decoupled` with outer lr 0.75: a smaller step, which costs mixing learners
-                  less than synchronous ones (experiments/README.md, section 0; not a target)
+  decoupled_lr1   `decoupled` with outer lr 1.0, synchronous DiLoCo's step and the shipped one
+                  until 2026-11-27 (experiments/README.md, section 0; not a target)
 
 and prints each target with its measured value and whether it is met (ratios per seed,
 then averaged; seed spread = (max − min) / mean of the final eval loss). Targets (issue 12):
@@ -35,11 +36,12 @@ then averaged; seed spread = (max − min) / mean of the final eval loss). Targe
 Also printed, without a threshold: decoupled_nag ÷ streaming_sync_nag and decoupled_mom ÷
 streaming_sync_mom (the asynchrony's cost under each momentum outer step), and
 streaming_sync_nag ÷ streaming_sync, streaming_sync_mom ÷ streaming_sync (each outer step's
-own cost at this length, without asynchrony), decoupled_lr075 ÷ streaming_sync and ÷ decoupled.
+own cost at this length, without asynchrony), decoupled_lr1 ÷ streaming_sync and ÷ decoupled.
 Lengths: 300 steps at batch 16 per learner on CPU (the quality ladder's), 1000 steps at
 32 x 256 tokens per learner with --scale=mid (arm_config.MID).
 """
 
+import arm_config
 import harness
 from absl import app, flags
 from arm_config import LADDER_FULL, LADDER_QUICK
@@ -47,13 +49,27 @@ from arm_config import LADDER_FULL, LADDER_QUICK
 harness.define_flags("experiments/results/quality_targets", "0,1")
 
 M = 4
+# Synchronous Streaming DiLoCo, with synchronous DiLoCo's outer step (lr 1.0; tiny_decoupled's
+# 0.75 costs a learner that takes the whole merge 1.1%: experiments/README.md, section 0).
 SYNC = {"diloco.quorum": M, "diloco.overlap": 0, "diloco.max_wait": -1.0,
         "diloco.grace_gamma": 0.0, "diloco.weights": "uniform", "diloco.merge": "mean",
-        "diloco.embedding_merge": "mean", "diloco.alpha": 0.0}  # fmt: skip
+        "diloco.embedding_merge": "mean", "diloco.alpha": 0.0,
+        "diloco.outer_lr": 1.0}  # fmt: skip
 NESTEROV = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}
 MIX = {"diloco.alpha": 0.5}  # learners take half of each merge's move (diloco/learner.py)
-MOMENTUM_HALF = {"diloco.outer_lr": 0.5, "diloco.outer_momentum": 0.5}
-SMALLER_STEP = {"diloco.outer_lr": 0.75}
+SYNC_STEP = SYNC["diloco.outer_lr"]
+WHOLE_STEP = {"diloco.outer_lr": 1.0}  # the decoupled arm with synchronous DiLoCo's step
+
+
+def momentum_half(step: float) -> dict:
+    """Nesterov momentum 0.5 with the same steady-state step lr / (1 − μ) as an arm's
+    (lr `step`, momentum 0)."""
+    return {"diloco.outer_lr": step * 0.5, "diloco.outer_momentum": 0.5}
+
+
+def shipped_step() -> float:
+    """configs/tiny_decoupled.py's outer lr (its momentum is 0)."""
+    return arm_config.load_config("tiny_decoupled").diloco.outer_lr
 
 
 def arms() -> list[harness.Arm]:
@@ -81,20 +97,20 @@ def arms() -> list[harness.Arm]:
         harness.Arm(
             "decoupled_mom",
             "tiny_decoupled",
-            base | MOMENTUM_HALF,
-            "Decoupled K=1, outer (0.5, 0.5)",
+            base | momentum_half(shipped_step()),
+            "Decoupled K=1, outer momentum 0.5, the same step",
         ),  # fmt: skip
         harness.Arm(
             "streaming_sync_mom",
             "tiny_decoupled",
-            base | SYNC | MOMENTUM_HALF,
+            base | SYNC | momentum_half(SYNC_STEP),
             "Streaming, synchronous, outer (0.5, 0.5)",
         ),  # fmt: skip
         harness.Arm(
-            "decoupled_lr075",
+            "decoupled_lr1",
             "tiny_decoupled",
-            base | SMALLER_STEP,
-            "Decoupled K=1, outer lr 0.75",
+            base | WHOLE_STEP,
+            "Decoupled K=1, outer lr 1.0",
         ),  # fmt: skip
     ]
 
@@ -128,8 +144,8 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
         ("decoupled_mom", "streaming_sync_mom", None, "max"),
         ("streaming_sync_nag", "streaming_sync", None, "max"),
         ("streaming_sync_mom", "streaming_sync", None, "max"),
-        ("decoupled_lr075", "streaming_sync", None, "max"),
-        ("decoupled_lr075", "decoupled", None, "max"),
+        ("decoupled_lr1", "streaming_sync", None, "max"),
+        ("decoupled_lr1", "decoupled", None, "max"),
     ]
     for a, b, limit, kind in checks:
         if a not in groups or b not in groups or not ratio(a, b):

@@ -18,7 +18,7 @@ Expected minutes on an idle 2-core machine (a machine shared with other work is 
 each script's docstring says what its modes run):
 
     experiment              --quick   full (2 seeds)
-    quality_ladder              7      45
+    quality_ladder              8      50
     quality_targets             5      22
     quality_equal_tokens        4      35
     learners_sweep            2.5      18
@@ -45,7 +45,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 # (script, expected minutes --quick, expected minutes full), in the order; the table
 # in the docstring above repeats these numbers.
 EXPERIMENTS = (
-    ("quality_ladder", 7, 45),
+    ("quality_ladder", 8, 50),
     ("quality_targets", 5, 22),
     ("quality_equal_tokens", 4, 35),
     ("learners_sweep", 2.5, 18),

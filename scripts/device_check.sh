@@ -7,7 +7,7 @@
 #     bash scripts/device_check.sh wheels
 # There, through the device tool's `run` (carry [".whl"], timeout_s 600), in this order:
 #     bash scripts/device_check.sh quality   # mid scale: streaming_sync vs decoupled, 2 seeds
-#     bash scripts/device_check.sh more      # mid scale, seed 0: decoupled_lr075, dp, _km, _mom, _nag
+#     bash scripts/device_check.sh more      # mid scale, seed 0: decoupled_lr1, dp, _km, _mom, _nag
 #     bash scripts/device_check.sh speed     # merge beside busy threads (host), learner overhead
 #                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
@@ -95,13 +95,13 @@ case $part in
     done
     ;;
   more)
-    # Outer lr 0.75 (better with mixing on the tiny CPU model: experiments/README.md,
-    # section 0), <= 1.05x DP, K = M within 1% of K = 1, outer momentum 0.5 and 0.9 (the
+    # Outer lr 1.0 (the default before 0.75, better with mixing on the tiny CPU model:
+    # experiments/README.md, section 0), <= 1.05x DP, K = M within 1% of K = 1, outer momentum 0.5 and 0.9 (the
     # latter with the mixing alpha 0.5) no worse than 0 (seed 0).
     S=streaming_sync,decoupled
-    for arms in $S,decoupled_lr075 $S,decoupled_lr075,dp $S,decoupled_lr075,dp,decoupled_km \
-      $S,decoupled_lr075,dp,decoupled_km,decoupled_mom \
-      $S,decoupled_lr075,dp,decoupled_km,decoupled_mom,decoupled_nag; do
+    for arms in $S,decoupled_lr1 $S,decoupled_lr1,dp $S,decoupled_lr1,dp,decoupled_km \
+      $S,decoupled_lr1,dp,decoupled_km,decoupled_mom \
+      $S,decoupled_lr1,dp,decoupled_km,decoupled_mom,decoupled_nag; do
       fits || exit 0
       quality $arms 0 mid_5arms_seed0 || exit
     done

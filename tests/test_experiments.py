@@ -119,13 +119,17 @@ def test_ladder_changes_one_thing_per_rung_and_scales_to_mid(configs_of):
     configs = configs_of("quality_ladder")
     full = {arm: c for (arm, seed), c in configs["cpu", "full"].items() if seed == 0}
     rungs = ["diloco", "streaming", "overlap", "no_wait", "quorum1", "grace", "tokens", "rda",
-             "mixing"]  # fmt: skip
+             "mixing", "outer_lr"]  # fmt: skip
     assert set(full) == {"dp", *rungs}
     for below, above in zip(rungs, rungs[1:], strict=False):
         changed = {k for k, v in full[above]["diloco"].items() if full[below]["diloco"][k] != v}
         assert len(changed) == 1, (below, above, changed)
     assert full["rda"]["diloco"]["merge"] == "rda" and full["rda"]["diloco"]["quorum"] == 1
     assert full["diloco"]["diloco"]["alpha"] == 0.0 and full["mixing"]["diloco"]["alpha"] == 0.5
+    # synchronous DiLoCo's outer step up to the last rung, which is tiny_decoupled as shipped
+    assert full["mixing"]["diloco"]["outer_lr"] == full["diloco"]["diloco"]["outer_lr"] == 1.0
+    shipped = configs_of("quality_targets")["cpu", "full"]["decoupled", 0]["diloco"]
+    assert full["outer_lr"]["diloco"] == shipped
     tokens = {c["train"]["batch_size"] * c["diloco"]["learners"] for c in full.values()}
     assert len(tokens) == 1  # equal tokens per step in every arm
     mid = {arm: c for (arm, seed), c in configs["mid", "full"].items() if seed == 0}
@@ -154,18 +158,22 @@ def test_quality_targets_arms_differ_from_the_shipped_decoupled_in_one_setting(c
             ref["outer_lr"] / (1 - ref["outer_momentum"])
         )
         assert mom["outer_momentum"] >= 0.5
-        assert changed("decoupled_lr075") == {"outer_lr"}
-        assert arms["decoupled_lr075"]["diloco"]["outer_lr"] < ref["outer_lr"]
+        assert changed("decoupled_lr1") == {"outer_lr"}
+        assert arms["decoupled_lr1"]["diloco"]["outer_lr"] == 1.0 > ref["outer_lr"]
         sync = arms["streaming_sync"]["diloco"]
+        assert sync["outer_lr"] == 1.0 and sync["outer_momentum"] == 0.0  # DiLoCo's step
         assert sync["quorum"] == 4 and sync["max_wait"] == -1 and sync["overlap"] == 0
         assert sync["fragments"] == ref["fragments"] == 6
         sync_nag = arms["streaming_sync_nag"]["diloco"]
         assert {k for k, v in sync_nag.items() if sync[k] != v} == {"outer_lr", "outer_momentum"}
         assert sync_nag["outer_momentum"] == arms["decoupled_nag"]["diloco"]["outer_momentum"]
         sync_mom = arms["streaming_sync_mom"]["diloco"]
-        assert {k: v for k, v in sync_mom.items() if sync[k] != v} == {
-            k: mom[k] for k in ("outer_lr", "outer_momentum")
-        }
+        # the same momentum, at the synchronous arm's own steady-state step
+        assert {k for k, v in sync_mom.items() if sync[k] != v} == {"outer_lr", "outer_momentum"}
+        assert sync_mom["outer_momentum"] == mom["outer_momentum"]
+        assert sync_mom["outer_lr"] / (1 - sync_mom["outer_momentum"]) == pytest.approx(
+            sync["outer_lr"] / (1 - sync["outer_momentum"])
+        )
         tokens = {c["train"]["batch_size"] * c["diloco"]["learners"] for c in arms.values()}
         assert len(tokens) == 1, (scale, tokens)  # equal tokens per step in every arm
 
