@@ -49,6 +49,14 @@ class Model:
 
     def forward(self, tokens_BT) -> tuple[jax.Array, dict]:
         """logits_BTV (float32) and aux of the model on int tokens [B, T] (any array-like)."""
+        rows = tokens_BT if isinstance(tokens_BT, list | tuple) else []
+        lengths = {len(r) for r in rows if isinstance(r, list | tuple | np.ndarray)}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"tokens must be [batch, length] with rows of one length, got lengths "
+                f"{sorted(lengths)}; pad them, or run one prompt at a time (decoupled_diloco."
+                "sample handles prompts of different lengths)"
+            )
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens_BT.shape}")

@@ -133,7 +133,11 @@ def test_corrupt_inputs_are_named_and_no_workdir_is_created(small_config, tmp_pa
         ({"data.path": str(binary)}, f"{binary} is a binary file"),
         ({"data.path": str(tmp_path / "missing")}, "no such file or folder"),
         # One document of 40 bytes: fewer tokens than a window of seq_len + 1.
-        ({"data.path": str(_tiny_file(tmp_path))}, r"data\.seq_len=64: this split has only"),
+        ({"data.path": str(_tiny_file(tmp_path))},
+         r"data\.seq_len=64: the train split of .*tiny\.txt has only"),
+        # Enough to train on, but its held-out 2% is shorter than one window.
+        ({"data.path": str(_tiny_file(tmp_path, "short.txt", 1000))},
+         r"the eval split of .*short\.txt has only 2\d tokens.*larger data\.eval_fraction"),
         # More fragments than the tiny model has leaves (H >= P, so the config is valid).
         ({**DECOUPLED, "diloco.sync_every": 99, "diloco.fragments": 99},
          r"diloco\.fragments=99 exceeds the number of leaves"),
@@ -144,9 +148,10 @@ def test_corrupt_inputs_are_named_and_no_workdir_is_created(small_config, tmp_pa
         assert not workdir.exists(), over
 
 
-def _tiny_file(tmp_path):
-    path = tmp_path / "tiny.txt"
-    path.write_text("a corpus far shorter than one window\n")
+def _tiny_file(tmp_path, name="tiny.txt", length=0):
+    path = tmp_path / name
+    text = "a corpus far shorter than one window\n"
+    path.write_text((text * (length // len(text) + 1))[:length] if length else text)
     return path
 
 

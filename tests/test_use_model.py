@@ -58,6 +58,8 @@ def test_load_then_evaluate_gives_the_runs_own_final_eval_loss(runs, name):
     ids = model.tokenizer.encode("def ")
     logits, _ = model.forward([ids])
     assert logits.shape == (1, len(ids), model.config.model.vocab_size)
+    with pytest.raises(ValueError, match=r"rows of one length, got lengths \[1, 4\]"):
+        model.forward([ids, ids[:1]])  # ragged prompts: named, not numpy's error
     loss, _ = evaluate(str(workdir))
     assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-6, abs=1e-6)
 

@@ -52,6 +52,17 @@ def make_iterator(
     shard, shards = shard_index * num_hosts + host_index, num_shards * num_hosts
     rows = batch_size // num_hosts
     if isinstance(data, np.ndarray):
+        if (len(data) - 1) // cfg.seq_len < 1:
+            where = cfg.path or cfg.source or "stdlib"
+            more = "more data"
+            if split == "eval":
+                more = "a larger data.eval_fraction"
+            elif cfg.max_corpus_bytes:
+                more = "data.max_corpus_bytes=0 (all of it)"
+            raise ValueError(
+                f"data.seq_len={cfg.seq_len}: the {split} split of {where} has only "
+                f"{len(data)} tokens, fewer than seq_len + 1; use a shorter seq_len or {more}"
+            )
         stream = PackedWindows(data, cfg.seq_len, shard, shards, seed)
     else:
         stream = record_windows(corpus.tokenizer, data, cfg.seq_len, shard, shards, seed)
