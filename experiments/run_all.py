@@ -1,7 +1,7 @@
 r"""Every ablation of the paper, one after the other, with progress and a summary at the end.
 
-    python experiments/run_all.py --quick     # all 12, 1 seed each: ~39 min on an idle 2-core box
-    python experiments/run_all.py             # full mode, 2 seeds each: ~4.3 h idle
+    python experiments/run_all.py --quick     # all 12, 1 seed each: ~40 min on an idle 2-core box
+    python experiments/run_all.py             # full mode, 2 seeds each: ~4.4 h idle
     python experiments/run_all.py --only=heterogeneous,merge_rule --out=/tmp/dd_results
     python experiments/run_all.py --dry_run   # print the commands only
 
@@ -30,7 +30,7 @@ each script's docstring says what its modes run):
     scavenging                2.5      11
     cross_region              1.5      12
     goodput_failures            5      14
-    all                        39     256 (~4.3 h)
+    all                        40     261 (~4.4 h)
 """
 
 import pathlib
