@@ -22,7 +22,8 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
   decoupled_mom   `decoupled` with Nesterov momentum 0.5 at half its lr (0.375): the same
                   steady-state step per round of work, lr / (1 − μ), as `decoupled`'s
                   (README, "How outer lr and momentum relate to M, K, P and H")
-  streaming_sync_mom  streaming_sync with that (0.5, 0.5) step (the twin of decoupled_mom)
+  streaming_sync_mom  streaming_sync with momentum 0.5 at its own step: (0.5, 0.5), the twin
+                  of decoupled_mom
   decoupled_lr1   `decoupled` with outer lr 1.0, synchronous DiLoCo's step and the shipped one
                   until 2026-11-27 (experiments/README.md, section 0; not a target)
 
