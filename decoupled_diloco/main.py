@@ -67,7 +67,7 @@ def main(argv) -> None:
         print(f"{e}: learners and syncer saved; the same command resumes", file=sys.stderr)
         sys.exit(130)
     except RuntimeError as e:
-        corrupt = _cause(e, CorruptCheckpointError)
+        corrupt = _cause(e, lambda x: isinstance(x, CorruptCheckpointError))
         if corrupt is not None:
             sys.exit(f"error: {corrupt}")
         oom = _out_of_memory(e)
@@ -115,17 +115,15 @@ def join_world(config) -> None:
 
 def _out_of_memory(e: BaseException | None) -> str | None:
     """The first line of an XLA out-of-memory error `e` was raised from, if any."""
-    while e is not None:
-        if "RESOURCE_EXHAUSTED" in str(e):
-            line = next(ln for ln in str(e).splitlines() if "RESOURCE_EXHAUSTED" in ln)
-            return line.strip()[:300]
-        e = e.__cause__
-    return None
+    oom = _cause(e, lambda x: "RESOURCE_EXHAUSTED" in str(x))
+    if oom is None:
+        return None
+    return next(ln for ln in str(oom).splitlines() if "RESOURCE_EXHAUSTED" in ln).strip()[:300]
 
 
-def _cause(e: BaseException | None, kind: type) -> BaseException | None:
-    """`e` or the first exception of type `kind` that it was raised from."""
-    while e is not None and not isinstance(e, kind):
+def _cause(e: BaseException | None, match) -> BaseException | None:
+    """`e` or the first exception it was raised from for which `match` is true."""
+    while e is not None and not match(e):
         e = e.__cause__
     return e
 

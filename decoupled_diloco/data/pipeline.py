@@ -52,18 +52,13 @@ def make_iterator(
     shard, shards = shard_index * num_hosts + host_index, num_shards * num_hosts
     rows = batch_size // num_hosts
     if isinstance(data, np.ndarray):
-        if (len(data) - 1) // cfg.seq_len < 1:
-            where = cfg.path or cfg.source or "stdlib"
-            more = "more data"
-            if split == "eval":
-                more = "a larger data.eval_fraction"
-            elif cfg.max_corpus_bytes:
-                more = "data.max_corpus_bytes=0 (all of it)"
-            raise ValueError(
-                f"data.seq_len={cfg.seq_len}: the {split} split of {where} has only "
-                f"{len(data)} tokens, fewer than seq_len + 1; use a shorter seq_len or {more}"
-            )
-        stream = PackedWindows(data, cfg.seq_len, shard, shards, seed)
+        remedy = "more data"  # (in the error raised if the split holds no window)
+        if split == "eval":
+            remedy = "a larger data.eval_fraction"
+        elif cfg.max_corpus_bytes:
+            remedy = "data.max_corpus_bytes=0 (all of it)"
+        what = f"the {split} split of {cfg.path or cfg.source or 'stdlib'}"
+        stream = PackedWindows(data, cfg.seq_len, shard, shards, seed, what, remedy)
     else:
         stream = record_windows(corpus.tokenizer, data, cfg.seq_len, shard, shards, seed)
     return TokenBatchIterator(stream, rows, split, shard_index, num_shards, host_index, num_hosts)

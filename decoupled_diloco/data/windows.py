@@ -19,13 +19,22 @@ class PackedWindows:
     kind = "packed"
 
     def __init__(
-        self, tokens: np.ndarray, seq_len: int, shard_index: int, num_shards: int, seed: int
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        shard_index: int,
+        num_shards: int,
+        seed: int,
+        what: str = "this split",
+        remedy: str = "more data",
     ):
+        """`what` names the tokens and `remedy` what else to change in the error raised
+        when they hold no window."""
         num_windows = (len(tokens) - 1) // seq_len
         if num_windows < 1:
             raise ValueError(
-                f"data.seq_len={seq_len}: this split has only {len(tokens)} tokens, fewer than "
-                "seq_len + 1; use a shorter seq_len or more data (data.max_corpus_bytes)"
+                f"data.seq_len={seq_len}: {what} has only {len(tokens)} tokens, fewer than "
+                f"seq_len + 1; use a shorter seq_len or {remedy}"
             )
         self._tokens = tokens
         self.seq_len = seq_len
