@@ -112,6 +112,12 @@ def load_config(spec: str):
     return module.get_config(arg) if arg else module.get_config()
 
 
+def shipped_outer_lr() -> float:
+    """configs/tiny_decoupled.py's outer lr (its momentum is 0): the step every decoupled
+    config ships with (`set_decoupled`)."""
+    return load_config("tiny_decoupled").diloco.outer_lr
+
+
 def set_key(c, key: str, value) -> None:
     *path, last = key.split(".")
     node = c

@@ -89,7 +89,7 @@ def arms() -> list[harness.Arm]:
         over["faults.link_latency_s"] = [flags.FLAGS.latency_s] * M
     if flags.FLAGS.speed_noise:
         over["faults.speed_noise"] = flags.FLAGS.speed_noise
-    shipped = arm_config.load_config("tiny_decoupled").diloco.outer_lr
+    shipped = arm_config.shipped_outer_lr()
     for name, label, change in rungs:
         over = over | {k: shipped if v is None else v for k, v in change.items()}  # None: shipped
         out.append(harness.Arm(name, "tiny_decoupled", dict(over), label.format(shipped=shipped)))

@@ -68,11 +68,6 @@ def momentum_half(step: float) -> dict:
     return {"diloco.outer_lr": step * 0.5, "diloco.outer_momentum": 0.5}
 
 
-def shipped_step() -> float:
-    """configs/tiny_decoupled.py's outer lr (its momentum is 0)."""
-    return arm_config.load_config("tiny_decoupled").diloco.outer_lr
-
-
 def arms() -> list[harness.Arm]:
     b = (LADDER_FULL if harness.is_full() else LADDER_QUICK)["train.batch_size"]
     base = {"diloco.learners": M, "devices_per_learner": 2, "train.batch_size": b}
@@ -98,7 +93,7 @@ def arms() -> list[harness.Arm]:
         harness.Arm(
             "decoupled_mom",
             "tiny_decoupled",
-            base | momentum_half(shipped_step()),
+            base | momentum_half(arm_config.shipped_outer_lr()),
             "Decoupled K=1, outer momentum 0.5, the same step",
         ),  # fmt: skip
         harness.Arm(
