@@ -1,6 +1,7 @@
 """Tests of decoupled_diloco.data: tokenizers, sources, hold-out, sharding, determinism, resume."""
 
 import dataclasses
+import hashlib
 import json
 import random
 import string
@@ -20,6 +21,7 @@ from decoupled_diloco.data import (
     vocab_size,
 )
 from decoupled_diloco.data.order import ShardedOrder, permute
+from decoupled_diloco.data.sources import Document, hold_out
 
 NUM_TRAIN_RECORDS = 40
 
@@ -95,6 +97,20 @@ def test_sentencepiece_corpus_too_small_names_vocab_size(tmp_path):
     cfg = DataConfig(tokenizer="sentencepiece", spm_vocab_size=5000, cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="data.spm_vocab_size"):
         build_tokenizer(cfg, lambda: "tiny corpus\n" * 5)
+
+
+def test_sentencepiece_trains_on_a_corpus_of_one_huge_line(tmp_path):
+    """text8-like: no newline at all. sentencepiece drops training lines over 16 KB, so the
+    line is cut into pieces it keeps (it trained on nothing and blamed the vocab size)."""
+    pytest.importorskip("sentencepiece")
+    rng, vocab = random.Random(0), [_words(random.Random(i), 1) for i in range(40)]
+    text = " ".join(rng.choices(vocab, k=20_000))  # ~100k characters of 40 words, one line
+    cfg = DataConfig(tokenizer="sentencepiece", spm_vocab_size=400, cache_dir=str(tmp_path))
+    tok = build_tokenizer(cfg, lambda: text)
+    assert tok.vocab_size == 400
+    sample = text[:2000]
+    assert tok.decode(tok.encode(sample)) == sample
+    assert len(tok.encode(sample)) < len(sample) / 2  # it learned merges from the line
 
 
 def test_sentencepiece_corpus_packs_with_eos(tmp_path, path_cfg):
@@ -202,6 +218,33 @@ def test_eval_holds_out_whole_files(path_cfg):
     for name in eval_names:
         marker = f"<FILE{name[3:5]}>"
         assert marker in eval_text and marker not in train_text
+
+
+def _hash_first(names: list[str]) -> list[str]:
+    """`names` in the order hold_out ranks them."""
+    return sorted(names, key=lambda n: hashlib.sha1(n.encode()).digest())
+
+
+def test_a_big_file_the_hash_picks_is_not_held_out_whole():
+    """A folder of train / valid / test files: holding out one whole file (the count
+    eval_fraction asks for) must not send the big train file to eval."""
+    big, *small = _hash_first(["train.txt", "valid.txt", "test.txt"])
+    docs = [Document(big, "x" * 100_000)] + [Document(n, "y" * 2_000) for n in small]
+    train, eval_ = hold_out(sorted(docs, key=lambda d: d.name), 0.05)
+    assert big in {d.name for d in train} and big not in {d.name for d in eval_}
+    assert sorted(d.name for d in eval_) == sorted(small)  # both fit 5% of the characters
+    assert sum(len(d.text) for d in train) + sum(len(d.text) for d in eval_) == 104_000
+
+
+def test_documents_too_big_to_hold_out_whole_are_split_by_characters():
+    docs = [Document("a.txt", "a" * 50_000), Document("b.txt", "b" * 50_000)]
+    train, eval_ = hold_out(docs, 0.02)  # one whole file would be half the corpus
+    assert [d.text for d in eval_] == ["a" * 1_000, "b" * 1_000]
+    assert [len(d.text) for d in train] == [49_000, 49_000]
+    # Many files of one size keep their whole-file split (a share within the bound).
+    many = [Document(f"d{i}", "z" * 100) for i in range(10)]
+    train, eval_ = hold_out(many, 0.2)
+    assert len(eval_) == 2 and all(len(d.text) == 100 for d in eval_ + train)
 
 
 def test_single_file_is_held_out_by_characters(tmp_path):

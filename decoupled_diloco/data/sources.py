@@ -196,15 +196,50 @@ def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document]
     round(eval_fraction * n) documents (at least 1, at most n - 1) go to eval, picked by a hash
     of their names: stable across seeds and machines, and uncorrelated with the sort order.
     A single document is split by characters instead: its last eval_fraction goes to eval.
+    When whole documents would hold out far more of the text than asked (a few files of
+    very different sizes, e.g. a folder of train / valid / test files whose train file the
+    hash picks), eval takes the documents, in hash order, that fit eval_fraction of the
+    characters, and if none fits, the last eval_fraction of every document.
     """
     if not docs:
         raise ValueError("the corpus has no documents")
     if len(docs) == 1:
-        (doc,) = docs
-        cut = len(doc.text) - max(1, int(len(doc.text) * eval_fraction))
-        return [Document(doc.name, doc.text[:cut])], [Document(doc.name, doc.text[cut:])]
+        return _tails(docs, eval_fraction)
     num_eval = min(max(1, round(eval_fraction * len(docs))), len(docs) - 1)
     by_hash = sorted(docs, key=lambda d: hashlib.sha1(d.name.encode()).digest())
-    eval_names = {d.name for d in by_hash[:num_eval]}
+    held = by_hash[:num_eval]
+    total = sum(len(d.text) for d in docs)
+    share = sum(len(d.text) for d in held) / max(total, 1)
+    if share > max_eval_share(eval_fraction):
+        room, held = eval_fraction * total, []
+        for d in by_hash:
+            if len(d.text) <= room and len(held) < len(docs) - 1:
+                held.append(d)
+                room -= len(d.text)
+        how = f"{len(held)} whole file(s) that fit" if held else "every file's last part"
+        logging.warning(
+            "holding out %d of %d files would put %.0f%% of the corpus's characters in the "
+            "eval split (data.eval_fraction=%g): it holds out %s instead",
+            num_eval, len(docs), 100 * share, eval_fraction, how,
+        )  # fmt: skip
+        if not held:
+            return _tails(docs, eval_fraction)
+    eval_names = {d.name for d in held}
     train = [d for d in docs if d.name not in eval_names]
     return train, [d for d in docs if d.name in eval_names]
+
+
+def max_eval_share(eval_fraction: float) -> float:
+    """The most of a corpus's characters whole held-out files may hold before the split is
+    made by characters instead (a few equal files keep their whole-file split)."""
+    return 2 * eval_fraction + 0.1
+
+
+def _tails(docs: list[Document], eval_fraction: float) -> tuple[list[Document], list[Document]]:
+    """(the first 1 - eval_fraction of every document, its last eval_fraction)."""
+    train, eval_ = [], []
+    for doc in docs:
+        cut = len(doc.text) - max(1, int(len(doc.text) * eval_fraction))
+        train.append(Document(doc.name, doc.text[:cut]))
+        eval_.append(Document(doc.name, doc.text[cut:]))
+    return train, eval_

@@ -17,8 +17,9 @@ from decoupled_diloco.data.config import KNOWN_SPM_PIECES, DataConfig
 
 _SPM_INSTALL = "pip install sentencepiece"
 # Bumped whenever the trainer options below change, so stale cached models are not reused.
-_SPM_RECIPE = "bpe-identity-bytefallback-v1"
-# sentencepiece trains on lines; a longer line would be dropped from training (not from encoding).
+_SPM_RECIPE = "bpe-identity-bytefallback-v2"
+# sentencepiece trains on lines and drops longer ones from training (not from encoding):
+# longer lines are cut into pieces of at most this many bytes (`_training_lines`).
 _SPM_MAX_LINE_BYTES = 1 << 14
 
 
@@ -120,7 +121,7 @@ def train_sentencepiece(text: str, vocab_size: int, cache_dir: epath.Path) -> by
     model_path = cache_dir / "spm" / f"bpe{vocab_size}-{digest[:16]}.model"
     if model_path.exists():
         return model_path.read_bytes()
-    lines = [line for line in text.split("\n") if line]
+    lines = list(_training_lines(text))
     proto = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -151,6 +152,19 @@ def train_sentencepiece(text: str, vocab_size: int, cache_dir: epath.Path) -> by
     model_path.parent.mkdir(parents=True, exist_ok=True)
     paths.write_atomic(model_path, proto.getvalue())  # processes may train it at once
     return proto.getvalue()
+
+
+def _training_lines(text: str):
+    """The corpus's non-empty lines, each longer one cut into pieces sentencepiece keeps (a
+    corpus of one huge line, such as text8, would otherwise train on nothing)."""
+    piece = _SPM_MAX_LINE_BYTES // 4  # characters: at most 4 utf-8 bytes each
+    for line in text.split("\n"):
+        if len(line) <= piece or len(line.encode("utf-8")) <= _SPM_MAX_LINE_BYTES:
+            if line:
+                yield line
+            continue
+        for i in range(0, len(line), piece):
+            yield line[i : i + piece]
 
 
 def load_sentencepiece(model_path: str) -> SentencePieceTokenizer:
