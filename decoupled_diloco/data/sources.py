@@ -7,8 +7,10 @@ into training.
 
 import dataclasses
 import glob
+import gzip
 import hashlib
 import importlib.util
+import json
 import os
 import pathlib
 import posixpath
@@ -153,11 +155,16 @@ def _glob(pattern: str) -> list[str]:
 
 
 def _is_text(path) -> bool:
-    # A NUL byte near the start is the usual sign of a binary file.
+    # A NUL byte near the start is the usual sign of a binary file (a .gz file's contents).
     try:
         with paths.resolve(path).open("rb") as f:
+            if str(path).endswith(".gz"):
+                with gzip.GzipFile(fileobj=f) as g:
+                    return b"\0" not in g.read(_BINARY_SNIFF_BYTES)
             return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
-    except OSError as e:
+    except (OSError, EOFError) as e:  # gzip's errors are OSErrors too: not a text corpus
+        if isinstance(e, gzip.BadGzipFile | EOFError):
+            return False
         raise ValueError(f"data.path: cannot read {path}: {e.strerror or e}") from e
 
 
@@ -173,21 +180,53 @@ def corpus_files(cfg: DataConfig) -> list[tuple[str, pathlib.Path]]:
 
 
 def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) -> list[Document]:
-    """Reads files as utf-8 (bad bytes replaced); with max_bytes > 0 stops after that many
-    bytes, cutting the last document, so a truncated corpus is a prefix of the full one."""
+    """Reads files as utf-8 (bad bytes replaced; `.gz` files decompressed); with
+    max_bytes > 0 stops after that many bytes, cutting the last document, so a truncated
+    corpus is a prefix of the full one. A JSON Lines file (`.jsonl`, `.jsonl.gz`) holds one
+    document per line, its "text" field, named `<file>:<line>`."""
     docs, total = [], 0
     for name, path in files:
         try:
             data = path.read_bytes()
-        except OSError as e:
-            raise ValueError(f"cannot read corpus file {path}: {e.strerror or e}") from e
+            if name.endswith(".gz"):
+                data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise ValueError(f"cannot read corpus file {path}: {e}") from e
         if max_bytes:
             data = data[: max_bytes - total]
-        docs.append(Document(name, data.decode("utf-8", errors="replace")))
+        text = data.decode("utf-8", errors="replace")
+        if name.removesuffix(".gz").endswith(".jsonl"):
+            docs += _json_lines(name, text, cut=bool(max_bytes) and len(data) == max_bytes - total)
+        else:
+            docs.append(Document(name, text))
         total += len(data)
         if max_bytes and total >= max_bytes:
             break
     return docs
+
+
+def _json_lines(name: str, text: str, cut: bool) -> list[Document]:
+    """The documents of a JSON Lines file: each line an object whose "text" is a string
+    (`cut`: the byte cap ended the file, so a partial last line is dropped)."""
+    lines = text.split("\n")
+    if cut:
+        lines = lines[:-1]
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"corpus file {name}, line {i}: not JSON ({e.msg})") from e
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f'corpus file {name}, line {i}: a JSON Lines corpus needs a string "text" '
+                f"field on every line, got {keys}"
+            )
+        out.append(Document(f"{name}:{i}", record["text"]))
+    return out
 
 
 def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document], list[Document]]:
