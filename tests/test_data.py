@@ -358,7 +358,9 @@ class DdTinyDocs(tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")
 
     def _info(self):
-        features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
+        features = tfds.features.FeaturesDict(
+            {"text": tfds.features.Text(), "id": tfds.features.Scalar(np.int64)}
+        )
         return tfds.core.DatasetInfo(builder=self, features=features)
 
     def _split_generators(self, dl_manager):
@@ -369,7 +371,7 @@ class DdTinyDocs(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, ids):
         for i in ids:
-            yield i, {"text": _record_text(i)}
+            yield i, {"text": _record_text(i), "id": i}
 
 
 @pytest.fixture(scope="module")
@@ -444,10 +446,16 @@ def test_tfds_catalog_name_under_mock_data():
     assert batch.shape == (2, 9) and batch.dtype == np.int32
 
 
-def test_tfds_wrong_text_key(tfds_cfg):
-    cfg = dataclasses.replace(tfds_cfg, tfds_text_key="body")
-    with pytest.raises(ValueError, match="data.tfds_text_key"):
-        next(make_iterator(cfg, "train", 1))
+@pytest.mark.parametrize(
+    "key, match",
+    [("body", r"records have features \['id', 'text'\]"), ("id", "holds int values, not text")],
+)
+def test_a_wrong_tfds_text_key_fails_when_the_corpus_opens(tfds_cfg, key, match):
+    """At start-up (preflight opens the corpus), not in a learner's first read; a feature
+    that is not text is refused, not turned into its str()."""
+    cfg = dataclasses.replace(tfds_cfg, tfds_text_key=key)
+    with pytest.raises(ValueError, match=r"data\.tfds_text_key=.*" + match):
+        load_corpus(cfg)
 
 
 # --- bad configuration -------------------------------------------------------------------------

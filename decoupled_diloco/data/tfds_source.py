@@ -48,7 +48,12 @@ class RecordRange:
         text = record[self.text_key]
         if isinstance(text, bytes):
             return text.decode("utf-8", errors="replace")
-        return str(text)
+        if isinstance(text, str):
+            return text
+        raise ValueError(
+            f"data.tfds_text_key={self.text_key!r}: that feature holds "
+            f"{type(text).__name__} values, not text (features: {sorted(record)})"
+        )
 
     def head(self, max_bytes: int) -> "RecordRange":
         """The first records holding about `max_bytes` of utf-8 text (at least one record)."""
@@ -85,12 +90,15 @@ def open_tfds_splits(cfg: DataConfig) -> dict[str, RecordRange]:
         except Exception as e:
             raise ValueError(
                 f"data.tfds_name={cfg.tfds_name!r} (split {split!r}, data_dir "
-                f"{cfg.tfds_data_dir!r}): cannot open a prepared copy with tfds.data_source "
-                f"(runs never download; prepare it first, e.g. `tfds build`): {e}"
+                f"{cfg.tfds_data_dir!r}): cannot open a prepared copy with tfds.data_source, "
+                "which reads array_record files (runs never download; prepare it first: "
+                f"`tfds build {cfg.tfds_name.split(':')[0]} --file_format=array_record`, also "
+                f"for a copy prepared as tfrecord): {e}"
             ) from e
         records = RecordRange(source, 0, len(source), cfg.tfds_text_key)
         if not len(records):
             raise ValueError(f"data.tfds_name={cfg.tfds_name!r}: split {split!r} is empty")
+        records.text(0)  # a wrong data.tfds_text_key fails at start-up, not in a learner
         return records.head(cfg.max_corpus_bytes) if cfg.max_corpus_bytes else records
 
     train = open_split(cfg.tfds_split)
