@@ -313,6 +313,23 @@ def data_config(c: ml_collections.ConfigDict) -> DataConfig:
     return data_cfg
 
 
+def _check_faults_fit_the_run(spec: faults.FaultSpec, d: DilocoConfig) -> None:
+    """Faults that this kind of run cannot live through as configured."""
+    if spec.membership and not d.uses_syncer:
+        raise ValueError(
+            "faults.membership (learners joining and leaving) needs a DiLoCo-family run with "
+            "a syncer (diloco.sync_every > 0): a data-parallel run is one job, and one that "
+            "leaves ends the run"
+        )
+    if d.uses_syncer and spec.syncer_crashes and spec.syncer_restart_delay_s >= d.join_timeout:
+        raise ValueError(
+            f"faults.syncer_restart_delay_s ({spec.syncer_restart_delay_s:g} s) must be below "
+            f"diloco.join_timeout ({d.join_timeout:g} s): a learner that starts, restarts or "
+            "joins during the outage waits at most join_timeout for the syncer, then fails "
+            "the run; raise diloco.join_timeout"
+        )
+
+
 def validate(c: ml_collections.ConfigDict) -> RunConfig:
     """Checks every section and returns the frozen RunConfig; ValueError names the key."""
     import jax
@@ -377,6 +394,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
             "runtime='ray' runs learners against a syncer: set diloco.sync_every > 0 "
             "(data-parallel training without a syncer uses runtime='local')"
         )
+    _check_faults_fit_the_run(fault_spec, diloco_cfg)
     if c.runtime == "ray" and fault_spec.unit == "steps" and fault_spec.membership:
         raise ValueError(
             'faults.membership with faults.unit="steps" needs the local runtime: a Ray '

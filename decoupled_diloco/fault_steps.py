@@ -25,6 +25,7 @@ simulator, which has a step time but no steps, predicts for it.
 """
 
 import dataclasses
+import math
 import threading
 
 
@@ -32,10 +33,12 @@ def _integral(x) -> bool:
     return not isinstance(x, bool) and float(x) == int(x)
 
 
-def validate(spec, max_step: int | None = None) -> None:
+def validate(spec, max_step: int | None = None, num_learners: int | None = None) -> None:
     """Checks a `unit = "steps"` FaultSpec's explicit schedule (raises ValueError naming the
     field): whole steps, crashes at step >= 1 (a learner that has trained) and, given the
-    run's `max_step`, before it (a fault that can never happen is a mistaken schedule)."""
+    run's `max_step`, before it (a fault that can never happen is a mistaken schedule);
+    given `num_learners`, that the membership leaves no step without a member before its
+    last join (the lead step, which makes joins happen, only moves while someone trains)."""
 
     def fail(field: str, msg: str):
         raise ValueError(f'faults.{field} with faults.unit="steps" {msg}')
@@ -47,15 +50,35 @@ def validate(spec, max_step: int | None = None) -> None:
         if max_step is not None and entry[1] >= max_step:
             fail("crashes", f"needs steps {last}: {entry!r} would never happen")
     for entry in spec.membership:
-        if not (_integral(entry[1]) and _integral(entry[2])):
-            fail("membership", f"needs whole steps, got {entry!r}")
+        if not (_integral(entry[1]) and math.isfinite(entry[2]) and _integral(entry[2])):
+            fail("membership", f"needs whole steps (one that stays: a leave past train.steps), "
+                 f"got {entry!r}")  # fmt: skip
         if max_step is not None and entry[1] >= max_step:
             fail("membership", f"needs joins {last}: {entry!r} would never join")
+    if num_learners is not None and spec.membership:
+        _check_someone_trains(spec, num_learners, fail)
     for s in spec.syncer_crashes:
         if not _integral(s) or s < 1:
             fail("syncer_crashes", f"needs whole steps >= 1, got {spec.syncer_crashes}")
         if max_step is not None and s >= max_step:
             fail("syncer_crashes", f"needs steps {last}: {s} would never happen")
+
+
+def _check_someone_trains(spec, num_learners: int, fail) -> None:
+    """Every join must come while some learner is a member: a step no member trains past is
+    never reached."""
+    if len({int(i) for i, _, _ in spec.membership}) < num_learners:
+        return  # a learner without windows is a member throughout
+    covered = merge_windows((a, b) for _, a, b in spec.membership)
+    first = covered[0][0]
+    if first > 0:
+        fail("membership", f"has no learner at step 0 (the first joins at step {first}): "
+             "the run's lead step, which joins wait for, would never move")  # fmt: skip
+    if len(covered) > 1:
+        (_, gap), (after, _) = covered[0], covered[1]
+        fail("membership", f"leaves steps {gap}..{after} without a member: the lead step "
+             f"stops at {gap}, so the join at step {after} would never come (let some "
+             "learner's window reach it)")  # fmt: skip
 
 
 def in_seconds(spec, step_s: float):

@@ -127,6 +127,26 @@ def _check_shapes(spec: FaultSpec) -> None:
         v = getattr(spec, f.name)
         if _is_number(f.default) and not _is_number(v):
             _fail(f.name, f"must be a number, got {v!r}")
+        values = _numbers(v) if f.name != "membership" else [x for e in v for x in e[:2]]
+        bad = [x for x in values if _is_number(x) and not math.isfinite(x)]  # (leave: inf = stays)
+        if bad:  # would reach sleeps and rates as hangs or silent no-ops
+            _fail(f.name, f"must be finite, got {bad[0]}{_FINITE_HINTS.get(f.name, '')}")
+
+
+# What an infinite value may have meant, and how a schedule says it.
+_FINITE_HINTS = {
+    "link_bandwidth_bps": " (0 is unlimited)",
+    "chip_mtbf_hours": " (0: no random crashes)",
+    "restart_delay_s": " (a learner gone for good: end its faults.membership window)",
+    "syncer_restart_delay_s": " (a syncer that never returns stops every merge)",
+}
+
+
+def _numbers(value) -> list:
+    """The numbers in a field's value: a number, a list of them or a list of entries."""
+    if not isinstance(value, tuple | list):
+        return [value]
+    return [x for e in value for x in (e if isinstance(e, tuple | list) else (e,))]
 
 
 def validate_fault_spec(spec: FaultSpec, num_learners: int, max_step: int | None = None) -> None:
@@ -181,7 +201,7 @@ def validate_fault_spec(spec: FaultSpec, num_learners: int, max_step: int | None
     if any(not t >= 0 for t in spec.syncer_crashes):
         _fail("syncer_crashes", f"times must be >= 0, got {spec.syncer_crashes}")
     if steps:
-        fault_steps.validate(spec, max_step)
+        fault_steps.validate(spec, max_step, m)
 
 
 def fault_spec_from_dict(d: Mapping) -> FaultSpec:
@@ -215,6 +235,22 @@ def _inside(intervals: list[tuple[float, float]], t: float) -> bool:
 
 
 HORIZON_S = 7 * 24 * 3600.0  # fault timelines of a run are drawn this far ahead
+MAX_RANDOM_EVENTS = 1_000_000  # expected draws of one random process over a timeline
+
+
+def _check_rates(spec: FaultSpec, m: int, horizon_s: float) -> None:
+    """Refuses random processes that would draw more than MAX_RANDOM_EVENTS events over the
+    timeline (a crash every few milliseconds: memory and start-up time, never a run)."""
+    expected = {"straggler_rate_per_hour": m * spec.straggler_rate_per_hour / 3600 * horizon_s}
+    if spec.chip_mtbf_hours > 0:
+        chips = m * spec.chips_per_learner
+        expected["chip_mtbf_hours"] = chips / (spec.chip_mtbf_hours * 3600) * horizon_s
+    for field, n in expected.items():
+        if n > MAX_RANDOM_EVENTS:
+            _fail(field, f"({getattr(spec, field)}) draws ~{n:.3g} events over the "
+                  f"{horizon_s / 3600:g} h fault timeline of {m} learners (at most "
+                  f"{MAX_RANDOM_EVENTS:.0e}); an event every "
+                  f"{horizon_s / n * 1e3:.3g} ms cannot be a schedule")  # fmt: skip
 
 
 class FaultSchedule:
@@ -236,7 +272,9 @@ class FaultSchedule:
         elif spec.slow_fraction > 0:
             n_slow = round(spec.slow_fraction * m)
             self.speed[m - n_slow :] = spec.slow_factor
-        self._lock = threading.Lock()  # step-scheduled events are added while the run goes
+        _check_rates(spec, m, self.horizon_s)
+        # Step-scheduled events are added while the run goes, from every learner's thread.
+        self._lock = threading.RLock()
         self.steps = fault_steps.StepTriggers(spec, m) if spec.unit == "steps" else None
         windows: dict[int, list] = {}
         for learner, join, leave in spec.membership if self.steps is None else ():
@@ -248,15 +286,13 @@ class FaultSchedule:
 
         events: list[FaultEvent] = []
         self.down = [[] for _ in range(m)]  # per learner: sorted [crash, restart) intervals
+        # A step schedule's late joiners: their random crash times, placed when they join.
+        self._unplaced: dict[int, list[float]] = {}
         for t, learner in self._crash_candidates():
-            down = self.down[learner]
-            if (down and t < down[-1][1]) or not self.is_member(learner, t):
+            if self.steps is not None and not self.member_windows[learner]:
+                self._unplaced.setdefault(learner, []).append(t)
                 continue
-            back = t + spec.restart_delay_s
-            down.append((t, back))
-            events.append(FaultEvent(t, "crash", learner))
-            if back < self.horizon_s and self.is_member(learner, back):
-                events.append(FaultEvent(back, "restart", learner))
+            events += self._crash_events(learner, t)
         self.straggles = self._sample_straggles()
         for learner, episodes in enumerate(self.straggles):
             for a, b in episodes:
@@ -281,6 +317,19 @@ class FaultSchedule:
                     events.append(FaultEvent(leave, "leave", learner))
         self.events = sorted(events, key=_event_key)
         self._keys = [_event_key(e) for e in self.events]
+
+    def _crash_events(self, learner: int, t: float) -> list[FaultEvent]:
+        """A random or timed crash of `learner` at t, in time order after its earlier ones:
+        its down interval and events (none while it is down or not a member)."""
+        down = self.down[learner]
+        if (down and t < down[-1][1]) or not self.is_member(learner, t):
+            return []
+        back = t + self.spec.restart_delay_s
+        down.append((t, back))
+        out = [FaultEvent(t, "crash", learner)]
+        if back < self.horizon_s and self.is_member(learner, back):
+            out.append(FaultEvent(back, "restart", learner))
+        return out
 
     def _crash_candidates(self) -> list[tuple[float, int]]:
         """Explicit crashes plus the Poisson superposition of every chip's failure clock."""
@@ -337,19 +386,25 @@ class FaultSchedule:
         syncer crashes and membership changes scheduled up to it happen at t."""
         if self.steps is None:
             return
-        for kind, learner in self.steps.run_reached(step):
-            if kind == "syncer_crash":
-                if not self.syncer_up(t):
-                    continue
-                back = t + self.spec.syncer_restart_delay_s
-                self.syncer_down.append((t, back))
-                self._add(FaultEvent(back, "syncer_restart", -1))
-            elif kind == "join":
-                self.member_windows[learner].append((t, math.inf))
-            else:
-                join, _ = self.member_windows[learner][-1]
-                self.member_windows[learner][-1] = (join, t)
-            self._add(FaultEvent(t, kind, learner))
+        with self._lock:  # learners report concurrently: one thread applies a batch whole
+            for kind, learner in self.steps.run_reached(step):
+                if kind == "syncer_crash":
+                    if not self.syncer_up(t):
+                        continue
+                    back = t + self.spec.syncer_restart_delay_s
+                    bisect.insort(self.syncer_down, (t, back))
+                    self._add(FaultEvent(back, "syncer_restart", -1))
+                elif kind == "join":
+                    self.member_windows[learner].append((t, math.inf))
+                    # Its chips' failure clocks ran all along; from now on they hit it.
+                    for when in self._unplaced.pop(learner, []):
+                        if when >= t:
+                            for event in self._crash_events(learner, when):
+                                self._add(event)
+                else:
+                    join, _ = self.member_windows[learner][-1]
+                    self.member_windows[learner][-1] = (join, t)
+                self._add(FaultEvent(t, kind, learner))
 
     def never_member_again(self, learner: int, t: float, last_step: int) -> bool:
         """Whether the learner's membership has ended by t for good (a step schedule's joins

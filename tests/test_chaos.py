@@ -321,3 +321,27 @@ def test_scavenged_learner_joins_late_leaves_cleanly_and_the_run_ends(learner_cr
     last = {m: max((r["time"], r["step"]) for r in rows if r["learner"] == m) for m in range(3)}
     assert last[0][1] == last[1][1] == STEPS
     assert last[2][1] == left["step"]
+
+
+def test_a_crash_with_no_restart_delay_hits_its_own_step(warm, tmp_path):
+    """restart_delay_s = 0 leaves an empty outage; the crash still happens after the step
+    the schedule names (it used to land one step later, when the next poll saw it)."""
+    c = tiny_config(learners=1, crashes=[[0, 5]], restart_delay_s=0.0)
+    c.train.steps, c.train.checkpoint_every = 12, 3
+    out = run(c, tmp_path)
+    (down,) = only(out["events"], "learner_down", learner=0)
+    (back,) = only(out["events"], "rejoin", learner=0)
+    assert down["step"] == 5 and back["step"] == 3  # from its checkpoint of step 3
+    assert out["summary"]["steps"] == 12
+
+
+def test_data_parallel_stopped_while_down_ends_with_what_survives(warm, tmp_path):
+    """A step budget or wall-clock cap that stops a data-parallel job during its outage:
+    the model is its last checkpoint's, and with none the initial one (it used to fail on
+    a state that no longer existed)."""
+    c = tiny_config(learners=1, crashes=[[0, 4]], restart_delay_s=300.0)
+    c.train.steps = 40
+    out = run(c, tmp_path, until=lambda rt: rt.loops[0].incarnation > 0)  # once it is down
+    summary = out["summary"]
+    assert summary["steps"] == 0 and summary["tokens"] == 0  # no checkpoint: nothing survives
+    assert np.isfinite(summary["final_eval_loss"]) and summary["failures"] == 1

@@ -75,11 +75,30 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"diloco.outer_lr": float("inf")}, "diloco.outer_lr must be > 0 and finite"),
         ({"devices_per_learner": 9}, "devices_per_learner"),
         ({"devices_per_learner": -1}, "devices_per_learner"),
+        # faults this run could not live through: a data-parallel job that leaves; a
+        # syncer outage that outlasts a (re)joining learner's wait for it
+        ({"faults.membership": [[0, 0.0, 5.0]]}, "needs a DiLoCo-family run with a syncer"),
+        (
+            {
+                "diloco.learners": 2,
+                "diloco.sync_every": 4,
+                "faults.syncer_crashes": [5.0],
+                "faults.syncer_restart_delay_s": 900.0,
+            },
+            r"faults.syncer_restart_delay_s \(900 s\) must be below diloco.join_timeout",
+        ),  # fmt: skip
     ],
 )
 def test_bad_configs_fail_at_start_up_naming_the_key(small_config, overrides, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         config_lib.validate(small_config(**overrides))
+
+
+def test_a_syncer_outage_within_the_join_timeout_is_accepted(small_config):
+    c = small_config(**{"diloco.learners": 2, "diloco.sync_every": 4,
+                        "faults.syncer_crashes": [5.0], "faults.syncer_restart_delay_s": 900.0,
+                        "diloco.join_timeout": 1000.0})  # fmt: skip
+    assert config_lib.validate(c).faults.syncer_restart_delay_s == 900.0
 
 
 def test_a_ray_run_without_ray_says_how_to_install_it(small_config, monkeypatch):

@@ -166,7 +166,7 @@ def test_syncer_crash_and_membership_follow_the_runs_lead_step():
     assert schedule.member_windows[1] == [(10.0, 40.0)]
     assert schedule.member_windows[2] == [(0.0, 15.0)]
     assert schedule.never_member_again(2, 16.0, last_step=100)
-    late = FaultSchedule(FaultSpec(unit="steps", membership=((0, 30, 40),)), 1, 1e6)
+    late = FaultSchedule(FaultSpec(unit="steps", membership=((0, 30, 40),)), 2, 1e6)
     assert not late.never_member_again(0, 5.0, last_step=100)  # its join is still to come
     assert late.never_member_again(0, 5.0, last_step=20)  # beyond the step budget: never
 
@@ -208,6 +208,33 @@ def test_a_step_schedule_past_the_runs_end_is_refused(fields, match):
         validate_fault_spec(FaultSpec(unit="steps", **fields), 2, max_step=60)
     validate_fault_spec(FaultSpec(unit="steps", crashes=((0, 59),), syncer_crashes=(59,),
                                   membership=((1, 59, 80),)), 2, max_step=60)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "membership, match",
+    [
+        (((0, 0, 40), (1, 50, 100)), r"leaves steps 40\.\.50 without a member"),
+        (((0, 5, 40), (1, 10, 100)), "has no learner at step 0"),
+        (((0, 0, 40), (1, 20, float("inf"))), "needs whole steps .*a leave past train.steps"),
+    ],
+)
+def test_a_step_membership_that_would_stall_the_lead_step_is_refused(membership, match):
+    """Joins follow the run's lead step, which only moves while some member trains: a gap
+    hung the run (the join waited for a step nobody would take)."""
+    with pytest.raises(ValueError, match="faults.membership .*" + match):
+        validate_fault_spec(FaultSpec(unit="steps", membership=membership), 2, max_step=60)
+
+
+@pytest.mark.parametrize(
+    "membership",
+    [
+        ((0, 0, 40), (1, 40, 100)),  # the hand-over step: learner 1 joins as 0 leaves
+        ((1, 30, 50),),  # learner 0 has no window: a member throughout
+        ((0, 0, 20), (0, 30, 50), (1, 10, 35)),
+    ],
+)
+def test_a_step_membership_with_a_member_at_every_step_is_accepted(membership):
+    validate_fault_spec(FaultSpec(unit="steps", membership=membership), 2, max_step=60)
 
 
 def test_seconds_schedules_keep_fractional_times():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from decoupled_diloco.faults import (
+    HORIZON_S,
     FaultSchedule,
     FaultSpec,
     fault_spec_from_dict,
@@ -189,11 +190,60 @@ def test_fault_spec_from_dict_round_trip_and_unknown_key():
         ({"restart_delay_s": "1"}, "faults.restart_delay_s must be a number"),
         ({"syncer_restart_delay_s": float("inf")}, "faults.syncer_restart_delay_s must be finite"),
         ({"restart_delay_s": float("nan")}, "faults.restart_delay_s must be finite"),
+        # infinities would hang (rates), kill a link thread (latency) or pass as no-ops
+        ({"link_latency_s": (0.1, float("inf"))}, "faults.link_latency_s must be finite"),
+        ({"link_bandwidth_bps": (float("inf"), 1.0)}, "faults.link_bandwidth_bps must be finite"),
+        ({"straggler_rate_per_hour": float("inf")}, "faults.straggler_rate_per_hour must be"),
+        ({"chip_mtbf_hours": float("inf")}, "faults.chip_mtbf_hours must be finite"),
+        ({"straggler_slowdown": float("inf")}, "faults.straggler_slowdown must be finite"),
+        ({"speed_noise": float("nan")}, "faults.speed_noise must be finite"),
+        ({"crashes": ((0, float("inf")),)}, "faults.crashes must be finite"),
+        ({"membership": ((0, float("nan"), 5.0),)}, "faults.membership must be finite"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         validate_fault_spec(FaultSpec(**kwargs), 2)
+
+
+def test_a_membership_window_may_stay_open():
+    """A learner that joins at 30 s and stays: its window's leave is infinite."""
+    schedule = FaultSchedule(FaultSpec(membership=((1, 30.0, float("inf")),)), 2, 1e6)
+    assert not schedule.is_member(1, 10.0) and schedule.is_member(1, 9e5)
+    assert [e.kind for e in schedule.events] == ["join"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"chip_mtbf_hours": 1e-6, "chips_per_learner": 64}, "faults.chip_mtbf_hours"),
+        ({"straggler_rate_per_hour": 1e9}, "faults.straggler_rate_per_hour"),
+    ],
+)
+def test_rates_that_would_flood_the_timeline_are_refused(kwargs, field):
+    with pytest.raises(ValueError, match=field + r" .*events over the 168 h fault timeline"):
+        FaultSchedule(FaultSpec(**kwargs), 4, HORIZON_S)
+
+
+def test_late_joiners_of_a_step_schedule_take_random_crashes_once_they_join():
+    """Chip failures hit a learner that joins at a step once it is a member, not before;
+    they used to be dropped for good because its join time was unknown when drawn."""
+    spec = FaultSpec(unit="steps", chip_mtbf_hours=0.05, restart_delay_s=1.0,
+                     membership=((1, 10, 1000),))  # fmt: skip
+    schedule = FaultSchedule(spec, 2, 3600.0)
+
+    def crashes(s, m):
+        return [e.time for e in s.events if e.kind == "crash" and e.learner == m]
+
+    assert crashes(schedule, 0) and not crashes(schedule, 1)
+    schedule.run_reached(10, 600.0)  # the run's lead step reaches the join at t = 600 s
+    late = crashes(schedule, 1)
+    assert late and min(late) >= 600.0
+    assert not schedule.is_up(1, late[0]) and schedule.is_up(1, late[0] + 1.0)
+    # The same chips' clocks as a seconds schedule whose window opens at 600 s.
+    window = ((1, 600.0, 1e6),)
+    seconds = FaultSchedule(dataclasses.replace(spec, unit="seconds", membership=window), 2, 3600.0)
+    assert late == crashes(seconds, 1)
 
 
 def test_validation_of_learners_and_horizon():

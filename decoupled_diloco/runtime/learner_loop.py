@@ -137,14 +137,15 @@ class LearnerLoop:
         lag, diverged = run.train.metrics_lag, False
         while self.step < run.train.steps and not stop.is_set():
             t = self.clock()
+            fired = False  # a step-scheduled crash of this step (its outage may be empty)
             if self.emulate_crashes:  # step-scheduled faults land here (Ray: in the driver)
                 self.schedule.run_reached(self.step, t)
-                self.schedule.learner_reached(m, self.step, t)
+                fired = self.schedule.learner_reached(m, self.step, t)
             missed = self.emulate_crashes and any(  # a whole outage inside one slow step
                 e.kind == "crash" and e.learner == m for e in self.schedule.events_between(seen, t)
             )
             seen = t
-            if missed or not self.schedule.is_up(m, t):
+            if fired or missed or not self.schedule.is_up(m, t):
                 diverged = self._read(unread, keep=0)
                 if not self._down(t, diverged):
                     return  # left the membership for good (scavenging)
@@ -239,6 +240,12 @@ class LearnerLoop:
             self.replica.state = self.restored
         else:
             self.replica.init_from_rng(jax.random.key(self.run_cfg.train.seed), self.step)
+
+    def revive_if_down(self) -> None:
+        """A data-parallel run stopped (a wall-clock budget) while its job was down: what
+        survives is its last checkpoint, or the initial state if it saved none."""
+        if self.replica.state is None:
+            self._start_alone()
 
     def _join_syncer(self) -> None:
         """Join -> the syncer shards' snapshots -> parameters Θ, counters at zero (a resumed

@@ -266,6 +266,8 @@ class LocalRuntime:
             loop.close()
         if self.errors:
             raise RuntimeError("a learner or syncer thread failed") from self.errors[0]
+        if not self.interrupted and self.halt_after is None and not self.run_cfg.uses_syncer:
+            self.loops[0].revive_if_down()  # from its checkpoints, while they are open
         for loop in self.loops:
             loop.ckpt.close()
         if self.interrupted:
@@ -363,10 +365,6 @@ class LocalRuntime:
         run = self.run_cfg
         wall = self.now()
         lead = self.loops[0]
-        if not run.uses_syncer and lead.replica.state is None:
-            # Stopped while the job was down: what survives is its last checkpoint.
-            lead.restore(params_too=True)
-            lead.replica.state = lead.restored
         if run.uses_syncer:
             final = self.evaluator(self.global_params())
         else:
