@@ -46,8 +46,12 @@ def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
             rows[parts[1]] = (float(parts[2]), int(parts[5]))
     arms = {"plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase"}
     assert set(rows) == arms, proc.stdout
+    # Rates come from the rows' times, stamped when the host reads a step's metrics: a row
+    # read late at the window's start (a busy host: back-to-back checkpoints) shortens the
+    # measured window by up to a step or two, never the device's time per step.
+    timed = 40 - 8
     for arm, (steps_per_s, merges) in rows.items():
-        assert 0 < steps_per_s <= 1.02 * 1e3 / step_ms, (arm, steps_per_s)
+        assert 0 < steps_per_s <= timed / (timed - 2) * 1e3 / step_ms, (arm, steps_per_s)
         assert (merges > 0) == (arm != "plain"), (arm, merges)
     assert "decoupled / plain = " in proc.stdout
 
