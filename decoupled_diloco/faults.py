@@ -149,9 +149,31 @@ def _numbers(value) -> list:
     return [x for e in value for x in (e if isinstance(e, tuple | list) else (e,))]
 
 
-def validate_fault_spec(spec: FaultSpec, num_learners: int, max_step: int | None = None) -> None:
+HORIZON_S = 7 * 24 * 3600.0  # fault timelines of a run are drawn this far ahead
+MAX_RANDOM_EVENTS = 1_000_000  # expected draws of one random process over a timeline
+
+
+def _check_rates(spec: FaultSpec, m: int, horizon_s: float) -> None:
+    """Refuses random processes that would draw more than MAX_RANDOM_EVENTS events over the
+    timeline (a crash every few milliseconds: memory and start-up time, never a run)."""
+    expected = {"straggler_rate_per_hour": m * spec.straggler_rate_per_hour / 3600 * horizon_s}
+    if spec.chip_mtbf_hours > 0:
+        chips = m * spec.chips_per_learner
+        expected["chip_mtbf_hours"] = chips / (spec.chip_mtbf_hours * 3600) * horizon_s
+    for field, n in expected.items():
+        if n > MAX_RANDOM_EVENTS:
+            _fail(field, f"({getattr(spec, field)}) draws ~{n:.3g} events over the "
+                  f"{horizon_s / 3600:g} h fault timeline of {m} learners (at most "
+                  f"{MAX_RANDOM_EVENTS:.0e}); an event every "
+                  f"{horizon_s / n * 1e3:.3g} ms cannot be a schedule")  # fmt: skip
+
+
+def validate_fault_spec(
+    spec: FaultSpec, num_learners: int, max_step: int | None = None, horizon_s: float = HORIZON_S
+) -> None:
     """Raises ValueError naming the offending `faults.<field>` (or `num_learners`).
-    `max_step`: the run's last step; a step schedule's faults must fall inside it."""
+    `max_step`: the run's last step; a step schedule's faults must fall inside it.
+    `horizon_s`: the timeline the random processes are drawn over (a run's: HORIZON_S)."""
     if num_learners < 1:
         raise ValueError(f"num_learners must be >= 1, got {num_learners}")
     m = num_learners
@@ -202,6 +224,7 @@ def validate_fault_spec(spec: FaultSpec, num_learners: int, max_step: int | None
         _fail("syncer_crashes", f"times must be >= 0, got {spec.syncer_crashes}")
     if steps:
         fault_steps.validate(spec, max_step, m)
+    _check_rates(spec, m, horizon_s)
 
 
 def fault_spec_from_dict(d: Mapping) -> FaultSpec:
@@ -234,25 +257,6 @@ def _inside(intervals: list[tuple[float, float]], t: float) -> bool:
     return i >= 0 and intervals[i][0] <= t < intervals[i][1]
 
 
-HORIZON_S = 7 * 24 * 3600.0  # fault timelines of a run are drawn this far ahead
-MAX_RANDOM_EVENTS = 1_000_000  # expected draws of one random process over a timeline
-
-
-def _check_rates(spec: FaultSpec, m: int, horizon_s: float) -> None:
-    """Refuses random processes that would draw more than MAX_RANDOM_EVENTS events over the
-    timeline (a crash every few milliseconds: memory and start-up time, never a run)."""
-    expected = {"straggler_rate_per_hour": m * spec.straggler_rate_per_hour / 3600 * horizon_s}
-    if spec.chip_mtbf_hours > 0:
-        chips = m * spec.chips_per_learner
-        expected["chip_mtbf_hours"] = chips / (spec.chip_mtbf_hours * 3600) * horizon_s
-    for field, n in expected.items():
-        if n > MAX_RANDOM_EVENTS:
-            _fail(field, f"({getattr(spec, field)}) draws ~{n:.3g} events over the "
-                  f"{horizon_s / 3600:g} h fault timeline of {m} learners (at most "
-                  f"{MAX_RANDOM_EVENTS:.0e}); an event every "
-                  f"{horizon_s / n * 1e3:.3g} ms cannot be a schedule")  # fmt: skip
-
-
 class FaultSchedule:
     """The deterministic fault timeline of `num_learners` learners over [0, horizon_s).
 
@@ -261,9 +265,9 @@ class FaultSchedule:
     """
 
     def __init__(self, spec: FaultSpec, num_learners: int, horizon_s: float):
-        validate_fault_spec(spec, num_learners)
         if not horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
+        validate_fault_spec(spec, num_learners, horizon_s=horizon_s)
         self.spec, self.num_learners, self.horizon_s = spec, num_learners, float(horizon_s)
         m = num_learners
         self.speed = np.ones(m)
@@ -272,7 +276,6 @@ class FaultSchedule:
         elif spec.slow_fraction > 0:
             n_slow = round(spec.slow_fraction * m)
             self.speed[m - n_slow :] = spec.slow_factor
-        _check_rates(spec, m, self.horizon_s)
         # Step-scheduled events are added while the run goes, from every learner's thread.
         self._lock = threading.RLock()
         self.steps = fault_steps.StepTriggers(spec, m) if spec.unit == "steps" else None
