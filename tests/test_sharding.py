@@ -251,8 +251,13 @@ def test_sharded_train_step_matches_single_device(preset, overrides, devices, me
     np.testing.assert_allclose(losses, expected_losses, atol=1e-4)
     assert losses[-1] < losses[0]  # the updates really happened
     got = flat(jax.device_get(final.params))
+    # Adam moves a coordinate by about lr · m/√v: where a gradient is near zero, a sum taken
+    # in another order (sharded matmuls) changes that ratio, so a rare coordinate differs
+    # by a fraction of lr (jax 0.10.2: 1 of 4096 by 1.2e-4 = 0.04 lr); the mean stays tiny.
     for name, want in flat(expected_params).items():
-        np.testing.assert_allclose(got[name], want, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(got[name], want, atol=0.1 * TRAIN_CFG.learning_rate,
+                                   err_msg=name)  # fmt: skip
+        assert np.mean(np.abs(got[name] - want)) < 1e-6, name
 
 
 def test_train_step_does_no_implicit_host_transfer():
