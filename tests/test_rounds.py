@@ -152,6 +152,43 @@ def test_partial_merges_move_theta_by_their_share_of_the_roster():
         np.testing.assert_allclose(moved["merged"][k], v[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_learner_joining_a_running_run_counts_in_the_roster_from_its_first_offer():
+    """Learners 0 and 1 found the run; learner 2 joins after the first merge. Until its
+    first offer its work is not reaching Θ, so learner 0's merges move Θ by half its outer
+    gradient (a third if the joiner counted from its Join); after it, by a third. The same
+    holds across a syncer restore, and a rejoin after the first merge starts uncounted."""
+    plan = make_fragment_plan(SHAPES, 1, "balanced", sync_every=4)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    cfg = DilocoConfig(learners=3, sync_every=4, quorum=1, grace_gamma=0.0, merge="mean",
+                       embedding_merge="mean", weights="uniform", outer_lr=1.0,
+                       outer_momentum=0.0)  # fmt: skip
+    s = Syncer(cfg, plan, params)
+    for m in (0, 1):
+        s.handle(Join(m, 0, 0.0), 0.0)
+
+    def moved(o: Offer, now: float) -> float:  # in units of learner 0's outer gradient
+        before = s.global_params()["block_0/w"].copy()
+        assert merged(s.handle(o, now))
+        return float((before - s.global_params()["block_0/w"]).mean()) / 0.01
+
+    assert moved(offer(0, step=4), 1.0) == pytest.approx(1 / 2)
+    s.handle(Join(2, 0, 2.0), 2.0)
+    assert s.registry.roster(2.5) == [0, 1]
+    assert moved(offer(0, step=8, base=1), 3.0) == pytest.approx(1 / 2)
+    s.handle(offer(2, step=4, base=2), 4.0)  # slot 1: rides along with the next round
+    assert s.registry.roster(4.0) == [0, 1, 2]
+    assert moved(offer(0, step=12, base=2), 5.0) == pytest.approx((1 + 3) / 3)
+    assert moved(offer(0, step=16, base=3), 6.0) == pytest.approx(1 / 3)
+
+    restored = Syncer(cfg, plan, params)  # the roster survives a syncer checkpoint
+    restored.load_state_dict(s.state_dict(), s.meta_dict(), 6.0)
+    assert restored.registry.roster(6.0) == [0, 1, 2]
+    s.handle(Join(2, 1, 7.0), 7.0)  # a restarted learner: counted again from its offer
+    assert s.registry.roster(7.0) == [0, 1]
+    restored.load_state_dict(s.state_dict(), s.meta_dict(), 7.0)
+    assert restored.registry.roster(7.0) == [0, 1]
+
+
 def test_time_spent_evaluating_is_not_allocated_training_time():
     def goodput(idle: float) -> float:
         ledger = Ledger(1)

@@ -39,7 +39,7 @@ class DilocoConfig:
     grace_gamma: float = 0.5  # gamma of the adaptive grace window; 0 disables grace
     max_grace: float = 2.0  # seconds: cap of the grace window
     weights: str = "tokens"  # "tokens" (by tokens per step) | "uniform" (merge.py)
-    # "roster": a merge moves Θ by the share of the live learners' weight it holds, so
+    # "roster": a merge moves Θ by the share of the roster's weight it holds, so
     # every learner's work enters Θ with the same coefficient whichever round carries it;
     # "merged": weights normalised over the offers merged (partial merges move Θ as far as
     # full ones). See diloco/merge.py.

@@ -12,15 +12,16 @@ hold (or be sending, or checkpointing) the arrays it passes in.
 
 How far a merge moves Θ (`weigh`). An offer's outer gradient v_m holds all the learner's
 unmerged work, so its size grows with its step count. With normalize = "roster" (default)
-each offer gets a per-learner coefficient q_m / Q, Q summing q over every live learner,
-merged or not: every step of work then enters Θ with the same coefficient whichever
-merge carries it (a learner's late work rides along with the next round at full value,
-and a merge of one learner in four moves Θ a quarter as far as a full round), and a full
-round is exactly the paper's weighted merge. q_m = (tokens per step)² for "tokens" (the
-paper's w = c_tokens²/c_steps per H-step offer, with its quantity factor c_steps carried by
-v_m itself), 1 for "uniform". normalize = "merged" is the paper's formula taken
-literally: weights c_tokens²/c_steps normalised over the merged offers, so a merge of one
-learner moves Θ as far as a round of all of them and work counts with weight ∝ its size.
+each offer gets a per-learner coefficient q_m / Q, Q summing q over the roster (the live
+learners whose work reaches Θ, `registry.py`), merged or not: every step of work then
+enters Θ with the same coefficient whichever merge carries it (a learner's late work rides
+along with the next round at full value, and a merge of one learner in four moves Θ a
+quarter as far as a full round), and a full round is exactly the paper's weighted merge.
+q_m = (tokens per step)² for "tokens" (the paper's w = c_tokens²/c_steps per H-step offer,
+with its quantity factor c_steps carried by v_m itself), 1 for "uniform". normalize =
+"merged" is the paper's formula taken literally: weights c_tokens²/c_steps normalised over
+the merged offers, so a merge of one learner moves Θ as far as a round of all of them and
+work counts with weight ∝ its size.
 """
 
 from __future__ import annotations

@@ -4,8 +4,14 @@ Liveness comes from messages: a learner silent for longer than `heartbeat_timeou
 is dead until it speaks again; an entry restored from the syncer's checkpoint, which no
 message of its life has confirmed yet, after `confirm_timeout` seconds (a learner that left
 before the restore may never speak again, and its Leave may be lost with the syncer). The
-roster, which merge weights are normalised by (`merge.weigh`), holds the live learners and
-those that finished their step budget.
+roster, which merge weights are normalised by (`merge.weigh`), holds the live learners whose
+work is reaching Θ and those that finished their step budget. A learner's work reaches Θ
+from its first offer of a life: one that joins a running run (a scavenged learner, a
+restarted one) counts from that offer, not from its Join, since between the two it compiles
+and takes its first H steps while the others' merges would be normalised by its absent work
+(Θ moved a half or a quarter as far per round while 8 or 24 learners joined 8 running ones:
+experiments/README.md, section 8). The learners that join before the run's first merge
+count from their Join: they start together, and the first rounds are theirs.
 
 Lives. A learner's new life starts with a Join. A heartbeat of a life the registry never saw
 also counts as that life's join when the registry may have missed its Join (it is restored
@@ -38,6 +44,8 @@ class LearnerInfo:
     finished: bool = False  # left after its step budget: still in the weights' roster
     # False for an entry restored from a checkpoint until a message of that life arrives
     confirmed: bool = True
+    # In the roster: an offer of this life was accepted, or it joined before the first merge
+    counted: bool = True
 
 
 class Registry:
@@ -51,11 +59,12 @@ class Registry:
         return self.learners.get(int(m)) if ok else None
 
     def register(self, m: int, incarnation: int, joined: bool, now: float, step: int = 0,
-                 tokens_per_step: int = 0, finished: bool = False) -> None:  # fmt: skip
+                 tokens_per_step: int = 0, finished: bool = False,
+                 counted: bool = True) -> None:  # fmt: skip
         """Restores an entry (after the syncer itself was restored): unconfirmed."""
         self.learners[m] = LearnerInfo(
             int(incarnation), now, bool(joined), int(step), int(tokens_per_step), bool(finished),
-            confirmed=False,
+            confirmed=False, counted=bool(counted),
         )  # fmt: skip
 
     def touch(self, m: int, now: float) -> LearnerInfo:
@@ -71,9 +80,11 @@ class Registry:
                           f"{MAX_INCARNATION_LEAD} lives ahead of its registered one")  # fmt: skip
         return None
 
-    def join(self, m: int, incarnation: int, step: int, tokens_per_step: int, now: float):
+    def join(self, m: int, incarnation: int, step: int, tokens_per_step: int, now: float,
+             counted: bool = False):  # fmt: skip
         """Admits a (re)joining learner (fields validated: message_checks.py); returns why
-        not (None if admitted)."""
+        not (None if admitted). `counted`: in the roster at once (it joined before the
+        run's first merge), else from its first offer (`offered`)."""
         known = self.learners.get(m)
         if known is not None and incarnation < known.incarnation:
             # A delayed Join of an earlier life must not roll the registry back.
@@ -83,7 +94,7 @@ class Registry:
             return reason
         info = self.touch(m, now)
         info.incarnation, info.joined, info.finished = incarnation, True, False
-        info.confirmed = True
+        info.confirmed, info.counted = True, bool(counted)
         info.step = max(info.step, int(step))
         info.tokens_per_step = int(tokens_per_step) or info.tokens_per_step
         return None
@@ -134,11 +145,17 @@ class Registry:
         """Joined learners silent for longer than the heartbeat (or confirm) timeout."""
         return {m for m, info in self.learners.items() if info.joined and self._silent(info, now)}
 
+    def offered(self, m: int) -> None:
+        """An offer of the learner's current life was accepted: its work reaches Θ."""
+        self.learners[m].counted = True
+
     def roster(self, now: float) -> list[int]:
-        """Learners whose work merge weights are normalised by: the live ones, and those
-        that finished their step budget (their last work was done alongside the others')."""
+        """Learners whose work merge weights are normalised by: the live ones whose work
+        reaches Θ (module docstring), and those that finished their step budget (their
+        last work was done alongside the others')."""
+        live = [m for m in self.live(now) if self.learners[m].counted]
         finished = [m for m, info in self.learners.items() if info.finished]
-        return sorted(set(self.live(now)) | set(finished))
+        return sorted(set(live) | set(finished))
 
     def others_weight(self, merged: set[int], default_tokens: float, mode: str, now: float):
         """q of the roster's learners with no offer in a merge (`merge.learner_weight`)."""

@@ -15,9 +15,10 @@ pending offer, and covers the K-th highest fresh slot: rounds go at the pace of 
 fastest learner. Late offers ride along with the next round, or close a catch-up round
 once every live learner the last round missed has offered.
 
-Each merge's outer gradient is weighted by the share of the live learners it holds
-(`merge.weigh`, normalize = "roster") and the outer momentum advances by the rounds of work
-it carries (`outer.py`), so partial and late merges add up to what synchronous rounds do.
+Each merge's outer gradient is weighted by the share of the roster it holds (the live
+learners whose work reaches Θ: registry.py; `merge.weigh`, normalize = "roster") and the
+outer momentum advances by the rounds of work it carries (`outer.py`), so partial and late
+merges add up to what synchronous rounds do.
 
 A merge sends the new version with the fragment's vector clock (messages.py): whether it
 holds each learner's offer. An offer that will never be merged (rejected, stale, its
@@ -159,8 +160,10 @@ class Syncer:
         return out + self.tick(clock())
 
     def _join(self, msg: Join, now: float) -> list[tuple[int, object]]:
+        # Before the run's first merge every learner is a founding one (registry.py).
+        founding = not any(self.version.values())
         reason = self.registry.join(
-            msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now
+            msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now, founding
         )
         if reason:
             self.refusals.drop_message(msg, reason, now)
@@ -217,6 +220,7 @@ class Syncer:
         self.scale.add(p, size)
         self.registry.touch(offer.learner, now)
         info.step, info.confirmed = max(info.step, offer.step), True
+        self.registry.offered(offer.learner)
         if offer.c_steps:
             info.tokens_per_step = round(offer.c_tokens / offer.c_steps)
         fresh = self.cfg.rounds == "eager" or self.slot(offer) > self.last_slot[p]

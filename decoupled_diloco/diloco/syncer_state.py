@@ -69,7 +69,7 @@ def shared_meta(syncer) -> dict:
     return {
         "plan": syncer.plan.to_json(),
         "learners": {
-            str(m): [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished]
+            str(m): [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished, i.counted]
             for m, i in syncer.learners.items()
         },
         "stats": dict(syncer.stats),
