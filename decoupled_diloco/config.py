@@ -286,6 +286,8 @@ def _check_train(t: TrainConfig) -> None:
         (whole(t.microbatches, 1), "microbatches", "an integer >= 1"),
         (real(t.learning_rate) and t.learning_rate > 0, "learning_rate", "> 0 and finite"),
         (whole(t.warmup_steps, 0), "warmup_steps", "an integer >= 0"),
+        (whole(t.fresh_warmup_steps, -1), "fresh_warmup_steps",
+         "an integer >= -1 (-1: warmup_steps, 0: none)"),
         (real(t.min_lr_ratio) and 0 <= t.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]"),
         (real(t.weight_decay) and t.weight_decay >= 0, "weight_decay", ">= 0"),
         (real(t.b1) and 0 <= t.b1 < 1, "b1", "in [0, 1)"),

@@ -42,8 +42,8 @@ from absl import app, flags  # noqa: E402
 from decoupled_diloco import compile_cache, models, sharding  # noqa: E402
 from decoupled_diloco.train.optimizer import (  # noqa: E402
     TrainConfig,
-    learning_rate_schedule,
     make_inner_optimizer,
+    state_learning_rate,
 )
 from decoupled_diloco.train.step import TrainState, init_train_state, make_train_step  # noqa: E402
 
@@ -119,7 +119,7 @@ def bench_cell(preset: str, n: int, abstract: TrainState, steps: int, warmup: in
     batch_sh = sharding.batch_sharding(mesh)
     step = jax.jit(
         make_train_step(
-            model_cfg, make_inner_optimizer(train_cfg), learning_rate_schedule(train_cfg), mesh
+            model_cfg, make_inner_optimizer(train_cfg), state_learning_rate(train_cfg), mesh
         ),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, sharding.replicated(mesh)),

@@ -65,6 +65,7 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"train.learning_rate": float("nan")}, "train.learning_rate must be > 0 and finite"),
         ({"train.learning_rate": float("inf")}, "train.learning_rate must be > 0 and finite"),
         ({"train.warmup_steps": -3}, "train.warmup_steps"),
+        ({"train.fresh_warmup_steps": -2}, "train.fresh_warmup_steps"),
         ({"train.min_lr_ratio": 5.0}, "train.min_lr_ratio must be in"),
         ({"train.weight_decay": -0.1}, "train.weight_decay"),
         ({"train.b1": 1.5}, "train.b1 must be in"),

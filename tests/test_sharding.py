@@ -24,8 +24,8 @@ from decoupled_diloco.sharding import (
 )
 from decoupled_diloco.train.optimizer import (
     TrainConfig,
-    learning_rate_schedule,
     make_inner_optimizer,
+    state_learning_rate,
 )
 from decoupled_diloco.train.step import TrainState, make_train_step
 
@@ -202,7 +202,7 @@ def sharded_step(cfg, mesh, state):
         opt_state_shardings(state.opt_state, param_sh, state.params, mesh),
     )
     step = jax.jit(
-        make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN_CFG), mesh),
+        make_train_step(cfg, optimizer, state_learning_rate(TRAIN_CFG), mesh),
         in_shardings=(state_sh, batch_sharding(mesh)),
         out_shardings=(state_sh, replicated(mesh)),
     )
@@ -222,7 +222,7 @@ def single_device_losses(preset, **overrides):
     cfg, state = host_state(preset, **overrides)
     device = jax.devices()[0]
     optimizer = make_inner_optimizer(TRAIN_CFG)
-    step = jax.jit(make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN_CFG)))
+    step = jax.jit(make_train_step(cfg, optimizer, state_learning_rate(TRAIN_CFG)))
     batch = jax.device_put(make_batch(cfg), device)
     losses, final = run_steps(step, jax.device_put(state, device), batch)
     return losses, jax.device_get(final.params)

@@ -18,8 +18,8 @@ from decoupled_diloco.config import validate
 from decoupled_diloco.models import decode
 from decoupled_diloco.train.optimizer import (
     TrainConfig,
-    learning_rate_schedule,
     make_inner_optimizer,
+    state_learning_rate,
 )
 from decoupled_diloco.train.replica import Replica
 from decoupled_diloco.train.step import init_train_state, make_train_step
@@ -38,7 +38,7 @@ def batch_of(cfg, batch=8, seq=32, seed=0):
 def one_step(cfg, batch, microbatches=1):
     optimizer = make_inner_optimizer(TRAIN)
     state = init_train_state(cfg, optimizer, jax.random.key(0))
-    step = make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN), None, microbatches)
+    step = make_train_step(cfg, optimizer, state_learning_rate(TRAIN), None, microbatches)
     new, metrics = jax.jit(step)(state, batch)
     return new.params, jax.device_get(metrics)
 
@@ -121,7 +121,7 @@ def test_microbatches_run_as_a_scan():
     optimizer = make_inner_optimizer(TRAIN)
     state = jax.eval_shape(lambda: init_train_state(cfg, optimizer, jax.random.key(0)))
     for n, scans in ((1, 0), (2, 1)):
-        step = make_train_step(cfg, optimizer, learning_rate_schedule(TRAIN), None, n)
+        step = make_train_step(cfg, optimizer, state_learning_rate(TRAIN), None, n)
         jaxpr = jax.make_jaxpr(step)(state, batch_of(cfg))
         found = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
         assert len(found) == scans

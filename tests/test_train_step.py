@@ -13,6 +13,7 @@ from decoupled_diloco.train.optimizer import (
     TrainConfig,
     learning_rate_schedule,
     make_inner_optimizer,
+    state_learning_rate,
 )
 from decoupled_diloco.train.step import TrainState, init_train_state, loss_fn, make_train_step
 
@@ -106,18 +107,24 @@ def test_grad_clipping_caps_what_adam_sees(grad_clip):
     assert adam_first_moment_norm(state) / 0.1 == pytest.approx(0.5 * grad_clip, rel=1e-4)
 
 
-def test_lr_follows_the_step_passed_to_update_not_the_optimizer_state():
-    train_cfg = TrainConfig(steps=1000, warmup_steps=100, learning_rate=1e-2, weight_decay=0.0)
-    schedule = learning_rate_schedule(train_cfg)
-    optimizer = make_inner_optimizer(train_cfg)
+def test_lr_follows_the_step_passed_to_update_and_ramps_a_fresh_state():
+    peak, warmup = 1e-2, 100
     params = {"w": jnp.arange(1.0, 7.0).reshape(2, 3)}
     grads = {"w": jnp.full((2, 3), 0.5)}
-    update = jax.jit(optimizer.update)
-    fresh = optimizer.init(params)
-    for step in (0, 50, 500):
-        # Adam's first (bias-corrected) step is sign(g), so the update is -lr(step) per entry.
-        updates, _ = update(grads, fresh, params, step=step)
-        np.testing.assert_allclose(updates["w"], -float(schedule(step)), rtol=1e-6)
+    for fresh_warmup in (0, -1, 10):
+        train_cfg = TrainConfig(steps=1000, warmup_steps=warmup, learning_rate=peak,
+                                weight_decay=0.0, fresh_warmup_steps=fresh_warmup)  # fmt: skip
+        schedule = learning_rate_schedule(train_cfg)
+        optimizer = make_inner_optimizer(train_cfg)
+        update = jax.jit(optimizer.update)
+        fresh = optimizer.init(params)
+        W = warmup if fresh_warmup < 0 else fresh_warmup
+        for step in (0, 5, 50, 500):
+            # Adam's first (bias-corrected) step is sign(g): the update is -lr per entry, the
+            # schedule at the step, ramped as a state that has taken no update yet.
+            ramp = 1.0 if W == 0 else min(1.0, (1 / W) / min(1.0, (step + 1) / W))
+            updates, _ = update(grads, fresh, params, step=step)
+            np.testing.assert_allclose(updates["w"], -float(schedule(step)) * ramp, rtol=1e-5)
     with pytest.raises(ValueError, match="step=train_state.step"):
         optimizer.update(grads, fresh, params)
 
@@ -130,7 +137,7 @@ def test_train_steps_reduce_loss_on_a_fixed_batch():
     train_cfg = TrainConfig(steps=20, warmup_steps=2, learning_rate=1e-2)
     optimizer = make_inner_optimizer(train_cfg)
     schedule = learning_rate_schedule(train_cfg)
-    step = jax.jit(make_train_step(cfg, optimizer, schedule))
+    step = jax.jit(make_train_step(cfg, optimizer, state_learning_rate(train_cfg)))
     state = init_train_state(cfg, optimizer, jax.random.key(0))
     batch = batch_of(cfg)
     losses = []
@@ -175,29 +182,34 @@ def test_moe_aux_loss_is_added_to_the_training_loss():
         assert float(jnp.abs(router_total - router_ce).max()) > 1e-6
 
 
-def test_fresh_optimizer_state_at_step_500_trains_at_lr_500():
-    """A learner that rejoins at step 500 resets AdamW (optimizer.init) but keeps its step:
-    it must train at lr(500), not restart warmup (optax's internal count would be 0)."""
+def test_a_fresh_optimizer_state_at_step_500_ramps_up_to_lr_500_and_an_old_one_does_not():
+    """A learner that rejoins at step 500 resets AdamW (optimizer.init) but keeps its step: it
+    follows the schedule from lr(500), not from the start of warmup again, ramped over the
+    first `fresh_warmup_steps` updates of its new state. A state as old as the run trains at
+    the schedule exactly."""
     cfg = models.get_model_config("tiny")
-    train_cfg = TrainConfig(
-        steps=1000, warmup_steps=100, learning_rate=1e-2, weight_decay=0.0, grad_clip=0.0
-    )
+    train_cfg = TrainConfig(steps=1000, warmup_steps=100, learning_rate=1e-2, weight_decay=0.0,
+                            grad_clip=0.0, fresh_warmup_steps=4)  # fmt: skip
     optimizer = make_inner_optimizer(train_cfg)
     schedule = learning_rate_schedule(train_cfg)
-    step = jax.jit(make_train_step(cfg, optimizer, schedule))
+    step = jax.jit(make_train_step(cfg, optimizer, state_learning_rate(train_cfg)))
     params = models.init_params(cfg, jax.random.key(0))
     batch = batch_of(cfg)
-    moved = {}
     for at in (0, 500):
         state = TrainState(jnp.asarray(at, jnp.int32), params, optimizer.init(params))
-        new, metrics = step(state, batch)
-        assert int(new.step) == at + 1
-        assert float(metrics["learning_rate"]) == pytest.approx(float(schedule(at)))
-        # First Adam step: each entry moves by lr * |g| / (|g| + eps), i.e. lr for |g| >> eps.
-        moved[at] = max(
-            float(jnp.max(jnp.abs(a - b)))
-            for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params), strict=True)
-        )
+        for i in range(6):
+            new, metrics = step(state, batch)
+            assert int(new.step) == at + i + 1
+            ramp = 1.0 if at == 0 else min(1.0, (i + 1) / 4)
+            assert float(metrics["learning_rate"]) == pytest.approx(
+                float(schedule(at + i)) * ramp, rel=1e-6
+            )
+            if i == 0:  # first Adam step: each entry moves by lr · |g| / (|g| + eps) ≈ lr
+                moved = max(
+                    float(jnp.max(jnp.abs(a - b)))
+                    for a, b in zip(jax.tree.leaves(new.params),
+                                    jax.tree.leaves(state.params), strict=True)
+                )  # fmt: skip
+                assert moved == pytest.approx(float(metrics["learning_rate"]), rel=1e-3)
+            state = new
     assert schedule(0) > 0 and schedule(500) > 5 * schedule(0)
-    assert moved[500] == pytest.approx(float(schedule(500)), rel=1e-3)
-    assert moved[0] == pytest.approx(float(schedule(0)), rel=1e-3)  # float32 rounding of p

@@ -2,14 +2,19 @@
 
 The learning rate is a function of the learner's step (`TrainState.step`), passed to every
 update as `optimizer.update(grads, opt_state, params, step=step)`, not of a counter inside
-the optimizer state. A learner that resets its AdamW state (rejoining after a crash) at step
-500 therefore trains at lr(500), not from the start of warmup again; only Adam's own bias
-correction restarts, which is what a fresh moment estimate needs.
+the optimizer state. A learner that resets its AdamW state (rejoining after a crash, or
+restarting from Θ after a NaN) at step 500 therefore follows the run's schedule from
+lr(500), not from the start of warmup again. A fresh state is warmed up, though: Adam's
+first bias-corrected updates are about sign(g), moving every coordinate by the full lr, so
+an optimizer state that has taken n < W updates trains at lr(step) · min(1, ramp(n) /
+ramp(step)), ramp(t) = min(1, (t + 1) / W), W = `fresh_warmup_steps` (-1: `warmup_steps`).
+For a state as old as the run (n = step) the factor is exactly 1: the plain schedule.
 """
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -26,6 +31,9 @@ class TrainConfig:
     microbatches: int = 1
     learning_rate: float = 3e-3  # peak inner AdamW lr
     warmup_steps: int = 20  # linear warmup steps
+    # Steps over which a fresh AdamW state (a rejoin after a crash, a restart after a NaN)
+    # ramps up to the schedule's lr (module docstring); -1: warmup_steps, 0: none.
+    fresh_warmup_steps: int = -1
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak lr
     weight_decay: float = 0.1  # decoupled AdamW weight decay (matrices only)
     b1: float = 0.9  # Adam beta1
@@ -70,24 +78,57 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([linear_warmup, cosine], boundaries=[warmup])
 
 
-def scale_by_step_schedule(schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
-    """Multiplies updates by -schedule(step); `step` is a keyword argument of `update`."""
+def fresh_warmup(cfg: TrainConfig) -> int:
+    """W of the fresh-state ramp (module docstring)."""
+    return cfg.warmup_steps if cfg.fresh_warmup_steps < 0 else cfg.fresh_warmup_steps
+
+
+def learning_rate(cfg: TrainConfig, step, updates_done):
+    """The lr of an update at `step` by an optimizer state that has taken `updates_done`
+    updates: the schedule, ramped while the state is fresh (module docstring)."""
+    lr = learning_rate_schedule(cfg)(step)
+    warmup = fresh_warmup(cfg)
+    if warmup <= 0:
+        return lr
+
+    def ramp(t):
+        return jnp.minimum(1.0, (jnp.asarray(t, jnp.float32) + 1.0) / warmup)
+
+    return lr * jnp.minimum(1.0, ramp(updates_done) / ramp(step))
+
+
+def state_learning_rate(cfg: TrainConfig):
+    """(step, opt_state) -> the lr an update from that state trains at (what steps log)."""
+    return lambda step, opt_state: learning_rate(cfg, step, updates_done(opt_state))
+
+
+def updates_done(opt_state) -> jax.Array:
+    """Updates the inner optimizer's state has taken (Adam's count; 0 for a fresh state)."""
+    return opt_state[_ADAM].count
+
+
+def scale_by_step_schedule(cfg: TrainConfig) -> optax.GradientTransformationExtraArgs:
+    """Multiplies updates by -learning_rate(cfg, step, updates_done); both are keyword
+    arguments of `update` (`make_inner_optimizer` passes the second)."""
 
     def init_fn(params):
         del params
         return optax.EmptyState()
 
-    def update_fn(updates, state, params=None, *, step=None, **extra_args):
+    def update_fn(updates, state, params=None, *, step=None, updates_done=None, **extra_args):
         del params, extra_args
         if step is None:
             raise ValueError(
                 "the inner optimizer's learning rate follows the learner's step: call "
                 "optimizer.update(grads, opt_state, params, step=train_state.step)"
             )
-        lr = schedule(step)
+        lr = learning_rate(cfg, step, step if updates_done is None else updates_done)
         return jax.tree.map(lambda u: -lr * u, updates), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_ADAM = 1  # scale_by_adam's place in make_inner_optimizer's chain (its state has `count`)
 
 
 def _decay_mask(params):
@@ -102,9 +143,16 @@ def make_inner_optimizer(cfg: TrainConfig) -> optax.GradientTransformationExtraA
     Same math as `optax.adamw` with the schedule of `learning_rate_schedule(cfg)`, except
     that the lr is read at the `step` passed to `update` (see the module docstring).
     """
-    return optax.chain(
+    chain = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
         optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
         optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask),
-        scale_by_step_schedule(learning_rate_schedule(cfg)),
+        scale_by_step_schedule(cfg),
     )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        # The state's age, read before this update: the fresh-state ramp's n.
+        return chain.update(updates, state, params, updates_done=updates_done(state),
+                            **extra_args)  # fmt: skip
+
+    return optax.GradientTransformationExtraArgs(chain.init, update_fn)

@@ -68,7 +68,7 @@ class Replica:
     def __init__(self, model_cfg: models.ModelConfig, train_cfg: optim.TrainConfig, mesh):
         self.model_cfg, self.mesh = model_cfg, mesh
         self.optimizer = optim.make_inner_optimizer(train_cfg)
-        schedule = optim.learning_rate_schedule(train_cfg)
+        learning_rate = optim.state_learning_rate(train_cfg)
         abstract = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
         self.param_shardings = sharding.param_shardings(
             abstract, models.param_logical_axes(model_cfg), mesh
@@ -82,7 +82,7 @@ class Replica:
             sharding.replicated(mesh), self.param_shardings, self.opt_shardings
         )
         self._train_step = jax.jit(
-            make_train_step(model_cfg, self.optimizer, schedule, mesh, train_cfg.microbatches),
+            make_train_step(model_cfg, self.optimizer, learning_rate, mesh, train_cfg.microbatches),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, sharding.replicated(mesh)),
             donate_argnums=0,

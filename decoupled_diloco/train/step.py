@@ -76,7 +76,7 @@ def init_train_state(model_cfg, optimizer: optax.GradientTransformation, rng) ->
 def make_train_step(
     model_cfg,
     optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
+    learning_rate,
     mesh: jax.sharding.Mesh | None = None,
     microbatches: int = 1,
 ):
@@ -86,10 +86,12 @@ def make_train_step(
     B / microbatches rows (`microbatched_value_and_grad`) and the optimizer steps once: one
     inner step, whatever the count; metrics are the means over the microbatches.
 
-    The optimizer's update receives `step=state.step`, so the lr is `schedule(state.step)`
-    (`make_inner_optimizer` reads it there) however old the optimizer state is; "learning_rate"
-    logs that value. With `mesh`, jit the step with shardings on that mesh: the model then
-    also shards its activations by the rules table (MoE expert parallelism needs this).
+    The optimizer's update receives `step=state.step`, so the lr follows the schedule at the
+    learner's step however old the optimizer state is (a fresh state ramps up: optimizer.py);
+    "learning_rate" logs `learning_rate(state.step, state.opt_state)`, the lr of that update
+    (`optimizer.state_learning_rate`). With `mesh`, jit the step with shardings on that mesh:
+    the model then also shards its activations by the rules table (MoE expert parallelism
+    needs this).
     """
     optimizer = optax.with_extra_args_support(optimizer)  # plain optax ignores `step`
 
@@ -108,7 +110,7 @@ def make_train_step(
             "loss": ce,
             "total_loss": total,
             "grad_norm": optax.tree.norm(grads),
-            "learning_rate": schedule(state.step),
+            "learning_rate": learning_rate(state.step, state.opt_state),
         }
         for k, v in aux.items():
             metrics[k] = v
