@@ -158,7 +158,8 @@ class LearnerActor:
         if self.loop is None:
             return
         with self._lock:
-            self._status.update(step=self.loop.step, incarnation=self.loop.incarnation, **extra)
+            self._status.update(step=self.loop.step, incarnation=self.loop.incarnation,
+                                tokens=self.loop.tokens(), **extra)  # fmt: skip
 
     def _main(self) -> None:
         try:
