@@ -187,6 +187,8 @@ def test_a_learner_joining_a_running_run_counts_in_the_roster_from_its_first_off
     assert s.registry.roster(7.0) == [0, 1]
     restored.load_state_dict(s.state_dict(), s.meta_dict(), 7.0)
     assert restored.registry.roster(7.0) == [0, 1]
+    s.handle(Leave(2, 1, 7.5, finished=True), 7.5)  # finished with no work offered
+    assert s.registry.roster(8.0) == [0, 1]
 
 
 def test_time_spent_evaluating_is_not_allocated_training_time():

@@ -150,12 +150,14 @@ class Registry:
         self.learners[m].counted = True
 
     def roster(self, now: float) -> list[int]:
-        """Learners whose work merge weights are normalised by: the live ones whose work
-        reaches Θ (module docstring), and those that finished their step budget (their
-        last work was done alongside the others')."""
-        live = [m for m in self.live(now) if self.learners[m].counted]
-        finished = [m for m, info in self.learners.items() if info.finished]
-        return sorted(set(live) | set(finished))
+        """Learners whose work merge weights are normalised by: those whose work reaches Θ
+        (module docstring) that are live or finished their step budget (their last work was
+        done alongside the others')."""
+        live = set(self.live(now))
+        return sorted(
+            m for m, info in self.learners.items()
+            if info.counted and (info.finished or m in live)
+        )  # fmt: skip
 
     def others_weight(self, merged: set[int], default_tokens: float, mode: str, now: float):
         """q of the roster's learners with no offer in a merge (`merge.learner_weight`)."""

@@ -378,7 +378,7 @@ class Syncer:
                 "epoch": self.epoch,
                 "learners": list(reply.learners),
                 "weights": [float(x) for x in w / w.sum()] if w.sum() > 0 else [0.0] * len(w),
-                "scale": scale,  # share of the live learners' weight in this merge
+                "scale": scale,  # share of the roster's weight in this merge
                 "work": work,  # rounds of work it carries (the momentum clock)
                 "base_versions": [o.base_version for o in kept],
                 "staleness": [version - o.base_version for o in kept],
