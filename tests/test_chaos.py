@@ -20,14 +20,12 @@ import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.runtime.local import LocalRuntime
-from decoupled_diloco.train import optimizer
 from decoupled_diloco.train.optimizer import TrainConfig
 
 STEPS = 80  # every run's step budget
 CRASH_STEP, RESTART_DELAY = 20, 3.0  # learner 0 crashes after its step 20, is back 3 s later
 JOIN_STEP, LEAVE_STEP = 10, 50  # learner 2's membership window, in the run's lead step
 P = 4  # fragments; with H = P one is due every step, so merges come every step
-TOKENS_PER_STEP = 8 * 64  # tiny_config: batch 8 x seq_len 64
 SYNCER_CRASH_STEP, SYNCER_DELAY = 40, 4.0  # after its checkpoints (every second)
 
 
@@ -297,19 +295,6 @@ def test_scavenged_learner_joins_late_leaves_cleanly_and_the_run_ends(learner_cr
     (joined,) = only(events, "member_join", learner=2)
     (left,) = only(events, "learner_leave", learner=2)
     assert joined["time"] < left["time"]
-    # It joins the run where the run is: at the newest step Θ holds (not its own step 0),
-    # at the others' learning rate ramped over its fresh AdamW state's first updates (a
-    # row's step counts the update it logs), and its tokens are the steps it trained.
-    assert 0 < joined["step"] <= JOIN_STEP
-    train = TrainConfig(**tiny_config().train.to_dict())
-    own = sorted((r for r in rows if r["learner"] == 2), key=lambda r: r["step"])
-    for r in own[: train.warmup_steps + 2]:
-        s = r["step"] - 1
-        want = float(optimizer.learning_rate(train, s, s - joined["step"]))
-        assert r["learning_rate"] == pytest.approx(want, rel=1e-5)
-    peer = next(r for r in rows if r["learner"] == 1 and r["step"] == own[0]["step"])
-    assert own[0]["learning_rate"] < peer["learning_rate"]
-    assert own[0]["tokens"] == (own[0]["step"] - joined["step"]) * TOKENS_PER_STEP
     # Its window follows the run's lead step (rows are reported train.metrics_lag late).
     (registered,) = only(events, "join", learner=2)  # the syncer got its Join
     lag = TrainConfig().metrics_lag

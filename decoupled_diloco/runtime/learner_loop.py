@@ -26,13 +26,7 @@ from decoupled_diloco import checkpoint, faults, mfu, profiling
 from decoupled_diloco.data.prefetch import Prefetch
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Snapshot
-from decoupled_diloco.runtime.boundary import (
-    MergeStager,
-    apply_updates,
-    beat,
-    finish,
-    step_boundary,
-)
+from decoupled_diloco.runtime.boundary import MergeStager, apply_updates, finish, step_boundary
 from decoupled_diloco.runtime.outbox import Outbox
 
 _MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
@@ -76,7 +70,6 @@ class LearnerLoop:
         self.abort = abort  # set: the run failed elsewhere; waiting for replies raises
         self.tokens_per_step = run.train.batch_size * run.data.seq_len
         self.step, self.incarnation = 0, 0
-        self.joined_at = 0  # a late member's first step: the run's, not its own 0 (_join_at_lead)
         self.proto: Learner | None = None
         self.outbox = self.stager = None
         if plan is not None:
@@ -227,7 +220,7 @@ class LearnerLoop:
         else:
             self._join_syncer()
         self.restored = None
-        late = self._joins_late()
+        late = self.away == "start" and self.schedule.member_windows[self.m][0][0] > 0
         if self.away == "start" and not late:
             event = "learner_start"
         else:
@@ -271,8 +264,6 @@ class LearnerLoop:
                 (snapshots if isinstance(msg, Snapshot) else early).append(msg)
         params = self.proto.start(snapshots)
         self._cut(snapshots)
-        if self._joins_late() and self.step == 0:
-            self._join_at_lead(snapshots)
         if self.restored is not None:
             self.replica.state = self.restored
             self.replica.set_params(params)
@@ -285,30 +276,6 @@ class LearnerLoop:
         kinds = Learner.update_kinds(cfg, training=True)
         self.replica.precompile(self.plan.names, kinds, cfg.alpha)
         self._apply(self.proto.handle(early))
-
-    def _joins_late(self) -> bool:
-        """Whether this is the first start of a learner whose membership begins mid-run."""
-        windows = self.schedule.member_windows[self.m]
-        return self.away == "start" and bool(windows) and windows[0][0] > 0
-
-    def _join_at_lead(self, snapshots) -> None:
-        """A learner that joins a run in progress (scavenged capacity) starts at the newest
-        step of any learner Θ holds: its learning rate and step budget are then the run's.
-        From its own step 0 it warmed up to the peak lr while the others had decayed
-        (experiments/README.md, section 8) and trained on past their end. It reads its
-        data shard from the start; `tokens()` does not count the steps it skipped."""
-        lead = max(
-            (int(e[1]) for snap in snapshots for clock in snap.merged.values()
-             for e in clock.values()),
-            default=0,
-        )  # fmt: skip
-        if lead > 0:
-            self.step = self.proto.step = self.joined_at = lead
-            beat(self.proto, self.outbox)  # the syncer hears its step before any offer
-
-    def tokens(self) -> int:
-        """Tokens this learner has trained on (a late member's skipped steps excluded)."""
-        return (self.step - self.joined_at) * self.tokens_per_step
 
     def _cut(self, snapshots) -> None:
         """Meets the syncer at one consistent cut. Θ's vector clocks say up to which step of
@@ -462,7 +429,7 @@ class LearnerLoop:
         rec = {
             "learner": self.m,
             "step": step,
-            "tokens": (step - self.joined_at) * self.tokens_per_step,
+            "tokens": step * self.tokens_per_step,
             "loss": float(metrics["loss"]),
             "learning_rate": float(metrics["learning_rate"]),
             "grad_norm": float(metrics["grad_norm"]),

@@ -359,7 +359,7 @@ class LocalRuntime:
         return join_members(out)  # whole leaves from fragment members
 
     def total_tokens(self) -> int:
-        return sum(loop.tokens() for loop in self.loops)
+        return sum(loop.step * loop.tokens_per_step for loop in self.loops)
 
     def _finish(self) -> dict:
         run = self.run_cfg

@@ -158,8 +158,7 @@ class LearnerActor:
         if self.loop is None:
             return
         with self._lock:
-            self._status.update(step=self.loop.step, incarnation=self.loop.incarnation,
-                                tokens=self.loop.tokens(), **extra)  # fmt: skip
+            self._status.update(step=self.loop.step, incarnation=self.loop.incarnation, **extra)
 
     def _main(self) -> None:
         try:

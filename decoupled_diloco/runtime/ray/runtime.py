@@ -329,7 +329,7 @@ class RayRuntime:
 
     def _tokens(self) -> int:
         tokens_per_batch = self.run_cfg.train.batch_size * self.run_cfg.data.seq_len
-        return sum(s.get("tokens", s["step"] * tokens_per_batch) for s in self.status)
+        return sum(s["step"] for s in self.status) * tokens_per_batch
 
     def _finish(self) -> dict:
         run = self.run_cfg
