@@ -86,7 +86,7 @@ def weigh(
 
     w: the offers' weights within the rule (normalised there); scale: Δ = scale ·
     rule(v, w); work: rounds of work the merge carries (the momentum clock, `outer.py`).
-    `others`: q of the live learners with no offer in this merge ("roster" only).
+    `others`: q of the roster's learners with no offer in this merge ("roster" only).
     """
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"diloco.normalize={normalize!r}; expected one of {NORMALIZATIONS}")

@@ -33,8 +33,9 @@ class Leave:
     """A learner stops training: it finished its step budget, or leaves the membership.
 
     Its offers in flight, and the final offers it may still send for the work they did not
-    hold, stay valid. A finished learner stays in the roster that merge weights are
-    normalised by (its work was done alongside the others'); one that leaves early does not.
+    hold, stay valid. A finished learner whose work reached Θ (an offer of its life was
+    accepted) stays in the roster that merge weights are normalised by (its work was done
+    alongside the others'); one that leaves early does not.
     """
 
     learner: int

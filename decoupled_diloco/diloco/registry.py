@@ -4,14 +4,15 @@ Liveness comes from messages: a learner silent for longer than `heartbeat_timeou
 is dead until it speaks again; an entry restored from the syncer's checkpoint, which no
 message of its life has confirmed yet, after `confirm_timeout` seconds (a learner that left
 before the restore may never speak again, and its Leave may be lost with the syncer). The
-roster, which merge weights are normalised by (`merge.weigh`), holds the live learners whose
-work is reaching Θ and those that finished their step budget. A learner's work reaches Θ
-from its first offer of a life: one that joins a running run (a scavenged learner, a
+roster, which merge weights are normalised by (`merge.weigh`), holds the learners whose work
+reaches Θ, live or finished with their step budget. A learner's work reaches Θ from its
+first accepted offer of a life: one that joins a running run (a scavenged learner, a
 restarted one) counts from that offer, not from its Join, since between the two it compiles
 and takes its first H steps while the others' merges would be normalised by its absent work
-(Θ moved a half or a quarter as far per round while 8 or 24 learners joined 8 running ones:
+(Θ moved a half or a quarter as far per round while 4 or 12 learners joined 4 running ones:
 experiments/README.md, section 8). The learners that join before the run's first merge
-count from their Join: they start together, and the first rounds are theirs.
+count from their Join: they start together, and the first rounds are theirs. (With syncer
+shards, each shard's registry decides this by its own fragments' first merge.)
 
 Lives. A learner's new life starts with a Join. A heartbeat of a life the registry never saw
 also counts as that life's join when the registry may have missed its Join (it is restored
@@ -81,10 +82,10 @@ class Registry:
         return None
 
     def join(self, m: int, incarnation: int, step: int, tokens_per_step: int, now: float,
-             counted: bool = False):  # fmt: skip
+             counted: bool):  # fmt: skip
         """Admits a (re)joining learner (fields validated: message_checks.py); returns why
         not (None if admitted). `counted`: in the roster at once (it joined before the
-        run's first merge), else from its first offer (`offered`)."""
+        run's first merge), else from its first accepted offer (the syncer sets it)."""
         known = self.learners.get(m)
         if known is not None and incarnation < known.incarnation:
             # A delayed Join of an earlier life must not roll the registry back.
@@ -144,10 +145,6 @@ class Registry:
     def dead(self, now: float) -> set[int]:
         """Joined learners silent for longer than the heartbeat (or confirm) timeout."""
         return {m for m, info in self.learners.items() if info.joined and self._silent(info, now)}
-
-    def offered(self, m: int) -> None:
-        """An offer of the learner's current life was accepted: its work reaches Θ."""
-        self.learners[m].counted = True
 
     def roster(self, now: float) -> list[int]:
         """Learners whose work merge weights are normalised by: those whose work reaches Θ

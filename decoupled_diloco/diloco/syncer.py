@@ -160,7 +160,8 @@ class Syncer:
         return out + self.tick(clock())
 
     def _join(self, msg: Join, now: float) -> list[tuple[int, object]]:
-        # Before the run's first merge every learner is a founding one (registry.py).
+        # Before the run's first merge every learner is a founding one (registry.py); a
+        # syncer shard knows its own fragments' merges only.
         founding = not any(self.version.values())
         reason = self.registry.join(
             msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now, founding
@@ -220,7 +221,7 @@ class Syncer:
         self.scale.add(p, size)
         self.registry.touch(offer.learner, now)
         info.step, info.confirmed = max(info.step, offer.step), True
-        self.registry.offered(offer.learner)
+        info.counted = True  # its work reaches Θ: in the roster from now (registry.py)
         if offer.c_steps:
             info.tokens_per_step = round(offer.c_tokens / offer.c_steps)
         fresh = self.cfg.rounds == "eager" or self.slot(offer) > self.last_slot[p]

@@ -85,9 +85,9 @@ def fresh_warmup(cfg: TrainConfig) -> int:
     return cfg.warmup_steps if cfg.fresh_warmup_steps < 0 else cfg.fresh_warmup_steps
 
 
-def learning_rate(cfg: TrainConfig, step, updates_done):
-    """The lr of an update at `step` by an optimizer state that has taken `updates_done`
-    updates: the schedule, ramped while the state is fresh (module docstring)."""
+def learning_rate(cfg: TrainConfig, step, count):
+    """The lr of an update at `step` by an optimizer state that has taken `count` updates:
+    the schedule, ramped while the state is fresh (module docstring)."""
     lr = learning_rate_schedule(cfg)(step)
     warmup = fresh_warmup(cfg)
     if warmup <= 0:
@@ -96,12 +96,15 @@ def learning_rate(cfg: TrainConfig, step, updates_done):
     def ramp(t):
         return jnp.minimum(1.0, (jnp.asarray(t, jnp.float32) + 1.0) / warmup)
 
-    return lr * jnp.minimum(1.0, ramp(updates_done) / ramp(step))
+    return lr * jnp.minimum(1.0, ramp(count) / ramp(step))
 
 
 def state_learning_rate(cfg: TrainConfig):
     """(step, opt_state) -> the lr an update from that state trains at (what steps log)."""
     return lambda step, opt_state: learning_rate(cfg, step, updates_done(opt_state))
+
+
+_ADAM = 1  # scale_by_adam's place in make_inner_optimizer's chain (its state has `count`)
 
 
 def updates_done(opt_state) -> jax.Array:
@@ -110,27 +113,24 @@ def updates_done(opt_state) -> jax.Array:
 
 
 def scale_by_step_schedule(cfg: TrainConfig) -> optax.GradientTransformationExtraArgs:
-    """Multiplies updates by -learning_rate(cfg, step, updates_done); both are keyword
-    arguments of `update` (`make_inner_optimizer` passes the second)."""
+    """Multiplies updates by -learning_rate(cfg, step, count); both are keyword arguments of
+    `update` (`make_inner_optimizer` passes `count`; without it the state counts as old)."""
 
     def init_fn(params):
         del params
         return optax.EmptyState()
 
-    def update_fn(updates, state, params=None, *, step=None, updates_done=None, **extra_args):
+    def update_fn(updates, state, params=None, *, step=None, count=None, **extra_args):
         del params, extra_args
         if step is None:
             raise ValueError(
                 "the inner optimizer's learning rate follows the learner's step: call "
                 "optimizer.update(grads, opt_state, params, step=train_state.step)"
             )
-        lr = learning_rate(cfg, step, step if updates_done is None else updates_done)
+        lr = learning_rate(cfg, step, step if count is None else count)
         return jax.tree.map(lambda u: -lr * u, updates), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-_ADAM = 1  # scale_by_adam's place in make_inner_optimizer's chain (its state has `count`)
 
 
 def _decay_mask(params):
@@ -143,18 +143,20 @@ def make_inner_optimizer(cfg: TrainConfig) -> optax.GradientTransformationExtraA
     """AdamW as used by DiLoCo's inner loop (clip → Adam → decoupled weight decay → lr).
 
     Same math as `optax.adamw` with the schedule of `learning_rate_schedule(cfg)`, except
-    that the lr is read at the `step` passed to `update` (see the module docstring).
+    that the lr is read at the `step` passed to `update`, and ramped for a fresh state when
+    `fresh_warmup_steps` != 0 (see the module docstring).
     """
     chain = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
         optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
         optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask),
         scale_by_step_schedule(cfg),
-    )
+    )  # scale_by_adam at _ADAM
+    if fresh_warmup(cfg) <= 0:
+        return chain
 
     def update_fn(updates, state, params=None, **extra_args):
         # The state's age, read before this update: the fresh-state ramp's n.
-        return chain.update(updates, state, params, updates_done=updates_done(state),
-                            **extra_args)  # fmt: skip
+        return chain.update(updates, state, params, count=updates_done(state), **extra_args)
 
     return optax.GradientTransformationExtraArgs(chain.init, update_fn)

@@ -87,11 +87,11 @@ def make_train_step(
     inner step, whatever the count; metrics are the means over the microbatches.
 
     The optimizer's update receives `step=state.step`, so the lr follows the schedule at the
-    learner's step however old the optimizer state is (a fresh state ramps up: optimizer.py);
-    "learning_rate" logs `learning_rate(state.step, state.opt_state)`, the lr of that update
-    (`optimizer.state_learning_rate`). With `mesh`, jit the step with shardings on that mesh:
-    the model then also shards its activations by the rules table (MoE expert parallelism
-    needs this).
+    learner's step however old the optimizer state is (a fresh one may be ramped:
+    `train.fresh_warmup_steps`); "learning_rate" logs `learning_rate(state.step,
+    state.opt_state)`, the lr of that update (`optimizer.state_learning_rate`). With `mesh`,
+    jit the step with shardings on that mesh: the model then also shards its activations by
+    the rules table (MoE expert parallelism needs this).
     """
     optimizer = optax.with_extra_args_support(optimizer)  # plain optax ignores `step`
 
