@@ -19,7 +19,7 @@ from decoupled_diloco import paths, run_files
 from decoupled_diloco.config import RunConfig
 
 # Files of a workdir a re-run reads before it trains (runtime/launch.py, run_files.py).
-WORKDIR_JSON = (run_files.RUN_CONFIG, "summary.json")
+WORKDIR_JSON = (run_files.RUN_CONFIG, run_files.CORPUS, "summary.json")
 # Errors that come from the config or the data and so recur in every restarted process:
 # ValueError (bad values, bad files), ImportError (a missing optional package),
 # FileNotFoundError (a path this host does not have).

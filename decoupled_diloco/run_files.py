@@ -4,6 +4,9 @@ used without the command that trained it (decoupled_diloco/loading.py):
   <workdir>/run_config.json   the validated run config, every section as its dataclass
   <workdir>/tokenizer.model   the sentencepiece model (data.tokenizer = "sentencepiece";
                               byte-level runs need no file)
+  <workdir>/corpus.json       what the corpus held when the run started (per split: documents,
+                              characters, a sha256 of names and texts): a resume must read
+                              the same corpus and tokenize it the same way (`check_corpus`)
 
 Paths may be local or remote (gs://...: etils.epath, through gcsfs where installed). A
 driver that trained a sentencepiece model also shares it with the other hosts of a Ray run
@@ -25,6 +28,7 @@ from decoupled_diloco.train.optimizer import TrainConfig
 
 RUN_CONFIG = "run_config.json"
 TOKENIZER = "tokenizer.model"
+CORPUS = "corpus.json"
 _SECTIONS = {
     "model": models.ModelConfig,
     "data": DataConfig,
@@ -76,6 +80,64 @@ def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> N
     paths.write_atomic(root / RUN_CONFIG, config)  # a resumed run rewrites it
     if isinstance(tokenizer, SentencePieceTokenizer):
         paths.write_atomic(root / TOKENIZER, tokenizer.model_proto)
+
+
+def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
+    """A run resumes on the corpus and with the tokenizer it started with.
+
+    The first attempt records its corpus (`CORPUS`). A resume whose corpus differs (a file
+    added, edited or removed under data.path, another Python's stdlib) is refused unless
+    `force`, which accepts it, records the new corpus and returns ["corpus"] (else []).
+    A resume whose tokenizer is not the workdir's `TOKENIZER` byte for byte (a sentencepiece
+    model trained again on a changed corpus, or by another sentencepiece version) is refused
+    even with `force`: the model's embeddings belong to the old vocabulary, and
+    data.spm_model_path=<workdir>/tokenizer.model keeps it. Loads the corpus (cached, so the
+    run reuses it); writes only the corpus record.
+    """
+    from decoupled_diloco.data import load_corpus
+
+    corpus, root = load_corpus(data), paths.resolve(workdir)
+    saved = root / TOKENIZER
+    if isinstance(corpus.tokenizer, SentencePieceTokenizer) and saved.exists():
+        if corpus.tokenizer.model_proto != saved.read_bytes():
+            raise ValueError(
+                f"{workdir}'s run trained with the sentencepiece model in {saved}, and this "
+                "config's tokenizer is another one (its corpus or sentencepiece changed): the "
+                "model cannot continue on another vocabulary; resume with "
+                f"--config.data.spm_model_path={saved} --force_resume to keep the run's own"
+            )
+    record, now = root / CORPUS, corpus.fingerprint
+    then = json.loads(record.read_text()) if record.exists() else None
+    if then == now:
+        return []
+    if then is not None and not force:
+        where = data.path or data.tfds_name or data.source
+        raise ValueError(
+            f"{workdir}'s run started on another corpus than {where!r} holds now "
+            f"({_corpus_change(then, now)}): resume it on the files it started with, use "
+            "another --workdir, or pass --force_resume to continue on these"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    paths.write_atomic(record, json.dumps(now, indent=1, sort_keys=True))
+    return [] if then is None else ["corpus"]
+
+
+def _corpus_change(then: dict, now: dict) -> str:
+    def size(split: dict) -> str:
+        chars = f", {split['characters']:,} characters" if "characters" in split else ""
+        return f"{split.get('documents', 0):,} documents{chars}"
+
+    parts = []
+    for name in sorted(set(then) | set(now)):
+        a, b = then.get(name, {}), now.get(name, {})
+        if a != b:
+            same = size(a) == size(b)
+            parts.append(
+                f"{name}: {size(b)} as then, other contents"
+                if same
+                else f"{name}: {size(a)} then, {size(b)} now"
+            )
+    return "; ".join(parts)
 
 
 def with_shared_tokenizer(run: RunConfig, directory: str) -> RunConfig:

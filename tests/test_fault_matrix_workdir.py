@@ -3,6 +3,7 @@ checkpoints, two runs on one workdir, resumes with another config, kills that mu
 trace, a Decoupled resume that must not count work twice, a NaN model that must not pass."""
 
 import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import threading
 import pytest
 
 from decoupled_diloco import config as config_lib
+from decoupled_diloco import run_files
 from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.runtime import launch, workdir
 from decoupled_diloco.runtime.local import LocalRuntime
@@ -35,6 +37,7 @@ def _halted(cfg, wd, after):
     launcher runs it: lock held, attempt recorded."""
     run = config_lib.validate(cfg)
     with workdir.lock(str(wd)):
+        run_files.check_corpus(str(wd), run.data, force=False)
         attempt = workdir.Attempt(str(wd), [], forced=False)
         rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after)
         attempt.watch(lambda: {"failures": rt.log.ledger.failures})
@@ -189,6 +192,73 @@ def test_a_resume_refuses_changed_config_unless_forced(small_config, tmp_path):
     assert saved["train"]["seed"] == 3
     attempts = _read(tmp_path / "attempts.jsonl")
     assert attempts[-1]["forced"] and "train.seed" in attempts[-1]["changed"]
+
+
+def _text_corpus(folder, files=6, lines=300):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        words = [f"w{(i * 7 + j * 13) % 97}" for j in range(lines * 8)]
+        text = "\n".join(" ".join(words[k : k + 8]) for k in range(0, len(words), 8))
+        (folder / f"doc{i}.txt").write_text(text + "\n")
+    return folder
+
+
+@pytest.fixture
+def fresh_corpora():
+    """Corpora are cached per process and config: a test that edits its files between two
+    starts must read them again, as a new process would."""
+    from decoupled_diloco.data import corpus
+
+    corpus._CACHE.clear()
+    yield lambda: corpus._CACHE.clear()
+    corpus._CACHE.clear()
+
+
+def test_a_resume_on_a_changed_corpus_is_refused_unless_forced(
+    small_config, tmp_path, fresh_corpora
+):
+    folder = _text_corpus(tmp_path / "corpus")
+    wd = tmp_path / "run"
+    cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4, "data.source": "path",
+                          "data.path": str(folder), "data.eval_fraction": 0.2})  # fmt: skip
+    _halted(cfg, wd, after=6)
+    record = (wd / run_files.CORPUS).read_text()
+    edited = folder / "doc0.txt"
+    edited.write_text(edited.read_text().replace("w1 ", "w2 "))  # same size, other text
+    fresh_corpora()
+    with pytest.raises(ValueError, match=r"another corpus.*other contents.*--force_resume"):
+        launch.run(config_lib.validate(cfg), str(wd), verbose=False)
+    (folder / "extra.txt").write_text("w5 w6\n" * 200)
+    fresh_corpora()
+    with pytest.raises(ValueError, match=r"train: 5 documents.* then, 6 documents.* now"):
+        launch.run(config_lib.validate(cfg), str(wd), verbose=False)
+    assert (wd / run_files.CORPUS).read_text() == record  # a refusal changes nothing
+    summary = launch.run(config_lib.validate(cfg), str(wd), verbose=False, force=True)
+    assert summary["steps"] == 8
+    attempts = _read(wd / "attempts.jsonl")
+    assert attempts[-1]["forced"] and attempts[-1]["changed"] == ["corpus"]
+    assert json.loads((wd / run_files.CORPUS).read_text())["train"]["documents"] == 6
+
+
+def test_a_resume_never_trains_with_another_sentencepiece_model(tmp_path, fresh_corpora):
+    pytest.importorskip("sentencepiece")
+    from decoupled_diloco.data import DataConfig, get_tokenizer
+
+    folder = _text_corpus(tmp_path / "corpus")
+    data = DataConfig(source="path", path=str(folder), tokenizer="sentencepiece",
+                      spm_vocab_size=300, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    wd = str(tmp_path / "run")
+    assert run_files.check_corpus(wd, data, force=False) == []  # the first start records it
+    first = get_tokenizer(data).model_proto
+    (tmp_path / "run" / run_files.TOKENIZER).write_bytes(first)  # as the runtime saves it
+    assert run_files.check_corpus(wd, data, force=False) == []  # the same corpus: resumes
+    (folder / "extra.txt").write_text("zq zq xv xv\n" * 500)  # retrains another model
+    fresh_corpora()
+    with pytest.raises(ValueError, match=r"spm_model_path=.*tokenizer.model --force_resume"):
+        run_files.check_corpus(wd, data, force=True)
+    kept = dataclasses.replace(data, spm_model_path=f"{wd}/{run_files.TOKENIZER}")
+    assert run_files.check_corpus(wd, kept, force=True) == ["corpus"]
+    assert get_tokenizer(kept).model_proto == first
 
 
 def test_summary_adds_up_every_attempt(small_config, tmp_path):

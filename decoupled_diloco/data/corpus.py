@@ -5,6 +5,7 @@ split; TFDS sources stay lazy (record ranges, tokenized as they are read).
 """
 
 import dataclasses
+import hashlib
 import threading
 
 import numpy as np
@@ -25,6 +26,9 @@ class Corpus:
     splits: dict[str, np.ndarray | tfds_source.RecordRange]
     # Per split, names of the documents it holds (in-memory sources only; empty for TFDS).
     document_names: dict[str, tuple[str, ...]]
+    # Per split, what identifies its text (`fingerprint`): a resumed run compares it with the
+    # record its first attempt left (run_files.check_corpus).
+    fingerprint: dict[str, dict]
 
 
 _CACHE: dict[DataConfig, Corpus] = {}
@@ -63,13 +67,28 @@ def pack(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
 
+def fingerprint(docs: list[sources.Document]) -> dict:
+    """What identifies a split of an in-memory source: its documents, their characters and a
+    sha256 of their names and texts in order (any file added, removed, renamed or edited
+    changes it; reading the same files on another machine does not)."""
+    digest, characters = hashlib.sha256(), 0
+    for doc in docs:
+        for part in (doc.name, doc.text):
+            data = part.encode("utf-8", "surrogatepass")  # (JSON texts may hold lone surrogates)
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+        characters += len(doc.text)
+    return {"documents": len(docs), "characters": characters, "sha256": digest.hexdigest()}
+
+
 def _load(cfg: DataConfig) -> Corpus:
     if cfg.source == "tfds":
         splits = tfds_source.open_tfds_splits(cfg)
         tokenizer = build_tokenizer(
             cfg, lambda: tfds_source.training_text(splits["train"], SPM_TRAINING_BYTES)
         )
-        return Corpus(tokenizer, splits, {"train": (), "eval": ()})
+        prints = {split: tfds_source.fingerprint(r) for split, r in splits.items()}
+        return Corpus(tokenizer, splits, {"train": (), "eval": ()}, prints)
     docs = text_splits(cfg)
     tokenizer = build_tokenizer(
         cfg, lambda: _join_for_training((d.text for d in docs["train"]), SPM_TRAINING_BYTES)
@@ -78,6 +97,7 @@ def _load(cfg: DataConfig) -> Corpus:
         tokenizer,
         {split: pack(tokenizer, [d.text for d in ds]) for split, ds in docs.items()},
         {split: tuple(d.name for d in ds) for split, ds in docs.items()},
+        {split: fingerprint(ds) for split, ds in docs.items()},
     )
 
 

@@ -8,6 +8,7 @@ of the train split is an unbiased held-out sample when no eval split is given.
 """
 
 import dataclasses
+import hashlib
 from typing import Any
 
 from decoupled_diloco.data.config import DataConfig
@@ -62,6 +63,17 @@ class RecordRange:
             total += len(self.text(stop - self.start).encode("utf-8"))
             stop += 1
         return dataclasses.replace(self, stop=stop)
+
+
+def fingerprint(records: RecordRange) -> dict:
+    """What identifies a split without reading it: its record range and a sha256 of its first
+    and last documents (a dataset prepared again, shuffled otherwise, changes them)."""
+    digest = hashlib.sha256(f"{records.start}:{records.stop}".encode())
+    for text in records.texts([0, len(records) - 1]):
+        data = text.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return {"documents": len(records), "sha256": digest.hexdigest()}
 
 
 def _read(source, keys: list[int]) -> list:

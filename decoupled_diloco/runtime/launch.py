@@ -3,8 +3,9 @@
 A workdir holds one run (runtime/workdir.py): one process at a time holds its lock; the
 runtime writes its config and tokenizer there when it starts (run_files.py); a re-run with
 the same config resumes it from its checkpoints (keys in `workdir.FREE_TO_CHANGE` may
-differ; others only with `force`), a re-run of a finished run (summary.json written)
-changes nothing, and summary.json adds up wall time and failures over every attempt.
+differ; others, and a changed corpus, only with `force`; a changed tokenizer never,
+`run_files.check_corpus`), a re-run of a finished run (summary.json written) changes
+nothing, and summary.json adds up wall time and failures over every attempt.
 
 A data-parallel run over several hosts (`distributed.*`, one JAX world) runs this on every
 host: process 0 keeps the workdir's records, process i its own under `process_<i>/` (the
@@ -20,7 +21,7 @@ result.
 import json
 import math
 
-from decoupled_diloco import paths, preflight
+from decoupled_diloco import paths, preflight, run_files
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import write_json
 from decoupled_diloco.runtime import workdir as workdir_lib
@@ -43,6 +44,8 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
     with workdir_lib.lock(workdir):
         done = finished.exists()
         changed = workdir_lib.check_resume(workdir, cfg, done, force)
+        if not done:
+            changed += run_files.check_corpus(workdir, cfg.data, force)
         if done:
             if verbose:
                 print(f"{workdir} holds a finished run; its records are left as they were "
