@@ -98,14 +98,14 @@ def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
 
     corpus, root = load_corpus(data), paths.resolve(workdir)
     saved = root / TOKENIZER
-    if isinstance(corpus.tokenizer, SentencePieceTokenizer) and saved.exists():
-        if corpus.tokenizer.model_proto != saved.read_bytes():
-            raise ValueError(
-                f"{workdir}'s run trained with the sentencepiece model in {saved}, and this "
-                "config's tokenizer is another one (its corpus or sentencepiece changed): the "
-                "model cannot continue on another vocabulary; resume with "
-                f"--config.data.spm_model_path={saved} --force_resume to keep the run's own"
-            )
+    spm = isinstance(corpus.tokenizer, SentencePieceTokenizer) and saved.exists()
+    if spm and corpus.tokenizer.model_proto != saved.read_bytes():
+        raise ValueError(
+            f"{workdir}'s run trained with the sentencepiece model in {saved}, and this "
+            "config's tokenizer is another one (its corpus or sentencepiece changed): the "
+            "model cannot continue on another vocabulary; resume with "
+            f"--config.data.spm_model_path={saved} --force_resume to keep the run's own"
+        )
     record, now = root / CORPUS, corpus.fingerprint
     then = json.loads(record.read_text()) if record.exists() else None
     if then == now:
