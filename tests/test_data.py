@@ -4,7 +4,9 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import pathlib
 import random
+import shutil
 import string
 
 import numpy as np
@@ -302,7 +304,16 @@ def test_path_source_folder_and_glob(tmp_path):
         "sub/doc00.txt",
         "sub/doc01.txt",
     }
-    assert len(sources.path_files(str(root / "**" / "doc0*.txt"))) == 5
+    globbed = [n for n, _ in sources.path_files(str(root / "**" / "doc0*.txt"))]
+    assert globbed == ["doc00.txt", "doc01.txt", "doc02.txt", "sub/doc00.txt", "sub/doc01.txt"]
+    # Named below the glob's fixed folder, however its path is typed: the same eval split
+    # wherever the corpus lies.
+    home = pathlib.Path.home()
+    if tmp_path.is_relative_to(home):
+        typed = "~/" + (root / "sub" / "doc*.txt").relative_to(home).as_posix()
+        assert [n for n, _ in sources.path_files(typed)] == ["doc00.txt", "doc01.txt"]
+    moved = shutil.copytree(root, tmp_path / "elsewhere" / "c")
+    assert [n for n, _ in sources.path_files(str(moved / "**" / "doc0*.txt"))] == globbed
     docs = sources.read_documents(sources.path_files(str(root / "latin1.txt")))
     assert docs[0].text == "caf\ufffd ok"  # invalid utf-8 replaced, not fatal
 

@@ -93,7 +93,8 @@ def path_files(path: str) -> list[tuple[str, epath.Path]]:
         return False
 
     if any(c in path for c in "*?["):
-        matches = [(m, paths.resolve(m)) for m in _glob(path)]  # names as the glob gives them
+        root = _glob_root(path)
+        matches = [(m.removeprefix(root), paths.resolve(m)) for m in _glob(path)]
         files = [(m, p) for m, p in matches if p.is_file() and text(p)]
     else:
         root = paths.resolve(path)  # local or remote (gs://...)
@@ -141,6 +142,16 @@ def _files_below(root: epath.Path) -> list[tuple[str, epath.Path]]:
         if not any(part.startswith(".") for part in rel.split("/")):
             out.append((rel, epath.Path(f"{scheme}://{key}")))
     return out
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob's matches share, as `_glob` spells them ("~" expanded): documents
+    are named relative to it, as a folder's are, so their names (and with them the eval
+    split) do not depend on where the corpus lies or how its path was typed."""
+    if not paths.is_remote(pattern):
+        pattern = os.path.expanduser(pattern)
+    wild = min(pattern.index(c) for c in "*?[" if c in pattern)
+    return pattern[: pattern.rfind("/", 0, wild) + 1]
 
 
 def _glob(pattern: str) -> list[str]:
