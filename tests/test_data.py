@@ -318,6 +318,24 @@ def test_path_source_folder_and_glob(tmp_path):
     assert docs[0].text == "caf\ufffd ok"  # invalid utf-8 replaced, not fatal
 
 
+def test_invalid_utf8_is_counted_and_a_character_the_byte_cap_cuts_is_not(tmp_path, monkeypatch):
+    warned = []
+    monkeypatch.setattr(sources.logging, "warning", lambda msg, *a: warned.append(msg % a))
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 ok \xff\xfe, and a real \xef\xbf\xbd")
+    (tmp_path / "b.txt").write_bytes("d\u00e9j\u00e0 vu".encode())
+    files = sources.path_files(str(tmp_path))
+    docs = sources.read_documents(files)
+    assert docs[0].text == "caf\ufffd ok \ufffd\ufffd, and a real \ufffd"
+    assert warned == [
+        "1 corpus file(s) are not valid UTF-8: 3 byte sequence(s) read as U+FFFD, e.g. in "
+        "a.txt (the text is kept, the bad bytes are not)"
+    ]
+    warned.clear()
+    cap = len((tmp_path / "a.txt").read_bytes()) + 2  # cuts b.txt inside its "é"
+    docs = sources.read_documents(files, max_bytes=cap)
+    assert docs[1].text == "d\ufffd" and len(warned) == 1 and "1 corpus file(s)" in warned[0]
+
+
 def test_stdlib_source_is_library_code():
     files = sources.stdlib_files()
     names = [n for n, _ in files]

@@ -5,6 +5,7 @@ order. Documents (files) are the unit of the train / eval hold-out, so no eval t
 into training.
 """
 
+import codecs
 import dataclasses
 import glob
 import gzip
@@ -195,7 +196,7 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
     max_bytes > 0 stops after that many bytes, cutting the last document, so a truncated
     corpus is a prefix of the full one. A JSON Lines file (`.jsonl`, `.jsonl.gz`) holds one
     document per line, its "text" field, named `<file>:<line>`."""
-    docs, total = [], 0
+    docs, total, invalid = [], 0, []
     for name, path in files:
         try:
             data = path.read_bytes()
@@ -205,15 +206,34 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
             raise ValueError(f"cannot read corpus file {path}: {e}") from e
         if max_bytes:
             data = data[: max_bytes - total]
-        text = data.decode("utf-8", errors="replace")
+        cut = bool(max_bytes) and len(data) == max_bytes - total
+        text, bad = _decode(data, cut)
+        if bad:
+            invalid.append((name, bad))
         if name.removesuffix(".gz").endswith(".jsonl"):
-            docs += _json_lines(name, text, cut=bool(max_bytes) and len(data) == max_bytes - total)
+            docs += _json_lines(name, text, cut)
         else:
             docs.append(Document(name, text))
         total += len(data)
         if max_bytes and total >= max_bytes:
             break
+    if invalid:
+        logging.warning(
+            "%d corpus file(s) are not valid UTF-8: %d byte sequence(s) read as U+FFFD, e.g. "
+            "in %s (the text is kept, the bad bytes are not)",
+            len(invalid), sum(n for _, n in invalid), invalid[0][0],
+        )  # fmt: skip
     return docs
+
+
+def _decode(data: bytes, cut: bool) -> tuple[str, int]:
+    """(data as UTF-8 text, how many invalid sequences it held, each read as U+FFFD). With
+    `cut` (the byte cap ended the file) a character the cut split is not counted."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = decoder.decode(data)  # an unfinished character at the end is held back
+    bad = text.count("\ufffd") - data.count("\ufffd".encode())  # (U+FFFDs in the file itself)
+    tail = decoder.decode(b"", final=True)  # "" or the held character as U+FFFD
+    return text + tail, bad + (0 if cut else len(tail))
 
 
 def _json_lines(name: str, text: str, cut: bool) -> list[Document]:
