@@ -211,6 +211,19 @@ def test_shards_read_disjoint_windows_covering_the_split(path_cfg, num_shards):
     assert set().union(*shards) == everything
 
 
+def test_a_byte_corpus_is_held_as_its_utf8_bytes(path_cfg):
+    corpus = load_corpus(path_cfg)
+    train = corpus.splits["train"]
+    assert train.dtype == np.uint8  # a quarter of int32, half of uint16, for the whole run
+    texts = [p.read_bytes() for p in sorted(pathlib.Path(path_cfg.path).glob("*.txt"))]
+    held = {name for name in corpus.document_names["eval"]}
+    names = sorted(p.name for p in pathlib.Path(path_cfg.path).glob("*.txt"))
+    expected = b"".join(t + b"\0" for n, t in zip(names, texts, strict=True) if n not in held)
+    assert train.tobytes() == expected
+    batch = next(make_iterator(path_cfg, "train", 2))
+    assert batch.dtype == np.int32 and batch.max() < 256
+
+
 def test_eval_holds_out_whole_files(path_cfg):
     corpus = load_corpus(dataclasses.replace(path_cfg, eval_fraction=0.2))
     train_names, eval_names = corpus.document_names["train"], corpus.document_names["eval"]

@@ -12,7 +12,7 @@ import numpy as np
 
 from decoupled_diloco.data import sources, tfds_source
 from decoupled_diloco.data.config import DataConfig, validate_data_config
-from decoupled_diloco.data.tokenizer import Tokenizer, build_tokenizer
+from decoupled_diloco.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 # Enough text for a 4k-32k BPE vocabulary; training on more costs time and little quality.
 SPM_TRAINING_BYTES = 16 << 20
@@ -21,8 +21,8 @@ SPM_TRAINING_BYTES = 16 << 20
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     tokenizer: Tokenizer
-    # Per split ("train", "eval"): packed ids [n] (documents each followed by eos; uint16 when
-    # the vocabulary allows, to halve memory) or a lazy TFDS record range.
+    # Per split ("train", "eval"): packed ids [n] (documents each followed by eos; `id_dtype`:
+    # uint8 for bytes, uint16 up to 65536 pieces) or a lazy TFDS record range.
     splits: dict[str, np.ndarray | tfds_source.RecordRange]
     # Per split, names of the documents it holds (in-memory sources only; empty for TFDS).
     document_names: dict[str, tuple[str, ...]]
@@ -57,13 +57,27 @@ def _join_for_training(texts, max_bytes: int) -> str:
     return "\n".join(parts)[:max_bytes]
 
 
+def id_dtype(vocab_size: int) -> type:
+    """The smallest dtype that holds every id: a packed corpus stays in memory for the run."""
+    return np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.int32
+
+
 def pack(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
-    """Token ids of the texts, each followed by eos, concatenated: [n]."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+    """Token ids of the texts, each followed by eos, concatenated: [n] (`id_dtype`)."""
+    dtype = id_dtype(tokenizer.vocab_size)
+    if isinstance(tokenizer, ByteTokenizer):  # the utf-8 bytes are the ids: no int32 copy
+
+        def encode(text: str) -> np.ndarray:
+            return np.frombuffer(text.encode("utf-8"), np.uint8)
+    else:
+
+        def encode(text: str) -> np.ndarray:
+            return tokenizer.encode(text).astype(dtype)
+
     eos = np.array([tokenizer.eos_id], dtype)
     pieces = []
     for text in texts:
-        pieces += [tokenizer.encode(text).astype(dtype), eos]
+        pieces += [encode(text), eos]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
 
