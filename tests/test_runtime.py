@@ -118,7 +118,7 @@ def _decoupled(small_config, **over):
 
 
 def test_k1_merges_keep_flowing_past_a_stalled_learner(small_config, tmp_path):
-    cfg = _decoupled(small_config, **{"faults.speed_factors": [1.0, 1.0, 1.0, 25.0]})
+    cfg = _decoupled(small_config, **{"faults.speed_factors": [1.0, 1.0, 1.0, 8.0]})
     summary = _run(cfg, tmp_path)
     merges = _read(tmp_path / "merges.jsonl")
     leave = {
