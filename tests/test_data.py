@@ -68,7 +68,7 @@ def test_byte_tokenizer_round_trip():
         tok.decode([300])
 
 
-def test_sentencepiece_round_trip_and_cache(tmp_path):
+def test_sentencepiece_round_trip_and_cache(tmp_path, monkeypatch):
     pytest.importorskip("sentencepiece")
     rng = random.Random(0)
     lexicon = _words(rng, 30).split()  # few distinct words: BPE should learn them
@@ -87,6 +87,14 @@ def test_sentencepiece_round_trip_and_cache(tmp_path):
     whole = spm.SentencePieceProcessor(model_file=str(model))
     code = "x = 1\n\n\n  y\n" + corpus[:300] + "\n"
     assert tok.encode(code).tolist() == whole.encode(code)
+    from decoupled_diloco.data import tokenizer as tokenizer_lib
+
+    many_lines = corpus + "\n\n" + code  # encoded a few lines per call: the same ids
+    expected = tok.encode(many_lines).tolist()
+    for per_call in (1, 2, 7):
+        monkeypatch.setattr(tokenizer_lib, "_LINES_PER_CALL", per_call)
+        assert tok.encode(many_lines).tolist() == expected == whole.encode(many_lines)
+    monkeypatch.undo()
     # Cached by content: the same corpus does not retrain, so the callable's text is the key.
     again = build_tokenizer(cfg, lambda: corpus)
     assert again.encode(corpus).tolist() == tok.encode(corpus).tolist()

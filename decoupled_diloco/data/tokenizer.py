@@ -21,6 +21,7 @@ _SPM_RECIPE = "bpe-identity-bytefallback-v2"
 # sentencepiece trains on lines and drops longer ones from training (not from encoding):
 # longer lines are cut into pieces of at most this many bytes (`_training_lines`).
 _SPM_MAX_LINE_BYTES = 1 << 14
+_LINES_PER_CALL = 4096  # lines one encode call takes (`SentencePieceTokenizer.encode`)
 
 
 class Tokenizer(Protocol):
@@ -73,12 +74,17 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> np.ndarray:
         if self._newline_id is None:
             return np.asarray(self._sp.encode(text), dtype=np.int32)
-        ids = []
-        for i, line_ids in enumerate(self._sp.encode(text.split("\n"))):
-            if i:
-                ids.append(self._newline_id)
-            ids += line_ids
-        return np.asarray(ids, dtype=np.int32)
+        # sentencepiece answers with Python lists (~36 bytes per id): a few thousand lines
+        # at a time, so a huge document does not hold all of its ids as a list at once.
+        lines, chunks = text.split("\n"), []
+        for start in range(0, len(lines), _LINES_PER_CALL):
+            ids = []
+            for i, line_ids in enumerate(self._sp.encode(lines[start : start + _LINES_PER_CALL])):
+                if i or start:
+                    ids.append(self._newline_id)
+                ids += line_ids
+            chunks.append(np.asarray(ids, dtype=np.int32))
+        return np.concatenate(chunks)
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
