@@ -23,6 +23,7 @@ from decoupled_diloco.data import (
     validate_data_config,
     vocab_size,
 )
+from decoupled_diloco.data import iterator as data_iterator
 from decoupled_diloco.data.order import ShardedOrder, permute
 from decoupled_diloco.data.sources import Document, hold_out
 
@@ -192,6 +193,39 @@ def test_resume_mid_epoch_gives_identical_batches(path_cfg, split):
     resumed = make_iterator(path_cfg, split, 3, shard_index=1, num_shards=2)
     resumed.set_state(state)
     assert all((e == next(resumed)).all() for e in expected)
+
+
+def test_a_state_of_a_changed_stream_continues_at_the_same_share_of_its_epoch(
+    path_cfg, tmp_path, monkeypatch
+):
+    """What a forced resume on a changed corpus or cut gets (run_files.check_corpus): the
+    saved position is moved, with a warning, never refused or taken as it is."""
+    warned = []
+    monkeypatch.setattr(data_iterator.logging, "warning", lambda m, *a: warned.append(m % a))
+    it = make_iterator(path_cfg, "train", 3)
+    for _ in range(4):
+        next(it)
+    state = it.get_state()
+    assert (state["epoch"], state["position"]) == (0, 12) and warned == []
+    size = state["size"]
+    smaller = dataclasses.replace(path_cfg, path=str(_write_corpus(tmp_path / "s", 3, 60)))
+    again = make_iterator(smaller, "train", 3)
+    again.set_state(state)
+    moved = again.get_state()
+    assert moved["position"] == 12 * moved["size"] // size < 12 and moved["epoch"] == 0
+    assert "changed since its checkpoint (its corpus)" in warned[-1]
+    next(again)  # and reads on from there
+    longer = make_iterator(dataclasses.replace(path_cfg, seq_len=32), "train", 3)
+    longer.set_state(state)
+    assert "(seq_len)" in warned[-1] and longer.get_state()["position"] == 12 * (size // 2) // size
+    old = {k: v for k, v in state.items() if k != "size"}  # a state of an older run
+    old["position"] = size + 5  # past this stream's end
+    fresh = make_iterator(path_cfg, "train", 3)
+    fresh.set_state(old)
+    assert (fresh.get_state()["epoch"], fresh.get_state()["position"]) == (1, 0)
+    count = len(warned)
+    fresh.set_state(state)  # its own state: taken as it is, silently
+    assert fresh.get_state() == state and len(warned) == count
 
 
 def test_state_of_another_shard_is_rejected(path_cfg):

@@ -14,6 +14,7 @@ import pytest
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import run_files
 from decoupled_diloco.checkpoint import CorruptCheckpointError
+from decoupled_diloco.data import iterator
 from decoupled_diloco.runtime import launch, workdir
 from decoupled_diloco.runtime.local import LocalRuntime
 
@@ -215,7 +216,7 @@ def fresh_corpora():
 
 
 def test_a_resume_on_a_changed_corpus_is_refused_unless_forced(
-    small_config, tmp_path, fresh_corpora
+    small_config, tmp_path, fresh_corpora, monkeypatch
 ):
     folder = _text_corpus(tmp_path / "corpus")
     wd = tmp_path / "run"
@@ -233,11 +234,19 @@ def test_a_resume_on_a_changed_corpus_is_refused_unless_forced(
     with pytest.raises(ValueError, match=r"train: 5 documents.* then, 6 documents.* now"):
         launch.run(config_lib.validate(cfg), str(wd), verbose=False)
     assert (wd / run_files.CORPUS).read_text() == record  # a refusal changes nothing
+    # Forced onto a corpus too small for the saved data position: the learner continues at
+    # the same share of its epoch, with a warning, instead of failing at every attempt.
+    shutil.rmtree(folder)
+    _text_corpus(folder, files=3, lines=40)
+    fresh_corpora()
+    warned = []
+    monkeypatch.setattr(iterator.logging, "warning", lambda msg, *a: warned.append(msg % a))
     summary = launch.run(config_lib.validate(cfg), str(wd), verbose=False, force=True)
     assert summary["steps"] == 8
+    assert any("train stream of shard 0 changed since its checkpoint" in w for w in warned)
     attempts = _read(wd / "attempts.jsonl")
     assert attempts[-1]["forced"] and attempts[-1]["changed"] == ["corpus"]
-    assert json.loads((wd / run_files.CORPUS).read_text())["train"]["documents"] == 6
+    assert json.loads((wd / run_files.CORPUS).read_text())["train"]["documents"] == 2
 
 
 def test_a_resume_never_trains_with_another_sentencepiece_model(tmp_path, fresh_corpora):

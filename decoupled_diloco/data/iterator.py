@@ -3,6 +3,7 @@
 from typing import Protocol
 
 import numpy as np
+from absl import logging
 
 
 class WindowStream(Protocol):
@@ -11,9 +12,9 @@ class WindowStream(Protocol):
 
     def take(self, count: int) -> np.ndarray: ...  # int32 [count, seq_len + 1]
 
-    def get_state(self) -> dict: ...
+    def get_state(self) -> dict: ...  # "epoch", "position", "size" (items per epoch), ...
 
-    def set_state(self, state: dict) -> None: ...
+    def set_state(self, state: dict) -> bool: ...  # True: moved to fit a changed stream
 
 
 class TokenBatchIterator:
@@ -61,10 +62,32 @@ class TokenBatchIterator:
         return {**self._identity, **self._stream.get_state()}
 
     def set_state(self, state: dict) -> None:
-        for key, expected in self._identity.items():
-            if state.get(key) != expected:
+        """Resumes at `state`. A state of another stream (kind, split, shard, host) is refused.
+        One of this stream as it was before a forced resume changed its corpus or cut
+        (seq_len, learners, hosts; runtime/workdir.py, run_files.check_corpus) continues at
+        the same share of its epoch, with a warning: positions of another cut cannot be
+        exact."""
+        for key in _OWN:
+            if key in self._identity and state.get(key) != self._identity[key]:
                 raise ValueError(
                     f"data iterator state has {key}={state.get(key)!r}, this iterator has "
-                    f"{key}={expected!r}: it belongs to another stream"
+                    f"{key}={self._identity[key]!r}: it belongs to another stream"
                 )
-        self._stream.set_state(state)
+        cut = [k for k in _CUT if state.get(k, _ONE.get(k)) != self._identity.get(k, _ONE.get(k))]
+        moved = self._stream.set_state(state)
+        if cut or moved:
+            new = self._stream.get_state()
+            logging.warning(
+                "data: the %s stream of shard %d changed since its checkpoint (%s): "
+                "continuing at epoch %d, %d of %d items (was %s of %s)",
+                self._identity["split"], self._identity["shard_index"],
+                ", ".join(cut) or "its corpus", new["epoch"], new["position"], new["size"],
+                state.get("position"), state.get("size", "?"),
+            )  # fmt: skip
+
+
+# State keys that name whose stream it is (never adapted) and how the stream was cut (a
+# forced resume may change them; absent host keys mean one host).
+_OWN = ("kind", "split", "shard_index", "host_index")
+_CUT = ("seq_len", "num_shards", "num_hosts")
+_ONE = {"host_index": 0, "num_hosts": 1}

@@ -48,13 +48,11 @@ class PackedWindows:
         return self._tokens[index_NT].astype(np.int32)
 
     def get_state(self) -> dict:
-        return {"epoch": self._epoch, "position": self._position}
+        return {"epoch": self._epoch, "position": self._position, "size": self.order.size}
 
-    def set_state(self, state: dict) -> None:
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < self.order.size:
-            raise ValueError(f"data state {state}: position outside [0, {self.order.size})")
-        self._epoch, self._position = epoch, position
+    def set_state(self, state: dict) -> bool:
+        self._epoch, self._position, moved = resume_at(state, self.order.size)
+        return moved
 
 
 class RecordWindows:
@@ -134,16 +132,33 @@ class RecordWindows:
         return stream[index_NT].astype(np.int32)
 
     def get_state(self) -> dict:
-        return {"epoch": self._epoch, "position": self._position, "offset": self._offset}
+        return {"epoch": self._epoch, "position": self._position, "offset": self._offset,
+                "size": self.order.size}  # fmt: skip
 
-    def set_state(self, state: dict) -> None:
-        epoch, position = int(state["epoch"]), int(state["position"])
-        offset = int(state["offset"])
-        if epoch < 0 or not 0 <= position < self.order.size or offset < 0:
-            raise ValueError(f"data state {state}: position outside [0, {self.order.size})")
+    def set_state(self, state: dict) -> bool:
+        epoch, position, moved = resume_at(state, self.order.size)
+        offset = 0 if moved else int(state["offset"])
+        if offset < 0:
+            raise ValueError(f"data state {state}: negative offset")
         (doc,) = self.order.items(epoch, np.array([position]))
         (tokens,) = self._read_documents(np.array([doc]))
-        if offset >= len(tokens):
-            raise ValueError(f"data state {state}: offset past the end of its document")
+        if offset >= len(tokens):  # its document is another one now (a forced resume)
+            offset, moved = 0, True
         self._epoch, self._position, self._offset = epoch, position, offset
         self._ahead = [((epoch, position), tokens)]
+        return moved
+
+
+def resume_at(state: dict, size: int) -> tuple[int, int, bool]:
+    """(epoch, position, moved) to resume `state` at in a stream of `size` items per epoch.
+    A state saved on a stream of another size (its corpus or cut changed: only a forced
+    resume gets here) moves to the same share of its epoch."""
+    epoch, position = int(state["epoch"]), int(state["position"])
+    if epoch < 0 or position < 0:
+        raise ValueError(f"data state {state}: negative epoch or position")
+    saved = int(state.get("size", size))  # (states of older runs did not say)
+    if saved == size and position < size:
+        return epoch, position, False
+    if position < saved:
+        return epoch, min(position * size // max(saved, 1), size - 1), True
+    return epoch + 1, 0, True  # an older state past this stream's end: the next epoch
