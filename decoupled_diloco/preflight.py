@@ -82,6 +82,8 @@ def check_workdir_files(workdir: str) -> None:
                 "use another --workdir"
             ) from e
         why = None if isinstance(value, dict) else f"a JSON {type(value).__name__}"
+        if why is None and name == run_files.CORPUS:
+            why = run_files.corpus_record_problem(value)
         if why is None and name == run_files.RUN_CONFIG:
             try:
                 run_files.config_from_json(value)

@@ -108,6 +108,11 @@ def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
         )
     record, now = root / CORPUS, corpus.fingerprint
     then = json.loads(record.read_text()) if record.exists() else None
+    if then is not None and corpus_record_problem(then):
+        raise ValueError(
+            f"{record} holds {corpus_record_problem(then)}: repair or remove it (a run "
+            "without it records its corpus anew), or use another --workdir"
+        )
     if then == now:
         return []
     if then is not None and not force:
@@ -120,6 +125,19 @@ def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
     root.mkdir(parents=True, exist_ok=True)
     paths.write_atomic(record, json.dumps(now, indent=1, sort_keys=True))
     return [] if then is None else ["corpus"]
+
+
+def corpus_record_problem(record) -> str | None:
+    """What is wrong with a `CORPUS` file's contents (None: a corpus record)."""
+    if not isinstance(record, dict) or not record:
+        return "not a corpus record (an object of splits)"
+    for split, entry in record.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+            return f"a corpus record whose split {split!r} has no sha256"
+        counts = [entry.get(k, 0) for k in ("documents", "characters")]
+        if not all(isinstance(c, int) and c >= 0 for c in counts):
+            return f"a corpus record whose split {split!r} has counts that are not integers >= 0"
+    return None
 
 
 def _corpus_change(then: dict, now: dict) -> str:

@@ -4,6 +4,7 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import os
 import pathlib
 import random
 import shutil
@@ -373,6 +374,52 @@ def test_path_source_folder_and_glob(tmp_path):
     assert docs[0].text == "caf\ufffd ok"  # invalid utf-8 replaced, not fatal
 
 
+def test_links_pipes_and_odd_spellings_give_each_text_file_once(tmp_path, monkeypatch):
+    warned = []
+    monkeypatch.setattr(sources.logging, "warning", lambda msg, *a: warned.append(msg % a))
+    root = _write_corpus(tmp_path / "c", num_files=2)
+    outside = _write_corpus(tmp_path / "elsewhere", num_files=1)
+    (root / "linked").symlink_to(outside, target_is_directory=True)  # followed, in both modes
+    (root / "loop").symlink_to(root, target_is_directory=True)  # never gone round
+    (root / "again.txt").symlink_to(root / "doc00.txt")  # the same file twice: read once
+    os.mkfifo(root / "fifo.txt")  # would block a read forever
+    (root / "broken.txt").symlink_to(tmp_path / "gone.txt")
+    expected = ["doc00.txt", "doc01.txt", "linked/doc00.txt"]
+    for spelling in (str(root), str(root) + "//", str(root / "**" / "*.txt"),
+                     str(root) + "//**//*.txt"):  # fmt: skip
+        warned.clear()
+        assert [n for n, _ in sources.path_files(spelling)] == expected, spelling
+        assert any("reached twice" in w for w in warned), warned
+        assert any("2 file(s) (not a regular file)" in w for w in warned), warned
+    with pytest.raises(ValueError, match="not a regular file"):
+        sources.path_files(str(root / "fifo.txt"))
+    odd = _write_corpus(tmp_path / "data[1]", num_files=1)  # a name that reads as a glob
+    assert [n for n, _ in sources.path_files(str(odd))] == ["doc00.txt"]
+
+
+def test_a_corpus_without_text_is_refused(tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    for i in range(50):
+        (folder / f"e{i}.txt").write_text("" if i % 2 else " \n")
+    with pytest.raises(ValueError, match="train split of .* holds no text: its 49 document"):
+        load_corpus(DataConfig(source="path", path=str(folder), seq_len=4))
+
+
+def test_json_lines_at_the_byte_cap_with_a_bom_and_lone_surrogates(tmp_path, monkeypatch):
+    warned = []
+    monkeypatch.setattr(sources.logging, "warning", lambda msg, *a: warned.append(msg % a))
+    body = '\ufeff{"text": "one"}\n{"text": "a\\ud800b \\ud83d\\ude00"}'  # no final newline
+    (tmp_path / "a.jsonl").write_text(body, encoding="utf-8")
+    files = sources.path_files(str(tmp_path / "a.jsonl"))
+    for cap in (0, len(body.encode())):  # a cap the file fits exactly keeps its last line
+        docs = sources.read_documents(files, max_bytes=cap)
+        assert [d.text for d in docs] == ["one", "a\ufffdb \U0001f600"]
+    assert "1 byte sequence(s) read as U+FFFD" in warned[-1]
+    docs = sources.read_documents(files, max_bytes=len(body.encode()) - 1)
+    assert [d.text for d in docs] == ["one"]  # a line the cap cuts is dropped
+
+
 def test_invalid_utf8_is_counted_and_a_character_the_byte_cap_cuts_is_not(tmp_path, monkeypatch):
     warned = []
     monkeypatch.setattr(sources.logging, "warning", lambda msg, *a: warned.append(msg % a))
@@ -388,7 +435,8 @@ def test_invalid_utf8_is_counted_and_a_character_the_byte_cap_cuts_is_not(tmp_pa
     warned.clear()
     cap = len((tmp_path / "a.txt").read_bytes()) + 2  # cuts b.txt inside its "é"
     docs = sources.read_documents(files, max_bytes=cap)
-    assert docs[1].text == "d\ufffd" and len(warned) == 1 and "1 corpus file(s)" in warned[0]
+    # The cut character is left out (a truncated corpus is a prefix of the whole), uncounted.
+    assert docs[1].text == "d" and len(warned) == 1 and "1 corpus file(s)" in warned[0]
 
 
 def test_stdlib_source_is_library_code():

