@@ -166,9 +166,13 @@ def test_shards_partition_items_every_epoch(num_shards):
     assert sorted(i for shard in per_shard for i in shard) == list(range(num_items))
 
 
-def test_more_shards_than_items_is_an_error():
+def test_more_shards_than_items_is_an_error(path_cfg):
     with pytest.raises(ValueError, match="num_shards"):
         ShardedOrder(3, 3, 4, seed=0)
+    # Through make_iterator the error names the learners and the windows.
+    windows = (len(load_corpus(path_cfg).splits["eval"]) - 1) // path_cfg.seq_len
+    with pytest.raises(ValueError, match=rf"holds {windows} windows .* {windows + 1} readers"):
+        make_iterator(path_cfg, "eval", 2, shard_index=0, num_shards=windows + 1)
 
 
 # --- in-memory sources -------------------------------------------------------------------------

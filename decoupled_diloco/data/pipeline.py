@@ -51,13 +51,22 @@ def make_iterator(
     seed = cfg.seed if split == "train" else EVAL_SEED
     shard, shards = shard_index * num_hosts + host_index, num_shards * num_hosts
     rows = batch_size // num_hosts
+    remedy = "more data"  # (in the errors raised if the split is too small)
+    if split == "eval":
+        remedy = "a larger data.eval_fraction"
+    elif cfg.max_corpus_bytes:
+        remedy = "data.max_corpus_bytes=0 (all of it)"
+    what = f"the {split} split of {cfg.path or cfg.tfds_name or cfg.source or 'stdlib'}"
+    items = (len(data) - 1) // cfg.seq_len if isinstance(data, np.ndarray) else len(data)
+    if 0 < items < shards:
+        unit = (
+            f"windows of data.seq_len={cfg.seq_len}" if isinstance(data, np.ndarray) else "records"
+        )
+        raise ValueError(
+            f"{what} holds {items} {unit}, fewer than the {shards} readers that split it "
+            f"({num_shards} learner(s) x {num_hosts} host(s)): use fewer learners or {remedy}"
+        )
     if isinstance(data, np.ndarray):
-        remedy = "more data"  # (in the error raised if the split holds no window)
-        if split == "eval":
-            remedy = "a larger data.eval_fraction"
-        elif cfg.max_corpus_bytes:
-            remedy = "data.max_corpus_bytes=0 (all of it)"
-        what = f"the {split} split of {cfg.path or cfg.source or 'stdlib'}"
         stream = PackedWindows(data, cfg.seq_len, shard, shards, seed, what, remedy)
     else:
         stream = record_windows(corpus.tokenizer, data, cfg.seq_len, shard, shards, seed)
