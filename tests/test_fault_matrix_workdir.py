@@ -377,3 +377,48 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path,
     summary = json.loads((tmp_path / "summary.json").read_text())
     records = len(_read(tmp_path / "merges.jsonl"))
     assert (summary["merges"], summary["rolled_back_merges"]) == (records, 0)
+
+
+def test_learners_killed_before_their_final_sync_rejoin_when_resumed(small_config, tmp_path):
+    """The last step's checkpoint is saved before the final sync: a learner whose process
+    was killed during it must rejoin when resumed (its work since Θ's clock is offered, or,
+    where Θ lost it, recorded as lost), never end silently. Here the syncer's disk is lost
+    too: Θ holds none of the first attempt, and each learner's 12 steps are recorded."""
+    cfg = small_config(**{"train.steps": 12, "train.checkpoint_every": 4, **DECOUPLED})
+    _halted(cfg, tmp_path, after=12)  # killed after the last step's save, before the sync
+    assert _steps(tmp_path / "checkpoints" / "learner_0")[-1] == 12
+    shutil.rmtree(tmp_path / "checkpoints" / "syncer_0")
+    first = len(_read(tmp_path / "merges.jsonl"))
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    cuts = {e["learner"]: e for e in _read(tmp_path / "events.jsonl") if e["event"] == "resume_cut"}
+    for m in (0, 1):
+        assert (cuts[m]["lost_steps"], cuts[m]["skipped_steps"], cuts[m]["step"]) == (12, 0, 12)
+    assert summary["rolled_back_merges"] == first
+
+
+def test_a_resume_after_a_kill_takes_a_life_the_syncer_has_not_seen(small_config, tmp_path):
+    """Learner 1 crashes and rejoins (incarnation 1, in the syncer's checkpoint but in no
+    checkpoint of its own), then the process is killed: resumed, it must not come back as
+    incarnation 0, whose Join the restored syncer refuses for good."""
+    cfg = small_config(**{"train.steps": 16, "train.checkpoint_every": 0, **DECOUPLED,
+                          "faults.unit": "steps", "faults.crashes": [[1, 3]],
+                          "faults.restart_delay_s": 0.1, "diloco.join_timeout": 30.0,
+                          "diloco.syncer_checkpoint_seconds": 0.05,
+                          "diloco.syncer_checkpoint_duty": 1.0})  # fmt: skip
+    _halted(cfg, tmp_path, after=10)
+    joins = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "join"]
+    assert {(e["learner"], e["incarnation"]) for e in joins} >= {(1, 0), (1, 1)}
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    assert summary["steps"] == 16
+    events = _read(tmp_path / "events.jsonl")
+    assert not [e for e in events if e.get("kind") == "old_incarnation"]
+
+
+def test_a_learner_that_leaves_for_good_is_not_allocated_after_it(small_config, tmp_path):
+    """Goodput counts a learner's time from its first step to its last: one that leaves the
+    membership for good stops counting when it leaves, not when the run ends."""
+    cfg = small_config(**{"train.steps": 24, **DECOUPLED, "faults.unit": "steps",
+                          "faults.membership": [[1, 0, 4]]})  # fmt: skip
+    rt = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    summary = rt.run()
+    assert summary["goodput"] > 0.9, summary["goodput"]

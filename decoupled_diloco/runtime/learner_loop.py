@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import checkpoint, faults, mfu, profiling
+from decoupled_diloco import checkpoint, faults, mfu, paths, profiling
 from decoupled_diloco.data.prefetch import Prefetch
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Snapshot
@@ -35,6 +35,25 @@ POLL_S = 0.02  # seconds between checks while a learner is down
 
 class RunAbortedError(Exception):
     """A learner stops waiting for the syncer: its runtime saw the run fail elsewhere."""
+
+
+def next_life(ckpt_dir: str, m: int, host: int, floor: int) -> int:
+    """A fresh incarnation for learner m (host `host` of its slice): above every one an
+    earlier life took with this checkpoint directory, and at least `floor` (e.g. its
+    checkpoint's). Recorded under `ckpt_dir`, which every node reaches: a learner's
+    checkpoint holds the life it saved in, not the ones it took since (a crash, a NaN
+    restart), and a process that came back after a kill must not reuse a life the syncer
+    has seen: the syncer would refuse its Join for good, or (Ray restarting it on another
+    node) take offers its dead predecessor still had in flight as its own."""
+    path = paths.resolve(ckpt_dir) / "lives" / f"learner_{m}_{host}"
+    try:
+        last = int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        last = None
+    life = floor if last is None else max(floor, last + 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    paths.write_atomic(path, str(life))
+    return life
 
 
 class LearnerLoop:
@@ -61,6 +80,7 @@ class LearnerLoop:
         inline_offers: bool = False,
         host: int = 0,
         abort: threading.Event | None = None,
+        lives: str | None = None,
     ):
         self.m, self.run_cfg, self.replica, self.data, self.plan = m, run, replica, data, plan
         self.link, self.schedule, self.clock = link, schedule, clock
@@ -68,6 +88,9 @@ class LearnerLoop:
         self.emulate_crashes, self.evaluate, self.host = emulate_crashes, evaluate, host
         self.between_steps = between_steps
         self.abort = abort  # set: the run failed elsewhere; waiting for replies raises
+        # Where each life this learner takes is recorded (the run's checkpoint directory,
+        # `next_life`), so a process that comes back after a kill never reuses one.
+        self.lives = lives
         self.tokens_per_step = run.train.batch_size * run.data.seq_len
         self.step, self.incarnation = 0, 0
         self.proto: Learner | None = None
@@ -148,7 +171,8 @@ class LearnerLoop:
             if fired or missed or not self.schedule.is_up(m, t):
                 diverged = self._read(unread, keep=0)
                 if not self._down(t, diverged):
-                    return  # left the membership for good (scavenging)
+                    self.sink.finished(m, t)  # left for good (scavenging): no longer allocated
+                    return
                 continue
             if self.replica.state is None:
                 self._start()
@@ -196,6 +220,10 @@ class LearnerLoop:
         if isinstance(self.data, Prefetch):
             self.data.close()
         self.sink.finished(m, self.clock())  # training ends; the tail is not allocation
+        if self.replica.state is None and self.restored is not None and self.plan is not None:
+            # Resumed from its last step's checkpoint, which is saved before the final sync:
+            # the process may have died during it. Rejoin, and offer what Θ lacks of it.
+            self._start()
         if self.replica.state is not None:
             if diverged:  # its last steps diverged: leave without offering them, unsaved
                 self.sink.event(self._event("nan_at_end"))
@@ -359,8 +387,15 @@ class LearnerLoop:
         if self.stager is not None:
             self.stager.clear()
         self.proto = None
-        self.incarnation += 1
+        self.take_life(self.incarnation + 1)
         self.away, self.steps_since_start = why, 0
+
+    def take_life(self, floor: int) -> None:
+        """Becomes a new incarnation, at least `floor` and above every one recorded."""
+        if self.lives is None:
+            self.incarnation = floor
+        else:
+            self.incarnation = next_life(self.lives, self.m, self.host, floor)
 
     def _straggle(self, unread: collections.deque, seconds: float) -> None:
         """Sleeps to emulate a slower chip or a straggler episode: this step takes `factor`

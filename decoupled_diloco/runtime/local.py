@@ -148,6 +148,7 @@ class LocalRuntime:
                 emulate_crashes=True,
                 between_steps=lambda m=m: self._maybe_halt(m),
                 abort=self.failed,
+                lives=str(self.ckpt_dir),
             )
             self.loops.append(loop)
         self.evaluator = Evaluator(
@@ -231,6 +232,8 @@ class LocalRuntime:
         self._build()
         self.t0 = time.monotonic()  # (before the restores: their refusals are events too)
         resumed = [loop.restore(params_too=True) for loop in self.loops]
+        for loop in self.loops:  # a process that runs the run takes new lives (next_life)
+            loop.take_life(loop.incarnation)
         if any(resumed):
             steps = [loop.step for loop in self.loops]
             # Rows of steps after the checkpoints are redone (and logged again) now.

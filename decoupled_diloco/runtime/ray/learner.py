@@ -44,27 +44,6 @@ def was_restarted() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
-def next_life(ckpt_dir: str, m: int, host: int, floor: int) -> int:
-    """A fresh incarnation for this process of learner m (host `host` of its slice): above
-    every one an earlier process of it took with this checkpoint directory, and at least
-    `floor` (its checkpoint's). Kept under `ckpt_dir`, which every node reaches: Ray may
-    restart a learner on another node (its own died), where a node-local count would hand
-    out an incarnation its dead predecessor had used, and the syncer would take that
-    process's offers still in flight as the new one's (work counted twice, or refused until
-    the final sync gives up)."""
-    from decoupled_diloco import paths
-
-    path = paths.resolve(ckpt_dir) / "lives" / f"learner_{m}_{host}"
-    try:
-        last = int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        last = None
-    life = floor if last is None else max(floor, last + 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    paths.write_atomic(path, str(life))
-    return life
-
-
 def _empty_out() -> dict:
     return {"rows": [], "events": [], "steps": [], "evals": []}
 
@@ -248,11 +227,12 @@ class LearnerActor:
             between_steps=self._between_steps,
             inline_offers=self.hosts > 1,
             host=self.host,
+            lives=self.ckpt_dir,
         )
         # A restarted process takes its parameters from Θ, its position from the checkpoint;
         # a fresh run, or one resumed from the workdir's checkpoints, its whole state.
         self.loop.restore(params_too=not self.restarted)
-        self.loop.incarnation = next_life(self.ckpt_dir, m, self.host, self.loop.incarnation)
+        self.loop.take_life(self.loop.incarnation)
         self.loop.away = "process_restart" if self.restarted else "start"
         self._set_status()
 
