@@ -422,3 +422,25 @@ def test_a_learner_that_leaves_for_good_is_not_allocated_after_it(small_config, 
     rt = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False)
     summary = rt.run()
     assert summary["goodput"] > 0.9, summary["goodput"]
+
+
+def test_a_final_sync_that_runs_out_of_time_says_what_it_did_not_see_merged(small_config, tmp_path):
+    cfg = small_config(**{"train.steps": 12, **DECOUPLED, "diloco.final_wait": 0.0,
+                          "faults.link_latency_s": [0.3, 0.3]})  # fmt: skip
+    LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    left = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "final_sync_unconfirmed"]
+    assert left and all(
+        len(e["unmerged_steps"]) == 2 and sum(e["unmerged_steps"]) > 0 for e in left
+    )
+    held = collections.Counter()
+    for rec in _read(tmp_path / "merges.jsonl"):
+        for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
+            held[m, rec["fragment"]] += c
+    # It reports what it did not see merged: what Θ lacks of its 12 steps, and at most the
+    # offers still in flight on top (Θ may merge those after the learner stopped waiting).
+    lacks = {e["learner"]: [12 - held[e["learner"], p] for p in range(2)] for e in left}
+    assert any(sum(v) for v in lacks.values())  # work this run's Θ never got
+    for e in left:
+        assert all(
+            n >= lack for n, lack in zip(e["unmerged_steps"], lacks[e["learner"]], strict=True)
+        )

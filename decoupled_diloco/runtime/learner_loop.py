@@ -344,9 +344,19 @@ class LearnerLoop:
         )  # fmt: skip
 
     def _finish(self, finished: bool = True, offer_work: bool = True) -> None:
-        if self.proto is not None:
-            finish(self.proto, self.replica, self.outbox, self._receive, self.clock, finished,
-                   offer_work)  # fmt: skip
+        if self.proto is None:
+            return
+        finish(self.proto, self.replica, self.outbox, self._receive, self.clock, finished,
+               offer_work)  # fmt: skip
+        left, cfg = self.proto.unmerged_steps(), self.run_cfg.diloco
+        if offer_work and cfg.final_sync and any(left):
+            # Offers still unanswered (or refused) when diloco.final_wait ran out: Θ may yet
+            # merge those in flight, but nobody waits to see it.
+            self.sink.event(self._event("final_sync_unconfirmed", unmerged_steps=left))
+            logging.warning(
+                "learner %d: the final sync ended (diloco.final_wait=%gs) with steps of work "
+                "per fragment %s not seen merged", self.m, cfg.final_wait, left,
+            )  # fmt: skip
 
     def _receive(self, timeout: float) -> list:
         if self.abort is not None and self.abort.is_set():
