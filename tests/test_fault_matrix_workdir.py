@@ -5,6 +5,7 @@ trace, a Decoupled resume that must not count work twice, a NaN model that must 
 import collections
 import dataclasses
 import json
+import math
 import os
 import shutil
 import threading
@@ -321,6 +322,17 @@ def test_a_non_finite_model_is_a_failed_run(small_config, tmp_path):
     assert "failed" in json.loads((tmp_path / "summary.json").read_text())
     with pytest.raises(launch.ModelNotFiniteError):  # and stays failed when re-run
         launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+
+
+def test_a_syncer_run_that_merged_nothing_is_a_failed_run(small_config, tmp_path):
+    """Diverging learners whose every offer is refused leave Θ at its initial draw: finite,
+    and no result."""
+    cfg = small_config(**{"train.steps": 8, **DECOUPLED, "train.learning_rate": 1e4,
+                          "train.warmup_steps": 0, "diloco.final_wait": 1.0})  # fmt: skip
+    with pytest.raises(launch.ModelNotFiniteError, match="no offer was merged"):
+        launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["merges"] == 0 and math.isfinite(summary["final_eval_loss"])
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ same rows: every process computes the same global step), and all of them write a
 checkpoint directory, `<workdir>/checkpoints` (so the workdir must be one path every host
 reaches: a bucket or a shared mount).
 
-A run whose final global model is not finite has failed: its summary says so and `run`
-raises `ModelNotFiniteError` (the CLI exits non-zero), never returning a NaN model as a
-result.
+A run whose final global model is not finite has failed, and so has a syncer run that
+merged nothing (its global model is the initial one): its summary says so and `run` raises
+`ModelNotFiniteError` (the CLI exits non-zero), never returning such a model as a result.
 """
 
 import json
@@ -65,6 +65,12 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
         evaluated = not (cfg.runtime == "ray" and cfg.ray.evaluate == "off")  # NaN = not run
         if evaluated and not (isinstance(loss, float | int) and math.isfinite(loss)):
             summary["failed"] = f"the final global model is not finite (eval loss {loss})"
+        elif cfg.uses_syncer and summary.get("steps") and not summary.get("merges"):
+            refused = summary.get("rejected_offers", "?")
+            summary["failed"] = (
+                f"no offer was merged ({refused} refused, events.jsonl says why): the global "
+                "model is the initial one"
+            )
         write_json(finished, summary)
         return _checked(summary)
 
