@@ -401,11 +401,14 @@ def test_learners_killed_before_their_final_sync_rejoin_when_resumed(small_confi
     assert _steps(tmp_path / "checkpoints" / "learner_0")[-1] == 12
     shutil.rmtree(tmp_path / "checkpoints" / "syncer_0")
     first = len(_read(tmp_path / "merges.jsonl"))
-    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    # Nothing is left to merge: Θ is its initial draw, and the run says it failed.
+    with pytest.raises(launch.ModelNotFiniteError, match="no offer was merged"):
+        launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
     cuts = {e["learner"]: e for e in _read(tmp_path / "events.jsonl") if e["event"] == "resume_cut"}
     for m in (0, 1):
         assert (cuts[m]["lost_steps"], cuts[m]["skipped_steps"], cuts[m]["step"]) == (12, 0, 12)
-    assert summary["rolled_back_merges"] == first
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rolled_back_merges"] == first and summary["merges"] == 0
 
 
 def test_a_resume_after_a_kill_takes_a_life_the_syncer_has_not_seen(small_config, tmp_path):

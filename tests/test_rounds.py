@@ -313,3 +313,19 @@ def test_a_round_whose_offers_are_void_starts_afresh():
     window = s.grace_window()
     s.handle(offer(1, step=4), 110.0)
     assert s.grace.quorum.value < 1.0 and s.grace_window() == pytest.approx(window)
+
+
+def test_what_theta_holds_of_a_learners_earlier_life_survives_its_rejoin_and_a_restore():
+    """After learner 1's crash and rejoin, until its new life's first merge, Θ still holds
+    its earlier life's steps: the fragment's clock (and so every snapshot and checkpoint)
+    says so. A restore in that window must not report that work lost (or have it trained
+    again by a learner resumed from an older checkpoint)."""
+    s = syncer(quorum=1, learners=2)
+    assert merged(s.handle(offer(1, step=4), 1.0))
+    assert s.clock(0)[1] == (0, 4)
+    (_, snap), *_ = s.handle(Join(1, 1, 2.0), 2.0)  # a new life of learner 1
+    assert snap.merged[0][1] == (0, 4)
+    restored = syncer(quorum=1, learners=2)
+    restored.load_state_dict(s.state_dict(), s.meta_dict(), 3.0)
+    assert restored.clock(0)[1] == (0, 4)
+    assert restored.snapshot(3.0).merged[0][1] == (0, 4)

@@ -169,20 +169,16 @@ class Syncer:
         if reason:
             self.refusals.drop_message(msg, reason, now)
             return []
-        earlier = {}  # what Θ holds of the learner's earlier lives: its snapshot says so
         for p in self.owned:  # offers of an earlier life are void
             if self.pending[p].pop(msg.learner, None) is not None:
                 self._round_gone(p)
-            entry = self.merged_into[p].pop(msg.learner, None)
-            if entry is not None:
-                earlier[p] = entry[:2]
+        # What Θ holds of the learner's earlier lives stays in the fragments' clocks (and so
+        # in this snapshot and in every checkpoint) until its new life's first merge: a
+        # resume in between must not take that work for lost (or train it again).
         self.record(
             {"event": "join", "learner": msg.learner, "incarnation": msg.incarnation, "time": now}
         )
-        snap = self.snapshot(now)
-        for p, entry in earlier.items():
-            snap.merged[p][msg.learner] = entry
-        return [(msg.learner, snap)]
+        return [(msg.learner, self.snapshot(now))]
 
     def _sent(self) -> list[tuple[int, object]]:
         return self.refusals.sent()
