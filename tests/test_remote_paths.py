@@ -181,7 +181,12 @@ def test_a_text_corpus_on_gcs_is_read_as_a_local_one(gcs, tmp_path):
     docs = sources.read_documents(remote)
     assert [d.text for d in docs] == [texts["a.txt"], texts["sub/b.txt"]]
     globbed = sources.path_files("gs://bkt/corpus/**/*.txt")
-    assert [n for n, _ in globbed] == ["gs://bkt/corpus/a.txt", "gs://bkt/corpus/sub/b.txt"]
+    # Named below the glob's fixed folder, as a folder's files are (local or remote).
+    assert [n for n, _ in globbed] == ["a.txt", "sub/b.txt"]
+    assert [n for n, _ in sources.path_files("gs://bkt//corpus//**/*.txt")] == [
+        "a.txt",
+        "sub/b.txt",
+    ]
     sources.corpus_files(DataConfig(path="gs://bkt/corpus"))  # the config route
 
 

@@ -45,10 +45,10 @@ def text_splits(cfg: DataConfig) -> dict[str, list[sources.Document]]:
     docs = sources.read_documents(sources.corpus_files(cfg), cfg.max_corpus_bytes)
     train, eval_ = sources.hold_out(docs, cfg.eval_fraction)
     for split, held in (("train", train), ("eval", eval_)):
-        if not any(d.text.strip() for d in held):  # windows of separators alone
+        if not any(d.text for d in held):  # windows of separators alone
             raise ValueError(
                 f"the {split} split of {cfg.path or cfg.source or 'stdlib'} holds no text: its "
-                f"{len(held)} document(s) are empty or whitespace"
+                f"{len(held)} document(s) are empty"
             )
     return {"train": train, "eval": eval_}
 
