@@ -144,15 +144,19 @@ def test_two_slices_of_two_processes_form_two_worlds_on_cpu(tmp_path):
                 "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             }
             out_path = tmp_path / f"slice{s}_host{host}.json"
+            log_path = tmp_path / f"slice{s}_host{host}.log"
             cmd = [sys.executable, "-c", _CHILD, str(host), str(port), str(out_path)]
-            pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            procs.append((s, host, out_path, subprocess.Popen(cmd, env=env, **pipes)))
-    for s, host, out_path, p in procs:
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err[-2000:]
-        assert out_path.exists(), (
-            f"slice {s} host {host} wrote no result:\n{out[-1000:]}{err[-2000:]}"
-        )
+            # Output to a file, not a pipe: the children are waited for one by one, and a
+            # child whose pipe fills (gRPC retry logs under load) would block the barrier
+            # the one being waited for is in.
+            with open(log_path, "w") as log:
+                p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            procs.append((s, host, out_path, log_path, p))
+    for s, host, out_path, log_path, p in procs:
+        p.wait(timeout=180)
+        log = log_path.read_text()[-3000:]
+        assert p.returncode == 0, log
+        assert out_path.exists(), f"slice {s} host {host} wrote no result:\n{log}"
         got = json.loads(out_path.read_text())
         assert got == {
             "count": 2,
