@@ -55,7 +55,7 @@ def main(argv) -> None:
     except ValueError as e:
         sys.exit(f"config error: {e}")
     from decoupled_diloco.checkpoint import CorruptCheckpointError
-    from decoupled_diloco.runtime.local import RunInterruptedError
+    from decoupled_diloco.runtime.learner_loop import RunInterruptedError
     from decoupled_diloco.runtime.workdir import WorkdirBusyError
 
     _install_profiler(run)

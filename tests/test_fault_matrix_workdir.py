@@ -336,26 +336,38 @@ def test_a_syncer_run_that_merged_nothing_is_a_failed_run(small_config, tmp_path
 
 
 @pytest.mark.parametrize(
-    "local_syncer", ["thread", pytest.param("process", marks=pytest.mark.slow)]
+    "runtime",
+    [
+        "thread",
+        pytest.param("process", marks=pytest.mark.slow),
+        pytest.param("ray", marks=pytest.mark.ray),
+    ],
 )
-def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path, local_syncer):
+def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path, runtime):
     """SIGINT to the run's process group, as a terminal's Ctrl-C sends it (a syncer process
-    gets it too): learners offer what Θ lacks and save, the syncer merges and saves, exit 130
-    without a traceback and without summary.json; the same command then finishes with every
-    step of every learner merged exactly once per fragment."""
+    and Ray's own services get it too; Ray's actors run in process groups of their own):
+    learners offer what Θ lacks and save, the syncer merges and saves, exit 130 without a
+    traceback and without summary.json; the same command then finishes with every step of
+    every learner merged exactly once per fragment. `runtime`: the local runtime with its
+    syncer on a thread or in a process, or the Ray runtime on a local cluster of its own."""
     import signal
     import subprocess
     import sys
     import time
 
-    steps = 120
+    steps = 120 if runtime != "ray" else 400  # Ray: learners still training when it lands
     args = [sys.executable, "-m", "decoupled_diloco.main", "--config=configs/tiny_decoupled.py",
             f"--workdir={tmp_path}", "--config.diloco.learners=2", f"--config.train.steps={steps}",
             "--config.train.batch_size=8", "--config.data.seq_len=64",
             "--config.data.max_corpus_bytes=400000", "--config.train.log_every=1",
             "--config.train.eval_every=0", "--config.train.eval_batches=2",
-            "--config.train.checkpoint_every=0",
-            f"--config.local_syncer={local_syncer}"]  # fmt: skip
+            "--config.train.checkpoint_every=0"]  # fmt: skip
+    if runtime == "ray":
+        temp_dir = f"/tmp/ray_dd_cc{os.getpid()}"  # short: Ray's socket paths are limited
+        args += ["--config.runtime=ray", "--config.ray.num_cpus=2",
+                 "--config.ray.poll_seconds=0.25", f"--config.ray.temp_dir={temp_dir}"]  # fmt: skip
+    else:
+        args.append(f"--config.local_syncer={runtime}")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(args, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
@@ -389,6 +401,8 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path,
     summary = json.loads((tmp_path / "summary.json").read_text())
     records = len(_read(tmp_path / "merges.jsonl"))
     assert (summary["merges"], summary["rolled_back_merges"]) == (records, 0)
+    if runtime == "ray":
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_learners_killed_before_their_final_sync_rejoin_when_resumed(small_config, tmp_path):

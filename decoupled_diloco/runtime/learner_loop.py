@@ -37,6 +37,18 @@ class RunAbortedError(Exception):
     """A learner stops waiting for the syncer: its runtime saw the run fail elsewhere."""
 
 
+class RunInterruptedError(KeyboardInterrupt):
+    """The user interrupted the run (Ctrl-C): every learner offered its unmerged work and
+    saved, the syncer merged it and saved; no summary is written, the same command resumes."""
+
+
+class StopRequest:
+    """The runtime's request that a learner stop as if interrupted (Ctrl-C), delivered
+    through its inbox with the syncer's replies: the hosts of a multi-host learner receive
+    their messages together at a step boundary (host 0's, broadcast), so all of them stop
+    after the same step."""
+
+
 def next_life(ckpt_dir: str, m: int, host: int, floor: int) -> int:
     """A fresh incarnation for learner m (host `host` of its slice): above every one an
     earlier life took with this checkpoint directory, and at least `floor` (e.g. its
@@ -104,9 +116,11 @@ class LearnerLoop:
         if run.train.prefetch:
             self.data = Prefetch(data, run.train.prefetch, replica.put_batch)
         self.restored = None  # a checkpointed TrainState to resume from (first start)
-        # Set with the runtime's `stop` when the user interrupts the run: the learner offers
-        # its unmerged work and saves, leaving (not finishing) so a resume rejoins.
+        # Set with the runtime's `stop` when the user interrupts the run (or by a
+        # StopRequest): the learner offers its unmerged work and saves, leaving (not
+        # finishing) so a resume rejoins.
         self.interrupted = False
+        self._stop_requested = False  # a StopRequest arrived: stop before the next step
         self.away = "start"  # why the learner is about to (re)start
         self.wait_seconds = 0.0  # time blocked on late merges: idle, not compute
         self.eval_seconds = 0.0  # time evaluating (data-parallel): idle, not compute
@@ -158,7 +172,7 @@ class LearnerLoop:
         # steps queued while the host works (its boundary, the next batch, rows).
         unread: collections.deque = collections.deque()
         lag, diverged = run.train.metrics_lag, False
-        while self.step < run.train.steps and not stop.is_set():
+        while self.step < run.train.steps and not stop.is_set() and not self._stop_requested:
             t = self.clock()
             fired = False  # a step-scheduled crash of this step (its outage may be empty)
             if self.emulate_crashes:  # step-scheduled faults land here (Ray: in the driver)
@@ -363,7 +377,11 @@ class LearnerLoop:
             # No reply may come (the syncer failed): neither a synchronous boundary nor the
             # final sync waits out its timeout for one.
             raise RunAbortedError(f"learner {self.m}: the run failed elsewhere")
-        return self.link.receive(timeout) if self.link is not None else []
+        msgs = self.link.receive(timeout) if self.link is not None else []
+        if any(isinstance(msg, StopRequest) for msg in msgs):
+            self.interrupted = self._stop_requested = True
+            msgs = [msg for msg in msgs if not isinstance(msg, StopRequest)]
+        return msgs
 
     def _apply(self, updates) -> None:
         apply_updates(self.replica, updates)

@@ -25,7 +25,7 @@ from decoupled_diloco.diloco.fragments import model_plan
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.runtime import accounting, gil
-from decoupled_diloco.runtime.learner_loop import LearnerLoop, RunAbortedError
+from decoupled_diloco.runtime.learner_loop import LearnerLoop, RunAbortedError, RunInterruptedError
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.runtime.records import RunLog
 from decoupled_diloco.runtime.summary import run_summary
@@ -33,11 +33,6 @@ from decoupled_diloco.runtime.syncer_loop import SyncerLoop
 from decoupled_diloco.runtime.syncer_process import SyncerProcess
 from decoupled_diloco.train.evaluate import Evaluator
 from decoupled_diloco.train.replica import Replica
-
-
-class RunInterruptedError(KeyboardInterrupt):
-    """The user interrupted the run (Ctrl-C): every learner offered its unmerged work and
-    saved, the syncer merged it and saved; no summary is written, the same command resumes."""
 
 
 class _HaltError(Exception):

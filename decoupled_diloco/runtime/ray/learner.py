@@ -111,6 +111,13 @@ class LearnerActor:
     def deliver(self, msg) -> None:
         self.inbox.put(msg)
 
+    def interrupt(self) -> None:
+        """The user interrupted the run: stop at the next step boundary, offer what Θ
+        lacks, leave and save (called on host 0 of a slice: its hosts stop together)."""
+        from decoupled_diloco.runtime.learner_loop import StopRequest
+
+        self.inbox.put(StopRequest())
+
     def evaluate(self, tag: int, *theta_shards: dict) -> None:
         """Queues Θ (the syncer shards' flat numpy dicts) for evaluation on this learner."""
         self.evals.put(tag, theta_shards)

@@ -35,6 +35,7 @@ cannot know when its predecessor died: no `restart_delay_s`); step membership is
 import math
 import os
 import signal
+import sys
 import time
 import uuid
 
@@ -47,6 +48,7 @@ from decoupled_diloco.diloco.messages import Leave
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.preflight import FatalRunError
 from decoupled_diloco.runtime import accounting
+from decoupled_diloco.runtime.learner_loop import RunInterruptedError
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
 from decoupled_diloco.runtime.ray import failures
@@ -68,6 +70,7 @@ class RayRuntime:
         # Actors resolve paths from their own working directory: give them an absolute one.
         self.ckpt_dir = str(paths.resolve(run.ray.checkpoint_dir or f"{workdir}/checkpoints"))
         self.evals = ray_eval.DriverEvals()
+        self.progress = None  # the console line, from _build_evaluator on
         self.t0 = time.time()
         M = run.num_learners
         self.learners: dict[tuple[int, int], object] = {}  # (m, host) -> actor handle
@@ -89,8 +92,11 @@ class RayRuntime:
         started = ray_cluster.connect(self.run_cfg.ray, self.verbose)
         try:
             self._launch()
-            self._build_evaluator()
-            self._watch()
+            try:
+                self._build_evaluator()
+                self._watch()
+            except KeyboardInterrupt:
+                self._interrupt()
             return self._finish()
         finally:
             for h in [*self.learners.values(), *self.syncers]:
@@ -177,6 +183,30 @@ class RayRuntime:
                 f"ray.max_same_failures={run.ray.max_same_failures}); last errors: "
                 f"{self.fates.errors}"
             )
+
+    def _interrupt(self) -> None:
+        """Ctrl-C: every learner stops at its next step boundary, offers what Θ lacks of its
+        work, leaves and saves; the syncer shards merge it and save. Then RunInterruptedError
+        (no summary): the same command resumes. A second Ctrl-C stops at once, losing what
+        the last checkpoints do not hold."""
+        print("\ninterrupted: the learners offer their unmerged work and save, then the "
+              "syncer (Ctrl-C again stops at once); the same command resumes", file=sys.stderr,
+              flush=True)  # fmt: skip
+        asked: dict[int, object] = {}
+        while not all(s["done"] or m in self.lost for m, s in enumerate(self.status)):
+            for m in range(self.run_cfg.num_learners):
+                if self.status[m]["done"] or m in self.lost:
+                    continue
+                if m not in asked or _failed(asked[m]):  # again to a restarted process
+                    asked[m] = self.learners[(m, 0)].interrupt.remote()
+            self._collect(wait=self.run_cfg.ray.poll_seconds)
+        for actor in self.syncers:
+            for rec in _call(actor.finish)["records"]:
+                self.log.record(rec)
+        if self.progress is not None:
+            self.progress.close()
+        steps = [s["step"] for s in self.status]
+        raise RunInterruptedError(f"interrupted at learner steps {steps}")
 
     def _collect(self, wait: float | None = None) -> None:
         """Issues a poll to every actor without one in flight, handles those that answer
@@ -382,6 +412,18 @@ class RayRuntime:
                 break
             self._collect()
         return self.evals.results.get(tag, math.nan)
+
+
+def _failed(ref) -> bool:
+    """Whether an actor call has ended in an error (the actor died or was restarting)."""
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return False
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayError:
+        return True
+    return False
 
 
 def _call(method, *args, timeout: float = 600.0):
