@@ -36,6 +36,9 @@ setuptools.setup(
             "sentencepiece>=0.2",
         ],
         "ray": ["ray[default]>=2.30"],
+        # An NVIDIA GPU host: JAX with its CUDA 12 plugin and libraries from pip (the plain
+        # install's jaxlib runs on the CPU only).
+        "gpu": ["jax[cuda12]>=0.4.35"],
         # data.tokenizer = "sentencepiece" (trained locally on the corpus; TPU configs use it)
         "spm": ["sentencepiece>=0.2"],
         # A Cloud TPU host or head VM (scripts/tpu/): gs:// paths without TensorFlow (gcsfs,
