@@ -192,13 +192,15 @@ class RayRuntime:
         print("\ninterrupted: the learners offer their unmerged work and save, then the "
               "syncer (Ctrl-C again stops at once); the same command resumes", file=sys.stderr,
               flush=True)  # fmt: skip
-        asked: dict[int, object] = {}
+        asked: dict[int, tuple] = {}  # m -> (the call, the process it was made to)
         while not all(s["done"] or m in self.lost for m, s in enumerate(self.status)):
             for m in range(self.run_cfg.num_learners):
                 if self.status[m]["done"] or m in self.lost:
                     continue
-                if m not in asked or _failed(asked[m]):  # again to a restarted process
-                    asked[m] = self.learners[(m, 0)].interrupt.remote()
+                pid = self.pids.get(("learner", m, 0))
+                if m not in asked or _failed(asked[m][0]) or asked[m][1] != pid:
+                    # again when the call failed or Ray restarted the process since
+                    asked[m] = (self.learners[(m, 0)].interrupt.remote(), pid)
             self._collect(wait=self.run_cfg.ray.poll_seconds)
         for actor in self.syncers:
             for rec in _call(actor.finish)["records"]:
