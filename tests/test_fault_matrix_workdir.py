@@ -16,7 +16,8 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco import preflight, run_files
 from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.data import iterator
-from decoupled_diloco.runtime import launch, workdir
+from decoupled_diloco.runtime import launch, learner_loop, workdir
+from decoupled_diloco.runtime import local as local_runtime
 from decoupled_diloco.runtime.local import LocalRuntime
 
 DECOUPLED = {
@@ -405,13 +406,25 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path,
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_learners_killed_before_their_final_sync_rejoin_when_resumed(small_config, tmp_path):
-    """The last step's checkpoint is saved before the final sync: a learner whose process
-    was killed during it must rejoin when resumed (its work since Θ's clock is offered, or,
-    where Θ lost it, recorded as lost), never end silently. Here the syncer's disk is lost
-    too: Θ holds none of the first attempt, and each learner's 12 steps are recorded."""
+def test_learners_killed_in_their_final_sync_rejoin_when_resumed(
+    small_config, tmp_path, monkeypatch
+):
+    """The last step's checkpoint is saved once the final offers and the leave are out,
+    before the final sync has seen them merged: a learner whose process was killed then
+    must rejoin when resumed (its work since Θ's clock is offered, or, where Θ lost it,
+    recorded as lost), never end silently. Here the syncer's disk is lost too: Θ holds none
+    of the first attempt, and each learner's 12 steps are recorded."""
     cfg = small_config(**{"train.steps": 12, "train.checkpoint_every": 4, **DECOUPLED})
-    _halted(cfg, tmp_path, after=12)  # killed after the last step's save, before the sync
+    save = learner_loop.LearnerLoop.save
+
+    def save_then_die(loop):
+        save(loop)
+        if loop.step == 12:  # killed right after the last step's save, in the final sync
+            raise local_runtime._HaltError
+
+    monkeypatch.setattr(learner_loop.LearnerLoop, "save", save_then_die)
+    _halted(cfg, tmp_path, after=13)  # (no step 13: only the save above stops them)
+    monkeypatch.undo()
     assert _steps(tmp_path / "checkpoints" / "learner_0")[-1] == 12
     shutil.rmtree(tmp_path / "checkpoints" / "syncer_0")
     first = len(_read(tmp_path / "merges.jsonl"))

@@ -264,13 +264,15 @@ def final_offers(proto: Learner, replica, outbox: Outbox) -> None:
 
 
 def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bool = True,
-           offer_work: bool = True):  # fmt: skip
+           offer_work: bool = True, on_left=None):  # fmt: skip
     """Training is over (`finished`: the step budget is done; else the learner leaves the
     membership). With `diloco.final_sync` every step of its work reaches Θ: it offers all
     unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
     flight resolves (waiting up to `diloco.final_wait`), offers the steps taken after it
     (a refused one again, after its retry wait). `offer_work=False` (its last steps
-    diverged): it only leaves; none of its unmerged work may reach Θ."""
+    diverged): it only leaves; none of its unmerged work may reach Θ. `on_left()` runs
+    once the final offers and the leave are on their way (the learner's last checkpoint:
+    saved while they travel, not before them, which held up the others' rounds)."""
     cfg = proto.cfg
     sync = cfg.final_sync and offer_work
     # A merge deferred at the last boundary (not yet placed) first: it resolves the offer it
@@ -279,6 +281,8 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     if sync:
         final_offers(proto, replica, outbox)
     outbox.send(proto.leave(finished))
+    if on_left is not None:
+        on_left()
     lives = proto.resyncs
     deadline = clock() + cfg.final_wait
     while sync and (proto.in_flight() or proto.retrying()) and clock() < deadline:

@@ -202,7 +202,12 @@ class LearnerLoop:
             # A save or an evaluation needs this step's own metrics (NaN check, row) now:
             # the device's wait for it is this step's compute, read inside its time; the
             # evaluation itself is idle, not training (a DP learner evaluates in _report).
-            save = self.step == run.train.steps or self._every("checkpoint_every")
+            # The last step of a learner with a syncer is saved by _finish, once its final
+            # offers and leave are out: through a save of seconds (minutes for a large
+            # model), a learner that has not left holds up the rounds that would take the
+            # offers of learners behind it (catch-up rounds wait for every live learner).
+            last = self.step == run.train.steps
+            save = (last and self.proto is None) or (not last and self._every("checkpoint_every"))
             flush = save or bool(self.evaluate and self._every("eval_every"))
             evaluated = self.eval_seconds
             diverged = self._read(unread, keep=0 if flush else lag)
@@ -361,7 +366,7 @@ class LearnerLoop:
         if self.proto is None:
             return
         finish(self.proto, self.replica, self.outbox, self._receive, self.clock, finished,
-               offer_work)  # fmt: skip
+               offer_work, on_left=self.save if offer_work else None)  # fmt: skip
         left, cfg = self.proto.unmerged_steps(), self.run_cfg.diloco
         if offer_work and cfg.final_sync and any(left):
             # Offers still unanswered (or refused) when diloco.final_wait ran out: Θ may yet
