@@ -8,6 +8,7 @@ timelines (pure, milliseconds); one tiny local run checks the crash steps end to
 """
 
 import json
+import time
 
 import pytest
 
@@ -302,3 +303,40 @@ def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path):
     log.event({"event": "syncer_restore", "shard": 0, "versions": {0: 1}, "time": 7.0})
     assert log.ledger.useful_steps == [6.0] and log.ledger.rolled_back_merges == 3
     log.close()
+
+
+def test_a_finished_learners_last_save_does_not_hold_up_the_others_merges(
+    small_config, tmp_path, monkeypatch
+):
+    """Learners of speeds 1, 1.5 and 8 (K = 1): once learner 0 has finished, no offer is
+    fresh and the others' merge in catch-up rounds, which wait for every live learner.
+    Learner 1's last checkpoint takes 4 s: it must not be live and silent through it (its
+    final offers and leave go first), so the slowest learner's offers keep merging while
+    it saves. (They stopped for the whole save when the save came first.)"""
+    from decoupled_diloco.runtime import learner_loop
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    steps, window = 48, []
+    save = learner_loop.LearnerLoop.save
+
+    def slow_last_save(loop):
+        if loop.m == 1 and loop.step == steps and not window:
+            start = loop.clock()
+            time.sleep(4.0)
+            window.extend([start, loop.clock()])
+        save(loop)
+
+    monkeypatch.setattr(learner_loop.LearnerLoop, "save", slow_last_save)
+    cfg = small_config(**{"train.steps": steps, "diloco.learners": 3, "diloco.sync_every": 6,
+                          "diloco.fragments": 2, "diloco.overlap": 1, "diloco.quorum": 1,
+                          "diloco.max_wait": 0.0, "devices_per_learner": 2,
+                          "faults.speed_factors": [1.0, 1.5, 8.0]})  # fmt: skip
+    LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    with open(tmp_path / "merges.jsonl", encoding="utf-8") as f:
+        merges = [json.loads(line) for line in f]
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        last = max(r["time"] for r in map(json.loads, f) if r["learner"] == 2)
+    start, end = window
+    assert last > end  # the slowest learner was still training through the save
+    slowest = [m["time"] for m in merges if 2 in m["learners"] and start + 1.0 < m["time"] < end]
+    assert len(slowest) >= 2, (window, [m["time"] for m in merges if 2 in m["learners"]])
