@@ -230,8 +230,9 @@ class RayRuntime:
             try:
                 out = ray.get(ref)
             except ray.exceptions.ActorDiedError as e:  # restarts exhausted: gone for good
-                if key[0] == "learner":
+                if key[0] == "learner" and key[1] not in self.lost:
                     m = key[1]
+                    self._leave(m)
                     self.fates.remove(m, self.status[m]["step"], self.now(), False, str(e))
                 continue
             except ray.exceptions.RayActorError:
@@ -281,14 +282,20 @@ class RayRuntime:
 
     def _stop(self, m: int) -> None:
         """Learner m failed the same way too often (failures.py): its processes go without
-        a restart, and every syncer shard hears that it left (no round waits for it)."""
+        a restart, and it leaves the syncer shards' membership."""
         for h in range(self.hosts[m]):
             ray.kill(self.learners[(m, h)], no_restart=True)
+        self._leave(m)
+        self.fates.remove(m, self.status[m]["step"], self.now(), stopped=True)
+
+    def _leave(self, m: int) -> None:
+        """Learner m is out for good: every syncer shard hears that it left, in its last
+        known life, so that no round waits for it and it leaves the roster now, not after
+        `diloco.heartbeat_timeout` of silence (its pending offers stay valid)."""
         if "incarnation" in self.status[m]:  # it has joined the syncer (else: nothing to do)
             leave = Leave(m, self.status[m]["incarnation"], self.now())
             for actor in self.syncers:
                 actor.post.remote(leave)
-        self.fates.remove(m, self.status[m]["step"], self.now(), stopped=True)
 
     def _seen_pid(self, key: tuple, pid: int, node: str) -> None:
         """Tracks processes; a restarted host of a multi-host slice takes its siblings down
