@@ -340,3 +340,34 @@ def test_a_finished_learners_last_save_does_not_hold_up_the_others_merges(
     assert last > end  # the slowest learner was still training through the save
     slowest = [m["time"] for m in merges if 2 in m["learners"] and start + 1.0 < m["time"] < end]
     assert len(slowest) >= 2, (window, [m["time"] for m in merges if 2 in m["learners"]])
+
+
+def test_a_crashed_learner_leaves_at_once_and_the_others_final_sync_does_not_wait_for_it(
+    small_config, tmp_path
+):
+    """Learner 2 crashes at its step 20 of 40 and is down for 8 s. Its runtime posts the
+    dead life's Leave (as Ray's driver does for a process it kills): the other two finish
+    their final sync while it is down, instead of waiting for it to rejoin (their final
+    offers wait for a round that a live learner has not offered in; a silent one counted
+    as live until diloco.heartbeat_timeout)."""
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    cfg = small_config(**{"train.steps": 40, "diloco.learners": 3, "diloco.sync_every": 4,
+                          "diloco.fragments": 2, "diloco.overlap": 1, "diloco.quorum": 1,
+                          "diloco.max_wait": 0.0, "devices_per_learner": 2,
+                          "faults.unit": "steps", "faults.crashes": [[2, 20]],
+                          "faults.restart_delay_s": 8.0})  # fmt: skip
+    summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    with open(tmp_path / "events.jsonl", encoding="utf-8") as f:
+        events = [json.loads(line) for line in f]
+
+    def first(kind, m, **match):
+        return next(e for e in events if e["event"] == kind and e.get("learner") == m
+                    and all(e.get(k) == v for k, v in match.items()))  # fmt: skip
+
+    down, back = first("learner_down", 2), first("rejoin", 2)
+    assert first("leave", 2, finished=False)["time"] < down["time"] + 1.0
+    for m in (0, 1):
+        assert first("learner_done", m)["time"] < back["time"], events
+    assert not [e for e in events if e["event"] == "final_sync_unconfirmed"]
+    assert summary["steps"] == 40 and summary["failures"] == 1

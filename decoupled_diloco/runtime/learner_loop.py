@@ -25,7 +25,7 @@ from absl import logging
 from decoupled_diloco import checkpoint, faults, mfu, paths, profiling
 from decoupled_diloco.data.prefetch import Prefetch
 from decoupled_diloco.diloco.learner import Learner, materialize
-from decoupled_diloco.diloco.messages import Snapshot
+from decoupled_diloco.diloco.messages import Leave, Snapshot
 from decoupled_diloco.runtime.boundary import MergeStager, apply_updates, finish, step_boundary
 from decoupled_diloco.runtime.outbox import Outbox
 
@@ -71,7 +71,9 @@ def next_life(ckpt_dir: str, m: int, host: int, floor: int) -> int:
 class LearnerLoop:
     """Learner m. `run(stop)` trains it to `train.steps`; `sink` takes its outputs:
     event(dict), row(dict), step(m, seconds, t), idle(m, seconds), finished(m, t).
-    `between_steps` (optional) runs after every step (Ray: evaluation requests)."""
+    `between_steps` (optional) runs after every step (Ray: evaluation requests).
+    `notice_down` (optional; emulated crashes) takes the Leave the runtime posts for the
+    life an emulated crash ended, as Ray's driver does for a process it killed."""
 
     def __init__(
         self,
@@ -93,10 +95,11 @@ class LearnerLoop:
         host: int = 0,
         abort: threading.Event | None = None,
         lives: str | None = None,
+        notice_down=None,
     ):
         self.m, self.run_cfg, self.replica, self.data, self.plan = m, run, replica, data, plan
         self.link, self.schedule, self.clock = link, schedule, clock
-        self.sink, self.ckpt = sink, ckpt
+        self.sink, self.ckpt, self.notice_down = sink, ckpt, notice_down
         self.emulate_crashes, self.evaluate, self.host = emulate_crashes, evaluate, host
         self.between_steps = between_steps
         self.abort = abort  # set: the run failed elsewhere; waiting for replies raises
@@ -401,7 +404,12 @@ class LearnerLoop:
         if self.replica.state is not None and (self.emulate_crashes or not member):
             if member:  # down since t (the event carries when it happened, not when seen)
                 self.sink.event({**self._event("learner_down"), "time": t})
+                life, joined = self.incarnation, self.proto is not None
                 self._crash("crash")
+                if joined and self.notice_down is not None:
+                    # Its runtime saw the slice fail: no round waits for the dead life (nor
+                    # a final sync of the others), and it leaves the roster until it rejoins.
+                    self.notice_down(Leave(self.m, life, self.clock()))
             else:  # left at t (stopped stepping); its final sync follows
                 self.sink.event({**self._event("learner_leave"), "time": t})
                 self._finish(finished=False, offer_work=not diverged)

@@ -144,6 +144,7 @@ class LocalRuntime:
                 between_steps=lambda m=m: self._maybe_halt(m),
                 abort=self.failed,
                 lives=str(self.ckpt_dir),
+                notice_down=self._notice_down,
             )
             self.loops.append(loop)
         self.evaluator = Evaluator(
@@ -175,6 +176,12 @@ class LocalRuntime:
             self.learner_inboxes,
             reply_seconds=lambda m, n: self.schedule.transfer_seconds(m, n),
         )
+
+    def _notice_down(self, leave) -> None:
+        """An emulated crash ended a learner's life: every syncer shard hears it at once
+        (what Ray's driver posts for a learner process it killed)."""
+        for inbox in self.syncer_inboxes:
+            inbox.put(leave)
 
     def _maybe_halt(self, m: int) -> None:
         if self.halt_after is not None and self.loops[m].step >= self.halt_after:

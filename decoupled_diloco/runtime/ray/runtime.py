@@ -289,9 +289,10 @@ class RayRuntime:
         self.fates.remove(m, self.status[m]["step"], self.now(), stopped=True)
 
     def _leave(self, m: int) -> None:
-        """Learner m is out for good: every syncer shard hears that it left, in its last
-        known life, so that no round waits for it and it leaves the roster now, not after
-        `diloco.heartbeat_timeout` of silence (its pending offers stay valid)."""
+        """Learner m's process is gone (killed here, or out for good): every syncer shard
+        hears that it left, in its last known life, so that no round waits for it and it
+        leaves the roster now, not after `diloco.heartbeat_timeout` of silence (its
+        pending offers stay valid; a restarted process joins as a new life)."""
         if "incarnation" in self.status[m]:  # it has joined the syncer (else: nothing to do)
             leave = Leave(m, self.status[m]["incarnation"], self.now())
             for actor in self.syncers:
@@ -331,6 +332,7 @@ class RayRuntime:
                 m = ev.learner
                 for h in range(self.hosts[m]):
                     self._kill(("learner", m, h), self.learners[(m, h)])
+                self._leave(m)  # until its restarted process joins as a new life
                 self.log.event(
                     {
                         "event": "learner_down",
