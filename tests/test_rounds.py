@@ -136,6 +136,28 @@ def test_a_round_covers_the_slot_the_kth_fastest_reached():
     assert set(m.learners) == {1, 2}
 
 
+def test_when_the_learner_that_paced_the_rounds_leaves_the_others_pace_them():
+    """K = 1, three learners. Learner 0 runs ahead to slot 3 and leaves (it finished its
+    steps, or crashed): no offer of the others can pass its slot. They must pace the rounds
+    themselves from then on, an offer past their own merged slots merging at once, not
+    wait in catch-up rounds, which wait for every live learner (the run's end at the
+    slowest learner's pace, and while a fast learner was down)."""
+    s = syncer(learners=3)
+    assert merged(s.handle(offer(0, step=4), 1.0))  # slot 1, learner 0 alone
+    assert not merged(s.handle(offer(1, step=4), 1.1))
+    (m,) = merged(s.handle(offer(2, step=4), 1.2))  # catch-up: both late ones in
+    assert m.learners == (1, 2)
+    for step, t in ((8, 2.0), (12, 3.0)):  # learner 0 alone covers slots 2 and 3
+        assert merged(s.handle(offer(0, step=step, base=s.version[0]), t))
+    assert not merged(s.handle(Leave(0, 0, 3.5, finished=True), 3.5))
+    (m,) = merged(s.handle(offer(1, step=8, base=s.version[0]), 4.0))  # slot 2: fresh again
+    assert m.learners == (1,)
+    # Learner 2's slot-2 offer missed that round: it catches up at once (learner 1 was in
+    # the last round, no other live learner is missing).
+    (m,) = merged(s.handle(offer(2, step=8, base=s.version[0]), 4.1))
+    assert m.learners == (2,)
+
+
 def test_partial_merges_move_theta_by_their_share_of_the_roster():
     rng = np.random.default_rng(1)
     v = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}

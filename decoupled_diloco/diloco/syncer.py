@@ -220,7 +220,7 @@ class Syncer:
         info.counted = True  # its work reaches Θ: in the roster from now (registry.py)
         if offer.c_steps:
             info.tokens_per_step = round(offer.c_tokens / offer.c_steps)
-        fresh = self.cfg.rounds == "eager" or self.slot(offer) > self.last_slot[p]
+        fresh = self.cfg.rounds == "eager" or self.slot(offer) > self.paced_slot(p, now)
         if self.round_open[p] is None and fresh:  # a late offer does not open a round
             self.round_open[p] = now
         # A newer offer of the same life holds the older one's work (both are anchored on
@@ -253,11 +253,24 @@ class Syncer:
         reported = None if info is None else (info.incarnation, info.step)
         return rounds.offer_slot(self.plan, offer, reported)
 
-    def fresh_offers(self, p: int) -> int:
+    def paced_slot(self, p: int, now: float) -> int:
+        """The slot an offer of fragment p must pass to be fresh: the one the last round
+        covered, unless no live learner's work has been merged that far (the learners
+        that reached it left: a fast one that finished its step budget, a crashed one):
+        then the highest slot a live learner's work was merged in, so that the learners
+        left pace the rounds again (K of them), instead of offers that can never be fresh
+        waiting for catch-up rounds, which wait for every live learner."""
+        live = set(self.live(now))
+        reached = [self.plan.slot(p, step) for m, (_, step, _) in self.merged_into[p].items()
+                   if m in live]  # fmt: skip
+        return min(self.last_slot[p], max(reached, default=-1))
+
+    def fresh_offers(self, p: int, now: float) -> int:
         """Offers counting towards the quorum of fragment p's next round."""
         if self.cfg.rounds == "eager":
             return len(self.pending[p])
-        return sum(self.slot(o) > self.last_slot[p] for o, _, _ in self.pending[p].values())
+        paced = self.paced_slot(p, now)
+        return sum(self.slot(o) > paced for o, _, _ in self.pending[p].values())
 
     def tick(self, now: float) -> list[tuple[int, object]]:
         """Closes every round whose quorum and grace window are satisfied."""
@@ -267,7 +280,7 @@ class Syncer:
         for p in self.owned:
             pending = self.pending[p]
             everyone = bool(pending) and live <= set(pending)
-            fresh = self.fresh_offers(p)
+            fresh = self.fresh_offers(p, now)
             if fresh >= self.cfg.quorum:
                 if self.quorum_at[p] is None:
                     # A waiting offer turns fresh when its learner reports a later slot
@@ -278,7 +291,7 @@ class Syncer:
                     self.grace.quorum.update(now - (self.round_open[p] or now))
                 if everyone or now >= self.quorum_at[p] + self.grace_window():
                     out += self._merge(p, now)
-            elif everyone or (not fresh and self._catch_up(p, live)):
+            elif everyone or (not fresh and self._catch_up(p, live, now)):
                 # Below quorum, but nobody else is going to offer; or a catch-up round.
                 out += self._merge(p, now)
         return out + self._sent()
@@ -297,8 +310,8 @@ class Syncer:
                 out += self._merge(p, now)
         return out + self._sent()
 
-    def _catch_up(self, p: int, live: set[int]) -> bool:
-        done = rounds.current(self.plan, p, self.merged_into[p], self.last_slot[p])
+    def _catch_up(self, p: int, live: set[int], now: float) -> bool:
+        done = rounds.current(self.plan, p, self.merged_into[p], self.paced_slot(p, now))
         return rounds.catch_up(set(self.pending[p]), live, done)
 
     def _others_weight(self, kept: list[Offer], now: float) -> list[float]:
@@ -313,6 +326,8 @@ class Syncer:
         offers = sorted(self.pending[p].values(), key=lambda oa: oa[0].learner)
         self.pending[p] = {}
         version = self.version[p]
+        # Before merged_into takes this round's offers (the slot they are fresh against).
+        paced = self.last_slot[p] if self.cfg.rounds == "eager" else self.paced_slot(p, now)
         kept, vs, sq_norms = [], [], []
         for o, a, q in offers:
             if version - o.base_version <= self.cfg.max_staleness:
@@ -351,7 +366,7 @@ class Syncer:
         for o in kept:
             self.merged_into[p][o.learner] = (o.incarnation, o.step, version + 1)
         self.last_slot[p] = rounds.covered_slot(
-            [self.slot(o) for o in kept], self.last_slot[p], cfg.quorum, cfg.rounds == "eager"
+            [self.slot(o) for o in kept], paced, cfg.quorum, cfg.rounds == "eager"
         )
         if payload is None:
             payload = compression.encode(self.theta[p], cfg.reply_compression)
