@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -436,6 +437,67 @@ def test_learners_killed_in_their_final_sync_rejoin_when_resumed(
         assert (cuts[m]["lost_steps"], cuts[m]["skipped_steps"], cuts[m]["step"]) == (12, 0, 12)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rolled_back_merges"] == first and summary["merges"] == 0
+
+
+def test_a_learner_killed_in_its_final_sync_before_its_last_save_resumes_to_its_last_step(
+    small_config, tmp_path, monkeypatch
+):
+    """Killed after its final offers went out (fragment 0's merged up to step 12) but before
+    the last step's save: resumed from step 8, it is cut to Θ's clock, 12, and must not
+    take a 13th step (whose offers and heartbeats the syncer refuses as past the run)."""
+    cfg = small_config(**{"train.steps": 12, "train.checkpoint_every": 4, **DECOUPLED,
+                          "diloco.final_wait": 5.0})  # fmt: skip
+    save = learner_loop.LearnerLoop.save
+
+    def die_before_the_last_save(loop):
+        if loop.step == 12:
+            time.sleep(1.0)  # its final offers travel and merge
+            raise local_runtime._HaltError
+        save(loop)
+
+    monkeypatch.setattr(learner_loop.LearnerLoop, "save", die_before_the_last_save)
+    _halted(cfg, tmp_path, after=13)  # (no step 13: only the save above stops them)
+    monkeypatch.undo()
+    assert _steps(tmp_path / "checkpoints" / "learner_0")[-1] == 8
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    assert summary["steps"] == 12
+    rows = [r for r in _read(tmp_path / "metrics.jsonl") if r["learner"] in (0, 1)]
+    assert max(r["step"] for r in rows) <= 12
+    events = _read(tmp_path / "events.jsonl")
+    assert not [e for e in events if e["event"] in ("reject", "final_sync_unconfirmed")]
+
+
+def test_a_stop_request_reaches_a_learner_out_of_the_membership(small_config, tmp_path):
+    """Ray's Ctrl-C asks each learner to stop through its inbox: learner 1, between two
+    membership windows (out from 2 s to 60 s), must see the request now, not when its next
+    window opens."""
+    from decoupled_diloco.runtime.learner_loop import StopRequest
+
+    windows = [[0, 0.0, 1e9], [1, 0.0, 2.0], [1, 60.0, 1e9]]
+    cfg = small_config(**{"train.steps": 4000, **DECOUPLED, "faults.membership": windows})
+    rt = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    thread = threading.Thread(target=rt.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+
+    def out() -> bool:  # it left, and its final sync is over
+        left = any(e["event"] == "leave" and e["learner"] == 1
+                   for e in _read(tmp_path / "events.jsonl"))  # fmt: skip
+        return left and rt.loops[1].proto is None
+
+    while not out():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)  # its final sync is over: it only waits for its next window
+    rt.learner_inboxes[1].put(StopRequest())
+    asked = time.monotonic()
+    while not rt.loops[1]._stop_requested and time.monotonic() < asked + 10:
+        time.sleep(0.1)
+    seen = rt.loops[1]._stop_requested
+    rt.learner_inboxes[0].put(StopRequest())  # end the run
+    thread.join(120)
+    assert seen and rt.loops[1].interrupted
+    assert not thread.is_alive()
 
 
 def test_a_resume_after_a_kill_takes_a_life_the_syncer_has_not_seen(small_config, tmp_path):

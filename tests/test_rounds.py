@@ -158,6 +158,18 @@ def test_when_the_learner_that_paced_the_rounds_leaves_the_others_pace_them():
     assert m.learners == (2,)
 
 
+def test_the_rounds_pace_is_unchanged_while_the_learner_that_set_it_is_live():
+    """Learner 0's slot-1 offer stands for slot 2 (it has reported step 9: its next offer
+    waits for this one), so its round covers slot 2; learner 1's slot-2 offer is then late
+    and waits, as it would without the rule for departed pacers (merged offers' slots are
+    taken as they stood, not from their steps)."""
+    s = syncer(learners=3)
+    s.handle(Heartbeat(0, 0, 9, 0.1, 0.9), 0.9)
+    assert merged(s.handle(offer(0, step=4), 1.0)) and s.last_slot[0] == 2
+    assert not merged(s.handle(offer(1, step=8), 2.0))
+    assert s.version[0] == 1
+
+
 def test_partial_merges_move_theta_by_their_share_of_the_roster():
     rng = np.random.default_rng(1)
     v = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}

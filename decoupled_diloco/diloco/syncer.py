@@ -80,6 +80,9 @@ class Syncer:
         self.last_slot = {p: -1 for p in self.owned}  # the slot the last round covered
         # fragment -> learner -> (incarnation, step, version) of its latest merged offer
         self.merged_into: dict[int, dict[int, tuple[int, int, int]]] = {p: {} for p in self.owned}
+        # learner -> the slot its latest merged offer stood for (rounds.offer_slot at the
+        # merge: its reported step counts), against which `last_slot` was covered
+        self.merged_slot: dict[int, dict[int, int]] = {p: {} for p in self.owned}
         # fragment -> learner -> (offer, decoded outer gradient, its per-leaf ‖v‖²)
         self.pending: dict[int, dict[int, tuple[Offer, dict, dict]]] = {p: {} for p in self.owned}
         self.round_open: dict[int, float | None] = {p: None for p in self.owned}
@@ -261,8 +264,7 @@ class Syncer:
         left pace the rounds again (K of them), instead of offers that can never be fresh
         waiting for catch-up rounds, which wait for every live learner."""
         live = set(self.live(now))
-        reached = [self.plan.slot(p, step) for m, (_, step, _) in self.merged_into[p].items()
-                   if m in live]  # fmt: skip
+        reached = [slot for m, slot in self.merged_slot[p].items() if m in live]
         return min(self.last_slot[p], max(reached, default=-1))
 
     def fresh_offers(self, p: int, now: float) -> int:
@@ -363,11 +365,11 @@ class Syncer:
             scratch=self._scratch, theta_copy=copy,
         )  # fmt: skip
         self.version[p] = version + 1
-        for o in kept:
+        slots = [self.slot(o) for o in kept]
+        for o, slot in zip(kept, slots, strict=True):
             self.merged_into[p][o.learner] = (o.incarnation, o.step, version + 1)
-        self.last_slot[p] = rounds.covered_slot(
-            [self.slot(o) for o in kept], paced, cfg.quorum, cfg.rounds == "eager"
-        )
+            self.merged_slot[p][o.learner] = slot
+        self.last_slot[p] = rounds.covered_slot(slots, paced, cfg.quorum, cfg.rounds == "eager")
         if payload is None:
             payload = compression.encode(self.theta[p], cfg.reply_compression)
         reply = Merged(

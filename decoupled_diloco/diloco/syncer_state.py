@@ -32,23 +32,29 @@ def state_dict(syncer) -> dict:
 def meta_dict(syncer) -> dict:
     """The JSON part of a checkpoint."""
     clocks = {str(p): _clock(syncer, p) for p in syncer.owned}
-    return {**shared_meta(syncer), "merged_into": clocks}
+    slots = {str(p): _slots(syncer, p) for p in syncer.owned}
+    return {**shared_meta(syncer), "merged_into": clocks, "merged_slot": slots}
 
 
 def _clock(syncer, p: int) -> dict:
     return {str(m): list(v) for m, v in syncer.merged_into[p].items()}
 
 
+def _slots(syncer, p: int) -> dict:
+    return {str(m): int(s) for m, s in syncer.merged_slot[p].items()}
+
+
 def fragment_part(syncer, p: int) -> tuple[dict, dict]:
     """Fragment p's own part of a checkpoint, copied: ({"theta", "momentum"} arrays,
-    {"version", "last_slot", "merged_into"}). Taken under the lock around handle/tick, it is
-    one consistent cut of the fragment (its Θ, momentum, version and clock agree)."""
+    {"version", "last_slot", "merged_into", "merged_slot"}). Taken under the lock around
+    handle/tick, it is one consistent cut of the fragment (its Θ, momentum, version and
+    clock agree)."""
     arrays = {
         "theta": {k: v.copy() for k, v in syncer.theta[p].items()},
         "momentum": {k: v.copy() for k, v in syncer.outer[p].momentum.items()},
     }
     info = {"version": int(syncer.version[p]), "last_slot": int(syncer.last_slot[p]),
-            "merged_into": _clock(syncer, p)}  # fmt: skip
+            "merged_into": _clock(syncer, p), "merged_slot": _slots(syncer, p)}  # fmt: skip
     return arrays, info
 
 
@@ -61,7 +67,8 @@ def join_parts(parts: dict[int, tuple[dict, dict]], meta: dict) -> tuple[dict, d
         "last_slot": {str(p): np.int64(i["last_slot"]) for p, (_, i) in parts.items()},
     }
     clocks = {str(p): i["merged_into"] for p, (_, i) in parts.items()}
-    return state, {**meta, "merged_into": clocks}
+    slots = {str(p): i["merged_slot"] for p, (_, i) in parts.items()}
+    return state, {**meta, "merged_into": clocks, "merged_slot": slots}
 
 
 def shared_meta(syncer) -> dict:
@@ -99,6 +106,12 @@ def load(syncer, state: dict, meta: dict, now: float) -> None:
         syncer.last_slot[p] = int(state.get("last_slot", {}).get(str(p), -1))
         clocks = meta.get("merged_into", {}).get(str(p), {})
         syncer.merged_into[p] = {int(m): tuple(int(x) for x in v) for m, v in clocks.items()}
+        # (a checkpoint from before merged_slot was kept: the slot of the merged step)
+        slots = meta.get("merged_slot", {}).get(str(p), {})
+        syncer.merged_slot[p] = {
+            m: int(slots.get(str(m), syncer.plan.slot(p, step)))
+            for m, (_, step, _) in syncer.merged_into[p].items()
+        }
         syncer.pending[p] = {}
         syncer.round_open[p] = syncer.quorum_at[p] = None
     for m, (inc, joined, step, *rest) in meta.get("learners", {}).items():

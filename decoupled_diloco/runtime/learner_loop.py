@@ -190,9 +190,16 @@ class LearnerLoop:
                 if not self._down(t, diverged):
                     self.sink.finished(m, t)  # left for good (scavenging): no longer allocated
                     return
+                if self.link is not None and not self.outbox.inline:
+                    # Down or out of the membership: what arrives is for the life that ended
+                    # (dropped), but a StopRequest must not wait for the next life. (A
+                    # multi-host learner's hosts read their link together, between steps.)
+                    self._receive(0.0)
                 continue
             if self.replica.state is None:
                 self._start()
+                if self.step >= run.train.steps:
+                    break  # resumed in its final sync, and Θ holds every step: none to take
             t_step, waited = time.perf_counter(), self.wait_seconds
             device_wait = self._device_wait
             profiling.step(m, self.step, self.replica.ready)  # --profile's window
