@@ -375,8 +375,11 @@ class LearnerLoop:
     def _finish(self, finished: bool = True, offer_work: bool = True) -> None:
         if self.proto is None:
             return
+        # The end of its training (not a membership leave: it trains again later) is saved
+        # once the final offers and the leave are out.
+        last = offer_work and (finished or self.interrupted)
         finish(self.proto, self.replica, self.outbox, self._receive, self.clock, finished,
-               offer_work, on_left=self.save if offer_work else None)  # fmt: skip
+               offer_work, on_left=self.save if last else None)  # fmt: skip
         left, cfg = self.proto.unmerged_steps(), self.run_cfg.diloco
         if offer_work and cfg.final_sync and any(left):
             # Offers still unanswered (or refused) when diloco.final_wait ran out: Θ may yet
