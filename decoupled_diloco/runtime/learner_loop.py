@@ -250,8 +250,9 @@ class LearnerLoop:
             self.data.close()
         self.sink.finished(m, self.clock())  # training ends; the tail is not allocation
         if self.replica.state is None and self.restored is not None and self.plan is not None:
-            # Resumed from its last step's checkpoint, which is saved before the final sync:
-            # the process may have died during it. Rejoin, and offer what Θ lacks of it.
+            # Resumed from its last step's checkpoint, which is saved during the final sync
+            # (once its final offers are out): the process may have died before the sync
+            # ended. Rejoin, and offer what Θ lacks of it.
             self._start()
         if self.replica.state is not None:
             if diverged:  # its last steps diverged: leave without offering them, unsaved
