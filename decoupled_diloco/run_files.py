@@ -108,9 +108,9 @@ def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
         )
     record, now = root / CORPUS, corpus.fingerprint
     then = json.loads(record.read_text()) if record.exists() else None
-    if then is not None and corpus_record_problem(then):
+    if then is not None and (problem := corpus_record_problem(then)):
         raise ValueError(
-            f"{record} holds {corpus_record_problem(then)}: repair or remove it (a run "
+            f"{record} holds {problem}: repair or remove it (a run "
             "without it records its corpus anew), or use another --workdir"
         )
     if then == now:

@@ -223,7 +223,8 @@ class Syncer:
         info.counted = True  # its work reaches Θ: in the roster from now (registry.py)
         if offer.c_steps:
             info.tokens_per_step = round(offer.c_tokens / offer.c_steps)
-        fresh = self.cfg.rounds == "eager" or self.slot(offer) > self.paced_slot(p, now)
+        eager = self.cfg.rounds == "eager"
+        fresh = eager or self.slot(offer) > self.paced_slot(p, set(self.live(now)))
         if self.round_open[p] is None and fresh:  # a late offer does not open a round
             self.round_open[p] = now
         # A newer offer of the same life holds the older one's work (both are anchored on
@@ -256,22 +257,21 @@ class Syncer:
         reported = None if info is None else (info.incarnation, info.step)
         return rounds.offer_slot(self.plan, offer, reported)
 
-    def paced_slot(self, p: int, now: float) -> int:
+    def paced_slot(self, p: int, live: set[int]) -> int:
         """The slot an offer of fragment p must pass to be fresh: the one the last round
         covered, unless no live learner's work has been merged that far (the learners
         that reached it left: a fast one that finished its step budget, a crashed one):
         then the highest slot a live learner's work was merged in, so that the learners
         left pace the rounds again (K of them), instead of offers that can never be fresh
         waiting for catch-up rounds, which wait for every live learner."""
-        live = set(self.live(now))
         reached = [slot for m, slot in self.merged_slot[p].items() if m in live]
         return min(self.last_slot[p], max(reached, default=-1))
 
-    def fresh_offers(self, p: int, now: float) -> int:
-        """Offers counting towards the quorum of fragment p's next round."""
+    def fresh_offers(self, p: int, paced: int) -> int:
+        """Offers counting towards the quorum of fragment p's next round (`paced`: its
+        `paced_slot`)."""
         if self.cfg.rounds == "eager":
             return len(self.pending[p])
-        paced = self.paced_slot(p, now)
         return sum(self.slot(o) > paced for o, _, _ in self.pending[p].values())
 
     def tick(self, now: float) -> list[tuple[int, object]]:
@@ -282,7 +282,8 @@ class Syncer:
         for p in self.owned:
             pending = self.pending[p]
             everyone = bool(pending) and live <= set(pending)
-            fresh = self.fresh_offers(p, now)
+            paced = self.paced_slot(p, live)
+            fresh = self.fresh_offers(p, paced)
             if fresh >= self.cfg.quorum:
                 if self.quorum_at[p] is None:
                     # A waiting offer turns fresh when its learner reports a later slot
@@ -293,7 +294,7 @@ class Syncer:
                     self.grace.quorum.update(now - (self.round_open[p] or now))
                 if everyone or now >= self.quorum_at[p] + self.grace_window():
                     out += self._merge(p, now)
-            elif everyone or (not fresh and self._catch_up(p, live, now)):
+            elif everyone or (not fresh and self._catch_up(p, live, paced)):
                 # Below quorum, but nobody else is going to offer; or a catch-up round.
                 out += self._merge(p, now)
         return out + self._sent()
@@ -312,8 +313,8 @@ class Syncer:
                 out += self._merge(p, now)
         return out + self._sent()
 
-    def _catch_up(self, p: int, live: set[int], now: float) -> bool:
-        done = rounds.current(self.plan, p, self.merged_into[p], self.paced_slot(p, now))
+    def _catch_up(self, p: int, live: set[int], paced: int) -> bool:
+        done = rounds.current(self.plan, p, self.merged_into[p], paced)
         return rounds.catch_up(set(self.pending[p]), live, done)
 
     def _others_weight(self, kept: list[Offer], now: float) -> list[float]:
@@ -329,7 +330,8 @@ class Syncer:
         self.pending[p] = {}
         version = self.version[p]
         # Before merged_into takes this round's offers (the slot they are fresh against).
-        paced = self.last_slot[p] if self.cfg.rounds == "eager" else self.paced_slot(p, now)
+        eager = self.cfg.rounds == "eager"
+        paced = self.last_slot[p] if eager else self.paced_slot(p, set(self.live(now)))
         kept, vs, sq_norms = [], [], []
         for o, a, q in offers:
             if version - o.base_version <= self.cfg.max_staleness:
@@ -369,7 +371,7 @@ class Syncer:
         for o, slot in zip(kept, slots, strict=True):
             self.merged_into[p][o.learner] = (o.incarnation, o.step, version + 1)
             self.merged_slot[p][o.learner] = slot
-        self.last_slot[p] = rounds.covered_slot(slots, paced, cfg.quorum, cfg.rounds == "eager")
+        self.last_slot[p] = rounds.covered_slot(slots, paced, cfg.quorum, eager)
         if payload is None:
             payload = compression.encode(self.theta[p], cfg.reply_compression)
         reply = Merged(

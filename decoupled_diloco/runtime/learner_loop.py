@@ -42,6 +42,13 @@ class RunInterruptedError(KeyboardInterrupt):
     saved, the syncer merged it and saved; no summary is written, the same command resumes."""
 
 
+# What a run prints on its first Ctrl-C (both runtimes).
+INTERRUPT_NOTICE = (
+    "\ninterrupted: the learners offer their unmerged work and save, then the syncer "
+    "(Ctrl-C again stops at once); the same command resumes"
+)
+
+
 class StopRequest:
     """The runtime's request that a learner stop as if interrupted (Ctrl-C), delivered
     through its inbox with the syncer's replies: the hosts of a multi-host learner receive

@@ -25,7 +25,12 @@ from decoupled_diloco.diloco.fragments import model_plan
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.runtime import accounting, gil
-from decoupled_diloco.runtime.learner_loop import LearnerLoop, RunAbortedError, RunInterruptedError
+from decoupled_diloco.runtime.learner_loop import (
+    INTERRUPT_NOTICE,
+    LearnerLoop,
+    RunAbortedError,
+    RunInterruptedError,
+)
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.runtime.records import RunLog
 from decoupled_diloco.runtime.summary import run_summary
@@ -286,9 +291,7 @@ class LocalRuntime:
         """Ctrl-C: learners stop at their next step, offer what Θ lacks of their work and
         save; the syncer merges it and saves (a second Ctrl-C stops at once, losing what
         the last checkpoints do not hold)."""
-        print("\ninterrupted: the learners offer their unmerged work and save, then the "
-              "syncer (Ctrl-C again stops at once); the same command resumes", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(INTERRUPT_NOTICE, file=sys.stderr, flush=True)
         self.interrupted = True
         for loop in self.loops:
             loop.interrupted = True
