@@ -1,17 +1,32 @@
-"""What every command-line entry point does first (before JAX starts): fake CPU devices to
-partition between learners (XLA_FLAGS; only the CPU backend reads it), quiet logs, and the
+"""What every command-line entry point does first (before JAX starts): XLA flags (fake CPU
+devices to partition between learners, no CUDA graphs on a GPU), quiet logs, and the
 persistent compilation cache. Importing this module does not import JAX."""
 
 import os
 
 CPU_DEVICES = 8
 
+# XLA:GPU replays a jitted program as a CUDA graph ("command buffers") and records library
+# calls (cuBLAS, cuDNN) into it by stream capture. With several threads dispatching to one GPU
+# at once (learners sharing it; each learner's outbox copies beside its step) the capture
+# broke on an NVIDIA H200 (jax 0.11.2, 2026-11-28): 2 of 6 runs of four `mid` learners died
+# with CUDA_ERROR_ILLEGAL_INSTRUCTION after "Failed to trace command buffer: cublasLtMatmul",
+# and the run that had died finished with the graphs off (its tokens/s as those of the runs
+# with them). Only the GPU backend reads the flag; XLA_FLAGS that name it win.
+NO_CUDA_GRAPHS = "--xla_gpu_enable_command_buffer="
 
-def fake_cpu_devices(count: int = CPU_DEVICES) -> None:
-    """`--xla_force_host_platform_device_count`, unless XLA_FLAGS already sets it."""
+
+def xla_flags(cpu_devices: int = CPU_DEVICES) -> None:
+    """XLA_FLAGS before JAX starts: `cpu_devices` fake CPU devices
+    (`--xla_force_host_platform_device_count`; only the CPU backend reads it) and no CUDA
+    graphs (`NO_CUDA_GRAPHS`), each unless XLA_FLAGS already sets it."""
     flags = os.environ.get("XLA_FLAGS", "")
+    add = []
     if "--xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+        add.append(f"--xla_force_host_platform_device_count={cpu_devices}")
+    if "--xla_gpu_enable_command_buffer" not in flags:
+        add.append(NO_CUDA_GRAPHS)
+    os.environ["XLA_FLAGS"] = " ".join([flags, *add]).strip()
 
 
 def start(verbosity_flag_present: bool = False) -> None:

@@ -12,7 +12,7 @@ prints the number in its summary.json (`final_eval_loss`).
 
 from decoupled_diloco import cli
 
-cli.fake_cpu_devices()
+cli.xla_flags()
 
 import dataclasses  # noqa: E402
 import sys  # noqa: E402

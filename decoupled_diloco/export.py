@@ -12,7 +12,7 @@ files; so do `evaluate` and `sample`.
 
 from decoupled_diloco import cli
 
-cli.fake_cpu_devices()
+cli.xla_flags()
 
 import json  # noqa: E402
 import sys  # noqa: E402

@@ -8,7 +8,7 @@ resumes the run from its checkpoints; a finished run is left as it is. Afterward
 
 from decoupled_diloco import cli
 
-cli.fake_cpu_devices()
+cli.xla_flags()
 
 import os  # noqa: E402
 import sys  # noqa: E402

@@ -13,7 +13,7 @@ differ from those of a whole-sequence forward pass.
 
 from decoupled_diloco import cli
 
-cli.fake_cpu_devices()
+cli.xla_flags()
 
 import sys  # noqa: E402
 

@@ -21,13 +21,14 @@ Run directories (metrics.jsonl, merges.jsonl, events.jsonl) go to --workdir/<arm
 
 import importlib.util
 import json
-import os
 import pathlib
 import shutil
 import threading
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from decoupled_diloco import cli  # noqa: E402  (imports no JAX)
+
+cli.xla_flags()  # before JAX starts: 8 fake CPU devices, no CUDA graphs
 
 import matplotlib  # noqa: E402
 

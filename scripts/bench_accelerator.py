@@ -57,6 +57,8 @@ import threading
 
 from absl import app, flags, logging
 
+from decoupled_diloco import cli  # imports no JAX
+
 _QUICK = flags.DEFINE_bool("quick", False, "Fake CPU devices, tiny model, short runs (~3 min).")
 _PART = flags.DEFINE_enum(
     "part", "all", ["all", "overhead", "mfu", "fleet"], "Which measurement (all: overhead, mfu)."
@@ -110,9 +112,10 @@ _FLEET_ARM = flags.DEFINE_enum(
 
 
 def _quick_setup() -> None:
-    """--quick runs on 8 fake CPU devices: XLA reads the flag when JAX starts."""
+    """XLA reads its flags when JAX starts: the entry points' (8 fake CPU devices, no CUDA
+    graphs: `cli.xla_flags`); --quick runs on the fake CPU devices."""
+    cli.xla_flags()
     if "--quick" in sys.argv or "--quick=true" in sys.argv:
-        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

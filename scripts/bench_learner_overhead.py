@@ -37,7 +37,9 @@ import statistics
 import threading
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from decoupled_diloco import cli  # noqa: E402  (imports no JAX)
+
+cli.xla_flags()  # before JAX starts: 8 fake CPU devices, no CUDA graphs
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402

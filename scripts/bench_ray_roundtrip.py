@@ -31,7 +31,9 @@ import tempfile
 import threading
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from decoupled_diloco import cli  # noqa: E402  (imports no JAX)
+
+cli.xla_flags()  # before JAX starts: 8 fake CPU devices, no CUDA graphs
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402

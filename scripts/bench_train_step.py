@@ -23,11 +23,9 @@ devices can keep idle cores busy that one device leaves unused.
 
 import os
 
-# The fake CPU devices must exist before JAX initialises its backend.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+from decoupled_diloco import cli  # imports no JAX
+
+cli.xla_flags()  # the fake CPU devices must exist before JAX initialises its backend
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools  # noqa: E402

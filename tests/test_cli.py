@@ -1,0 +1,61 @@
+"""What the entry points set before JAX starts (decoupled_diloco/cli.py): fake CPU devices and
+no CUDA graphs, each unless the user's XLA_FLAGS already says otherwise."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from decoupled_diloco import cli
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        (None, ["--xla_force_host_platform_device_count=3", cli.NO_CUDA_GRAPHS]),
+        ("--xla_dump_to=/tmp/d", ["--xla_dump_to=/tmp/d", "--xla_force_host_platform_device_count=3", cli.NO_CUDA_GRAPHS]),
+        # The user's choices win: graphs back on for fusions, another device count.
+        ("--xla_gpu_enable_command_buffer=FUSION", ["--xla_gpu_enable_command_buffer=FUSION", "--xla_force_host_platform_device_count=3"]),
+        ("--xla_force_host_platform_device_count=2", ["--xla_force_host_platform_device_count=2", cli.NO_CUDA_GRAPHS]),
+    ],
+)  # fmt: skip
+def test_xla_flags_add_what_the_user_did_not_set(monkeypatch, given, expected):
+    if given is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", given)
+    cli.xla_flags(3)
+    assert os.environ["XLA_FLAGS"].split() == expected
+    cli.xla_flags(3)  # a second call adds nothing
+    assert os.environ["XLA_FLAGS"].split() == expected
+
+
+def test_every_entry_point_sets_the_flags_before_jax_starts():
+    """Each module that starts JAX for a user (the run, evaluate, sample, export, the
+    experiments' harness) sets XLA_FLAGS on import; JAX has not picked a backend yet."""
+    code = """
+import importlib, json, os, sys
+sys.path.insert(0, "experiments")
+seen = {}
+for name in ["decoupled_diloco.main", "decoupled_diloco.evaluate", "decoupled_diloco.sample",
+             "decoupled_diloco.export", "harness"]:
+    os.environ.pop("XLA_FLAGS", None)
+    importlib.import_module(name)
+    seen[name] = os.environ.get("XLA_FLAGS", "")
+import jax._src.xla_bridge as xb
+print(json.dumps({"flags": seen, "backends_started": bool(xb._backends)}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, flags in got["flags"].items():
+        assert cli.NO_CUDA_GRAPHS in flags.split(), name
+        assert "--xla_force_host_platform_device_count=8" in flags.split(), name
+    assert not got["backends_started"]
