@@ -11,6 +11,7 @@
 #     bash scripts/device_check.sh speed     # merge beside busy threads (host), learner overhead
 #                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
+#     bash scripts/device_check.sh profile   # jax.profiler traces: one mid Decoupled learner, plain loop
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
 # copies the tables after every run, so a part cut short still returns what ran.
@@ -137,8 +138,32 @@ case $part in
   mfu)
     mfu
     ;;
+  profile)
+    # Where a Decoupled learner's thread spends its host time on the GPU (host_share 0.88
+    # on the H200, 2026-11-28, where the plain loop's is 0.30; 0.2 with an emulated
+    # device): a jax.profiler trace (host threads and device) of the same `mid` learner as
+    # the overhead bench's, one learner, and of the plain loop, 8 steps each after warm-up.
+    # Read with xprof or TensorBoard's profile plugin.
+    if [[ ${SMOKE:-0} == 1 ]]; then
+      M=(--config.train.steps=12 --config.train.warmup_steps=2) W=4:8
+    else
+      M=(--config.model.preset=mid --config.data.seq_len=256 --config.devices_per_learner=1
+        --config.train.batch_size=32 --config.train.learning_rate=0.012
+        --config.train.steps=140 --config.train.warmup_steps=10) W=120:128
+    fi
+    for cfg in tiny_decoupled tiny_dense; do
+      extra=()
+      [[ $cfg == tiny_decoupled ]] && extra=(--config.diloco.learners=1)
+      rm -rf "$DEVICE_CHECK_DIR/prof_$cfg"
+      timeout $((DEADLINE_S / 2)) python3 -m decoupled_diloco.main --config="configs/$cfg.py" \
+        "${M[@]}" "${extra[@]}" --config.train.eval_every=0 --profile=$W \
+        --workdir="$DEVICE_CHECK_DIR/prof_$cfg" 2>&1 | tail -5 | tee -a "$OUT/profile.log"
+      tar czf "$OUT/profile_$cfg.tgz" -C "$DEVICE_CHECK_DIR/prof_$cfg" profile summary.json
+      ls -la "$OUT/profile_$cfg.tgz" | tee -a "$OUT/profile.log"
+    done
+    ;;
   *)
-    echo "usage: $0 wheels | quality | more | speed | mfu" >&2
+    echo "usage: $0 wheels | quality | more | speed | mfu | profile" >&2
     exit 2
     ;;
 esac
