@@ -326,6 +326,49 @@ def test_checkpoints_take_at_most_their_duty_of_the_time(tmp_path, monkeypatch, 
         assert len(gaps) >= 8 and gaps[1:].max() < 0.2, gaps
 
 
+def test_the_gap_after_a_save_counts_that_save(tmp_path, monkeypatch):
+    """The duty's gap is computed once the save before it has ended: a gap computed while it
+    was still being written (its time unknown) let the next save start at once."""
+    from decoupled_diloco.runtime import syncer_loop
+
+    starts, release = [], threading.Event()
+
+    def slow_save(self):
+        starts.append(time.monotonic())
+        time.sleep(0.1)
+        if len(starts) == 2:
+            release.wait(0.5)  # ends once the serving thread computed a gap meanwhile
+        self._saved_key = ((0, len(starts)),), ()
+        return True
+
+    real_gap = syncer_loop.checkpoint_gap
+
+    def gap(interval, save_seconds, duty):
+        if len(starts) == 2 and not release.is_set():  # the second save is being written
+            release.set()
+            loop._saver.join()  # it ends before the gap computed here is used
+        return real_gap(interval, save_seconds, duty)
+
+    monkeypatch.setattr(SyncerLoop, "save", slow_save)
+    monkeypatch.setattr(syncer_loop, "checkpoint_gap", gap)
+    cfg = dataclasses.replace(CFG, syncer_checkpoint_seconds=0.01, syncer_checkpoint_duty=0.25)
+    run = types.SimpleNamespace(diloco=cfg, train=RUN.train, data=RUN.data)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    loop = SyncerLoop(0, run, PLAN, params, ListLink(), FragmentCheckpointer(str(tmp_path)),
+                      schedule=None, clock=time.monotonic, record=lambda r: None,
+                      emulate_outages=False)  # fmt: skip
+    stop = threading.Event()
+    server = threading.Thread(target=loop.run, args=(stop,))
+    server.start()
+    deadline = time.monotonic() + 10
+    while len(starts) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    server.join()
+    # The second save took 0.1-0.6 s, the first 0.1 s: 0.1 / 0.25 = 0.4 s at least.
+    assert len(starts) >= 3 and starts[2] - starts[1] >= 0.4 - 0.02, np.diff(starts)
+
+
 def test_what_a_save_costs_ignores_merge_less_saves_and_one_slow_save(tmp_path, monkeypatch):
     """The duty spaces saves by the shorter of the last two that held merges: the first
     saves (they meet the learners' compilation) and one slow save do not stretch the gap;

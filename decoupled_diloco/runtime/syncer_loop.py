@@ -98,6 +98,8 @@ class SyncerLoop:
                 self._set(self._restore(after_failure=True))
                 self._announce()
             self.serve_turn()
+            if self._saver is not None and self._saver.is_alive():
+                continue  # the gap after a save counts that save's time, known once it ends
             d = self.run_cfg.diloco
             gap = checkpoint_gap(d.syncer_checkpoint_seconds, self.save_seconds,
                                  d.syncer_checkpoint_duty)  # fmt: skip
