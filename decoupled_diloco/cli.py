@@ -16,13 +16,13 @@ CPU_DEVICES = 8
 NO_CUDA_GRAPHS = "--xla_gpu_enable_command_buffer="
 
 
-def xla_flags(cpu_devices: int = CPU_DEVICES) -> None:
+def xla_flags(cpu_devices: int | None = CPU_DEVICES) -> None:
     """XLA_FLAGS before JAX starts: `cpu_devices` fake CPU devices
-    (`--xla_force_host_platform_device_count`; only the CPU backend reads it) and no CUDA
-    graphs (`NO_CUDA_GRAPHS`), each unless XLA_FLAGS already sets it."""
+    (`--xla_force_host_platform_device_count`; only the CPU backend reads it; None: JAX's
+    one) and no CUDA graphs (`NO_CUDA_GRAPHS`), each unless XLA_FLAGS already sets it."""
     flags = os.environ.get("XLA_FLAGS", "")
     add = []
-    if "--xla_force_host_platform_device_count" not in flags:
+    if cpu_devices is not None and "--xla_force_host_platform_device_count" not in flags:
         add.append(f"--xla_force_host_platform_device_count={cpu_devices}")
     if "--xla_gpu_enable_command_buffer" not in flags:
         add.append(NO_CUDA_GRAPHS)

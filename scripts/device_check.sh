@@ -11,6 +11,7 @@
 #     bash scripts/device_check.sh speed     # merge beside busy threads (host), learner overhead
 #                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
+#     bash scripts/device_check.sh overlap   # mid, P = 1: what tau = 2 costs without fragments
 #     bash scripts/device_check.sh profile   # jax.profiler traces: one mid Decoupled learner, plain loop
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
@@ -138,6 +139,21 @@ case $part in
   mfu)
     mfu
     ;;
+  overlap)
+    # The overlap tau = 2 alone cost 4.1% at mid (H200, 2026-11-28, P = 6: 0.7481 -> 0.7785);
+    # on the tiny model it costs ~0.6% with P = 1, 3 or 12 and 1.1-1.5% with P = 6
+    # (experiments/results/overlap_spacing/). Does it at mid with P = 1? Seed 0, two runs.
+    L=(experiments/quality_ladder.py "${SCALE[@]}" --seeds=0 --arms=diloco)
+    for tau in 0 2; do
+      fits || exit 0
+      start=$SECONDS
+      timeout $((DEADLINE_S - SECONDS)) python3 "${L[@]}" --set=diloco.overlap=$tau \
+        --out="$DEVICE_CHECK_DIR/overlap_p1_tau$tau" >>"$OUT/$part.log" 2>&1
+      echo "[$SECONDS s] P = 1, tau $tau: rc $?" | tee -a "$OUT/$part.log"
+      cp "$DEVICE_CHECK_DIR/overlap_p1_tau$tau/quality_ladder.md" "$OUT/overlap_p1_tau$tau.md"
+      last_run_s=$((SECONDS - start))
+    done
+    ;;
   profile)
     # Where a Decoupled learner's thread spends its host time on the GPU (host_share 0.88
     # on the H200, 2026-11-28, where the plain loop's is 0.30; 0.2 with an emulated
@@ -163,7 +179,7 @@ case $part in
     done
     ;;
   *)
-    echo "usage: $0 wheels | quality | more | speed | mfu | profile" >&2
+    echo "usage: $0 wheels | quality | more | speed | mfu | overlap | profile" >&2
     exit 2
     ;;
 esac

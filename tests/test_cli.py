@@ -13,14 +13,19 @@ from decoupled_diloco import cli
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
+COUNT = "--xla_force_host_platform_device_count"
+OFF = cli.NO_CUDA_GRAPHS
+
+
 @pytest.mark.parametrize(
     "given, expected",
     [
-        (None, ["--xla_force_host_platform_device_count=3", cli.NO_CUDA_GRAPHS]),
-        ("--xla_dump_to=/tmp/d", ["--xla_dump_to=/tmp/d", "--xla_force_host_platform_device_count=3", cli.NO_CUDA_GRAPHS]),
+        (None, [f"{COUNT}=3", OFF]),
+        ("--xla_dump_to=/tmp/d", ["--xla_dump_to=/tmp/d", f"{COUNT}=3", OFF]),
         # The user's choices win: graphs back on for fusions, another device count.
-        ("--xla_gpu_enable_command_buffer=FUSION", ["--xla_gpu_enable_command_buffer=FUSION", "--xla_force_host_platform_device_count=3"]),
-        ("--xla_force_host_platform_device_count=2", ["--xla_force_host_platform_device_count=2", cli.NO_CUDA_GRAPHS]),
+        ("--xla_gpu_enable_command_buffer=FUSION",
+         ["--xla_gpu_enable_command_buffer=FUSION", f"{COUNT}=3"]),
+        (f"{COUNT}=2", [f"{COUNT}=2", OFF]),
     ],
 )  # fmt: skip
 def test_xla_flags_add_what_the_user_did_not_set(monkeypatch, given, expected):
@@ -32,6 +37,12 @@ def test_xla_flags_add_what_the_user_did_not_set(monkeypatch, given, expected):
     assert os.environ["XLA_FLAGS"].split() == expected
     cli.xla_flags(3)  # a second call adds nothing
     assert os.environ["XLA_FLAGS"].split() == expected
+
+
+def test_xla_flags_can_leave_the_cpu_device_count_alone(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    cli.xla_flags(None)
+    assert os.environ["XLA_FLAGS"].split() == [OFF]
 
 
 def test_every_entry_point_sets_the_flags_before_jax_starts():
@@ -56,6 +67,6 @@ print(json.dumps({"flags": seen, "backends_started": bool(xb._backends)}))
     )  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])
     for name, flags in got["flags"].items():
-        assert cli.NO_CUDA_GRAPHS in flags.split(), name
-        assert "--xla_force_host_platform_device_count=8" in flags.split(), name
+        assert OFF in flags.split(), name
+        assert f"{COUNT}=8" in flags.split(), name
     assert not got["backends_started"]
