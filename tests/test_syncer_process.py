@@ -180,6 +180,35 @@ def test_a_syncer_process_gives_the_run_a_syncer_thread_gives(small_config, tmp_
         assert s_p[key] == s_t[key], key
 
 
+def test_a_learner_at_its_boundary_when_the_run_fails_elsewhere_keeps_its_work(
+    small_config, tmp_path, monkeypatch
+):
+    """The run fails (another thread) while a learner is at a step boundary, where it reads
+    its replies: it stops there and saves its step, as a learner the failure finds between
+    steps does (before, the boundary's RunAbortedError left it unsaved)."""
+    from decoupled_diloco.runtime.learner_loop import LearnerLoop
+
+    cfg = _synchronous(small_config, **{"train.steps": 40, "train.eval_every": 0,
+                                        "faults.speed_factors": [1.0, 1.0]})  # fmt: skip
+    rt = LocalRuntime(cfg, str(tmp_path), verbose=False)
+    boundary = LearnerLoop._boundary
+
+    def fail_elsewhere_at_step_6(self):
+        if self.m == 0 and self.step == 6:  # what a failed thread does (LocalRuntime._thread)
+            rt.errors.append(RuntimeError("another thread failed"))
+            rt.failed.set()
+        return boundary(self)
+
+    monkeypatch.setattr(LearnerLoop, "_boundary", fail_elsewhere_at_step_6)
+    with pytest.raises(RuntimeError):
+        rt.run()
+    loop = rt.loops[0]
+    assert loop.step == 6
+    ckpt = Checkpointer(tmp_path / "checkpoints" / "learner_0")
+    assert ckpt.latest_step() == 6
+    ckpt.close()
+
+
 def test_a_syncer_process_that_dies_fails_the_run_instead_of_hanging(small_config, tmp_path):
     cfg = _synchronous(small_config, local_syncer="process", **{"train.steps": 400,
                        "train.eval_every": 0})  # fmt: skip

@@ -212,10 +212,13 @@ class LearnerLoop:
             profiling.step(m, self.step, self.replica.ready)  # --profile's window
             metrics = self.replica.step(next(self.data))
             self.step += 1
+            unread.append((self.step, metrics))
             if self.proto is not None:
                 self.proto.stepped()
-                self._boundary()
-            unread.append((self.step, metrics))
+                try:
+                    self._boundary()
+                except RunAbortedError:
+                    break  # the run failed elsewhere: its work is saved below, as at a stop
             # A save or an evaluation needs this step's own metrics (NaN check, row) now:
             # the device's wait for it is this step's compute, read inside its time; the
             # evaluation itself is idle, not training (a DP learner evaluates in _report).
