@@ -307,18 +307,7 @@ def test_checkpoints_take_at_most_their_duty_of_the_time(tmp_path, monkeypatch, 
         return True
 
     monkeypatch.setattr(SyncerLoop, "save", slow_save)
-    cfg = dataclasses.replace(CFG, syncer_checkpoint_seconds=0.01, syncer_checkpoint_duty=duty)
-    run = types.SimpleNamespace(diloco=cfg, train=RUN.train, data=RUN.data)
-    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    loop = SyncerLoop(0, run, PLAN, params, ListLink(), FragmentCheckpointer(str(tmp_path)),
-                      schedule=None, clock=time.monotonic, record=lambda r: None,
-                      emulate_outages=False)  # fmt: skip
-    stop = threading.Event()
-    server = threading.Thread(target=loop.run, args=(stop,))
-    server.start()
-    time.sleep(1.5)
-    stop.set()
-    server.join()
+    _serve_with_saves_due_every_10ms(tmp_path, duty, done=lambda: False, seconds=1.5)
     gaps = np.diff(starts[:-1])  # the last one is the final save at stop
     if duty < 1:
         assert len(gaps) >= 2 and gaps[1:].min() >= 0.4 - 0.02, gaps  # after the first save
@@ -326,12 +315,33 @@ def test_checkpoints_take_at_most_their_duty_of_the_time(tmp_path, monkeypatch, 
         assert len(gaps) >= 8 and gaps[1:].max() < 0.2, gaps
 
 
+def _serve_with_saves_due_every_10ms(tmp_path, duty, done, seconds, started=None):
+    """Serves a syncer loop with saves due every 0.01 s and `duty` until `done()` or for
+    `seconds`; `started(loop)` once it exists."""
+    cfg = dataclasses.replace(CFG, syncer_checkpoint_seconds=0.01, syncer_checkpoint_duty=duty)
+    run = types.SimpleNamespace(diloco=cfg, train=RUN.train, data=RUN.data)
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    loop = SyncerLoop(0, run, PLAN, params, ListLink(), FragmentCheckpointer(str(tmp_path)),
+                      schedule=None, clock=time.monotonic, record=lambda r: None,
+                      emulate_outages=False)  # fmt: skip
+    if started is not None:
+        started(loop)
+    stop = threading.Event()
+    server = threading.Thread(target=loop.run, args=(stop,))
+    server.start()
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    server.join()
+
+
 def test_the_gap_after_a_save_counts_that_save(tmp_path, monkeypatch):
     """The duty's gap is computed once the save before it has ended: a gap computed while it
     was still being written (its time unknown) let the next save start at once."""
     from decoupled_diloco.runtime import syncer_loop
 
-    starts, release = [], threading.Event()
+    starts, release, loops = [], threading.Event(), []
 
     def slow_save(self):
         starts.append(time.monotonic())
@@ -346,25 +356,13 @@ def test_the_gap_after_a_save_counts_that_save(tmp_path, monkeypatch):
     def gap(interval, save_seconds, duty):
         if len(starts) == 2 and not release.is_set():  # the second save is being written
             release.set()
-            loop._saver.join()  # it ends before the gap computed here is used
+            loops[0]._saver.join()  # it ends before the gap computed here is used
         return real_gap(interval, save_seconds, duty)
 
     monkeypatch.setattr(SyncerLoop, "save", slow_save)
     monkeypatch.setattr(syncer_loop, "checkpoint_gap", gap)
-    cfg = dataclasses.replace(CFG, syncer_checkpoint_seconds=0.01, syncer_checkpoint_duty=0.25)
-    run = types.SimpleNamespace(diloco=cfg, train=RUN.train, data=RUN.data)
-    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    loop = SyncerLoop(0, run, PLAN, params, ListLink(), FragmentCheckpointer(str(tmp_path)),
-                      schedule=None, clock=time.monotonic, record=lambda r: None,
-                      emulate_outages=False)  # fmt: skip
-    stop = threading.Event()
-    server = threading.Thread(target=loop.run, args=(stop,))
-    server.start()
-    deadline = time.monotonic() + 10
-    while len(starts) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stop.set()
-    server.join()
+    _serve_with_saves_due_every_10ms(tmp_path, 0.25, done=lambda: len(starts) >= 3, seconds=10,
+                                     started=loops.append)  # fmt: skip
     # The second save took 0.1-0.6 s, the first 0.1 s: 0.1 / 0.25 = 0.4 s at least.
     assert len(starts) >= 3 and starts[2] - starts[1] >= 0.4 - 0.02, np.diff(starts)
 
