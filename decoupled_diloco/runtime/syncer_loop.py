@@ -98,7 +98,7 @@ class SyncerLoop:
                 self._set(self._restore(after_failure=True))
                 self._announce()
             self.serve_turn()
-            if self._saver is not None and self._saver.is_alive():
+            if self._saving():
                 continue  # the gap after a save counts that save's time, known once it ends
             d = self.run_cfg.diloco
             gap = checkpoint_gap(d.syncer_checkpoint_seconds, self.save_seconds,
@@ -210,10 +210,14 @@ class SyncerLoop:
         )
         return syncer
 
+    def _saving(self) -> bool:
+        """A checkpoint is being written on the saver thread."""
+        return self._saver is not None and self._saver.is_alive()
+
     def save_in_background(self) -> bool:
         """Starts a checkpoint on the saver thread; False while the previous one is still
         being written. Re-raises what made the previous one fail."""
-        if self._saver is not None and self._saver.is_alive():
+        if self._saving():
             return False
         self.wait_for_save()
         self._saver = threading.Thread(target=self._save_or_keep_error, daemon=True,
