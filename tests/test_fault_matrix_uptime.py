@@ -310,19 +310,27 @@ def test_a_finished_learners_last_save_does_not_hold_up_the_others_merges(
 ):
     """Learners of speeds 1, 1.5 and 8 (K = 1): once learner 0 has finished, no offer is
     fresh and the others' merge in catch-up rounds, which wait for every live learner.
-    Learner 1's last checkpoint takes 4 s: it must not be live and silent through it (its
-    final offers and leave go first), so the slowest learner's offers keep merging while
-    it saves. (They stopped for the whole save when the save came first.)"""
+    Learner 1's last checkpoint lasts until two of the slowest learner's offers have merged
+    after its first second (at most 30 s): it must not be live and silent through it (its
+    final offers and leave go first), so those merges come. (None came for the whole save
+    when the save came first.) The save waits for merges, not for a fixed time, which a
+    fast machine's slowest learner outran."""
     from decoupled_diloco.runtime import learner_loop
     from decoupled_diloco.runtime.local import LocalRuntime
 
-    steps, window = 48, []
+    steps, limit, window = 48, 30.0, []
     save = learner_loop.LearnerLoop.save
+
+    def slowest_merges(after: float) -> list[float]:
+        with open(tmp_path / "merges.jsonl", encoding="utf-8") as f:
+            merges = [json.loads(line) for line in f if line.strip()]
+        return [m["time"] for m in merges if 2 in m["learners"] and m["time"] > after]
 
     def slow_last_save(loop):
         if loop.m == 1 and loop.step == steps and not window:
             start = loop.clock()
-            time.sleep(4.0)
+            while len(slowest_merges(start + 1.0)) < 2 and loop.clock() < start + limit:
+                time.sleep(0.05)
             window.extend([start, loop.clock()])
         save(loop)
 
@@ -332,14 +340,8 @@ def test_a_finished_learners_last_save_does_not_hold_up_the_others_merges(
                           "diloco.max_wait": 0.0, "devices_per_learner": 2,
                           "faults.speed_factors": [1.0, 1.5, 8.0]})  # fmt: skip
     LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
-    with open(tmp_path / "merges.jsonl", encoding="utf-8") as f:
-        merges = [json.loads(line) for line in f]
-    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
-        last = max(r["time"] for r in map(json.loads, f) if r["learner"] == 2)
     start, end = window
-    assert last > end  # the slowest learner was still training through the save
-    slowest = [m["time"] for m in merges if 2 in m["learners"] and start + 1.0 < m["time"] < end]
-    assert len(slowest) >= 2, (window, [m["time"] for m in merges if 2 in m["learners"]])
+    assert end - start < limit, (window, slowest_merges(0.0))
 
 
 def test_a_crashed_learner_leaves_at_once_and_the_others_final_sync_does_not_wait_for_it(
