@@ -251,10 +251,15 @@ def merge_intervals(pairs) -> list[tuple[float, float]]:
     return out
 
 
+def _since(intervals: list[tuple[float, float]], t: float) -> float | None:
+    """The start of the one of the sorted, disjoint [a, b) intervals holding t, or None."""
+    i = bisect.bisect_right(intervals, (t, math.inf)) - 1
+    return intervals[i][0] if i >= 0 and intervals[i][0] <= t < intervals[i][1] else None
+
+
 def _inside(intervals: list[tuple[float, float]], t: float) -> bool:
     """Whether t lies in one of the sorted, disjoint [a, b) intervals."""
-    i = bisect.bisect_right(intervals, (t, math.inf)) - 1
-    return i >= 0 and intervals[i][0] <= t < intervals[i][1]
+    return _since(intervals, t) is not None
 
 
 class FaultSchedule:
@@ -426,6 +431,10 @@ class FaultSchedule:
         """Whether the learner exists at t (scavenging windows; unlisted = always)."""
         return _inside(self.member_windows[learner], t)
 
+    def member_since(self, learner: int, t: float) -> float | None:
+        """When the learner's membership window holding t opened (None: not a member)."""
+        return _since(self.member_windows[learner], t)
+
     def is_up(self, learner: int, t: float) -> bool:
         """Alive (not between a crash and its restart) and a member at time t."""
         return self.is_member(learner, t) and not _inside(self.down[learner], t)
@@ -474,6 +483,10 @@ class FaultSchedule:
 
     def syncer_up(self, t: float) -> bool:
         return not _inside(self.syncer_down, t)
+
+    def syncer_down_since(self, t: float) -> float | None:
+        """When the syncer outage holding t began (None if the syncer is up at t)."""
+        return _since(self.syncer_down, t)
 
     def to_json(self) -> list[dict]:
         """The timeline as JSON-ready dicts (for the run's event log)."""

@@ -347,7 +347,7 @@ def test_a_finished_learners_last_save_does_not_hold_up_the_others_merges(
 def test_a_crashed_learner_leaves_at_once_and_the_others_final_sync_does_not_wait_for_it(
     small_config, tmp_path
 ):
-    """Learner 2 crashes at its step 20 of 40 and is down for 8 s. Its runtime posts the
+    """Learner 2 crashes at its step 30 of 40 and is down for 8 s. Its runtime posts the
     dead life's Leave (as Ray's driver does for a process it kills): the other two finish
     their final sync while it is down, instead of waiting for it to rejoin (their final
     offers wait for a round that a live learner has not offered in; a silent one counted
@@ -357,7 +357,7 @@ def test_a_crashed_learner_leaves_at_once_and_the_others_final_sync_does_not_wai
     cfg = small_config(**{"train.steps": 40, "diloco.learners": 3, "diloco.sync_every": 4,
                           "diloco.fragments": 2, "diloco.overlap": 1, "diloco.quorum": 1,
                           "diloco.max_wait": 0.0, "devices_per_learner": 2,
-                          "faults.unit": "steps", "faults.crashes": [[2, 20]],
+                          "faults.unit": "steps", "faults.crashes": [[2, 30]],
                           "faults.restart_delay_s": 8.0})  # fmt: skip
     summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
     with open(tmp_path / "events.jsonl", encoding="utf-8") as f:

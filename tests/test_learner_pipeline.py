@@ -440,7 +440,7 @@ def test_evaluations_and_the_last_save_are_neither_step_time_nor_allocation(
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.runtime import accounting, learner_loop, local
 
-    eval_s, save_s = 0.4, 1.5
+    eval_s, save_s = 1.0, 1.5  # a leaked evaluation: a step >= 4 x eval_s
     seconds = []
     step = accounting.Ledger.step
 
@@ -479,7 +479,9 @@ def test_an_emulated_slow_chip_is_slow_despite_the_pipeline(small_config, tmp_pa
     step late the device still computes the queued step while the host sleeps, so the
     sleep must come after it or a 4x slower chip runs only about 2x slower (every
     heterogeneous-speed experiment and fault test rests on this). One learner alone, at
-    speed 1 and at speed 4: the wall seconds per step."""
+    speed 1 and at speed 4: the wall seconds per step. (Batches of 32: the device's share
+    of a step must dwarf the host's unstretched bookkeeping, or a fast host's ratio falls
+    toward the bug's.)"""
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.runtime import accounting, local
 
@@ -495,7 +497,7 @@ def test_an_emulated_slow_chip_is_slow_despite_the_pipeline(small_config, tmp_pa
     for factor in (1.0, 4.0):
         times.clear()
         over = {"diloco.learners": 1, "diloco.sync_every": 0, "train.steps": 24,
-                "faults.speed_factors": [factor]}  # fmt: skip
+                "train.batch_size": 32, "faults.speed_factors": [factor]}  # fmt: skip
         run = config_lib.validate(small_config(**over))
         local.LocalRuntime(run, str(tmp_path / str(factor)), verbose=False).run()
         per_step[factor] = (times[-1] - times[3]) / (len(times) - 4)  # (compilation)

@@ -295,6 +295,8 @@ class LearnerLoop:
             event = "member_join" if late or self.away == "leave" else "rejoin"
         restarted = self.away == "process_restart"
         fields = dict(incarnation=self.incarnation, process_restart=restarted, pid=os.getpid())
+        if event == "member_join":  # when its window opened (the join comes a little later)
+            fields["window_opened"] = self.schedule.member_since(self.m, self.clock())
         self.sink.event(self._event(event, **fields))
         self.away = None
 

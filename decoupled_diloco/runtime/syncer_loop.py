@@ -132,7 +132,10 @@ class SyncerLoop:
 
     def _outage(self) -> None:
         if self.syncer is not None:  # the syncer process dies: its memory is gone
-            self.record({"event": "syncer_crash", "shard": self.shard, "time": self.clock()})
+            now = self.clock()  # when this loop saw it; `down_since`: when it happened
+            since = self.schedule.syncer_down_since(now)
+            self.record({"event": "syncer_crash", "shard": self.shard, "time": now,
+                         "down_since": now if since is None else since})  # fmt: skip
             self._set(None)
         time.sleep(POLL_S)  # learners keep training; their messages queue up
 
