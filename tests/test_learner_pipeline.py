@@ -102,7 +102,6 @@ def _final_state(sim: Sim) -> dict:
         dict(),  # rebase, τ = 1
         dict(overlap=0, compression="int8"),  # lossy offers: error feedback through v̂
         dict(apply="overwrite", overlap=2, alpha=0.5),
-        dict(carry=0.5, overlap=2, alpha=0.5),  # a carrying rebase: a mix
         dict(learners=4, quorum=2, alpha=0.25, outer_momentum=0.9, outer_lr=0.7),
     ],
 )
@@ -130,9 +129,6 @@ def test_staged_merges_give_bit_identical_models(kw, device_rebase):
     on_device = sum(s.offers_on_device for s in stagers)
     if not device_rebase or kw.get("apply") == "overwrite":
         assert rebases == moves == on_device == 0  # overwrites are mixes: no G kept
-        return
-    if kw.get("carry", 1.0) < 1.0:  # its merges of our offers are mixes, the others rebases
-        assert rebases > 0
         return
     # Offers whose v = G − θ the devices computed from the G kept: all but each fragment's
     # first (no merge yet) and the final sync's.

@@ -175,15 +175,12 @@ def params_of(plan, p: int, params: dict) -> dict:
     return {k: params[k] for k in plan.names[p]}
 
 
-@pytest.mark.parametrize("apply", ["rebase", "overwrite", "carry"])
+@pytest.mark.parametrize("apply", ["rebase", "overwrite"])
 @pytest.mark.parametrize("method", ["none", "int8"])
 @pytest.mark.parametrize("overlap", [0, 2])
 def test_update_kinds_are_the_kinds_learners_apply(small_config, apply, method, overlap):
-    carry = 0.5 if apply == "carry" else 1.0  # a rebase keeping half the steps since s
     run = config_lib.validate(small_config(**{"diloco.learners": 2, "diloco.sync_every": 4,
-                                              "diloco.fragments": 2,
-                                              "diloco.apply": "rebase" if carry < 1 else apply,
-                                              "diloco.carry": carry,
+                                              "diloco.fragments": 2, "diloco.apply": apply,
                                               "diloco.compression": method,
                                               "diloco.overlap": overlap,
                                               "diloco.alpha": 0.5}))  # fmt: skip
@@ -195,16 +192,14 @@ def test_update_kinds_are_the_kinds_learners_apply(small_config, apply, method, 
     assert training | final == set(Learner.update_kinds(run.diloco))
 
 
-@pytest.mark.parametrize("carry", [1.0, 0.5])
 def test_a_decoupled_run_compiles_no_protocol_op_on_a_learner_thread(small_config, compiles,
-                                                                     tmp_path, carry):  # fmt: skip
+                                                                     tmp_path):  # fmt: skip
     """The learner loop precompiles as a learner joins: through its steps (offers and merges
     of every fragment) no copy or update compiles on a learner's thread. (The final sync's
     exact rebases, which training with τ > 0 never applies, compile there if it needs
-    them.) With diloco.carry < 1 (and α = 0) its merges are mixes of weight carry."""
+    them.)"""
     run, _ = _sliced(small_config, d_model=72, **{"diloco.overlap": 1, "diloco.quorum": 1,
-                                                  "diloco.max_wait": 0.0,
-                                                  "diloco.carry": carry})  # fmt: skip
+                                                  "diloco.max_wait": 0.0})  # fmt: skip
     summary = LocalRuntime(run, str(tmp_path), verbose=False).run()
     assert summary["merges"] > 0
     assert summary["mean_merge_delay_steps"] > 0  # τ = 1: held merges apply a step later

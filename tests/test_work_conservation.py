@@ -212,16 +212,14 @@ def test_synchronous_diloco_matches_an_independent_float64_reference(M):
         np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)
 
 
-def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu,
-                        carry=1.0) -> dict:  # fmt: skip
+def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu) -> dict:
     """Synchronous Streaming DiLoCo with overlap in float64, written independently of the
     project's code. Fragment p (leaf names `fragments[p]`) is offered after inner step t
     when (t − offsets[p]) % H == 0: Δ = mean over learners of (anchor − θ_m); Θ_p takes an
     outer Nesterov step clocked by work (c = the interval's steps / H: buf ← μ^c·buf + Δ,
     Θ ← Θ − lr·(Δ + μ(1 − μ^c)/(1 − μ)·buf)). After step t + τ every learner rebases:
-    θ_p ← Θ_p + carry·(θ_p(t + τ) − θ_p(t)), and Θ_p becomes its anchor. At the end,
-    pending merges are applied and every fragment offers what it holds since its last
-    offer."""
+    θ_p ← Θ_p + (θ_p(t + τ) − θ_p(t)), and Θ_p becomes its anchor. At the end, pending
+    merges are applied and every fragment offers what it holds since its last offer."""
     theta = {k: v.astype(np.float64) for k, v in theta0.items()}
     buf = {k: np.zeros_like(v) for k, v in theta.items()}
     x = [{k: v.copy() for k, v in theta.items()} for _ in range(M)]
@@ -242,7 +240,7 @@ def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu
     def rebase(names, merged, snaps):
         for m in range(M):
             for k in names:
-                x[m][k] = merged[k] + carry * (x[m][k] - snaps[m][k])
+                x[m][k] = merged[k] + (x[m][k] - snaps[m][k])
                 anchor[m][k] = merged[k].copy()
 
     for t in range(1, T + 1):
@@ -281,38 +279,6 @@ def test_synchronous_streaming_with_overlap_matches_an_independent_float64_refer
     theta = sim.syncer.global_params()
     for k in theta:
         np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)
-
-
-@pytest.mark.parametrize("carry", [0.0, 0.5])
-def test_a_carrying_rebase_matches_an_independent_float64_reference(carry):
-    """diloco.carry < 1: each rebase keeps only that share of the overlap's steps (M = 3,
-    P = 3, τ = 2, K = M, learners wait, outer Nesterov (0.7, 0.9), steps that depend on θ).
-    The reference differs from the full rebase's (carry 1) by far more than the tolerance."""
-    M, H, T, tau = 3, 6, 60, 2
-    update = quadratic_update()
-    c = cfg(learners=M, quorum=M, fragments=3, sync_every=H, overlap=tau, max_wait=-1,
-            outer_lr=0.7, outer_momentum=0.9, momentum_clock="work", carry=carry)  # fmt: skip
-    sim = Sim(c, T, update=update)
-    sim.run()
-    fragments = [sorted(part) for part in sim.plan.split(sim.theta0)]
-    args = (sim.theta0, fragments, sim.plan.offsets, update, M, H, tau, T, 0.7, 0.9)
-    want, whole = reference_streaming(*args, carry=carry), reference_streaming(*args)
-    theta = sim.syncer.global_params()
-    assert max(float(np.abs(want[k] - whole[k]).max()) for k in theta) > 1e-3
-    for k in theta:
-        np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)
-
-
-def test_carry_zero_is_the_overwrite():
-    """A rebase keeping none of the steps since its offer lands where the overwrite does."""
-    thetas = []
-    for kw in (dict(apply="overwrite"), dict(carry=0.0)):
-        c = cfg(learners=3, quorum=3, fragments=3, sync_every=6, overlap=2, max_wait=-1, **kw)
-        sim = Sim(c, 48, update=quadratic_update())
-        sim.run()
-        thetas.append(sim.syncer.global_params())
-    for k in thetas[0]:
-        np.testing.assert_allclose(thetas[1][k], thetas[0][k], atol=2e-5, err_msg=k)
 
 
 def test_the_overlap_changes_only_where_steps_are_taken():

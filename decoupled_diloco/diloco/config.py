@@ -31,12 +31,6 @@ class DilocoConfig:
     # (1-alpha)*merged); 0 = the merge whole. 0.5 with DiLoCo's outer (0.7, 0.9) when learners
     # never wait (README, "How outer lr and momentum relate to M, K, P and H").
     alpha: float = 0.0
-    # Of the steps a learner took since its offer (the overlap's, and a late merge's), the
-    # share a rebase keeps on top of the merge that holds the offer: 1 keeps them all (their
-    # work reaches Θ with the next offer); 0 drops them as "overwrite" does (those steps are
-    # lost, and so is how far they carried this learner from the others). Between: that share
-    # of them. See diloco/learner.py.
-    carry: float = 1.0
     max_wait: float = 0.0  # seconds a learner waits at t+tau for a late merge; -1 = forever
     quorum: int = 1  # K: fresh offers needed before a fragment's round may close
     # "scheduled": one round per fragment per schedule slot, late offers join the next one;
@@ -160,7 +154,6 @@ class DilocoConfig:
             (self.overlap >= 0 and (H == 0 or self.overlap < H), "overlap",
              "in [0, sync_every): a merge must land before the fragment is due again"),
             (0.0 <= self.alpha < 1.0, "alpha", "in [0, 1)"),
-            (0.0 <= self.carry <= 1.0, "carry", "in [0, 1]"),
             (self.max_wait >= 0 or self.max_wait == -1, "max_wait", ">= 0, or -1 (forever)"),
             (1 <= self.quorum <= M, "quorum", "in [1, diloco.learners]"),
             (self.grace_gamma >= 0, "grace_gamma", ">= 0"),

@@ -25,10 +25,6 @@ Applying version Θ_new (decided by the version's vector clock, see messages.py)
       of our offer in flight; merging our offer resets the counters, so the α-discarded
       work is not counted as merged.
 `alpha` also mixes rebases: θ ← θ + (1 − α)·δ.
-`carry` c < 1 keeps only that share of the steps since the offer: θ ← Θ_new + c·(θ − θ_s)
-(mixed: θ ← α·θ + (1 − α)·that), with θ_s = G − v̂_s; c = 0 is the overwrite. The steps
-since s are one learner's alone, and a merge that leaves them in θ leaves the learners
-that far apart (what it costs: experiments/results/carry/).
 
 A restored syncer announces its new life with a Snapshot. The learner rebases on it like on
 a merge: θ ← θ + (Θ_restored − G) (plus our offer if the restored clock holds it). The
@@ -386,17 +382,7 @@ class Learner:
         those of the steps, not of the final sync, where exact rebases need τ = 0 (a merge
         applied at its offer's own step)."""
         exact = cfg.compression == "none" and (cfg.overlap == 0 or not training)
-        mix = cfg.apply == "overwrite" or exact or cfg.carry < 1.0
-        return ("add", "mix") if mix else ("add",)
-
-    @staticmethod
-    def mix_weight(cfg: DilocoConfig) -> float:
-        """The weight of the "mix" updates this configuration's learners apply while
-        training: a carrying rebase's (`_carry_update`) where τ > 0, else α (overwrites,
-        and exact rebases)."""
-        if cfg.apply == "rebase" and cfg.carry < 1.0 and cfg.overlap > 0:
-            return cfg.alpha + (1.0 - cfg.alpha) * cfg.carry
-        return cfg.alpha
+        return ("add", "mix") if cfg.apply == "overwrite" or exact else ("add",)
 
     def _update(self, p: int, f: _Fragment, msg: Merged, held: bool, exact: bool) -> Update:
         """The Update applying version `msg` to fragment `f`; captures what it reads, so
@@ -408,8 +394,6 @@ class Learner:
             return Update("mix", lambda: compression.decode(payload), self.cfg.alpha, key)
         anchor, sent = f.anchor, (f.in_flight.sent if held else None)
         threads = self.cfg.merge_threads
-        if held and self.cfg.carry < 1.0:
-            return self._carry_update(payload, anchor, sent, key)
 
         def delta():
             return rebase_delta(resolve(anchor), compression.decode(payload), sent, threads)
@@ -419,19 +403,6 @@ class Learner:
                        (p, inc, msg.epoch, f.anchored + 1, msg.version))  # fmt: skip
         # Mixing scales δ by 1 − α; the replica does it with the add (no host pass).
         return Update("add", delta, self.cfg.alpha, key, rebase=parts)
-
-    def _carry_update(self, payload, anchor, sent: dict, key: tuple) -> Update:
-        """A rebase keeping the share c = `carry` of the steps since the offer, as a mix:
-        α·θ + (1 − α)·(Θ_new + c·(θ − θ_s)) = a·θ + (1 − a)·z with a = α + (1 − α)·c and
-        z = (Θ_new − c·θ_s) / (1 − c), θ_s = G − v̂_s."""
-        c, alpha = self.cfg.carry, self.cfg.alpha
-
-        def target():
-            new, g = compression.decode(payload), resolve(anchor)
-            return {k: ((new[k] - c * (g[k] - sent[k])) / (1.0 - c)).astype(np.float32)
-                    for k in new}  # fmt: skip
-
-        return Update("mix", target, alpha + (1.0 - alpha) * c, key)
 
     def _consume(self, f: _Fragment) -> None:
         t = f.in_flight

@@ -344,7 +344,7 @@ class LearnerLoop:
         # compilation instead of at the boundaries first needing them (the final sync's
         # own kinds compile there: off the steps, and only if it needs them).
         kinds = Learner.update_kinds(cfg, training=True)
-        self.replica.precompile(self.plan.names, kinds, Learner.mix_weight(cfg))
+        self.replica.precompile(self.plan.names, kinds, cfg.alpha)
         self._apply(self.proto.handle(early))
 
     def _cut(self, snapshots) -> None:
