@@ -11,7 +11,7 @@
 #     bash scripts/device_check.sh speed     # merge beside busy threads (host), learner overhead
 #                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
-#     bash scripts/device_check.sh overlap   # mid, P = 1: what tau = 2 costs without fragments
+#     bash scripts/device_check.sh overlap   # mid, seed 0: the overwrite's overlap rung and decoupled arm
 #     bash scripts/device_check.sh profile   # jax.profiler traces: one mid Decoupled learner, plain loop
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
@@ -140,19 +140,28 @@ case $part in
     mfu
     ;;
   overlap)
-    # The overlap tau = 2 alone cost 4.1% at mid (H200, 2026-11-28, P = 6: 0.7481 -> 0.7785);
-    # on the tiny model it costs ~0.6% with P = 1, 3 or 12 and 1.1-1.5% with P = 6
-    # (experiments/results/overlap_spacing/). Does it at mid with P = 1? Seed 0, two runs.
-    L=(experiments/quality_ladder.py "${SCALE[@]}" --seeds=0 --arms=diloco)
-    for tau in 0 2; do
-      fits || exit 0
-      start=$SECONDS
-      timeout $((DEADLINE_S - SECONDS)) python3 "${L[@]}" --set=diloco.overlap=$tau \
-        --out="$DEVICE_CHECK_DIR/overlap_p1_tau$tau" >>"$OUT/$part.log" 2>&1
-      echo "[$SECONDS s] P = 1, tau $tau: rc $?" | tee -a "$OUT/$part.log"
-      cp "$DEVICE_CHECK_DIR/overlap_p1_tau$tau/quality_ladder.md" "$OUT/overlap_p1_tau$tau.md"
-      last_run_s=$((SECONDS - start))
-    done
+    # The overlap tau = 2 alone cost 4.1% at mid (H200, 2026-11-28, P = 6: 0.7481 -> 0.7785
+    # with the rebase). On the tiny model the paper's overwrite (alpha 0: the tau steps since
+    # the offer dropped) cut it from 1.5% to 0.3% at the shipped inner lr and from 2.9% to
+    # 0.4% at 3x it, and the decoupled arm from 1.039-1.054x to 1.021x with the overwrite
+    # position (experiments/results/overlap_carry/). Does it at mid? Seed 0: the ladder's
+    # overlap rung with the overwrite, then the decoupled arm with apply=overwrite (its
+    # alpha 0.5; the shipped rebase's is in `quality`).
+    L=(experiments/quality_ladder.py "${SCALE[@]}" --seeds=0 --arms=overlap
+      --set=diloco.apply=overwrite --out="$DEVICE_CHECK_DIR/overlap_overwrite")
+    fits || exit 0
+    start=$SECONDS
+    timeout $((DEADLINE_S - SECONDS)) python3 "${L[@]}" >>"$OUT/$part.log" 2>&1
+    echo "[$SECONDS s] overlap rung, overwrite: rc $?" | tee -a "$OUT/$part.log"
+    cp "$DEVICE_CHECK_DIR/overlap_overwrite/quality_ladder.md" "$OUT/overlap_overwrite.md"
+    last_run_s=$((SECONDS - start))
+    fits || exit 0
+    start=$SECONDS
+    timeout $((DEADLINE_S - SECONDS)) python3 experiments/quality_targets.py "${SCALE[@]}" \
+      --arms=decoupled --seeds=0 --set=diloco.apply=overwrite \
+      --out="$DEVICE_CHECK_DIR/decoupled_overwrite" >>"$OUT/$part.log" 2>&1
+    echo "[$SECONDS s] decoupled, overwrite: rc $?" | tee -a "$OUT/$part.log"
+    cp "$DEVICE_CHECK_DIR/decoupled_overwrite/quality_targets.md" "$OUT/decoupled_overwrite.md"
     ;;
   profile)
     # Where a Decoupled learner's thread spends its host time on the GPU (host_share 0.88
