@@ -1,9 +1,8 @@
 """Collects this folder's runs.json from the runs' summary.json and metrics.jsonl.
 
-    python gather.py /work/runs   # the root the commands in README.md wrote under
+python gather.py /work/runs   # the root the commands in README.md wrote under
 """
 
-import glob
 import json
 import os
 import sys
@@ -17,7 +16,15 @@ RUNS = [
     ("sync_tau0_lr036_s1", "lr_0.036", "streaming_s1", 0.036, "streaming", "-", 1),
     ("sync_tau2_rebase_lr036", "lr_0.036", "overlap_s0", 0.036, "overlap", "rebase", 0),
     ("sync_tau2_carry05_lr036", "ov_c05", "overlap_s0", 0.036, "overlap", "carry 0.5", 0),
-    ("sync_tau2_overwrite_a05_lr036", "ow_a05", "overlap_s0", 0.036, "overlap", "overwrite a0.5", 0),
+    (
+        "sync_tau2_overwrite_a05_lr036",
+        "ow_a05",
+        "overlap_s0",
+        0.036,
+        "overlap",
+        "overwrite a0.5",
+        0,
+    ),
     ("sync_tau2_overwrite_lr036", "ow_a0", "overlap_s0", 0.036, "overlap", "overwrite a0", 0),
     ("dec_rebase_lr036", "dec_rebase", "decoupled_s0", 0.036, "decoupled", "rebase a0.5", 0),
     ("dec_rebase_ladder_lr036", "lr_0.036", "outer_lr_s0", 0.036, "decoupled", "rebase a0.5", 0),
@@ -26,23 +33,51 @@ RUNS = [
     ("dec_carry0_lr036", "dec_c0", "decoupled_s0", 0.036, "decoupled", "carry 0 a0.5", 0),
     ("dec_carry0_a0_lr036", "dec_c0_a0", "decoupled_s0", 0.036, "decoupled", "carry 0 a0", 0),
     ("dec_overwrite_a0_lr036", "dec_ow_a0", "decoupled_s0", 0.036, "decoupled", "overwrite a0", 0),
-    ("dec_overwrite_a05_lr036_s1", "dec_ow_a05_s1", "decoupled_s1", 0.036, "decoupled",
-     "overwrite a0.5", 1),
+    (
+        "dec_overwrite_a05_lr036_s1",
+        "dec_ow_a05_s1",
+        "decoupled_s1",
+        0.036,
+        "decoupled",
+        "overwrite a0.5",
+        1,
+    ),
     ("sync_tau0_lr012_s1", None, None, 0.012, "streaming", "-", 1),
     ("dec_rebase_lr012", None, None, 0.012, "decoupled", "rebase a0.5", 0),
     ("dec_rebase_lr012_s1", None, None, 0.012, "decoupled", "rebase a0.5", 1),
-    ("dec_overwrite_a05_lr012", "dec_ow_a05_lr012", "decoupled_s0", 0.012, "decoupled",
-     "overwrite a0.5", 0),
-    ("dec_overwrite_a05_lr012_s1", "dec_ow_a05_lr012", "decoupled_s1", 0.012, "decoupled",
-     "overwrite a0.5", 1),
+    (
+        "dec_overwrite_a05_lr012",
+        "dec_ow_a05_lr012",
+        "decoupled_s0",
+        0.012,
+        "decoupled",
+        "overwrite a0.5",
+        0,
+    ),
+    (
+        "dec_overwrite_a05_lr012_s1",
+        "dec_ow_a05_lr012",
+        "decoupled_s1",
+        0.012,
+        "decoupled",
+        "overwrite a0.5",
+        1,
+    ),
     ("dec_rebase_lat1_lr012", None, None, 0.012, "decoupled 1 s links", "rebase a0.5", 0),
-    ("dec_overwrite_a05_lat1_lr012", "lat1_ow_a05", "decoupled_s0", 0.012, "decoupled 1 s links",
-     "overwrite a0.5", 0),
+    (
+        "dec_overwrite_a05_lat1_lr012",
+        "lat1_ow_a05",
+        "decoupled_s0",
+        0.012,
+        "decoupled 1 s links",
+        "overwrite a0.5",
+        0,
+    ),
 ]
 # Runs of earlier folders, by value (their runs are not kept here): eval loss, goodput, merge
-# delay (rounded as those folders give them). Synchronous streaming and its τ = 2 rung: ../overlap_spacing/ and
-# ../quality_targets_1000steps/; the shipped decoupled arm (outer lr 0.75, α 0.5):
-# ../merge_delay/lat0_lr075/ and, under 1 s links, ../merge_delay/lat_1.0_lr075_a05/.
+# delay (rounded as those folders give them). Synchronous streaming and its τ = 2 rung:
+# ../overlap_spacing/ and ../quality_targets_1000steps/; the shipped decoupled arm (outer lr
+# 0.75, α 0.5): ../merge_delay/lat0_lr075/ and, under 1 s links, ../merge_delay/lat_1.0_lr075_a05/.
 KNOWN = {
     "sync_tau0_lr012": (1.1817, 0.7495, 0.0),
     "sync_tau0_lr012_s1": (1.1685, 0.7491, 0.0),
@@ -67,14 +102,17 @@ def main(root: str) -> None:
                 continue
             with open(os.path.join(path, "summary.json"), encoding="utf-8") as f:
                 s = json.load(f)
-            curve = []
-            for line in open(os.path.join(path, "metrics.jsonl"), encoding="utf-8"):
-                r = json.loads(line)
-                if r.get("learner") == "global" and "eval_loss" in r:
-                    curve.append([r["step"], r["eval_loss"]])
-            row.update(eval_loss=s["final_eval_loss"], goodput=s["goodput"],
-                       merge_delay_steps=s.get("mean_merge_delay_steps", 0.0),
-                       offer_steps=s.get("mean_offer_steps"), curve=curve)
+            with open(os.path.join(path, "metrics.jsonl"), encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f]
+            curve = [[r["step"], r["eval_loss"]] for r in rows
+                     if r.get("learner") == "global" and "eval_loss" in r]  # fmt: skip
+            row.update(
+                eval_loss=s["final_eval_loss"],
+                goodput=s["goodput"],
+                merge_delay_steps=s.get("mean_merge_delay_steps", 0.0),
+                offer_steps=s.get("mean_offer_steps"),
+                curve=curve,
+            )
         out.append(row)
     with open(os.path.join(os.path.dirname(__file__) or ".", "runs.json"), "w") as f:
         json.dump(out, f, indent=1)
