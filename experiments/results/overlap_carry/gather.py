@@ -7,72 +7,39 @@ import json
 import os
 import sys
 
-# (name, folder under the root, arm's run folder, lr, rung/arm, apply rule, seed)
+# name | folder under the root | the arm's run folder | lr | rung or arm | apply rule | seed
+# ("-": a run of an earlier folder, in KNOWN below)
+TABLE = """
+sync_tau0_lr012 | - | - | 0.012 | streaming | - | 0
+sync_tau2_rebase_lr012 | - | - | 0.012 | overlap | rebase | 0
+sync_tau2_overwrite_lr012 | ow_a0_lr012 | overlap_s0 | 0.012 | overlap | overwrite a0 | 0
+sync_tau0_lr036 | lr_0.036 | streaming_s0 | 0.036 | streaming | - | 0
+sync_tau0_lr036_s1 | lr_0.036 | streaming_s1 | 0.036 | streaming | - | 1
+sync_tau2_rebase_lr036 | lr_0.036 | overlap_s0 | 0.036 | overlap | rebase | 0
+sync_tau2_carry05_lr036 | ov_c05 | overlap_s0 | 0.036 | overlap | carry 0.5 | 0
+sync_tau2_overwrite_a05_lr036 | ow_a05 | overlap_s0 | 0.036 | overlap | overwrite a0.5 | 0
+sync_tau2_overwrite_lr036 | ow_a0 | overlap_s0 | 0.036 | overlap | overwrite a0 | 0
+dec_rebase_lr036 | dec_rebase | decoupled_s0 | 0.036 | decoupled | rebase a0.5 | 0
+dec_rebase_ladder_lr036 | lr_0.036 | outer_lr_s0 | 0.036 | decoupled | rebase a0.5 | 0
+dec_rebase_lr036_s1 | dec_rebase_s1 | decoupled_s1 | 0.036 | decoupled | rebase a0.5 | 1
+dec_carry05_lr036 | dec_c05 | decoupled_s0 | 0.036 | decoupled | carry 0.5 a0.5 | 0
+dec_carry0_lr036 | dec_c0 | decoupled_s0 | 0.036 | decoupled | carry 0 a0.5 | 0
+dec_carry0_a0_lr036 | dec_c0_a0 | decoupled_s0 | 0.036 | decoupled | carry 0 a0 | 0
+dec_overwrite_a0_lr036 | dec_ow_a0 | decoupled_s0 | 0.036 | decoupled | overwrite a0 | 0
+dec_overwrite_a05_lr036_s1 | dec_ow_a05_s1 | decoupled_s1 | 0.036 | decoupled | overwrite a0.5 | 1
+sync_tau0_lr012_s1 | - | - | 0.012 | streaming | - | 1
+dec_rebase_lr012 | - | - | 0.012 | decoupled | rebase a0.5 | 0
+dec_rebase_lr012_s1 | - | - | 0.012 | decoupled | rebase a0.5 | 1
+dec_ow05_lr012 | dec_ow_a05_lr012 | decoupled_s0 | 0.012 | decoupled | overwrite a0.5 | 0
+dec_ow05_lr012_s1 | dec_ow_a05_lr012 | decoupled_s1 | 0.012 | decoupled | overwrite a0.5 | 1
+dec_rebase_lat1 | - | - | 0.012 | decoupled 1 s links | rebase a0.5 | 0
+dec_ow05_lat1 | lat1_ow_a05 | decoupled_s0 | 0.012 | decoupled 1 s links | overwrite a0.5 | 0
+"""
 RUNS = [
-    ("sync_tau0_lr012", None, None, 0.012, "streaming", "-", 0),  # ../overlap_spacing
-    ("sync_tau2_rebase_lr012", None, None, 0.012, "overlap", "rebase", 0),
-    ("sync_tau2_overwrite_lr012", "ow_a0_lr012", "overlap_s0", 0.012, "overlap", "overwrite a0", 0),
-    ("sync_tau0_lr036", "lr_0.036", "streaming_s0", 0.036, "streaming", "-", 0),
-    ("sync_tau0_lr036_s1", "lr_0.036", "streaming_s1", 0.036, "streaming", "-", 1),
-    ("sync_tau2_rebase_lr036", "lr_0.036", "overlap_s0", 0.036, "overlap", "rebase", 0),
-    ("sync_tau2_carry05_lr036", "ov_c05", "overlap_s0", 0.036, "overlap", "carry 0.5", 0),
-    (
-        "sync_tau2_overwrite_a05_lr036",
-        "ow_a05",
-        "overlap_s0",
-        0.036,
-        "overlap",
-        "overwrite a0.5",
-        0,
-    ),
-    ("sync_tau2_overwrite_lr036", "ow_a0", "overlap_s0", 0.036, "overlap", "overwrite a0", 0),
-    ("dec_rebase_lr036", "dec_rebase", "decoupled_s0", 0.036, "decoupled", "rebase a0.5", 0),
-    ("dec_rebase_ladder_lr036", "lr_0.036", "outer_lr_s0", 0.036, "decoupled", "rebase a0.5", 0),
-    ("dec_rebase_lr036_s1", "dec_rebase_s1", "decoupled_s1", 0.036, "decoupled", "rebase a0.5", 1),
-    ("dec_carry05_lr036", "dec_c05", "decoupled_s0", 0.036, "decoupled", "carry 0.5 a0.5", 0),
-    ("dec_carry0_lr036", "dec_c0", "decoupled_s0", 0.036, "decoupled", "carry 0 a0.5", 0),
-    ("dec_carry0_a0_lr036", "dec_c0_a0", "decoupled_s0", 0.036, "decoupled", "carry 0 a0", 0),
-    ("dec_overwrite_a0_lr036", "dec_ow_a0", "decoupled_s0", 0.036, "decoupled", "overwrite a0", 0),
-    (
-        "dec_overwrite_a05_lr036_s1",
-        "dec_ow_a05_s1",
-        "decoupled_s1",
-        0.036,
-        "decoupled",
-        "overwrite a0.5",
-        1,
-    ),
-    ("sync_tau0_lr012_s1", None, None, 0.012, "streaming", "-", 1),
-    ("dec_rebase_lr012", None, None, 0.012, "decoupled", "rebase a0.5", 0),
-    ("dec_rebase_lr012_s1", None, None, 0.012, "decoupled", "rebase a0.5", 1),
-    (
-        "dec_overwrite_a05_lr012",
-        "dec_ow_a05_lr012",
-        "decoupled_s0",
-        0.012,
-        "decoupled",
-        "overwrite a0.5",
-        0,
-    ),
-    (
-        "dec_overwrite_a05_lr012_s1",
-        "dec_ow_a05_lr012",
-        "decoupled_s1",
-        0.012,
-        "decoupled",
-        "overwrite a0.5",
-        1,
-    ),
-    ("dec_rebase_lat1_lr012", None, None, 0.012, "decoupled 1 s links", "rebase a0.5", 0),
-    (
-        "dec_overwrite_a05_lat1_lr012",
-        "lat1_ow_a05",
-        "decoupled_s0",
-        0.012,
-        "decoupled 1 s links",
-        "overwrite a0.5",
-        0,
-    ),
+    (name, None if folder == "-" else folder, run, float(lr), arm, rule, int(seed))
+    for name, folder, run, lr, arm, rule, seed in (
+        [field.strip() for field in line.split("|")] for line in TABLE.strip().splitlines()
+    )
 ]
 # Runs of earlier folders, by value (their runs are not kept here): eval loss, goodput, merge
 # delay (rounded as those folders give them). Synchronous streaming and its τ = 2 rung:
@@ -84,7 +51,7 @@ KNOWN = {
     "sync_tau2_rebase_lr012": (1.1994, None, 2.0),  # (its goodput was not recorded)
     "dec_rebase_lr012": (1.1931, 0.9998, 2.8),
     "dec_rebase_lr012_s1": (1.1930, 0.9998, 3.2),
-    "dec_rebase_lat1_lr012": (1.2289, 0.9999, 10.7),
+    "dec_rebase_lat1": (1.2289, 0.9999, 10.7),
 }
 
 
