@@ -36,7 +36,8 @@ def runs(tmp_path_factory):
     dp = _small_config(**DP)
     dec = _small_config(**{"train.steps": 12, "diloco.learners": 2, "diloco.sync_every": 4,
                            "diloco.fragments": 2, "diloco.overlap": 1, "diloco.grace_gamma": 0.0,
-                           "faults.crashes": [[1, 4.0]], "faults.restart_delay_s": 1.0,
+                           "faults.unit": "steps", "faults.crashes": [[1, 6]],
+                           "faults.restart_delay_s": 1.0,
                            "faults.speed_factors": [1.0, 3.0],
                            # a save every merge or so: two or more kept, however fast the run
                            "diloco.syncer_checkpoint_seconds": 0.2,
@@ -52,6 +53,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["dp", "dec"])
 def test_load_then_evaluate_gives_the_runs_own_final_eval_loss(runs, name):
     workdir, summary = runs[name]
+    assert summary["failures"] == (1 if name == "dec" else 0)  # its crash (at a step) happened
     model = decoupled_diloco.load(str(workdir))
     assert model.config.name == summary["name"]
     assert all(np.isfinite(v).all() for v in model.params.values())
