@@ -205,7 +205,7 @@ def test_syncer_restores_from_checkpoint_and_learners_never_block(warm, tmp_path
     c.local_syncer = local_syncer  # the outage is emulated inside the syncer's process too
     c.train.eval_every = 5  # Θ is evaluated while the syncer is down too: deferred, no crash
     c.diloco.syncer_checkpoint_seconds = 0.5  # checkpoints well before the crash step
-    c.diloco.syncer_checkpoint_duty = 1.0  # every second, however long saves take when loaded
+    c.diloco.syncer_checkpoint_duty = 1.0  # every period, however long saves take when loaded
     out = run(c, tmp_path)
     events, merges = out["events"], out["merges"]
     (crash,) = only(events, "syncer_crash")

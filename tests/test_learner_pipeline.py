@@ -502,4 +502,4 @@ def test_an_emulated_slow_chip_is_slow_despite_the_pipeline(small_config, tmp_pa
         local.LocalRuntime(run, str(tmp_path / str(factor)), verbose=False).run()
         per_step[factor] = (times[-1] - times[3]) / (len(times) - 4)  # (compilation)
     ratio = per_step[4.0] / per_step[1.0]
-    assert ratio >= 3.0, per_step  # 3.3-5.0 measured; 2.1-2.3 sleeping too early
+    assert ratio >= 3.0, per_step  # 3.8-4.6 measured (batches of 32); 2.3-2.4 sleeping too early
