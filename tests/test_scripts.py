@@ -112,9 +112,9 @@ def test_merge_beside_busy_threads_compares_switch_intervals_and_chunks():
     alone, beside, merge_there, kept = (float(x) for x in row.groups())
     assert 0 < merge_there <= beside and alone > 0 and 0 < kept <= 1.5
     ratio = re.search(r"on a thread \(last row above\) = ([0-9.]+)", proc.stdout)
-    thread_beside = cells["0.2", "65536"][1]
-    assert (
-        ratio
-        and abs(float(ratio.group(1)) - beside / thread_beside)
-        <= 0.02 * float(ratio.group(1)) + 0.01
-    ), proc.stdout
+    assert ratio, proc.stdout
+    # The ratio of the unrounded times, within what rounding both to 0.01 ms allows (a 2%
+    # bound failed at 0.2 ms: 4.35 printed for 0.89 / 0.20).
+    thread_beside, printed = cells["0.2", "65536"][1], float(ratio.group(1))
+    assert (beside - 0.005) / (thread_beside + 0.005) <= printed + 0.005, proc.stdout
+    assert printed - 0.005 <= (beside + 0.005) / max(thread_beside - 0.005, 1e-9), proc.stdout
