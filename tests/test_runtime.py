@@ -243,3 +243,30 @@ def test_sharded_syncer_merges_every_fragment(small_config, tmp_path, shards):
     merges = _read(tmp_path / "merges.jsonl")
     assert {m["fragment"] for m in merges} == {0, 1, 2, 3}
     assert np.isfinite(summary["final_eval_loss"])
+
+
+def _learners_alive() -> int:
+    import gc
+
+    from decoupled_diloco.runtime.learner_loop import LearnerLoop
+
+    gc.collect()
+    return sum(isinstance(o, LearnerLoop) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("halt_after", [None, 5], ids=["finished", "killed"])
+def test_a_run_leaves_no_thread_and_no_learner_behind(small_config, tmp_path, halt_after):
+    """Every thread a run starts (data readers, outboxes, links and the time on their wire,
+    stagers) ends with it, and with them the learners and their device state: a sweep of
+    runs in one process (a notebook, the experiment harness, this test suite) would else
+    keep every run's state alive until the process exits."""
+    cfg = small_config(**{"train.steps": 8, "diloco.learners": 2, "diloco.sync_every": 2,
+                          "diloco.fragments": 2, "diloco.overlap": 1,
+                          "train.checkpoint_every": 4,
+                          "faults.link_latency_s": [0.05, 0.05],
+                          "faults.unit": "steps", "faults.crashes": [[1, 3]],
+                          "faults.restart_delay_s": 0.2})  # fmt: skip
+    before, alive = set(threading.enumerate()), _learners_alive()
+    _run(cfg, tmp_path, halt_after=halt_after)
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == [] and _learners_alive() == alive

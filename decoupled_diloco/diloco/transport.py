@@ -32,6 +32,11 @@ class LearnerLink(abc.ABC):
         """The learner's process died: what is not on the wire yet is lost, and what
         arrived for it is discarded."""
 
+    @abc.abstractmethod
+    def close(self) -> None:
+        """The learner is done with the link: what was handed over is still delivered,
+        then the link's threads end (idempotent; nothing is sent after)."""
+
 
 class SyncerLink(abc.ABC):
     """The syncer's end."""

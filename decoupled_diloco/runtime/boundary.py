@@ -169,6 +169,11 @@ class MergeStager:
         self.hits += 1
         return future.result()
 
+    def close(self) -> None:
+        """Ends the worker thread once its current job is done; what is staged is dropped."""
+        self.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     def clear(self) -> None:
         """The learner crashed or restarted: nothing staged for its old life applies (and
         its device queue, the slack, starts empty)."""

@@ -168,11 +168,27 @@ class LearnerLoop:
 
     # --- the loop ---------------------------------------------------------------------
     def run(self, stop) -> None:
+        trained = False
         try:
             self._train(stop)
-        finally:  # also when the loop fails: a reader left placing batches on the device
-            if isinstance(self.data, Prefetch):  # aborts the process at its exit
-                self.data.close()
+            trained = True
+        finally:
+            self.close(deliver=trained)
+
+    def close(self, deliver: bool = True) -> None:
+        """Ends the learner's threads (idempotent): its data reader (one left placing
+        batches on the device aborts the process at its exit), its outbox and link, its
+        stager. Their loops hold this learner, so threads left running would keep it and its
+        device state alive as long as the process. `deliver` False (the loop failed or was
+        halted): what is still queued is dropped, as a dead process's would be."""
+        if isinstance(self.data, Prefetch):
+            self.data.close()
+        if self.outbox is not None:
+            if not deliver:
+                self.outbox.drop()
+            self.outbox.close()
+        if self.stager is not None:
+            self.stager.close()
 
     def _train(self, stop) -> None:
         run, m = self.run_cfg, self.m

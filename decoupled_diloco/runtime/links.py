@@ -16,6 +16,8 @@ from collections.abc import Callable
 from decoupled_diloco.diloco.messages import Offer
 from decoupled_diloco.diloco.transport import LearnerLink, SyncerLink
 
+_CLOSE = object()  # queued by `LocalLearnerLink.close`: its sender thread ends there
+
 
 def _drain(q: queue.Queue, timeout: float) -> list:
     out = []
@@ -40,19 +42,31 @@ class _InFlight:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._closing = False  # `close`: the thread ends once the heap is empty
 
     def put(self, at: float, dest: queue.Queue | threading.Event, msg=None) -> None:
         with self._cv:
             heapq.heappush(self._heap, (at, next(self._seq), dest, msg))
-            if self._thread is None:
+            if self._thread is None and not self._closing:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="in-flight")
                 self._thread.start()
             self._cv.notify()
+
+    def close(self) -> None:
+        """Delivers what is on the wire at its time, then ends the thread (idempotent)."""
+        with self._cv:
+            thread, self._closing = self._thread, True
+            self._cv.notify()
+        if thread is not None:
+            thread.join()
 
     def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self._heap or self._heap[0][0] > time.monotonic():
+                    if not self._heap and self._closing:
+                        self._thread = None
+                        return
                     wait = self._heap[0][0] - time.monotonic() if self._heap else None
                     self._cv.wait(wait)
                 _, _, dest, msg = heapq.heappop(self._heap)
@@ -117,9 +131,18 @@ class LocalLearnerLink(LearnerLink):
         _drain(self._outbox, 0.0)
         _drain(self.inbox, 0.0)
 
+    def close(self) -> None:
+        if self._thread is not None:
+            self._outbox.put(_CLOSE)
+            self._thread.join()
+            self._thread = None
+        self._in_flight.close()
+
     def _send_loop(self) -> None:
         while True:
             msg = self._outbox.get()
+            if msg is _CLOSE:
+                return
             if isinstance(msg, threading.Event):  # flush: set once all before it arrived
                 self._deliver(msg, None, 0)
                 continue
@@ -152,6 +175,10 @@ class LocalSyncerLink(SyncerLink):
 
     def receive(self, timeout: float) -> list:
         return _drain(self.inbox, timeout)
+
+    def close(self) -> None:
+        """Replies still on the wire arrive at their time; then the link's thread ends."""
+        self._in_flight.close()
 
     def send(self, learner: int, msg) -> None:
         q = self._learners.get(learner)

@@ -102,6 +102,8 @@ class LocalRuntime:
         self.errors: list[BaseException] = []
         self.interrupted = False  # Ctrl-C: learners saved their work, no summary
         self.t0 = 0.0
+        self.syncer_links: list[LocalSyncerLink] = []
+        self.threads: list[threading.Thread] = []  # the run's learner and syncer threads
         self.ckpt_dir = paths.resolve(ckpt_dir or f"{workdir}/checkpoints")
 
     def now(self) -> float:
@@ -176,11 +178,13 @@ class LocalRuntime:
         )
 
     def _syncer_link(self, shard: int) -> LocalSyncerLink:
-        return LocalSyncerLink(
+        link = LocalSyncerLink(
             self.syncer_inboxes[shard],
             self.learner_inboxes,
             reply_seconds=lambda m, n: self.schedule.transfer_seconds(m, n),
         )
+        self.syncer_links.append(link)  # closed when the run ends
+        return link
 
     def _notice_down(self, leave) -> None:
         """An emulated crash ended a learner's life: every syncer shard hears it at once
@@ -229,9 +233,23 @@ class LocalRuntime:
         with gil.switch_interval(self.run_cfg.gil_switch_ms):
             try:
                 return self._run()
-            finally:  # however the run ended: no syncer process outlives it
+            finally:  # however the run ended: no syncer process outlives it, nor a thread
                 for proc in getattr(self, "syncer_processes", []):
                     proc.close()
+                self._close_idle()
+
+    def _close_idle(self) -> None:
+        """Ends the threads of every learner and syncer link no thread of the run uses
+        any more (a learner closes its own as its loop ends; these are the ones a failed
+        start left, or the syncer's reply links). Left running, they would hold the run's
+        device state for the life of the process."""
+        running = {t.name for t in self.threads if not t.done.is_set()}
+        if not any(name.startswith("learner") for name in running):
+            for loop in getattr(self, "loops", []):
+                loop.close(deliver=False)
+        if not any(name.startswith("syncer") for name in running):
+            for link in self.syncer_links:
+                link.close()
 
     def _run(self) -> dict | None:
         run = self.run_cfg
@@ -326,6 +344,7 @@ class LocalRuntime:
         t = threading.Thread(target=go, name=name, daemon=True)
         t.done = done
         t.start()
+        self.threads.append(t)
         return t
 
     def _watch(self, learner_threads) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 from decoupled_diloco.diloco.transport import LearnerLink
 
+_CLOSE = object()  # queued by `close`: the thread ends there
+
 
 class Outbox:
     def __init__(self, link: LearnerLink | None, materialize: Callable, to_host: Callable,
@@ -57,6 +59,17 @@ class Outbox:
                 return False
         return self.link.flush(timeout) if self.link is not None else True
 
+    def close(self) -> None:
+        """Ends the thread once everything queued before is on the link (idempotent). Its
+        loop holds the learner's `materialize`, so a thread left running would keep the
+        learner, its device state included, alive for the life of the process."""
+        if self._thread is not None:
+            self._queue.put((_CLOSE, None))
+            self._thread.join()
+            self._thread = None
+        if self.link is not None:
+            self.link.close()
+
     def drop(self) -> None:
         """The learner's process died: nothing queued here leaves, nothing arrived counts."""
         try:
@@ -79,6 +92,8 @@ class Outbox:
     def _loop(self) -> None:
         while True:
             item, copies = self._queue.get()
+            if item is _CLOSE:
+                return
             if isinstance(item, threading.Event):
                 item.set()
             elif copies is not None:

@@ -194,3 +194,7 @@ class SliceLink(LearnerLink):
     def reset(self) -> None:
         if self.inner is not None:
             self.inner.reset()
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
