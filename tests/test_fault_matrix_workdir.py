@@ -17,6 +17,7 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco import preflight, run_files
 from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.data import iterator
+from decoupled_diloco.diloco.messages import Merged
 from decoupled_diloco.runtime import launch, learner_loop, workdir
 from decoupled_diloco.runtime import local as local_runtime
 from decoupled_diloco.runtime.local import LocalRuntime
@@ -450,8 +451,15 @@ def test_a_learner_killed_in_its_final_sync_before_its_last_save_resumes_to_its_
     save = learner_loop.LearnerLoop.save
 
     def die_before_the_last_save(loop):
-        if loop.step == 12:
-            time.sleep(1.0)  # its final offers travel and merge
+        if loop.step == 12:  # dies once its final offer of fragment 0 is merged
+            deadline = time.monotonic() + 30.0
+            while not any(
+                isinstance(msg, Merged) and msg.fragment == 0
+                and dict(zip(msg.learners, msg.steps, strict=True)).get(loop.m) == 12
+                for msg in list(loop.link.inbox.queue)
+            ):  # fmt: skip
+                assert time.monotonic() < deadline, "the final offer was never merged"
+                time.sleep(0.02)
             raise local_runtime._HaltError
         save(loop)
 
@@ -465,6 +473,10 @@ def test_a_learner_killed_in_its_final_sync_before_its_last_save_resumes_to_its_
     assert max(r["step"] for r in rows) <= 12
     events = _read(tmp_path / "events.jsonl")
     assert not [e for e in events if e["event"] in ("reject", "final_sync_unconfirmed")]
+    # Both skipped from step 8 to Θ's clock, 12 (not redoing steps Θ holds).
+    cuts = {e["learner"]: (e["step"], e["skipped_steps"]) for e in events
+            if e["event"] == "resume_cut"}  # fmt: skip
+    assert cuts == {0: (12, 4), 1: (12, 4)}
 
 
 def test_a_stop_request_reaches_a_learner_out_of_the_membership(small_config, tmp_path):
