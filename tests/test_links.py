@@ -1,6 +1,7 @@
 """The in-process links: in-order delivery, pipelined latency, serialised bandwidth."""
 
 import queue
+import threading
 import time
 
 from decoupled_diloco.diloco.messages import Heartbeat, Merged
@@ -34,6 +35,7 @@ def test_latency_overlaps_messages_in_flight_and_keeps_their_order():
     assert all(0.25 <= t < 0.9 for _, t in got), got
     link.flush()  # returns once everything sent before it has arrived
     assert syncer_q.empty()
+    link.close()
 
 
 def test_bandwidth_serialises_replies_per_learner_and_latency_adds_once():
@@ -50,6 +52,22 @@ def test_bandwidth_serialises_replies_per_learner_and_latency_adds_once():
         assert expected - 0.05 <= t <= expected + 0.3, got
     ((_, t1),) = _arrivals(inboxes[1], 1, t0)
     assert t1 < 0.45  # not queued behind learner 0's replies
+    link.close()
+
+
+def test_a_closed_link_has_delivered_what_it_was_given_and_its_threads_are_gone():
+    before = set(threading.enumerate())
+    syncer_q, inboxes = queue.Queue(), {0: queue.Queue()}
+    up = LocalLearnerLink(0, [syncer_q], lambda p: 0, link_seconds=lambda n: 0.2)
+    down = LocalSyncerLink(queue.Queue(), inboxes, lambda m, n: 0.2)
+    for step in range(3):
+        up.send(Heartbeat(0, 0, step, 0.1, 0.0))
+        down.send(0, Merged(0, step, None, (0,), 0.0))
+    up.close()
+    down.close()
+    assert [syncer_q.get_nowait().step for _ in range(3)] == [0, 1, 2] and syncer_q.empty()
+    assert [inboxes[0].get_nowait().version for _ in range(3)] == [0, 1, 2]
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
 
 
 def test_unlimited_links_deliver_at_once():
