@@ -260,6 +260,24 @@ def test_the_stager_defers_only_what_had_a_boundary_to_be_placed():
     assert stager.ready(("w", 0, 2))  # never staged: computed at the boundary
 
 
+def test_closing_a_stager_ends_its_own_worker_and_leaves_a_callers_pool_running():
+    import concurrent.futures
+
+    from decoupled_diloco.diloco.updates import Update
+    from decoupled_diloco.runtime.boundary import MergeStager
+
+    u = Update("add", {"w": np.ones(2, np.float32)}, key=("w", 0, 1))
+    before = set(threading.enumerate())
+    own = MergeStager(NumpyReplica(0, None))
+    own.stage([u])
+    np.testing.assert_array_equal(own.take(u)["w"], np.ones(2))
+    own.close()
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        MergeStager(NumpyReplica(0, None), pool).close()
+        assert pool.submit(int, "7").result() == 7  # still the caller's to use
+
+
 def test_a_placement_slower_than_a_step_is_deferred_even_when_first_seen_here():
     """A version first seen at the boundary that applies it is waited for only when the
     placements so far say it is placed within WAIT_SHARE of a step or within the time the

@@ -68,6 +68,7 @@ class MergeStager:
         self.rebases = 0  # rebases computed on the devices
         self.anchor_moves = 0  # of those, how many had to place G (not kept from before)
         self.offers_on_device = 0  # offers whose v = G − θ the devices computed (`anchor`)
+        self._own_pool = executor is None  # `close` shuts down only a pool made here
         self._pool = executor or concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="stager"
         )
@@ -170,9 +171,11 @@ class MergeStager:
         return future.result()
 
     def close(self) -> None:
-        """Ends the worker thread once its current job is done; what is staged is dropped."""
+        """Ends the worker thread once its current job is done (the stager's own; a pool
+        passed in is the caller's to shut down); what is staged is dropped."""
         self.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._own_pool:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     def clear(self) -> None:
         """The learner crashed or restarted: nothing staged for its old life applies (and
