@@ -256,24 +256,8 @@ def _warm_up(run, rundir: pathlib.Path) -> None:
 
     scratch = rundir.with_name(rundir.name + ".warmup")
     shutil.rmtree(scratch, ignore_errors=True)
-    try:
-        LocalRuntime(run, str(scratch), verbose=False, halt_after=2).run()
-    finally:
-        _release_executables()
+    LocalRuntime(run, str(scratch), verbose=False, halt_after=2).run()
     shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _release_executables() -> None:
-    """Drops the finished run's compiled programs. Every learner jits its own step on its
-    own mesh, and an experiment runs many runs in one process: without this the loaded CPU
-    executables pile up until LLVM cannot map memory for the next one (seen at the 7th run
-    of experiment 5, 16 learners). Later runs load them again from the persistent cache."""
-    import gc
-
-    import jax
-
-    gc.collect()
-    jax.clear_caches()
 
 
 def _run_local(run, rundir: pathlib.Path, label: str, budget_s: float) -> dict:
@@ -312,7 +296,6 @@ def _run_local(run, rundir: pathlib.Path, label: str, budget_s: float) -> dict:
     finally:
         done.set()
         thread.join()
-        _release_executables()
 
 
 def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
