@@ -33,6 +33,7 @@ Config building (lengths per mode, equal eval sets, TPU scaling) lives in arm_co
 
 import ast
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -257,6 +258,7 @@ def _warm_up(run, rundir: pathlib.Path) -> None:
     scratch = rundir.with_name(rundir.name + ".warmup")
     shutil.rmtree(scratch, ignore_errors=True)
     LocalRuntime(run, str(scratch), verbose=False, halt_after=2).run()
+    gc.collect()  # the warm-up's learners (reference cycles) and their device memory
     shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -335,6 +337,7 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
                     _warm_up(run, rundir)
                     warm.add(arm.name)
                 _run_local(run, rundir, f"{arm.name} s{seed}", budget)
+                gc.collect()  # the run's learners (reference cycles) and their device memory
             else:
                 launch.run(run, str(rundir), verbose=True)
             # The tables need only the logs; orbax checkpoints are MBs per run.

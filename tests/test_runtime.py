@@ -280,6 +280,9 @@ def test_runs_in_one_process_do_not_pile_up_memory_mappings(small_config, tmp_pa
     suite's process died of a segfault after some 60 in-process runs."""
 
     def mappings() -> int:
+        import gc
+
+        gc.collect()  # a finished run is unreachable; its reference cycles go here
         with open("/proc/self/maps", encoding="utf-8") as f:
             return sum(1 for _ in f)
 
@@ -290,3 +293,26 @@ def test_runs_in_one_process_do_not_pile_up_memory_mappings(small_config, tmp_pa
         _run(cfg, tmp_path / str(i))
         counts.append(mappings())
     assert counts[2] - counts[1] < 200, counts
+
+
+def test_launch_hands_a_finished_runs_learners_back_at_once(small_config, tmp_path):
+    """The run's learners sit in reference cycles; `launch.run` collects them before it
+    returns, so their device memory is free for the caller's next run (not whenever the
+    cyclic collector next runs: it is off here, as it may be for long stretches)."""
+    import gc
+
+    from decoupled_diloco.runtime import launch
+    from decoupled_diloco.runtime.learner_loop import LearnerLoop
+
+    def learners() -> int:  # without collecting: garbage not yet collected counts
+        return sum(isinstance(o, LearnerLoop) for o in gc.get_objects())
+
+    cfg = small_config(**{"train.steps": 4, "diloco.learners": 2, "diloco.sync_every": 2})
+    before = _learners_alive()
+    gc.disable()
+    try:
+        launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+        left = learners()
+    finally:
+        gc.enable()
+    assert left == before

@@ -18,6 +18,7 @@ merged nothing (its global model is the initial one): its summary says so and `r
 `ModelNotFiniteError` (the CLI exits non-zero), never returning such a model as a result.
 """
 
+import gc
 import json
 import math
 
@@ -61,6 +62,10 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
             summary = attempt.finish(runtime.run())
         finally:
             attempt.stop()  # a failed attempt's record says how far it got
+            # The run's learners sit in reference cycles (runtime <-> loops, callbacks):
+            # collected now, their device memory is free before the caller's next run.
+            runtime = None
+            gc.collect()
         loss = summary.get("final_eval_loss", math.nan)
         evaluated = not (cfg.runtime == "ray" and cfg.ray.evaluate == "off")  # NaN = not run
         if evaluated and not (isinstance(loss, float | int) and math.isfinite(loss)):
