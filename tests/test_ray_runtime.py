@@ -510,9 +510,14 @@ def test_raising_learner_restarts_then_is_lost_when_its_restarts_run_out(
     assert errors[0]["time"] < rejoin["time"] < errors[1]["time"]
     (lost,) = _events(tmp_path, "learner_lost", learner=1)
     assert lost["time"] > errors[1]["time"] and "injected learner failure" in lost["error"]
-    # It left the syncer's membership then (no round waits for it, the roster drops it),
-    # not only after diloco.heartbeat_timeout (300 s) of silence.
-    (left,) = _events(tmp_path, "leave", learner=1)
+    # It left the syncer's membership each time (no round waits for it, the roster drops
+    # it), not only after diloco.heartbeat_timeout (300 s) of silence: its first life as
+    # soon as Ray restarted its process (which announced it, before its start-up and join;
+    # no schedule said it died), its second once lost.
+    first, left = _events(tmp_path, "leave", learner=1)
+    assert errors[0]["time"] < first["time"] < rejoin["time"] and not first["finished"]
+    (join,) = [e for e in _events(tmp_path, "join", learner=1) if e["incarnation"] > 0]
+    assert first["time"] < join["time"]
     assert not left["finished"] and left["time"] >= errors[1]["time"]
     assert not _events(tmp_path, "learner_done", learner=1)
     assert _events(tmp_path, "learner_done", learner=0, step=STEPS)

@@ -158,6 +158,22 @@ def test_when_the_learner_that_paced_the_rounds_leaves_the_others_pace_them():
     assert m.learners == (2,)
 
 
+def test_a_life_announced_twice_leaves_once_and_a_finished_one_stays_finished():
+    """A restarted Ray process announces the life its predecessor died in, which the driver
+    may have announced already (a scheduled crash), or which had finished: the repeat
+    changes nothing and records nothing; only `finished` can still become true."""
+    events = []
+    s = syncer(learners=3)
+    s._emit = events.append
+    for m, finished in ((0, False), (0, False), (1, True), (1, False)):
+        s.handle(Leave(m, 0, 1.0, finished=finished), 1.0)
+    assert [(e["event"], e["learner"], e["finished"]) for e in events] == [
+        ("leave", 0, False), ("leave", 1, True)]  # fmt: skip
+    assert s.registry.live(1.0) == [2] and s.registry.learners[1].finished
+    s.handle(Leave(0, 0, 2.0, finished=True), 2.0)  # it finished after all: recorded
+    assert events[-1]["finished"] and s.registry.learners[0].finished
+
+
 def test_the_rounds_pace_is_unchanged_while_the_learner_that_set_it_is_live():
     """Learner 0's slot-1 offer stands for slot 2 (it has reported step 9: its next offer
     waits for this one), so its round covers slot 2; learner 1's slot-2 offer is then late

@@ -100,11 +100,17 @@ class Registry:
         info.tokens_per_step = int(tokens_per_step) or info.tokens_per_step
         return None
 
-    def leave(self, m: int, incarnation: int, finished: bool) -> Reason | None:
-        """A learner stops training; why not, if the message is not of its current life."""
+    def leave(self, m: int, incarnation: int, finished: bool) -> Reason | str | None:
+        """A learner stops training; why not, if the message is not of its current life;
+        "again" if that life has left already (a restarted process announces the life its
+        predecessor died in, which a driver may have announced too): nothing changes but a
+        `finished` that becomes true."""
         info = self.learners.get(m)
         if info is None or info.incarnation != incarnation:
             return self._other_life(m, incarnation, info)
+        if not info.joined and (info.finished or not finished):
+            info.confirmed = True
+            return "again"
         info.joined, info.finished, info.confirmed = False, bool(finished), True
         return None
 

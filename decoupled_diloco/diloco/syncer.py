@@ -130,6 +130,8 @@ class Syncer:
             return self._join(msg, now) + self._sent()
         if isinstance(msg, Leave):
             reason = self.registry.leave(msg.learner, msg.incarnation, msg.finished)
+            if reason == "again":
+                return []
             if reason:
                 self.refusals.drop_message(msg, reason, now)
                 return []

@@ -148,6 +148,8 @@ class LearnerActor:
 
     def _main(self) -> None:
         try:
+            if self.restarted and self.host == 0:
+                self._announce_death()
             self._setup()
             self._train()
         except FatalRunError as e:  # a restart would fail the same way: stay up, report it
@@ -176,6 +178,24 @@ class LearnerActor:
             # Give the driver a poll to collect the error, then die like a killed process.
             time.sleep(2 * self.run.ray.poll_seconds + 1.0)
             os._exit(1)
+
+    def _announce_death(self) -> None:
+        """Ray restarted this process: the life its predecessor held ended with it. Every
+        syncer shard hears so now, before this process spends its start-up (jax, restore,
+        compilation: minutes on a TPU slice) until its Join, so that no round or grace
+        window waits for a dead life meanwhile. The driver cannot: a failed call to an
+        actor that is restarting looks like one to an actor that is briefly unreachable. A
+        life the driver already announced (a scheduled crash) is not announced twice."""
+        from decoupled_diloco.diloco.messages import Leave
+        from decoupled_diloco.runtime.learner_loop import last_life
+        from decoupled_diloco.runtime.ray import links
+
+        life = last_life(self.ckpt_dir, self.m, 0)
+        if life is None:  # it died before it took a life: none to end
+            return
+        leave = Leave(self.m, life, self.now())
+        for s in range(self.run.diloco.syncer_shards):
+            links.actor_handle(links.actor_name(self.run_id, "syncer", s)).post.remote(leave)
 
     def _setup(self) -> None:
         from decoupled_diloco import compile_cache

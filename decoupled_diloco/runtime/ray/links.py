@@ -42,7 +42,7 @@ def actor_name(run_id: str, role: str, index: int, host: int = 0) -> str:
     return f"dd-{run_id}-{role}-{index}" + (f"-host{host}" if host else "")
 
 
-def _handle(name: str, timeout: float = 120.0):
+def actor_handle(name: str, timeout: float = 120.0):
     """The named actor's handle; the driver creates every actor of a run before waiting on
     any, so a name can only be missing for a moment (or for good in a broken run)."""
     deadline = time.monotonic() + timeout
@@ -90,7 +90,7 @@ class SyncerPoster:
 
     def _deliver_held(self) -> None:
         if self._handle is None:
-            self._handle = _handle(self.name)
+            self._handle = actor_handle(self.name)
         while self._held:
             ref = self._handle.post.remote(self._held[0])
             try:
@@ -136,7 +136,7 @@ class LearnerMailboxes:
     def deliver(self, m: int, msg) -> None:
         with self._lock:
             if m not in self._handles:
-                self._handles[m] = _handle(self._names[m])
+                self._handles[m] = actor_handle(self._names[m])
             if self._last[0] is not msg:
                 self._last = (msg, ray.put(msg))
             self._inflight.append(self._handles[m].deliver.remote(self._last[1]))
