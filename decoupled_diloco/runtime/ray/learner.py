@@ -195,7 +195,13 @@ class LearnerActor:
             return
         leave = Leave(self.m, life, self.now())
         for s in range(self.run.diloco.syncer_shards):
-            links.actor_handle(links.actor_name(self.run_id, "syncer", s)).post.remote(leave)
+            try:
+                shard = links.actor_handle(links.actor_name(self.run_id, "syncer", s))
+            except ValueError:  # not found in time: its heartbeat timeout will tell it
+                print(f"learner {self.m}: syncer shard {s} not found; it hears of life "
+                      f"{life}'s end by its silence", file=sys.stderr, flush=True)  # fmt: skip
+                continue
+            shard.post.remote(leave)
 
     def _setup(self) -> None:
         from decoupled_diloco import compile_cache
