@@ -237,7 +237,7 @@ MALFORMED = [
     ("leave incarnation a string", Leave(0, "x", 0.0), "malformed"),
     ("leave all None", Leave(None, None, None, None), "malformed"),
     ("leave finished a string", Leave(0, 0, 0.0, finished="yes"), "malformed"),
-    ("leave of another life", Leave(0, 3, 0.0), "old_incarnation"),
+    ("leave of a life far ahead", Leave(0, 5000, 0.0), "implausible"),
     ("unknown message type", Bare(), "unknown_type"),
     ("a plain object", object(), "unknown_type"),
 ]

@@ -56,18 +56,41 @@ def test_bandwidth_serialises_replies_per_learner_and_latency_adds_once():
 
 
 def test_a_closed_link_has_delivered_what_it_was_given_and_its_threads_are_gone():
+    """A learner's link delivers what it was handed before its threads end; the syncer's
+    closes after the run, when replies still on the wire are for learners that are done:
+    it drops them instead of waiting them out."""
     before = set(threading.enumerate())
     syncer_q, inboxes = queue.Queue(), {0: queue.Queue()}
     up = LocalLearnerLink(0, [syncer_q], lambda p: 0, link_seconds=lambda n: 0.2)
-    down = LocalSyncerLink(queue.Queue(), inboxes, lambda m, n: 0.2)
+    down = LocalSyncerLink(queue.Queue(), inboxes, lambda m, n: 5.0)
     for step in range(3):
         up.send(Heartbeat(0, 0, step, 0.1, 0.0))
         down.send(0, Merged(0, step, None, (0,), 0.0))
     up.close()
-    down.close()
     assert [syncer_q.get_nowait().step for _ in range(3)] == [0, 1, 2] and syncer_q.empty()
-    assert [inboxes[0].get_nowait().version for _ in range(3)] == [0, 1, 2]
+    t0 = time.monotonic()
+    down.close()
+    assert time.monotonic() - t0 < 1.0 and inboxes[0].empty()
     assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+
+
+def test_closing_a_link_stuck_in_a_delivery_gives_up_after_its_timeout(caplog):
+    """A shard that takes a call and never answers must not keep a finished or failed
+    learner from ending (a failed Ray learner from dying and being restarted)."""
+    stuck = threading.Event()
+
+    class Hung:
+        def put(self, msg):
+            stuck.set()
+            threading.Event().wait(30)
+
+    link = LocalLearnerLink(0, [Hung()], lambda p: 0)
+    link.send(Heartbeat(0, 0, 1, 0.1, 0.0))
+    assert stuck.wait(5)
+    t0 = time.monotonic()
+    link.close(timeout=0.5)
+    assert time.monotonic() - t0 < 2.0
+    assert "learner0-sender still delivering" in caplog.text
 
 
 def test_unlimited_links_deliver_at_once():

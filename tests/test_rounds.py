@@ -172,6 +172,13 @@ def test_a_life_announced_twice_leaves_once_and_a_finished_one_stays_finished():
     assert s.registry.live(1.0) == [2] and s.registry.learners[1].finished
     s.handle(Leave(0, 0, 2.0, finished=True), 2.0)  # it finished after all: recorded
     assert events[-1]["finished"] and s.registry.learners[0].finished
+    # A later life's Leave (one that died before its Join arrived) ends the registered
+    # life too; once more, or for a life the registry does not hold, nothing happens.
+    n = len(events)
+    for msg in (Leave(2, 3, 3.0), Leave(2, 4, 3.0), Leave(2, 1, 3.0), Leave(0, 7, 3.0)):
+        s.handle(msg, 3.0)
+    assert [(e["event"], e["learner"]) for e in events[n:]] == [("leave", 2)]
+    assert s.registry.live(3.0) == [] and s.registry.learners[2].incarnation == 0
 
 
 def test_the_rounds_pace_is_unchanged_while_the_learner_that_set_it_is_live():

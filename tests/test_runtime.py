@@ -316,3 +316,28 @@ def test_launch_hands_a_finished_runs_learners_back_at_once(small_config, tmp_pa
     finally:
         gc.enable()
     assert left == before
+
+
+def test_a_run_whose_evaluation_fails_stops_its_threads_before_it_raises(
+    small_config, tmp_path, monkeypatch
+):
+    """The main thread's own failure (an evaluation of Θ) stops the run as a learner's
+    failure does: its learners stop at their next boundary and save, and no thread of the
+    run trains on, or holds its state, after the error reached the caller."""
+    from decoupled_diloco.runtime import local
+    from decoupled_diloco.train.evaluate import Evaluator
+
+    class Failing(Evaluator):
+        def __call__(self, params):
+            raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(local, "Evaluator", Failing)
+    cfg = small_config(**{"train.steps": 40, "train.eval_every": 4, "diloco.learners": 2,
+                          "diloco.sync_every": 2, "train.checkpoint_every": 4})  # fmt: skip
+    before, alive = set(threading.enumerate()), _learners_alive()
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        _run(cfg, tmp_path)
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == [] and _learners_alive() == alive
+    steps = [_final_params(tmp_path, f"learner_{m}")[1]["step"] for m in (0, 1)]
+    assert all(4 <= s < 40 for s in steps), steps  # they stopped early, and saved

@@ -101,11 +101,23 @@ class Registry:
         return None
 
     def leave(self, m: int, incarnation: int, finished: bool) -> Reason | str | None:
-        """A learner stops training; why not, if the message is not of its current life;
-        "again" if that life has left already (a restarted process announces the life its
-        predecessor died in, which a driver may have announced too): nothing changes but a
-        `finished` that becomes true."""
+        """A learner stops training; why not, if the message is of an earlier life (or an
+        implausible one); "again" if that life has left already (a restarted process
+        announces the life its predecessor died in, which a driver may have announced too):
+        nothing changes but a `finished` that becomes true. A later life's Leave ends the
+        registered life (below)."""
         info = self.learners.get(m)
+        if info is not None and incarnation > info.incarnation:
+            # A life this registry never saw join (a restarted process announces the last
+            # life its predecessor took, which it may have died before joining). Lives are
+            # taken one after another, so the registered one is over too.
+            too_far = self._too_far(m, incarnation)
+            if too_far:
+                return too_far
+            if not info.joined:
+                return "again"
+            info.joined, info.confirmed = False, True
+            return None
         if info is None or info.incarnation != incarnation:
             return self._other_life(m, incarnation, info)
         if not info.joined and (info.finished or not finished):

@@ -8,6 +8,7 @@ network), so a slow link delays that learner's offers but never its training.
 
 import heapq
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,20 @@ from decoupled_diloco.diloco.messages import Offer
 from decoupled_diloco.diloco.transport import LearnerLink, SyncerLink
 
 _CLOSE = object()  # queued by `LocalLearnerLink.close`: its sender thread ends there
+# How long a close waits for a thread to deliver what it holds: a learner's flush has
+# waited for its messages already; a shard that takes a call and never answers must not
+# keep a finished or failed learner from ending (a failed Ray learner from restarting).
+CLOSE_TIMEOUT_S = 30.0
+
+
+def join_thread(thread: threading.Thread | None, timeout: float, name: str) -> None:
+    """Waits up to `timeout` s for `thread` (None: none) to end; warns if it has not."""
+    if thread is None:
+        return
+    thread.join(timeout)
+    if thread.is_alive():
+        logging.warning("thread %s still delivering after %.0f s; left to end by itself",
+                        name, timeout)  # fmt: skip
 
 
 def _drain(q: queue.Queue, timeout: float) -> list:
@@ -52,13 +67,15 @@ class _InFlight:
                 self._thread.start()
             self._cv.notify()
 
-    def close(self) -> None:
-        """Delivers what is on the wire at its time, then ends the thread (idempotent)."""
+    def close(self, deliver: bool = True, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Delivers what is on the wire at its time (`deliver`; else drops it), then ends
+        the thread (idempotent; waits at most `timeout` s)."""
         with self._cv:
             thread, self._closing = self._thread, True
+            if not deliver:
+                self._heap.clear()
             self._cv.notify()
-        if thread is not None:
-            thread.join()
+        join_thread(thread, timeout, "in-flight")
 
     def _loop(self) -> None:
         while True:
@@ -131,12 +148,12 @@ class LocalLearnerLink(LearnerLink):
         _drain(self._outbox, 0.0)
         _drain(self.inbox, 0.0)
 
-    def close(self) -> None:
-        if self._thread is not None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._outbox.put(_CLOSE)
-            self._thread.join()
-            self._thread = None
-        self._in_flight.close()
+        join_thread(thread, timeout, f"learner{self.learner}-sender")
+        self._in_flight.close(timeout=timeout)
 
     def _send_loop(self) -> None:
         while True:
@@ -177,8 +194,9 @@ class LocalSyncerLink(SyncerLink):
         return _drain(self.inbox, timeout)
 
     def close(self) -> None:
-        """Replies still on the wire arrive at their time; then the link's thread ends."""
-        self._in_flight.close()
+        """After the run: replies still on the wire are for learners that are done (they
+        are dropped, not waited for), and the link's thread ends."""
+        self._in_flight.close(deliver=False)
 
     def send(self, learner: int, msg) -> None:
         q = self._learners.get(learner)

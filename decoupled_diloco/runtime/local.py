@@ -136,23 +136,28 @@ class LocalRuntime:
                     link_seconds=lambda n, m=m: self.schedule.transfer_seconds(m, n),
                 )
                 self.learner_inboxes[m] = link.inbox
-            loop = LearnerLoop(
-                m,
-                run,
-                self._replica(run.model, run.train, self.meshes[m]),
-                make_iterator(run.data, "train", run.train.batch_size, m, M),
-                self.plan,
-                link,
-                self.schedule,
-                self.now,
-                sink,
-                Checkpointer(self.ckpt_dir / f"learner_{m}"),
-                emulate_crashes=True,
-                between_steps=lambda m=m: self._maybe_halt(m),
-                abort=self.failed,
-                lives=str(self.ckpt_dir),
-                notice_down=self._notice_down,
-            )
+            try:
+                loop = LearnerLoop(
+                    m,
+                    run,
+                    self._replica(run.model, run.train, self.meshes[m]),
+                    make_iterator(run.data, "train", run.train.batch_size, m, M),
+                    self.plan,
+                    link,
+                    self.schedule,
+                    self.now,
+                    sink,
+                    Checkpointer(self.ckpt_dir / f"learner_{m}"),
+                    emulate_crashes=True,
+                    between_steps=lambda m=m: self._maybe_halt(m),
+                    abort=self.failed,
+                    lives=str(self.ckpt_dir),
+                    notice_down=self._notice_down,
+                )
+            except BaseException:
+                if link is not None:  # its sender thread is running: no loop will close it
+                    link.close()
+                raise
             self.loops.append(loop)
         self.evaluator = Evaluator(
             run.model, run.data, self.meshes[0], run.train.batch_size, run.train.eval_batches
@@ -285,6 +290,18 @@ class LocalRuntime:
             self._watch(learner_threads)
         except KeyboardInterrupt:
             self._interrupt(learner_threads)
+        except BaseException:
+            # The main thread failed (an evaluation of Θ): the run stops as at a learner's
+            # failure, and its threads end before the error is raised (else they would
+            # train on, and hold their state, for the life of the process).
+            self.failed.set()
+            self.stop.set()
+            self._syncers_stop.set()
+            for t in self.threads:
+                t.done.wait()
+            self.lock_probe.stop()
+            self.progress.close()
+            raise
         self._syncers_stop.set()  # learners are done: let the syncer flush and stop
         for t in syncer_threads:
             t.join()

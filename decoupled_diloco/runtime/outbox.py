@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 from decoupled_diloco.diloco.transport import LearnerLink
+from decoupled_diloco.runtime.links import CLOSE_TIMEOUT_S, join_thread
 
 _CLOSE = object()  # queued by `close`: the thread ends there
 
@@ -59,14 +60,15 @@ class Outbox:
                 return False
         return self.link.flush(timeout) if self.link is not None else True
 
-    def close(self) -> None:
-        """Ends the thread once everything queued before is on the link (idempotent). Its
-        loop holds the learner's `materialize`, so a thread left running would keep the
-        learner, its device state included, alive for the life of the process."""
-        if self._thread is not None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Ends the thread once everything queued before is on the link, then closes the
+        link (idempotent; each waits at most `timeout` s). Its loop holds the learner's
+        `materialize`, so a thread left running would keep the learner, its device state
+        included, alive for the life of the process."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put((_CLOSE, None))
-            self._thread.join()
-            self._thread = None
+        join_thread(thread, timeout, "outbox")
         if self.link is not None:
             self.link.close()
 
