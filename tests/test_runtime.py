@@ -341,3 +341,20 @@ def test_a_run_whose_evaluation_fails_stops_its_threads_before_it_raises(
     assert left == [] and _learners_alive() == alive
     steps = [_final_params(tmp_path, f"learner_{m}")[1]["step"] for m in (0, 1)]
     assert all(4 <= s < 40 for s in steps), steps  # they stopped early, and saved
+
+
+def test_a_learner_that_fails_to_build_leaves_no_thread_behind(small_config, tmp_path, monkeypatch):
+    from decoupled_diloco.runtime import local
+
+    class Broken(local.LearnerLoop):
+        def __init__(self, m, *args, **kw):
+            if m == 1:
+                raise RuntimeError("learner 1 cannot be built")
+            super().__init__(m, *args, **kw)
+
+    monkeypatch.setattr(local, "LearnerLoop", Broken)
+    cfg = small_config(**{"diloco.learners": 2, "diloco.sync_every": 2})
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        _run(cfg, tmp_path)
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
