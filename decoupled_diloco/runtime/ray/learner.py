@@ -185,7 +185,9 @@ class LearnerActor:
         compilation: minutes on a TPU slice) until its Join, so that no round or grace
         window waits for a dead life meanwhile. The driver cannot: a failed call to an
         actor that is restarting looks like one to an actor that is briefly unreachable. A
-        life the driver already announced (a scheduled crash) is not announced twice."""
+        life the driver announced already (a scheduled crash), or one that never joined,
+        is announced all the same: the registry takes a repeat as a no-op, and a later
+        life's Leave as the end of the registered one."""
         from decoupled_diloco.diloco.messages import Leave
         from decoupled_diloco.runtime.learner_loop import last_life
         from decoupled_diloco.runtime.ray import links
