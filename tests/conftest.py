@@ -14,7 +14,15 @@ from decoupled_diloco import compile_cache  # noqa: E402
 
 compile_cache.enable()
 
+import threading  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def threads_left(before: set) -> list[str]:
+    """Names of the threads started since `before` (a set of threading.enumerate()) that
+    are still running: what a closed link, stager or run left behind."""
+    return sorted(t.name for t in set(threading.enumerate()) - before if t.is_alive())
 
 
 def _small_config(**overrides):

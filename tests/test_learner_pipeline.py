@@ -7,6 +7,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from conftest import threads_left
 from protocol_sim import HeldExecutor, NumpyReplica, Sim
 from test_work_conservation import assert_every_step_merged_once, cfg
 
@@ -272,7 +273,7 @@ def test_closing_a_stager_ends_its_own_worker_and_leaves_a_callers_pool_running(
     own.stage([u])
     np.testing.assert_array_equal(own.take(u)["w"], np.ones(2))
     own.close()
-    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    assert threads_left(before) == []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         MergeStager(NumpyReplica(0, None), pool).close()
         assert pool.submit(int, "7").result() == 7  # still the caller's to use

@@ -4,6 +4,8 @@ import queue
 import threading
 import time
 
+from conftest import threads_left
+
 from decoupled_diloco.diloco.messages import Heartbeat, Merged
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 
@@ -71,7 +73,7 @@ def test_a_closed_link_has_delivered_what_it_was_given_and_its_threads_are_gone(
     t0 = time.monotonic()
     down.close()
     assert time.monotonic() - t0 < 1.0 and inboxes[0].empty()
-    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    assert threads_left(before) == []
 
 
 def test_closing_a_link_stuck_in_a_delivery_gives_up_after_its_timeout(caplog):

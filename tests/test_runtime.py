@@ -9,6 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import threads_left
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.checkpoint import Checkpointer
@@ -268,7 +269,7 @@ def test_a_run_leaves_no_thread_and_no_learner_behind(small_config, tmp_path, ha
                           "faults.restart_delay_s": 0.2})  # fmt: skip
     before, alive = set(threading.enumerate()), _learners_alive()
     _run(cfg, tmp_path, halt_after=halt_after)
-    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    left = threads_left(before)
     assert left == [] and _learners_alive() == alive
 
 
@@ -337,7 +338,7 @@ def test_a_run_whose_evaluation_fails_stops_its_threads_before_it_raises(
     before, alive = set(threading.enumerate()), _learners_alive()
     with pytest.raises(RuntimeError, match="evaluation failed"):
         _run(cfg, tmp_path)
-    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    left = threads_left(before)
     assert left == [] and _learners_alive() == alive
     # They stopped early and saved where they stopped (the lead at or past the failed
     # evaluation's step 4; a learner that had taken no step has nothing to save).
@@ -360,4 +361,4 @@ def test_a_learner_that_fails_to_build_leaves_no_thread_behind(small_config, tmp
     before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="cannot be built"):
         _run(cfg, tmp_path)
-    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+    assert threads_left(before) == []
