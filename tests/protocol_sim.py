@@ -42,10 +42,12 @@ class NumpyReplica:
 
     def __init__(self, m: int, update):
         self.m, self.update, self.state, self.step_count = m, update, None, 0
+        self.held = {}  # `Replica.held`
 
     def init_from_host(self, flat: dict, step: int = 0) -> None:
         self.state = {k: np.array(v, np.float32) for k, v in flat.items()}
         self.step_count = step
+        self.held = {}
 
     def step(self, batch=None) -> dict:
         delta = self.update(self.state, self.m, self.step_count)
@@ -61,8 +63,9 @@ class NumpyReplica:
         return {k: np.array(v, np.float32) for k, v in arrays.items()}
 
     def outer_gradient(self, names, anchor: dict) -> dict:
-        """`Replica.outer_gradient`: v = G − θ, the same float32 subtraction."""
-        return {k: np.subtract(anchor[k], self.state[k], dtype=np.float32) for k in names}
+        """`Replica.outer_gradient`: v = G − (θ + R), the same float32 operations."""
+        phi = self.fragment_copies(names)
+        return {k: np.subtract(anchor[k], phi[k], dtype=np.float32) for k in names}
 
     @staticmethod
     def rebase_delta(new: dict, anchor: dict, sent: dict | None) -> dict:
@@ -71,7 +74,9 @@ class NumpyReplica:
         return x if sent is None else {k: np.add(d, sent[k]) for k, d in x.items()}
 
     def fragment_copies(self, names) -> dict:
-        return {k: self.state[k].copy() for k in names}
+        """`Replica.fragment_copies`: θ + R."""
+        return {k: self.state[k] + self.held[k] if k in self.held else self.state[k].copy()
+                for k in names}  # fmt: skip
 
     @staticmethod
     def to_host(copies: dict) -> dict:
@@ -83,6 +88,14 @@ class NumpyReplica:
                 self.state[k] = (self.state[k] + (1 - alpha) * x).astype(np.float32)
             else:
                 self.state[k] = (alpha * self.state[k] + (1 - alpha) * x).astype(np.float32)
+
+    def land(self, x: dict, new: dict, alpha: float = 0.0) -> None:
+        """`Replica.land`, the same float32 operations."""
+        s = np.float32(1.0 - alpha)
+        for k in x:
+            aside = s * ((self.state[k] + x[k]) - new[k])
+            self.held[k] = self.held[k] + aside if k in self.held else aside
+            self.state[k] = (alpha * self.state[k] + s * new[k]).astype(np.float32)
 
     def host_params(self) -> dict:
         return {k: v.copy() for k, v in self.state.items()}

@@ -56,6 +56,50 @@ def test_replica_reads_and_updates_row_slices_of_a_sharded_leaf(small_config):
     assert state.sharding == replica.flat_shardings["embedder/embedding"]  # kept
 
 
+def test_replica_lands_on_row_slices_and_whole_leaves_and_offers_what_it_set_aside(
+    small_config,
+):
+    """`Replica.land` (diloco.apply "land"): θ ← α·θ + (1 − α)·Θ_new and R ← R +
+    (1 − α)·(θ + x − Θ_new), on a row slice of a sharded leaf and a whole leaf; offers copy
+    θ + R and outer gradients are G − θ − R; Θ_new's placed buffers stay the stager's (a
+    later donating update of θ leaves them alive); new parameters forget R."""
+    run = config_lib.validate(small_config(**{"mesh.tensor": 2}))
+    replica = Replica(run.model, run.train, sharding.make_mesh(jax.devices()[:4], run.mesh))
+    replica.init_from_rng(jax.random.key(0))
+    names = ["embedder/embedding[128:256]", "final_norm/scale"]
+    theta0 = replica.to_host(replica.fragment_copies(names))
+    before = replica.host_params()["embedder/embedding"]
+    rng = np.random.default_rng(0)
+
+    def draw():
+        return {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in theta0.items()}
+
+    x1, new1, x2, new2 = draw(), draw(), draw(), draw()
+    replica.land(x1, new1, alpha=0.5)
+    theta1 = {k: 0.5 * theta0[k] + 0.5 * new1[k] for k in names}
+    aside1 = {k: 0.5 * ((theta0[k] + x1[k]) - new1[k]) for k in names}
+    for k in names:
+        np.testing.assert_allclose(replica.to_host(replica.held)[k], aside1[k], rtol=1e-6,
+                                   atol=1e-6, err_msg=k)  # fmt: skip
+    placed = replica.place(new2)
+    replica.land(x2, placed, alpha=0.0)
+    now = replica.host_params()
+    np.testing.assert_array_equal(now["final_norm/scale"], new2["final_norm/scale"])
+    np.testing.assert_array_equal(now["embedder/embedding"][128:256], new2[names[0]])
+    np.testing.assert_array_equal(now["embedder/embedding"][:128], before[:128])  # other rows
+    aside2 = {k: aside1[k] + ((theta1[k] + x2[k]) - new2[k]) for k in names}
+    offered = replica.to_host(replica.fragment_copies(names))
+    anchor = draw()
+    v = replica.to_host(replica.outer_gradient(names, replica.place(anchor)))
+    for k in names:
+        np.testing.assert_allclose(offered[k], new2[k] + aside2[k], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(v[k], anchor[k] - new2[k] - aside2[k], rtol=1e-5, atol=1e-5)
+    replica.apply("add", {k: np.ones_like(v) for k, v in new2.items()})  # donates θ
+    assert not any(a.is_deleted() for a in placed.values())
+    replica.init_from_rng(jax.random.key(1))
+    assert replica.held == {}
+
+
 def test_a_run_with_the_embedding_in_slices_trains_and_merges_every_slice(small_config, tmp_path):
     run = config_lib.validate(small_config(**SLICED))
     plan = model_plan(run.model, run.diloco)

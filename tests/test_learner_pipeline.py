@@ -104,6 +104,7 @@ def _final_state(sim: Sim) -> dict:
         dict(overlap=0, compression="int8"),  # lossy offers: error feedback through v̂
         dict(apply="overwrite", overlap=2, alpha=0.5),
         dict(learners=4, quorum=2, alpha=0.25, outer_momentum=0.9, outer_lr=0.7),
+        dict(apply="land", overlap=2, alpha=0.5),
     ],
 )
 @pytest.mark.parametrize("device_rebase", [False, True])
@@ -170,6 +171,7 @@ def test_a_learner_that_never_waits_applies_a_merge_once_it_is_placed():
         dict(overlap=1, fragments=3),
         dict(overlap=0, fragments=2, quorum=2),
         dict(overlap=1, fragments=3, quorum=2, compression="int8"),
+        dict(overlap=1, fragments=3, apply="land"),
     ],
 )
 @pytest.mark.parametrize("device_rebase", [False, True])

@@ -71,14 +71,15 @@ def _sliced(small_config, d_model: int, **overrides):
 def _at_boundaries(compiles) -> list:
     """The compilations a copy, an update or a rebase staged on the devices caused where it
     ran."""
-    ops = {"fragment_copies", "apply", "rebase_delta", "outer_gradient"}
+    ops = {"fragment_copies", "apply", "land", "rebase_delta", "outer_gradient"}
     return [c for c in compiles if ops & set(c[1].split())]
 
 
-def _protocol_ops(replica: Replica, plan) -> None:
+def _protocol_ops(replica: Replica, plan, land: bool = False) -> None:
     """Every fragment's copy, add and mix, as the learner's boundaries run them, and its
     rebase computed on the devices (`MergeStager` with `diloco.device_rebase`), which must
-    give the host rebase's bits."""
+    give the host rebase's bits; `land`: two landings on θ itself (x = 0, Θ_new = θ: θ
+    stays, R = 0), the second onto the first's R, whose copies and outer gradient follow."""
     host = replica.host_params()
     rng = np.random.default_rng(0)
     for names in plan.names:
@@ -86,6 +87,9 @@ def _protocol_ops(replica: Replica, plan) -> None:
         zeros = {k: np.zeros_like(v) for k, v in copies.items()}
         replica.apply("add", zeros, 0.5)
         replica.apply("mix", copies, 0.5)
+        if land:
+            for _ in range(2):
+                replica.land(zeros, replica.place(copies), 0.5)
         new, sent = ({k: rng.standard_normal(v.shape).astype(np.float32)
                       for k, v in copies.items()} for _ in range(2))  # fmt: skip
         for v in (sent, None):
@@ -121,10 +125,11 @@ def test_precompiled_fragments_compile_nothing_at_a_boundary(small_config, compi
     run, plan = _sliced(small_config, d_model=d_model, **overrides)
     replica = Replica(run.model, run.train, sharding.make_mesh(jax.devices()[:devices], run.mesh))
     replica.init_from_rng(jax.random.key(0))
-    replica.precompile(plan.names, ("add", "mix"), 0.5, background=background)
+    replica.precompile(plan.names, ("add", "mix", "land"), 0.5, background=background)
     compiles.clear()
-    _protocol_ops(replica, plan)
+    _protocol_ops(replica, plan, land=True)
     assert _at_boundaries(compiles) == []
+    assert set(replica.held) == {k for names in plan.names for k in names}  # landed
 
 
 def test_without_precompiling_each_fragment_compiles_at_its_first_boundary(small_config,
@@ -175,7 +180,7 @@ def params_of(plan, p: int, params: dict) -> dict:
     return {k: params[k] for k in plan.names[p]}
 
 
-@pytest.mark.parametrize("apply", ["rebase", "overwrite"])
+@pytest.mark.parametrize("apply", ["rebase", "land", "overwrite"])
 @pytest.mark.parametrize("method", ["none", "int8"])
 @pytest.mark.parametrize("overlap", [0, 2])
 def test_update_kinds_are_the_kinds_learners_apply(small_config, apply, method, overlap):

@@ -56,16 +56,18 @@ def assert_every_step_merged_once(sim: Sim, steps: int) -> None:
         np.testing.assert_allclose(theta[k], want[k], atol=2e-5, err_msg=k)
 
 
+@pytest.mark.parametrize("apply", ["rebase", "land"])
 @pytest.mark.parametrize("lag_steps", [0, 1.5 * 4, 5 * 4])  # none, > H, > 4·H
-def test_delayed_replies_lose_and_repeat_no_work(lag_steps):
+def test_delayed_replies_lose_and_repeat_no_work(lag_steps, apply):
     steps = 40
-    sim = Sim(cfg(), steps, down_delay=lambda m, msg: lag_steps * (1.0 + 0.3 * m))
+    sim = Sim(cfg(apply=apply), steps, down_delay=lambda m, msg: lag_steps * (1.0 + 0.3 * m))
     sim.run()
     assert_every_step_merged_once(sim, steps)
 
 
+@pytest.mark.parametrize("apply", ["rebase", "land"])
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
-def test_replies_arriving_out_of_order_lose_and_repeat_no_work(alpha):
+def test_replies_arriving_out_of_order_lose_and_repeat_no_work(alpha, apply):
     """A learner may receive a fragment's versions in another order than the syncer sent
     them (the Ray learner actor takes messages on several threads): here odd versions
     arrive long after the even one that follows them. A stale version is ignored (the newer
@@ -78,7 +80,7 @@ def test_replies_arriving_out_of_order_lose_and_repeat_no_work(alpha):
     def down(m, msg):
         return 9.0 + m if isinstance(msg, Merged) and msg.version % 2 else 0.5
 
-    sim = Sim(cfg(alpha=alpha), steps, step_time=[1.0, 1.3, 0.8], down_delay=down)
+    sim = Sim(cfg(alpha=alpha, apply=apply), steps, step_time=[1.0, 1.3, 0.8], down_delay=down)
     arrivals: dict = {}
     for lr in sim.learners:
 
@@ -98,9 +100,10 @@ def test_replies_arriving_out_of_order_lose_and_repeat_no_work(alpha):
         assert len(sim.merged_steps()) == 3 * sim.plan.num_fragments
 
 
-def test_slow_uplinks_and_uneven_learners_lose_and_repeat_no_work():
+@pytest.mark.parametrize("apply", ["rebase", "land"])
+def test_slow_uplinks_and_uneven_learners_lose_and_repeat_no_work(apply):
     steps = 36
-    sim = Sim(cfg(learners=4, quorum=2), steps, step_time=[1.0, 1.3, 2.0, 0.7],
+    sim = Sim(cfg(learners=4, quorum=2, apply=apply), steps, step_time=[1.0, 1.3, 2.0, 0.7],
               up_delay=lambda m, msg: 3.0 * m, down_delay=lambda m, msg: 2.5)  # fmt: skip
     sim.run()
     assert_every_step_merged_once(sim, steps)
@@ -212,17 +215,21 @@ def test_synchronous_diloco_matches_an_independent_float64_reference(M):
         np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)
 
 
-def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu) -> dict:
+def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu,
+                        land=False) -> dict:  # fmt: skip
     """Synchronous Streaming DiLoCo with overlap in float64, written independently of the
     project's code. Fragment p (leaf names `fragments[p]`) is offered after inner step t
     when (t − offsets[p]) % H == 0: Δ = mean over learners of (anchor − θ_m); Θ_p takes an
     outer Nesterov step clocked by work (c = the interval's steps / H: buf ← μ^c·buf + Δ,
     Θ ← Θ − lr·(Δ + μ(1 − μ^c)/(1 − μ)·buf)). After step t + τ every learner rebases:
     θ_p ← Θ_p + (θ_p(t + τ) − θ_p(t)), and Θ_p becomes its anchor. At the end, pending
-    merges are applied and every fragment offers what it holds since its last offer."""
+    merges are applied and every fragment offers what it holds since its last offer.
+    `land`: every learner instead sets θ_p ← Θ_p and keeps R_p = θ_p(t + τ) − θ_p(t)
+    aside: its offers are anchor − (θ + R), and R_p is replaced at its next landing."""
     theta = {k: v.astype(np.float64) for k, v in theta0.items()}
     buf = {k: np.zeros_like(v) for k, v in theta.items()}
     x = [{k: v.copy() for k, v in theta.items()} for _ in range(M)]
+    aside = [{k: np.zeros_like(v) for k, v in theta.items()} for _ in range(M)]
     anchor = [{k: v.copy() for k, v in theta.items()} for _ in range(M)]
     last = [0] * len(fragments)
     pending = []  # (apply after step, leaf names, merged Θ_p, each learner's θ_p(t))
@@ -231,7 +238,7 @@ def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu
         c, last[p] = (t - last[p]) / H, t
         decay, look = mu**c, mu * (1 - mu**c) / (1 - mu)
         for k in fragments[p]:
-            delta = np.mean([anchor[m][k] - x[m][k] for m in range(M)], axis=0)
+            delta = np.mean([anchor[m][k] - (x[m][k] + aside[m][k]) for m in range(M)], axis=0)
             buf[k] = decay * buf[k] + delta
             theta[k] = theta[k] - lr * (delta + look * buf[k])
         snaps = [{k: x[m][k].copy() for k in fragments[p]} for m in range(M)]
@@ -240,7 +247,11 @@ def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu
     def rebase(names, merged, snaps):
         for m in range(M):
             for k in names:
-                x[m][k] = merged[k] + (x[m][k] - snaps[m][k])
+                if land:
+                    aside[m][k] = x[m][k] - snaps[m][k]
+                    x[m][k] = merged[k].copy()
+                else:
+                    x[m][k] = merged[k] + (x[m][k] - snaps[m][k])
                 anchor[m][k] = merged[k].copy()
 
     for t in range(1, T + 1):
@@ -261,21 +272,22 @@ def reference_streaming(theta0, fragments, offsets, update, M, H, tau, T, lr, mu
     return theta
 
 
-@pytest.mark.parametrize("tau", [0, 2])
-def test_synchronous_streaming_with_overlap_matches_an_independent_float64_reference(tau):
+@pytest.mark.parametrize("tau,apply", [(0, "rebase"), (2, "rebase"), (2, "land")])
+def test_synchronous_streaming_with_overlap_matches_an_independent_float64_reference(tau, apply):
     """M = 3 learners, P = 3 staggered fragments, K = M, learners wait, outer Nesterov
     (0.7, 0.9), steps that depend on θ: Θ is Streaming DiLoCo's, with the overlap's steps
-    taken where the learners were and carried across each merge."""
+    taken where the learners were and carried across each merge (rebase), or set aside for
+    the next offer while the learners train on from the merge (land)."""
     M, H, T = 3, 6, 60
     update = quadratic_update()
     c = cfg(learners=M, quorum=M, fragments=3, sync_every=H, overlap=tau, max_wait=-1,
-            outer_lr=0.7, outer_momentum=0.9, momentum_clock="work")  # fmt: skip
+            outer_lr=0.7, outer_momentum=0.9, momentum_clock="work", apply=apply)  # fmt: skip
     sim = Sim(c, T, update=update)
     sim.run()
     fragments = [sorted(part) for part in sim.plan.split(sim.theta0)]
     assert [len(f) for f in fragments] == [1, 2, 2] and sim.plan.offsets == (0, 2, 4)
     want = reference_streaming(sim.theta0, fragments, sim.plan.offsets, update, M, H, tau, T,
-                               0.7, 0.9)  # fmt: skip
+                               0.7, 0.9, land=apply == "land")  # fmt: skip
     theta = sim.syncer.global_params()
     for k in theta:
         np.testing.assert_allclose(theta[k], want[k], rtol=2e-5, atol=2e-5, err_msg=k)

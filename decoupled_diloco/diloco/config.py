@@ -11,7 +11,7 @@ import math
 from decoupled_diloco.diloco import compression, merge, outer
 from decoupled_diloco.diloco.fragments import STRATEGIES
 
-APPLY_MODES = ("rebase", "overwrite")
+APPLY_MODES = ("rebase", "land", "overwrite")
 ROUNDS = ("scheduled", "eager")
 
 
@@ -25,7 +25,10 @@ class DilocoConfig:
     fragment_strategy: str = "balanced"  # "balanced" | "layer" | "tensor" (fragments.py)
     overlap: int = 0  # tau: steps between offering a fragment and applying its merge
     # How a learner applies a merged fragment: "rebase" keeps its work the merge does not
-    # hold; "overwrite" replaces the fragment (Streaming DiLoCo). See diloco/learner.py.
+    # hold in θ; "land" sets θ to the merge as the overwrite does, and keeps the steps
+    # since its offer aside, on the devices, for its next offer (one more copy of the
+    # parameters in device memory at most); "overwrite" replaces the fragment and drops
+    # those steps (Streaming DiLoCo). See diloco/learner.py.
     apply: str = "rebase"
     # Mixing: a learner takes 1 - alpha of each merge's move (overwrite: theta <- alpha*theta +
     # (1-alpha)*merged); 0 = the merge whole. 0.5 with DiLoCo's outer (0.7, 0.9) when learners

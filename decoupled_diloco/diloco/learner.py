@@ -21,6 +21,17 @@ Applying version Θ_new (decided by the version's vector clock, see messages.py)
       G): all of W moves onto the new global fragment. The merge is applied at the first
       step boundary ≥ s + τ (a merge without our offer at once). With τ = 0 and every
       learner in every merge (DiLoCo) this is exactly the overwrite.
+  "land": the rebase's bookkeeping, the overwrite's position. If Θ_new holds our offer
+      from step s, θ ← α·θ + (1 − α)·Θ_new, and the steps since s wait aside, on the
+      devices (the replica's `held` R_p ← R_p + (1 − α)·(θ − φ_s), φ_s = θ_s + R_p the
+      point offered), until our next offer of p sends them: offers copy φ = θ + R (and
+      the bookkeeping above is φ's). φ follows the rebase exactly, so no step is lost
+      or merged twice, and the counters are the rebase's; only where the learner trains
+      from differs. The steps a learner takes while its offer is in flight continue its
+      own drift from a point the merge then averages away; carried on top of the merge
+      they pull it apart from the others again: at the tiny CPU scale the rebase's overlap
+      τ = 2 cost 2.9% (inner lr 0.036; experiments/results/overlap_carry/). A version
+      without our offer is a rebase (R_p stays).
   "overwrite" (Streaming DiLoCo): θ ← α·θ + (1 − α)·Θ_new at the first boundary ≥ s + τ
       of our offer in flight; merging our offer resets the counters, so the α-discarded
       work is not counted as merged.
@@ -227,7 +238,7 @@ class Learner:
                 time=self.clock(),
                 epoch=f.epoch,
             )
-            keep = self.cfg.apply == "rebase"
+            keep = self.cfg.apply in ("rebase", "land")
             f.in_flight = InFlight(
                 p, self.step, f.c_steps, f.c_tokens, f.anchor, envelope, self.cfg.compression, keep,
                 (p, self.incarnation, f.epoch, f.anchored, f.version),
@@ -325,8 +336,9 @@ class Learner:
         applied without waiting (a runtime still placing it on the devices says no). A
         rebase that is not ready waits for a later boundary, where it is just as exact (its
         δ does not depend on θ), at most DEFER_LIMIT boundaries in a row; then it is
-        applied, waiting. Overwrites are never deferred: they discard the steps since their
-        offer, and a later boundary would discard more."""
+        applied, waiting (so is a landing: the steps it sets aside are as exact later).
+        Overwrites are never deferred: they discard the steps since their offer, and a
+        later boundary would discard more."""
         out = []
         tau = 0 if final else self.cfg.overlap
         for p, f, msg, t, held in self._arrived():
@@ -336,7 +348,7 @@ class Learner:
             # θ = θ_s (rebase at the offer's own step): the result is Θ_new itself, exactly.
             exact = held and self.step == t.step and self.cfg.compression == "none"
             update = self._update(p, f, msg, held, exact)
-            deferable = ready is not None and not final and update.kind == "add"
+            deferable = ready is not None and not final and update.kind in ("add", "land")
             if deferable and f.deferred < DEFER_LIMIT and not ready(update.key):
                 f.deferred += 1
                 self.deferrals += 1
@@ -377,17 +389,22 @@ class Learner:
     @staticmethod
     def update_kinds(cfg: DilocoConfig, training: bool = False) -> tuple[str, ...]:
         """The kinds of Update this configuration's learners can apply: "add" (rebases, and
-        the resync onto a restored syncer's snapshot whatever `apply` is), "mix" (`_update`:
-        overwrites, and exact rebases, which need uncompressed offers). `training`: only
-        those of the steps, not of the final sync, where exact rebases need τ = 0 (a merge
-        applied at its offer's own step)."""
+        the resync onto a restored syncer's snapshot whatever `apply` is), "land" (merges
+        of our offer with `apply` "land"), "mix" (`_update`: overwrites, and exact rebases,
+        which need uncompressed offers). `training`: only those of the steps, not of the
+        final sync, where exact rebases need τ = 0 (a merge applied at its offer's own
+        step)."""
+        if cfg.apply == "land":
+            return ("add", "land")
         exact = cfg.compression == "none" and (cfg.overlap == 0 or not training)
         return ("add", "mix") if cfg.apply == "overwrite" or exact else ("add",)
 
     def _update(self, p: int, f: _Fragment, msg: Merged, held: bool, exact: bool) -> Update:
         """The Update applying version `msg` to fragment `f`; captures what it reads, so
         `arrays` may be computed later, on another thread."""
-        mix = self.cfg.apply == "overwrite" or exact
+        apply = self.cfg.apply
+        # A landing sets θ to Θ_new (exactly) whether or not steps came since the offer.
+        mix = apply == "overwrite" or (exact and apply == "rebase")
         key = (p, msg.epoch, msg.version, self.incarnation, f.anchored, held, mix)
         payload = msg.payload
         if mix:
@@ -402,7 +419,8 @@ class Learner:
         parts = Rebase(payload, anchor, sent, (p, inc, f.epoch, f.anchored, f.version),
                        (p, inc, msg.epoch, f.anchored + 1, msg.version))  # fmt: skip
         # Mixing scales δ by 1 − α; the replica does it with the add (no host pass).
-        return Update("add", delta, self.cfg.alpha, key, rebase=parts)
+        kind = "land" if held and apply == "land" else "add"
+        return Update(kind, delta, self.cfg.alpha, key, rebase=parts)
 
     def _consume(self, f: _Fragment) -> None:
         t = f.in_flight

@@ -50,7 +50,9 @@ class Rebase:
 class Update:
     """A change of fragment leaves for the replica: θ ← θ + (1 − α)·x ("add") or
     θ ← α·θ + (1 − α)·x ("mix"; α = 0 sets θ = x). Both are a mix of θ with its target
-    (θ + x, or x) at weight α.
+    (θ + x, or x) at weight α. A "land" (always a rebase: x = Θ_new − G + v̂) moves θ as
+    the mix with Θ_new would, and sets aside what the add would have kept on top
+    (`Replica.land`): θ + R after it equals θ + R after the add.
 
     x is computed on first use of `arrays` (host math: decode, differences), so a runtime
     can compute and place it on the devices ahead of the boundary that applies it: `key`
@@ -58,7 +60,7 @@ class Update:
 
     def __init__(self, kind: str, compute, alpha: float = 0.0, key: tuple | None = None,
                  rebase: Rebase | None = None):  # fmt: skip
-        self.kind, self.alpha, self.key = kind, alpha, key  # kind: "add" | "mix"
+        self.kind, self.alpha, self.key = kind, alpha, key  # "add" | "mix" | "land"
         self._compute = compute if callable(compute) else (lambda: compute)
         self._arrays = None
         # An "add" that is a rebase: its inputs, for a runtime that computes x on the

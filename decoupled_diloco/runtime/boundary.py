@@ -104,7 +104,9 @@ class MergeStager:
     def _place(self, u: Update, life: int) -> dict:
         t0 = self._clock()
         if self.device_rebase and u.rebase is not None:
-            placed = self._rebase(u.rebase, life)
+            placed = self._rebase(u.rebase, life, land=u.kind == "land")
+        elif u.kind == "land":
+            placed = self._replica.place(u.arrays), self._replica.place(u.rebase.new_arrays())
         else:
             placed = self._replica.place(u.arrays)
         seconds = self._clock() - t0
@@ -113,10 +115,11 @@ class MergeStager:
             self.job_seconds = ema if self.job_seconds else seconds
         return placed
 
-    def _rebase(self, r, life: int) -> dict:
+    def _rebase(self, r, life: int, land: bool = False) -> dict | tuple[dict, dict]:
         """x = Θ_new − G + v̂ computed on the devices: places Θ_new (and v̂ if the version
         holds our offer), takes G from the version placed before if it is that one (else
-        places G too), and keeps Θ_new as the next rebase's G. The host does no arithmetic:
+        places G too), and keeps Θ_new as the next rebase's G (`land`: returns (x, Θ_new),
+        what `Replica.land` takes). The host does no arithmetic:
         on an H100 host the host rebase of a `mid` fragment (~23 MB, 3 reads and a write)
         took 20-31 ms of a 10.6 ms step (experiments/results/quality_targets_mid_h100/)."""
         p = r.anchor_key[0]
@@ -131,7 +134,7 @@ class MergeStager:
             self.rebases += 1
             if life == self._life:
                 self._anchors[p] = (r.after_key, new)
-        return x
+        return (x, new) if land else x
 
     def anchor(self, key: tuple) -> dict | None:
         """The device arrays of the version of Θ_p named `key` (`Rebase.anchor_key`,
@@ -193,7 +196,11 @@ class MergeStager:
 def apply_updates(replica, updates, stager: MergeStager | None = None) -> None:
     for u in updates:
         staged = stager.take(u) if stager is not None else None
-        replica.apply(u.kind, staged if staged is not None else u.arrays, u.alpha)
+        if u.kind == "land":
+            x, new = staged if staged is not None else (u.arrays, u.rebase.new_arrays())
+            replica.land(x, new, u.alpha)
+        else:
+            replica.apply(u.kind, staged if staged is not None else u.arrays, u.alpha)
 
 
 def handle(proto: Learner, replica, msgs: list, stager: MergeStager | None = None) -> None:

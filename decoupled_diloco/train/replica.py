@@ -38,6 +38,18 @@ _add = jax.jit(  # a + s·d
     lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
 )
 _copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
+# A landing's steps set aside (`Replica.land`): s·(θ + x − Θ_new), s = 1 − α, added onto the
+# members' earlier R (donated) or new; x is used once.
+_set_aside = jax.jit(
+    lambda theta, x, new, s: jax.tree.map(lambda t, d, n: s * ((t + d) - n), theta, x, new),
+    donate_argnums=1,
+)
+_set_aside_onto = jax.jit(
+    lambda held, theta, x, new, s: jax.tree.map(
+        lambda r, t, d, n: r + s * ((t + d) - n), held, theta, x, new
+    ),
+    donate_argnums=0,
+)
 # A rebase's x = Θ_new − G + v̂ (`diloco.updates.rebase_delta`, the same float32 operations
 # in the same order: the same bits, except that XLA may flush subnormals, |x| < 1.2e-38, to
 # zero where numpy keeps them), from arrays on the devices (`MergeStager`). Θ_new is not
@@ -59,6 +71,8 @@ def _leaf_update(kind: str, alpha: float):
     `kind` mixed with `alpha`; None where the update simply replaces them (a mix, α = 0)."""
     if kind == "add":
         return _add, 1.0 - alpha
+    if kind == "land":  # even at α = 0: θ must not become Θ_new's buffers (a stager keeps
+        return _mix, alpha  # them as the next G, and the train step donates θ)
     return (_mix, alpha) if alpha else None
 
 
@@ -98,6 +112,10 @@ class Replica:
         self._compiling: dict[frozenset, concurrent.futures.Future] = {}
         self._precompiled = None  # what the last `precompile` compiled
         self.state: TrainState | None = None
+        # Member name -> R, the steps since an offer that a landing set aside (`land`): the
+        # learner's parameters in the protocol's sense are θ + R. Empty unless
+        # `diloco.apply` is "land"; reset with the parameters.
+        self.held: dict[str, jax.Array] = {}
 
     # --- state -------------------------------------------------------------------------
     def init_from_rng(self, rng: jax.Array, step: int = 0) -> None:
@@ -113,6 +131,7 @@ class Replica:
         """Replaces the parameters, keeping AdamW state and step (a resumed learner)."""
         params = unflatten_params(transfer.to_device(flat, self.flat_shardings))
         self.state = self.state._replace(params=params)
+        self.held = {}
 
     def set_step(self, step: int) -> None:
         """Sets the inner step (the learning-rate schedule's position), keeping the rest."""
@@ -122,10 +141,12 @@ class Replica:
     def _set(self, params, step: int) -> None:
         step = jax.device_put(np.int32(step), sharding.replicated(self.mesh))
         self.state = TrainState(step, params, self._init_opt(params))
+        self.held = {}
 
     def drop(self) -> None:
         """The slice failed: its device state is gone."""
         self.state = None
+        self.held = {}
 
     def abstract_state(self) -> TrainState:
         """The TrainState's shapes, dtypes and shardings (what a checkpoint restores onto),
@@ -189,7 +210,7 @@ class Replica:
     def precompile(self, fragments, kinds, alpha: float, background: bool = True) -> None:
         """Compiles the device operations the protocol will ask for on each fragment (a list
         of its members: leaves, or row slices of one): the on-device copy an offer takes and
-        the merge updates of `kinds` ("add", "mix") with mixing weight `alpha`, as `apply`
+        the merge updates of `kinds` ("add", "mix", "land") with mixing weight `alpha`, as `apply`
         runs them. Else each compiles at the boundary where it is first needed, on the
         learner's critical path, while its device idles: 40-150 ms per `mid` fragment's add
         on a CPU host, at the first merges of every run. `background`: fragment by fragment
@@ -218,10 +239,15 @@ class Replica:
         devices = tuple(sorted(d.id for d in self.mesh.devices.flat))
         # One at a time per set of devices: replicas sharing them find it compiled.
         with _PRECOMPILING.setdefault(devices, threading.Lock()):  # (dict.setdefault is atomic)
+            members = {k: self._abstract_member(k) for k in names}
             if "add" in kinds:  # a rebase staged on the devices (diloco.device_rebase)
-                members = {k: self._abstract_member(k) for k in names}
                 _rebase_shift.lower(members, members).compile()
                 _rebase_held.lower(members, members, members).compile()
+            if "land" in kinds:  # setting steps aside, and offering θ + R
+                _set_aside.lower(members, members, members, 1.0).compile()
+                _set_aside_onto.lower(members, members, members, members, 1.0).compile()
+                _add.lower(members, members, 1.0).compile()
+                _outer.lower(members, members).compile()
             whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
             if whole:
                 _copy.lower(whole).compile()
@@ -240,7 +266,7 @@ class Replica:
                 if "add" in kinds:
                     _outer_rows.lower(part, full, rows.start, rows.stop).compile()
                 update = self._row_update(leaf)
-                for kind in kinds:
+                for kind in {"add" if kind == "add" else "mix" for kind in kinds}:
                     update.lower(full, part, rows.start, kind, alpha).compile()
 
     def _abstract_member(self, name: str) -> jax.ShapeDtypeStruct:
@@ -275,22 +301,40 @@ class Replica:
     def fragment_copies(self, names) -> dict[str, jax.Array]:
         """Device copies of the named fragment members (leaves, or row slices of one:
         diloco/fragment_members.py) that survive the next donating step, with their host
-        transfer already started."""
+        transfer already started: θ + R where a landing set steps aside (`land`)."""
         # A row slice is a new array: it survives donation too.
-        return self._per_member(names, _copy, lambda _, x, r: _take_rows(x, r.start, r.stop))
+        copies = self._per_member(names, _copy, lambda _, x, r: _take_rows(x, r.start, r.stop))
+        copies = self._with_held(copies)
+        transfer.start_to_host(copies)
+        return copies
 
     def outer_gradient(self, names, anchor: dict) -> dict[str, jax.Array]:
         """v = G − θ for the named fragment members, G (`anchor`) on the devices already, with
         the host transfer started: `fragment_copies`' counterpart for an offer whose
-        outer gradient is computed here (`diloco.device_rebase`)."""
-        return self._per_member(
-            names,
-            lambda leaves: _outer({k: anchor[k] for k in leaves}, leaves),
-            lambda name, x, r: _outer_rows(anchor[name], x, r.start, r.stop),
-        )
+        outer gradient is computed here (`diloco.device_rebase`): G − (θ + R) where a
+        landing set steps aside (the float32 operations of `materialize` on the copies)."""
+        if any(k in self.held for k in names):
+            copies = self._per_member(names, _copy, lambda _, x, r: _take_rows(x, r.start, r.stop))
+            v = _outer({k: anchor[k] for k in names}, self._with_held(copies))
+        else:
+            v = self._per_member(
+                names,
+                lambda leaves: _outer({k: anchor[k] for k in leaves}, leaves),
+                lambda name, x, r: _outer_rows(anchor[name], x, r.start, r.stop),
+            )
+        transfer.start_to_host(v)
+        return v
+
+    def _with_held(self, out: dict) -> dict:
+        """`out` (new arrays of `_per_member`), with R added in place to its members that
+        have one (`land`)."""
+        held = {k: self.held[k] for k in out if k in self.held}
+        if held:
+            out.update(_add({k: out[k] for k in held}, held, 1.0))
+        return out
 
     def _per_member(self, names, whole, rows) -> dict[str, jax.Array]:
-        """New device arrays of the named fragment members, host transfer started:
+        """New device arrays of the named fragment members:
         `whole({leaf: θ leaf})` for the whole leaves among them, and for each row slice
         `rows(member name, θ leaf, its rows)`."""
         self._await_precompiled(names)
@@ -301,7 +345,6 @@ class Replica:
             leaf, part = parse_member(k)
             if part is not None:
                 out[k] = rows(k, flat[leaf], part)
-        transfer.start_to_host(out)
         return out
 
     def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
@@ -326,6 +369,40 @@ class Replica:
         finally:  # even after a failure: θ's donated leaves were replaced in `flat`
             self.state = self.state._replace(params=unflatten_params(flat))
 
+    def land(self, x: dict, new: dict, alpha: float = 0.0) -> None:
+        """A landing (`diloco.apply` "land") for the named fragment members, from a rebase's
+        x = Θ_new − G + v̂ and Θ_new (host arrays, or device arrays from `place`):
+        R ← R + (1 − α)·(θ + x − Θ_new), then θ ← α·θ + (1 − α)·Θ_new. θ + R ends where the
+        add θ ← θ + (1 − α)·x would have left θ (up to float rounding); α = 0 sets θ to
+        Θ_new exactly. `new` is only read: a stager keeps it as the next rebase's G."""
+        self._await_precompiled(x)
+        flat = flatten_params(self.state.params)
+        x = dict(x) if all(isinstance(a, jax.Array) for a in x.values()) else self.place(x)
+        if not all(isinstance(a, jax.Array) for a in new.values()):
+            new = self.place(new)
+        views = {}
+        for k in x:
+            leaf, rows = parse_member(k)
+            views[k] = flat[k] if rows is None else _take_rows(flat[leaf], rows.start, rows.stop)
+        s = 1.0 - alpha
+        onto, fresh = [k for k in x if k in self.held], [k for k in x if k not in self.held]
+        if onto:
+            args = (_pick(d, onto) for d in (self.held, views, x, new))
+            self.held.update(_set_aside_onto(*args, s))
+        if fresh:
+            self.held.update(_set_aside(*(_pick(d, fresh) for d in (views, x, new)), s))
+        whole = [k for k in new if parse_member(k)[1] is None]
+        try:
+            if whole:
+                flat.update(_mix({k: flat[k] for k in whole}, {k: new[k] for k in whole}, alpha))
+            for k, value in new.items():
+                leaf, rows = parse_member(k)
+                if rows is not None:
+                    flat[leaf] = self._apply_rows(flat[leaf], leaf, rows.start, value, "mix",
+                                                  alpha)  # fmt: skip
+        finally:  # even after a failure: θ's donated leaves were replaced in `flat`
+            self.state = self.state._replace(params=unflatten_params(flat))
+
     def _apply_rows(self, full, leaf: str, start: int, x, kind: str, alpha: float):
         """`apply` on rows start.. of one leaf (x placed); the leaf keeps its sharding."""
         return self._row_update(leaf)(full, x, start, kind if kind == "add" else "mix", alpha)
@@ -340,6 +417,10 @@ class Replica:
                 donate_argnums=0,
             )
         return self._row_updates[leaf]
+
+
+def _pick(d: dict, keys) -> dict:
+    return {k: d[k] for k in keys}
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
