@@ -113,6 +113,10 @@ def get_config(arg=None):
     c.diloco.grace_gamma = 0.5
     c.diloco.max_grace = 2.0  # seconds
     c.diloco.max_wait = 0.0  # learners never wait for the syncer
+    # Learners land on each merge of their offer and send the steps since it with the next
+    # offer (diloco/learner.py; experiments/results/apply_land/). Costs one more copy of the
+    # parameters (float32, sharded like them) in each slice's memory; "rebase" does not.
+    c.diloco.apply = "land"
     c.diloco.weights = "tokens"
     c.diloco.merge = "rda"
     c.diloco.embedding_merge = "mean"

@@ -1,8 +1,8 @@
 r"""Where quality goes: from synchronous DiLoCo to Decoupled DiLoCo, one change at a time.
 
     pip install -e .   # once
-    python experiments/quality_ladder.py --quick      # 11 arms, 1 seed, 120 steps: ~8 min
-    python experiments/quality_ladder.py              # 11 arms x seeds 0,1, 300 steps: ~50 min
+    python experiments/quality_ladder.py --quick      # 12 arms, 1 seed, 120 steps: ~8 min
+    python experiments/quality_ladder.py              # 12 arms x seeds 0,1, 300 steps: ~50 min
     python experiments/quality_ladder.py --outer=0.7,0.9   # the rungs with DiLoCo's outer step
     python experiments/quality_ladder.py --scale=mid  # the 31M `mid` model (a GPU: ~1 h)
     python experiments/quality_ladder.py --set=data.source=shakespeare   # another corpus
@@ -14,7 +14,11 @@ processes a quarter of DP's batch per step, for the same number of steps):
   dp         one learner, the whole batch (the reference)
   diloco     DiLoCo: P = 1, K = M, τ = 0, learners wait for every merge, plain mean
   streaming  + P = 6 fragments on staggered schedules (H = 12 for each)
-  overlap    + τ = 2: a merge is applied 2 steps after its offer (still waited for)
+  overlap    + τ = 2: a merge is applied 2 steps after its offer (still waited for), the
+             steps since the offer carried on top of it (`diloco.apply` "rebase")
+  land       + learners land on the merge and send those steps with their next offer
+             (`diloco.apply` "land", since 2026-11-28; ladders measured before have no
+             such rung and rebase on every rung above it)
   no_wait    + max_wait = 0: never wait; apply a merge when it is there
   quorum1    + K = 1: a round closes as soon as one learner reached a new slot
   grace      + the adaptive grace window (γ = 1), which lets more learners into a round
@@ -59,9 +63,10 @@ RUNGS = [
         "diloco.fragments": 1, "diloco.overlap": 0, "diloco.max_wait": -1.0,
         "diloco.quorum": M, "diloco.grace_gamma": 0.0, "diloco.weights": "uniform",
         "diloco.merge": "mean", "diloco.embedding_merge": "mean", "diloco.alpha": 0.0,
-        "diloco.outer_lr": 1.0, "diloco.outer_momentum": 0.0}),
+        "diloco.outer_lr": 1.0, "diloco.outer_momentum": 0.0, "diloco.apply": "rebase"}),
     ("streaming", "+ P=6 fragments", {"diloco.fragments": 6}),
     ("overlap", "+ overlap tau=2", {"diloco.overlap": 2}),
+    ("land", "+ land on merges (apply=land)", {"diloco.apply": "land"}),
     ("no_wait", "+ never wait (max_wait 0)", {"diloco.max_wait": 0.0}),
     ("quorum1", "+ K=1", {"diloco.quorum": 1}),
     ("grace", "+ grace window", {"diloco.grace_gamma": 1.0}),

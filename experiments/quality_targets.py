@@ -1,7 +1,7 @@
 r"""Does Decoupled DiLoCo train as well as synchronous DiLoCo? The quality targets, checked.
 
     python experiments/quality_targets.py --scale=mid   # the 31M `mid` model (a GPU: ~30 min, est.)
-    python experiments/quality_targets.py               # tiny CPU scale, 9 arms x 2 seeds: ~28 min
+    python experiments/quality_targets.py               # tiny CPU scale, 10 arms x 2 seeds: ~31 min
     python experiments/quality_targets.py --set=data.source=shakespeare   # another corpus
 
 The few arms the targets compare (M = 4 learners, equal tokens), each run for --seeds:
@@ -12,7 +12,8 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
   decoupled       configs/tiny_decoupled.py as shipped: K = 1, grace, token weights, RDA,
                   never waits (τ = 2), mixing α = 0.5 (since 2026-11-26; the arm before:
                   --set=diloco.alpha=0.0), outer lr 0.75 without momentum (since 2026-11-27;
-                  before: 1.0, the arm decoupled_lr1)
+                  before: 1.0, the arm decoupled_lr1), learners land on merges
+                  (`diloco.apply` "land", since 2026-11-28; before: the arm decoupled_rebase)
   decoupled_km    the same with quorum K = M
   decoupled_nag   the same as `decoupled` with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9),
                   which needs that mixing when learners never wait (README, "How outer lr
@@ -26,6 +27,8 @@ The few arms the targets compare (M = 4 learners, equal tokens), each run for --
                   of decoupled_mom
   decoupled_lr1   `decoupled` with outer lr 1.0, synchronous DiLoCo's step and the shipped one
                   until 2026-11-27 (experiments/README.md, section 0; not a target)
+  decoupled_rebase  `decoupled` with `diloco.apply` "rebase", the steps since an offer carried
+                  on top of its merge: the shipped rule until 2026-11-28 (not a target)
 
 and prints each target with its measured value and whether it is met (ratios per seed,
 then averaged; seed spread = (max − min) / mean of the final eval loss). Targets (issue 12):
@@ -37,7 +40,9 @@ then averaged; seed spread = (max − min) / mean of the final eval loss). Targe
 Also printed, without a threshold: decoupled_nag ÷ streaming_sync_nag and decoupled_mom ÷
 streaming_sync_mom (the asynchrony's cost under each momentum outer step), and
 streaming_sync_nag ÷ streaming_sync, streaming_sync_mom ÷ streaming_sync (each outer step's
-own cost at this length, without asynchrony), decoupled_lr1 ÷ streaming_sync and ÷ decoupled.
+own cost at this length, without asynchrony), decoupled_lr1 and decoupled_rebase ÷
+streaming_sync and ÷ decoupled. (The synchronous arms rebase: with τ = 0 the rules are the
+same, and that keeps their bits.)
 Lengths: 300 steps at batch 16 per learner on CPU (the quality ladder's), 1000 steps at
 32 x 256 tokens per learner with --scale=mid (arm_config.MID).
 """
@@ -55,7 +60,7 @@ M = 4
 SYNC = {"diloco.quorum": M, "diloco.overlap": 0, "diloco.max_wait": -1.0,
         "diloco.grace_gamma": 0.0, "diloco.weights": "uniform", "diloco.merge": "mean",
         "diloco.embedding_merge": "mean", "diloco.alpha": 0.0,
-        "diloco.outer_lr": 1.0}  # fmt: skip
+        "diloco.outer_lr": 1.0, "diloco.apply": "rebase"}  # fmt: skip
 NESTEROV = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}
 MIX = {"diloco.alpha": 0.5}  # learners take half of each merge's move (diloco/learner.py)
 SYNC_STEP = SYNC["diloco.outer_lr"]
@@ -108,6 +113,12 @@ def arms() -> list[harness.Arm]:
             base | WHOLE_STEP,
             "Decoupled K=1, outer lr 1.0",
         ),  # fmt: skip
+        harness.Arm(
+            "decoupled_rebase",
+            "tiny_decoupled",
+            base | {"diloco.apply": "rebase"},
+            "Decoupled K=1, apply=rebase",
+        ),  # fmt: skip
     ]
 
 
@@ -142,6 +153,8 @@ def targets(groups: dict) -> list[tuple[str, list[float] | float, str, bool]]:
         ("streaming_sync_mom", "streaming_sync", None, "max"),
         ("decoupled_lr1", "streaming_sync", None, "max"),
         ("decoupled_lr1", "decoupled", None, "max"),
+        ("decoupled_rebase", "streaming_sync", None, "max"),
+        ("decoupled_rebase", "decoupled", None, "max"),
     ]
     for a, b, limit, kind in checks:
         if a not in groups or b not in groups or not ratio(a, b):

@@ -6,12 +6,12 @@
 # Here, once per session (pip can download here, not there):
 #     bash scripts/device_check.sh wheels
 # There, through the device tool's `run` (carry [".whl"], timeout_s 600), in this order:
+#     bash scripts/device_check.sh overlap   # mid, seed 0: land vs rebase (ladder rungs, decoupled arm)
 #     bash scripts/device_check.sh quality   # mid scale: streaming_sync vs decoupled, 2 seeds
 #     bash scripts/device_check.sh more      # mid scale, seed 0: decoupled_lr1, dp, _km, _mom, _nag
 #     bash scripts/device_check.sh speed     # merge beside busy threads (host), learner overhead
 #                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
-#     bash scripts/device_check.sh overlap   # mid, seed 0: the overwrite's overlap rung and decoupled arm
 #     bash scripts/device_check.sh profile   # jax.profiler traces: one mid Decoupled learner, plain loop
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
@@ -141,27 +141,25 @@ case $part in
     ;;
   overlap)
     # The overlap tau = 2 alone cost 4.1% at mid (H200, 2026-11-28, P = 6: 0.7481 -> 0.7785
-    # with the rebase). On the tiny model the paper's overwrite (alpha 0: the tau steps since
-    # the offer dropped) cut it from 1.5% to 0.3% at the shipped inner lr and from 2.9% to
-    # 0.4% at 3x it, and the decoupled arm from 1.039-1.054x to 1.021x with the overwrite
-    # position (experiments/results/overlap_carry/). Does it at mid? Seed 0: the ladder's
-    # overlap rung with the overwrite, then the decoupled arm with apply=overwrite (its
-    # alpha 0.5; the shipped rebase's is in `quality`).
-    L=(experiments/quality_ladder.py "${SCALE[@]}" --seeds=0 --arms=overlap
-      --set=diloco.apply=overwrite --out="$DEVICE_CHECK_DIR/overlap_overwrite")
+    # with the rebase), and the decoupled arm 9.2% (0.8168, rebase). Learners now land on
+    # each merge of their offer and send the steps since it with their next offer
+    # (diloco.apply "land", the decoupled default since 2026-11-28): on the tiny model at 3x
+    # its inner lr that took the decoupled arm from 1.039-1.054x to 1.024x and the overlap
+    # rung from 2.9% to 2.0% (experiments/results/apply_land/). Does it at mid? Seed 0: the
+    # ladder's overlap and land rungs side by side, then the decoupled arm (land) beside
+    # its rebase twin.
+    L=(experiments/quality_ladder.py "${SCALE[@]}" --seeds=0 --arms=overlap,land
+      --out="$DEVICE_CHECK_DIR/overlap_land")
     fits || exit 0
     start=$SECONDS
     timeout $((DEADLINE_S - SECONDS)) python3 "${L[@]}" >>"$OUT/$part.log" 2>&1
-    echo "[$SECONDS s] overlap rung, overwrite: rc $?" | tee -a "$OUT/$part.log"
-    cp "$DEVICE_CHECK_DIR/overlap_overwrite/quality_ladder.md" "$OUT/overlap_overwrite.md"
-    last_run_s=$((SECONDS - start))
-    fits || exit 0
-    start=$SECONDS
-    timeout $((DEADLINE_S - SECONDS)) python3 experiments/quality_targets.py "${SCALE[@]}" \
-      --arms=decoupled --seeds=0 --set=diloco.apply=overwrite \
-      --out="$DEVICE_CHECK_DIR/decoupled_overwrite" >>"$OUT/$part.log" 2>&1
-    echo "[$SECONDS s] decoupled, overwrite: rc $?" | tee -a "$OUT/$part.log"
-    cp "$DEVICE_CHECK_DIR/decoupled_overwrite/quality_targets.md" "$OUT/decoupled_overwrite.md"
+    echo "[$SECONDS s] overlap and land rungs: rc $?" | tee -a "$OUT/$part.log"
+    cp "$DEVICE_CHECK_DIR/overlap_land/quality_ladder.md" "$OUT/overlap_land.md"
+    last_run_s=$(((SECONDS - start) / 2))
+    for arms in decoupled decoupled,decoupled_rebase; do
+      fits || exit 0
+      quality $arms 0 mid_land_vs_rebase || exit
+    done
     ;;
   profile)
     # Where a Decoupled learner's thread spends its host time on the GPU (host_share 0.88

@@ -118,14 +118,16 @@ def test_tpu_scale_keeps_tpu_settings_and_the_ablation(name, configs_of):
 def test_ladder_changes_one_thing_per_rung_and_scales_to_mid(configs_of):
     configs = configs_of("quality_ladder")
     full = {arm: c for (arm, seed), c in configs["cpu", "full"].items() if seed == 0}
-    rungs = ["diloco", "streaming", "overlap", "no_wait", "quorum1", "grace", "tokens", "rda",
-             "mixing", "outer_lr"]  # fmt: skip
+    rungs = ["diloco", "streaming", "overlap", "land", "no_wait", "quorum1", "grace", "tokens",
+             "rda", "mixing", "outer_lr"]  # fmt: skip
     assert set(full) == {"dp", *rungs}
     for below, above in zip(rungs, rungs[1:], strict=False):
         changed = {k for k, v in full[above]["diloco"].items() if full[below]["diloco"][k] != v}
         assert len(changed) == 1, (below, above, changed)
     assert full["rda"]["diloco"]["merge"] == "rda" and full["rda"]["diloco"]["quorum"] == 1
     assert full["diloco"]["diloco"]["alpha"] == 0.0 and full["mixing"]["diloco"]["alpha"] == 0.5
+    assert full["overlap"]["diloco"]["apply"] == "rebase"
+    assert full["land"]["diloco"]["apply"] == "land"
     # synchronous DiLoCo's outer step up to the last rung, which is tiny_decoupled as shipped
     assert full["mixing"]["diloco"]["outer_lr"] == full["diloco"]["diloco"]["outer_lr"] == 1.0
     shipped = configs_of("quality_targets")["cpu", "full"]["decoupled", 0]["diloco"]
