@@ -197,15 +197,26 @@ def test_update_kinds_are_the_kinds_learners_apply(small_config, apply, method, 
     assert training | final == set(Learner.update_kinds(run.diloco))
 
 
+@pytest.mark.parametrize("apply", ["rebase", "land"])
 def test_a_decoupled_run_compiles_no_protocol_op_on_a_learner_thread(small_config, compiles,
-                                                                     tmp_path):  # fmt: skip
+                                                                     tmp_path, apply,
+                                                                     monkeypatch):  # fmt: skip
     """The learner loop precompiles as a learner joins: through its steps (offers and merges
     of every fragment) no copy or update compiles on a learner's thread. (The final sync's
     exact rebases, which training with τ > 0 never applies, compile there if it needs
-    them.)"""
+    them.) With `land`, every learner set steps aside and offered them."""
     run, _ = _sliced(small_config, d_model=72, **{"diloco.overlap": 1, "diloco.quorum": 1,
-                                                  "diloco.max_wait": 0.0})  # fmt: skip
+                                                  "diloco.max_wait": 0.0,
+                                                  "diloco.apply": apply})  # fmt: skip
+    landed, land = [], Replica.land
+
+    def counted(self, *args, **kwargs):
+        landed.append(self)
+        return land(self, *args, **kwargs)
+
+    monkeypatch.setattr(Replica, "land", counted)
     summary = LocalRuntime(run, str(tmp_path), verbose=False).run()
+    assert len(set(map(id, landed))) == (run.diloco.learners if apply == "land" else 0)
     assert summary["merges"] > 0
     assert summary["mean_merge_delay_steps"] > 0  # τ = 1: held merges apply a step later
     assert [c for c in _at_boundaries(compiles) if "_finish" not in c[1].split()] == []

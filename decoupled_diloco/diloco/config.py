@@ -28,7 +28,9 @@ class DilocoConfig:
     # hold in θ; "land" sets θ to the merge as the overwrite does, and keeps the steps
     # since its offer aside, on the devices, for its next offer (one more copy of the
     # parameters in device memory at most); "overwrite" replaces the fragment and drops
-    # those steps (Streaming DiLoCo). See diloco/learner.py.
+    # those steps (Streaming DiLoCo). See diloco/learner.py. "rebase" here, where one
+    # learner with outer lr 1 is plain training; decoupled configs (`set_decoupled`, the TPU
+    # presets) land.
     apply: str = "rebase"
     # Mixing: a learner takes 1 - alpha of each merge's move (overwrite: theta <- alpha*theta +
     # (1-alpha)*merged); 0 = the merge whole. 0.5 with DiLoCo's outer (0.7, 0.9) when learners
