@@ -29,9 +29,10 @@ Applying version Θ_new (decided by the version's vector clock, see messages.py)
       or merged twice, and the counters are the rebase's; only where the learner trains
       from differs. The steps a learner takes while its offer is in flight continue its
       own drift from a point the merge then averages away; carried on top of the merge
-      they pull it apart from the others again: at the tiny CPU scale the rebase's overlap
-      τ = 2 cost 2.9% (inner lr 0.036; experiments/results/overlap_carry/). A version
-      without our offer is a rebase (R_p stays).
+      they pull it apart from the others again: at the tiny CPU scale, inner lr 0.036,
+      the decoupled arm ended 1.045x synchronous streaming rebasing and 1.024x landing
+      (experiments/results/apply_land/). A version without our offer is a rebase (R_p
+      stays).
   "overwrite" (Streaming DiLoCo): θ ← α·θ + (1 − α)·Θ_new at the first boundary ≥ s + τ
       of our offer in flight; merging our offer resets the counters, so the α-discarded
       work is not counted as merged.

@@ -302,9 +302,7 @@ class Replica:
         """Device copies of the named fragment members (leaves, or row slices of one:
         diloco/fragment_members.py) that survive the next donating step, with their host
         transfer already started: θ + R where a landing set steps aside (`land`)."""
-        # A row slice is a new array: it survives donation too.
-        copies = self._per_member(names, _copy, lambda _, x, r: _take_rows(x, r.start, r.stop))
-        copies = self._with_held(copies)
+        copies = self._copies(names)
         transfer.start_to_host(copies)
         return copies
 
@@ -314,8 +312,7 @@ class Replica:
         outer gradient is computed here (`diloco.device_rebase`): G − (θ + R) where a
         landing set steps aside (the float32 operations of `materialize` on the copies)."""
         if any(k in self.held for k in names):
-            copies = self._per_member(names, _copy, lambda _, x, r: _take_rows(x, r.start, r.stop))
-            v = _outer({k: anchor[k] for k in names}, self._with_held(copies))
+            v = _outer({k: anchor[k] for k in names}, self._copies(names))
         else:
             v = self._per_member(
                 names,
@@ -325,12 +322,13 @@ class Replica:
         transfer.start_to_host(v)
         return v
 
-    def _with_held(self, out: dict) -> dict:
-        """`out` (new arrays of `_per_member`), with R added in place to its members that
-        have one (`land`)."""
-        held = {k: self.held[k] for k in out if k in self.held}
-        if held:
-            out.update(_add({k: out[k] for k in held}, held, 1.0))
+    def _copies(self, names) -> dict[str, jax.Array]:
+        """New arrays θ + R of the named members (θ where no landing set steps aside)."""
+        # A row slice is a new array: it survives donation too.
+        out = self._per_member(names, _copy, lambda _, x, r: _take_rows(x, r.start, r.stop))
+        held = [k for k in out if k in self.held]
+        if held:  # `_add` writes into the copies (donated)
+            out.update(_add(_pick(out, held), _pick(self.held, held), 1.0))
         return out
 
     def _per_member(self, names, whole, rows) -> dict[str, jax.Array]:
@@ -373,8 +371,8 @@ class Replica:
         """A landing (`diloco.apply` "land") for the named fragment members, from a rebase's
         x = Θ_new − G + v̂ and Θ_new (host arrays, or device arrays from `place`):
         R ← R + (1 − α)·(θ + x − Θ_new), then θ ← α·θ + (1 − α)·Θ_new. θ + R ends where the
-        add θ ← θ + (1 − α)·x would have left θ (up to float rounding); α = 0 sets θ to
-        Θ_new exactly. `new` is only read: a stager keeps it as the next rebase's G."""
+        add θ ← θ + (1 − α)·x would have left θ (up to float rounding); α = 0 sets a finite θ
+        to Θ_new exactly. `new` is only read: a stager keeps it as the next rebase's G."""
         self._await_precompiled(x)
         flat = flatten_params(self.state.params)
         x = dict(x) if all(isinstance(a, jax.Array) for a in x.values()) else self.place(x)
