@@ -253,8 +253,8 @@ def set_decoupled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # Land on each merge of our offer and send the steps taken since it with the next offer
     # (diloco/learner.py): carried on top of the merge (the rebase) they cost the tiny CPU
     # model, 1000 steps, 2 seeds, 1.5% of synchronous streaming at its lr and 4.5% at three
-    # times it, against 1.1% and 2.4% landing; on Shakespeare at its lr 0.2% against 0.8%
-    # (experiments/results/apply_land/). The gain grows with the inner step.
+    # times it, against 1.1% and 2.4% landing; on Shakespeare at its lr 0.5% and 0.6% (3
+    # runs each; experiments/results/apply_land/). The gain grows with the inner step.
     c.diloco.apply = "land"
     c.diloco.weights = "tokens"
     c.diloco.merge = "rda"

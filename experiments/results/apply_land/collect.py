@@ -64,6 +64,14 @@ CONDITIONS = {
             "overwrite a0": [(0, carry("dec_overwrite_a0_lr036"))],
         },
     ),
+    "stdlib, lr 0.012, synchronous, tau 2 (overlap rung)": (
+        {0: carry("sync_tau0_lr012")},
+        {
+            "rebase": [(0, carry("sync_tau2_rebase_lr012"))],
+            "land": [(0, run("land_rung_lr012", "land", 0))],
+            "overwrite a0": [(0, carry("sync_tau2_overwrite_lr012"))],
+        },
+    ),
     "stdlib, lr 0.012, decoupled": (
         {s: run("base_dec_lr012", "streaming_sync", s) for s in (0, 1)},
         {
@@ -73,32 +81,26 @@ CONDITIONS = {
             "overwrite a0.5": [(0, carry("dec_ow05_lr012")), (1, carry("dec_ow05_lr012_s1"))],
         },
     ),
-}
-OPTIONAL = {  # runs made with the shipped code (land the default): present once run
-    "shakespeare, lr 0.012, decoupled": ("shk_base", "shk_land", "decoupled", "streaming_sync"),
+    "shakespeare, lr 0.012, decoupled": (
+        {s: run("shk_base", "streaming_sync", s) for s in (0, 1)},
+        {
+            "rebase": [(s, run("shk_base", "decoupled", s)) for s in (0, 1)]
+            + [(0, run("shk_repeat", "decoupled_rebase", 0))],
+            "land": [(s, run("shk_land", "decoupled", s)) for s in (0, 1)]
+            + [(0, run("shk_repeat", "decoupled", 0))],
+        },
+    ),
     "stdlib, lr 0.012, decoupled, outer (0.7, 0.9)": (
-        "nag_base",
-        "nag_land",
-        "decoupled_nag",
-        None,
+        {s: run("base_dec_lr012", "streaming_sync", s) for s in (0, 1)},
+        {
+            "rebase": [(s, run("nag_base", "decoupled_nag", s)) for s in (0, 1)],
+            "land": [(s, run("nag_land", "decoupled_nag", s)) for s in (0, 1)],
+        },
     ),
 }
 
 
-def optional() -> None:
-    for label, (base, land, arm, sync) in OPTIONAL.items():
-        try:
-            den_folder = base if sync else "base_dec_lr012"
-            den = {s: run(den_folder, sync or "streaming_sync", s) for s in (0, 1)}
-            rules = {"rebase": [(s, run(base, arm, s)) for s in (0, 1)],
-                     "land": [(s, run(land, arm, s)) for s in (0, 1)]}  # fmt: skip
-        except (KeyError, FileNotFoundError):
-            continue
-        CONDITIONS[label] = (den, rules)
-
-
 def main() -> None:
-    optional()
     rows, means = [], {}
     for label, (den, rules) in CONDITIONS.items():
         for rule, runs in rules.items():
