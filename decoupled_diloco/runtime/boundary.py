@@ -101,7 +101,7 @@ class MergeStager:
                     self._tail = max(self._tail, self._clock()) + self.job_seconds
                 self._staged[u.key] = (future, self._boundary, self._tail)
 
-    def _place(self, u: Update, life: int) -> dict:
+    def _place(self, u: Update, life: int) -> dict | tuple[dict, dict]:
         t0 = self._clock()
         if self.device_rebase and u.rebase is not None:
             placed = self._rebase(u.rebase, life, land=u.kind == "land")
