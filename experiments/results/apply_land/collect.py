@@ -32,15 +32,19 @@ def carry(name: str) -> float:
     return next(r["eval_loss"] for r in CARRY if r["name"] == name)
 
 
+def sync_rung(lr: str, land: float) -> tuple[dict, dict]:
+    """The synchronous τ = 2 rung at inner lr `lr` (seed 0): ../overlap_carry's rebase and
+    overwrite runs, and the landing's loss `land`, over synchronous streaming."""
+    rules = {"rebase": f"sync_tau2_rebase_{lr}", "overwrite a0": f"sync_tau2_overwrite_{lr}"}
+    runs = {rule: [(0, carry(name))] for rule, name in rules.items()}
+    return {0: carry(f"sync_tau0_{lr}")}, {"rebase": runs["rebase"], "land": [(0, land)],
+                                          "overwrite a0": runs["overwrite a0"]}  # fmt: skip
+
+
 # condition -> (denominator per seed, {rule: [(seed, loss), ...]})
 CONDITIONS = {
-    "stdlib, lr 0.036, synchronous, tau 2 (overlap rung)": (
-        {0: carry("sync_tau0_lr036")},
-        {
-            "rebase": [(0, carry("sync_tau2_rebase_lr036"))],
-            "land": [(0, run("hold_overlap_lr036", "overlap", 0))],
-            "overwrite a0": [(0, carry("sync_tau2_overwrite_lr036"))],
-        },
+    "stdlib, lr 0.036, synchronous, tau 2 (overlap rung)": sync_rung(
+        "lr036", run("hold_overlap_lr036", "overlap", 0)
     ),
     "stdlib, lr 0.036, decoupled": (
         {0: carry("sync_tau0_lr036"), 1: carry("sync_tau0_lr036_s1")},
@@ -64,13 +68,8 @@ CONDITIONS = {
             "overwrite a0": [(0, carry("dec_overwrite_a0_lr036"))],
         },
     ),
-    "stdlib, lr 0.012, synchronous, tau 2 (overlap rung)": (
-        {0: carry("sync_tau0_lr012")},
-        {
-            "rebase": [(0, carry("sync_tau2_rebase_lr012"))],
-            "land": [(0, run("land_rung_lr012", "land", 0))],
-            "overwrite a0": [(0, carry("sync_tau2_overwrite_lr012"))],
-        },
+    "stdlib, lr 0.012, synchronous, tau 2 (overlap rung)": sync_rung(
+        "lr012", run("land_rung_lr012", "land", 0)
     ),
     "stdlib, lr 0.012, decoupled": (
         {s: run("base_dec_lr012", "streaming_sync", s) for s in (0, 1)},
