@@ -346,12 +346,12 @@ class Replica:
         return out
 
     def apply(self, kind: str, arrays: dict, alpha: float = 0.0) -> None:
-        """θ ← θ + (1 − α)·x ("add") or θ ← α·θ + (1 − α)·x ("mix") for the named fragment
-        members (leaves, or row slices of one); x host arrays, or device arrays from `place`."""
+        """θ ← θ + (1 − α)·x ("add") or θ ← α·θ + (1 − α)·x ("mix"; "land": the same mix,
+        never replacing θ by x's buffers) for the named fragment members (leaves, or row
+        slices of one); x host arrays, or device arrays from `place`."""
         self._await_precompiled(arrays)
         flat = flatten_params(self.state.params)
-        placed = all(isinstance(a, jax.Array) for a in arrays.values())
-        placed = dict(arrays) if placed else self.place(arrays)
+        placed = self._on_devices(arrays)
         x = {k: v for k, v in placed.items() if parse_member(k)[1] is None}
         op = _leaf_update(kind, alpha)
         try:
@@ -375,9 +375,7 @@ class Replica:
         to Θ_new exactly. `new` is only read: a stager keeps it as the next rebase's G."""
         self._await_precompiled(x)
         flat = flatten_params(self.state.params)
-        x = dict(x) if all(isinstance(a, jax.Array) for a in x.values()) else self.place(x)
-        if not all(isinstance(a, jax.Array) for a in new.values()):
-            new = self.place(new)
+        x, new = self._on_devices(x), self._on_devices(new)
         views = {}
         for k in x:
             leaf, rows = parse_member(k)
@@ -389,17 +387,13 @@ class Replica:
             self.held.update(_set_aside_onto(*args, s))
         if fresh:
             self.held.update(_set_aside(*(_pick(d, fresh) for d in (views, x, new)), s))
-        whole = [k for k in new if parse_member(k)[1] is None]
-        try:
-            if whole:
-                flat.update(_mix({k: flat[k] for k in whole}, {k: new[k] for k in whole}, alpha))
-            for k, value in new.items():
-                leaf, rows = parse_member(k)
-                if rows is not None:
-                    flat[leaf] = self._apply_rows(flat[leaf], leaf, rows.start, value, "mix",
-                                                  alpha)  # fmt: skip
-        finally:  # even after a failure: θ's donated leaves were replaced in `flat`
-            self.state = self.state._replace(params=unflatten_params(flat))
+        self.apply("land", new, alpha)  # the mix, into θ's buffers even at α = 0
+
+    def _on_devices(self, arrays: dict) -> dict:
+        """`arrays` as device arrays: as given if they are (`place`d ahead), else placed."""
+        if all(isinstance(a, jax.Array) for a in arrays.values()):
+            return dict(arrays)
+        return self.place(arrays)
 
     def _apply_rows(self, full, leaf: str, start: int, x, kind: str, alpha: float):
         """`apply` on rows start.. of one leaf (x placed); the leaf keeps its sharding."""
