@@ -95,7 +95,7 @@ class NumpyReplica:
         for k in x:
             aside = s * ((self.state[k] + x[k]) - new[k])
             self.held[k] = self.held[k] + aside if k in self.held else aside
-            self.state[k] = (alpha * self.state[k] + s * new[k]).astype(np.float32)
+        self.apply("mix", new, alpha)
 
     def host_params(self) -> dict:
         return {k: v.copy() for k, v in self.state.items()}
