@@ -21,16 +21,16 @@ Applying version Θ_new (decided by the version's vector clock, see messages.py)
       G): all of W moves onto the new global fragment. The merge is applied at the first
       step boundary ≥ s + τ (a merge without our offer at once). With τ = 0 and every
       learner in every merge (DiLoCo) this is exactly the overwrite.
-  "land": the rebase's bookkeeping, the overwrite's position. If Θ_new holds our offer
-      from step s, θ ← α·θ + (1 − α)·Θ_new, and the steps since s wait aside, on the
-      devices (the replica's `held` R_p ← R_p + (1 − α)·(θ − φ_s), φ_s = θ_s + R_p the
-      point offered), until our next offer of p sends them: offers copy φ = θ + R (and
-      the bookkeeping above is φ's). φ follows the rebase exactly, so no step is lost
-      or merged twice, and the counters are the rebase's; only where the learner trains
-      from differs. The steps a learner takes while its offer is in flight continue its
-      own drift from a point the merge then averages away; carried on top of the merge
-      they pull it apart from the others again: at the tiny CPU scale, inner lr 0.036,
-      the decoupled arm ended 1.045x synchronous streaming rebasing and 1.024x landing
+  "land": the rebase's bookkeeping, the overwrite's position. If Θ_new holds our offer from
+      step s, θ ← α·θ + (1 − α)·Θ_new, and the steps since s wait aside, on the devices (the
+      replica's `held` R_p ← R_p + (1 − α)·(θ − φ_s), φ_s = θ_s + R_p the point offered),
+      until our next offer of p sends them: offers copy φ = θ + R (and the bookkeeping above
+      is φ's). φ follows the rebase (up to float32 rounding of 1 − α), so no step is lost or
+      merged twice, and the counters are the rebase's; only where the learner trains from
+      differs. The steps a learner takes while its offer is in flight continue its own drift
+      from a point the merge then averages away; carried on top of the merge they pull it
+      apart from the others again: at the tiny CPU scale, inner lr 0.036, the decoupled arm
+      ended 1.045x synchronous streaming rebasing and 1.024x landing
       (experiments/results/apply_land/). A version without our offer is a rebase (R_p
       stays).
   "overwrite" (Streaming DiLoCo): θ ← α·θ + (1 − α)·Θ_new at the first boundary ≥ s + τ
