@@ -245,8 +245,9 @@ class LearnerLoop:
                     self._boundary()
                 except RunAbortedError:
                     break  # the run failed elsewhere: its work is saved below, as at a stop
-            # A save or an evaluation needs this step's own metrics (NaN check, row) now:
-            # the device's wait for it is this step's compute, read inside its time; the
+            # A save, an evaluation and the last step read this step's own metrics (NaN
+            # check, row) now: the device's wait for it is this step's compute, read inside
+            # its time (after the loop it would be allocation and no step's time); the
             # evaluation itself is idle, not training (a DP learner evaluates in _report).
             # The last step of a learner with a syncer is saved by _finish, once its final
             # offers and leave are out: through a save of seconds (minutes for a large
@@ -254,7 +255,7 @@ class LearnerLoop:
             # offers of learners behind it (catch-up rounds wait for every live learner).
             last = self.step == run.train.steps
             save = (last and self.proto is None) or (not last and self._every("checkpoint_every"))
-            flush = save or bool(self.evaluate and self._every("eval_every"))
+            flush = last or save or bool(self.evaluate and self._every("eval_every"))
             evaluated = self.eval_seconds
             diverged = self._read(unread, keep=0 if flush else lag)
             evaluating = self.eval_seconds - evaluated
