@@ -21,10 +21,17 @@ r"""Learners at accelerator speed: learner overhead, MFU / memory of a preset, f
                    instead of the run's (what the short interval buys, runtime/gil.py)
       host-rebase  decoupled with diloco.device_rebase=False: each merge's rebase computed
                    on the host, then placed (what computing it on the devices buys)
+      syncer-proc  decoupled with local_syncer=process: the syncer's merges, outer steps,
+                   checkpoints and replies in a process of its own, off this interpreter's
+                   lock (what the learner loses to the syncer's Python; --local_syncer
+                   sets every decoupled arm's, this one's stays a process)
     Rates come from the runs' metrics rows (log_every=1): steps per second between the row
     at --skip (compilation excluded) and the last one. Prints decoupled / plain (goal >= 0.95)
     and the learner's host_share (the share of its step the learner thread spent on host work
-    instead of waiting for the device: near 1, the device starves), the merges it deferred
+    instead of waiting for the device: near 1, the device starves) and cpu_share (of that,
+    the share it ran on a CPU, `time.thread_time`; host_share - cpu_share is time the thread
+    was ready but not running: the interpreter lock other threads held, the OS run queue),
+    the merges it deferred
     (their update not placed on the device in time) and stage_ms (computing and placing one
     merge's update, the stager's moving mean).
 (b) MFU and peak memory of --mfu_preset at the largest batch that fits, for each remat
@@ -96,7 +103,15 @@ _GIL = flags.DEFINE_float(
     "config's)."
 )  # fmt: skip
 
-ARMS = ("plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase")
+ARMS = (
+    "plain",
+    "decoupled",
+    "no-pipeline",
+    "ckpt-duty1",
+    "py-switch",
+    "host-rebase",
+    "syncer-proc",
+)
 
 _LOCAL_SYNCER = flags.DEFINE_enum(
     "local_syncer",
@@ -105,6 +120,10 @@ _LOCAL_SYNCER = flags.DEFINE_enum(
     "The decoupled runs' syncer: on a thread "
     "beside the learners or in a process of its own (default: the config's, thread).",
 )
+_ARMS = flags.DEFINE_list(
+    "arms", None, "Overhead arms to run beside plain (default: all of them), e.g. "
+    "decoupled,py-switch,syncer-proc."
+)  # fmt: skip
 _FLEET_ARM = flags.DEFINE_enum(
     "fleet_arm", "decoupled", ARMS[1:], "Fleet: the learners' configuration, one of the "
     "overhead arms (host-rebase: rebases and outer gradients on the host)."
@@ -226,6 +245,8 @@ def overhead_config(arm: str, preset: str, batch: int, seq_len: int, steps: int,
         c.gil_switch_ms = gil_switch_ms
     if _LOCAL_SYNCER.value is not None:
         c.local_syncer = _LOCAL_SYNCER.value
+    if arm == "syncer-proc":
+        c.local_syncer = "process"
     if arm == "py-switch":
         c.gil_switch_ms = 0.0
     if arm == "host-rebase":
@@ -264,16 +285,21 @@ def _fresh_run(run, workdir: pathlib.Path) -> dict:
     return LocalRuntime(run, str(workdir), verbose=False, replica=replica).run()
 
 
+def _median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
 def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dict:
     summary = _fresh_run(config_lib.validate(overhead_config(arm, **shape)), workdir)
     rows = [r for r in _rows(workdir) if r["step"] >= skip]
     if len(rows) < 3:
         raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
-    shares = [r["host_share"] for r in rows[1:] if "host_share" in r]
     stage = [r["stage_ms"] for r in rows if "stage_ms" in r]
     return {
         "steps_per_s": _rate(rows),
-        "host_share": statistics.median(shares) if shares else float("nan"),
+        "host_share": _median(rows[1:], "host_share"),
+        "cpu_share": _median(rows[1:], "host_cpu_share"),
         "merges": summary.get("merges", 0),
         "deferred": rows[-1].get("merges_deferred", 0),
         "stage_ms": stage[-1] if stage else float("nan"),
@@ -301,18 +327,24 @@ def overhead() -> None:
           f"first {skip} excluded", flush=True)  # fmt: skip
     print(
         f"{'round':>5} {'arm':<12} {'steps/s':>8} {'tokens/s':>10} {'host_share':>10} "
-        f"{'merges':>6} {'deferred':>8} {'stage_ms':>8}"
+        f"{'cpu_share':>9} {'merges':>6} {'deferred':>8} {'stage_ms':>8}"
     )
-    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    chosen = ARMS[1:] if _ARMS.value is None else [a for a in _ARMS.value if a != "plain"]
+    arms = ("plain", *chosen)
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        raise ValueError(f"--arms: unknown {unknown}; the arms are {', '.join(ARMS[1:])}")
+    results: dict[str, list[dict]] = {arm: [] for arm in arms}
     for r in range(rounds):
-        for arm in ARMS:
+        for arm in arms:
             res = run_overhead_arm(arm, pathlib.Path(_WORKDIR.value) / arm, skip, **shape)
             results[arm].append(res)
             print(f"{r:>5} {arm:<12} {res['steps_per_s']:>8.2f} "
                   f"{res['steps_per_s'] * tokens:>10.0f} {res['host_share']:>10.3f} "
-                  f"{res['merges']:>6} {res['deferred']:>8} {res['stage_ms']:>8.2f}",
+                  f"{res['cpu_share']:>9.3f} {res['merges']:>6} {res['deferred']:>8} "
+                  f"{res['stage_ms']:>8.2f}",
                   flush=True)  # fmt: skip
-    for arm in ARMS[1:]:
+    for arm in arms[1:]:
         ratios = [
             d["steps_per_s"] / p["steps_per_s"]
             for p, d in zip(results["plain"], results[arm], strict=True)
@@ -483,6 +515,12 @@ def fleet() -> None:
           f"({', '.join(f'{r:.2f}' for r in rates)} per learner)")  # fmt: skip
     print(f"fleet / plain = {total / plain['steps_per_s']:.3f} (the device's share the fleet "
           f"keeps busy; 1 when the device bounds both)")  # fmt: skip
+    host = [_median(r[1:], "host_share") for r in rows]
+    cpu = [_median(r[1:], "host_cpu_share") for r in rows]
+    print(f"learner threads: host_share {', '.join(f'{x:.2f}' for x in host)}; cpu_share "
+          f"{', '.join(f'{x:.2f}' for x in cpu)} (plain loop: {plain['host_share']:.2f}, "
+          f"{plain['cpu_share']:.2f}; the difference is time a thread was ready but not "
+          f"running)")  # fmt: skip
     print(
         f"steps per offer = {summary.get('mean_offer_steps', float('nan')):.2f} (whole run; "
         f"schedule: H = {H}; more: offers waited for late merges; less: final offers)"

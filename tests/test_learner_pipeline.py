@@ -558,3 +558,45 @@ def test_an_emulated_slow_chip_is_slow_despite_the_pipeline(small_config, tmp_pa
         per_step[factor] = (times[-1] - times[3]) / (len(times) - 4)  # (compilation)
     ratio = per_step[4.0] / per_step[1.0]
     assert ratio >= 3.0, per_step  # 3.8-4.6 measured (batches of 32); 2.3-2.4 sleeping too early
+
+
+def test_host_cpu_share_counts_the_threads_cpu_not_its_waits(small_config, tmp_path, monkeypatch):
+    """A learner row's host_cpu_share is the share of the step the learner thread ran on a
+    CPU: host work that sleeps (an interpreter lock held elsewhere, a slow read) counts in
+    host_share only, host work that computes in both."""
+    import json
+    import time
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime import local
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    pause = 0.03  # seconds slept and then spun per batch, on the learner thread (no prefetch)
+
+    class Slow:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __next__(self):
+            time.sleep(pause)
+            end = time.thread_time() + pause
+            while time.thread_time() < end:
+                pass
+            return next(self.inner)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    make = local.make_iterator
+    monkeypatch.setattr(local, "make_iterator", lambda *a, **k: Slow(make(*a, **k)))
+    run = config_lib.validate(small_config(**{"train.prefetch": 0, "train.steps": 10}))
+    LocalRuntime(run, str(tmp_path), verbose=False).run()
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if r.get("learner") == 0 and "host_cpu_share" in r][2:]
+    assert len(rows) >= 5
+    host = float(np.median([r["host_share"] for r in rows]))
+    cpu = float(np.median([r["host_cpu_share"] for r in rows]))
+    # Each step: >= 30 ms asleep and 30 ms of CPU, beside a tiny train step.
+    assert host > 0.8, host
+    assert 0.25 < cpu < host - 0.25, (cpu, host)

@@ -42,9 +42,12 @@ def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
     rows = {}
     for line in proc.stdout.splitlines():
         parts = line.split()
-        if len(parts) == 8 and parts[0] == "0":
-            rows[parts[1]] = (float(parts[2]), int(parts[5]))
-    arms = {"plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase"}
+        if len(parts) == 9 and parts[0] == "0":
+            rows[parts[1]] = (float(parts[2]), int(parts[6]))
+            host, cpu = float(parts[4]), float(parts[5])  # shares of the learner thread's step
+            assert 0 <= cpu <= 1 and 0 <= host <= 1, line
+    arms = {"plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase",
+            "syncer-proc"}  # fmt: skip
     assert set(rows) == arms, proc.stdout
     # Rates come from the rows' times, stamped when the host reads a step's metrics: a row
     # read late at the window's start (a busy host: back-to-back checkpoints) shortens the
@@ -82,6 +85,11 @@ def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
     assert number("merge delay") >= 0
     assert 0 <= number("offer to merge") < 60, out
     assert 0 <= number("lock wait") < 1e3, out
+    shares = re.search(r"learner threads: host_share ([0-9., ]+); cpu_share ([0-9., ]+) \(", out)
+    assert shares, out
+    for group in shares.groups():
+        values = [float(x) for x in group.split(", ")]
+        assert len(values) == 4 and all(0 <= x <= 1 for x in values), out
     merges = re.search(r"merges (\d+), learners per merge ([0-9.]+)", out)
     assert merges and int(merges.group(1)) > 0 and 1 <= float(merges.group(2)) <= 4, out
 

@@ -150,6 +150,10 @@ class LearnerLoop:
         # Since the previous row: wall seconds of steps, and of those, seconds this thread
         # waited for the device (fetching a step's metrics) or for late merges.
         self._wall, self._blocked = 0.0, 0.0
+        # Since the previous row: CPU seconds this thread ran during the steps' host work
+        # (`time.thread_time`, its waits for the device and evaluations left out).
+        self._cpu = 0.0
+        self._idle_cpu = 0.0  # CPU seconds spent waiting for the device or evaluating, all told
         self._device_wait = 0.0  # seconds this thread waited for the device, all told
         self._initial_data = data.get_state()
 
@@ -234,6 +238,7 @@ class LearnerLoop:
                 if self.step >= run.train.steps:
                     break  # resumed in its final sync, and Θ holds every step: none to take
             t_step, waited = time.perf_counter(), self.wait_seconds
+            c_step, idle_cpu = time.thread_time(), self._idle_cpu
             device_wait = self._device_wait
             profiling.step(m, self.step, self.replica.ready)  # --profile's window
             metrics = self.replica.step(next(self.data))
@@ -263,6 +268,7 @@ class LearnerLoop:
             off = blocked + evaluating
             self._wall += time.perf_counter() - t_step - evaluating
             self._blocked += blocked
+            self._cpu += time.thread_time() - c_step - (self._idle_cpu - idle_cpu)
             self._straggle(unread, time.perf_counter() - t_step - off)
             if self.stager is not None and not flush:  # a flush empties the device queue
                 # A merge placed within this costs the device nothing.
@@ -520,10 +526,11 @@ class LearnerLoop:
         if finished is None:
             return False
         step, metrics = finished
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
         self._blocked += time.perf_counter() - t0  # the device was still busy with it
         self._device_wait += time.perf_counter() - t0
+        self._idle_cpu += time.thread_time() - c0  # a runtime may spin while it waits
         if not np.isfinite(host["loss"]) and self.plan is not None:
             return True
         run = self.run_cfg
@@ -535,8 +542,9 @@ class LearnerLoop:
             return False
         rec = self._row(step, host)
         if evaluate:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             rec["eval_loss"] = self.evaluate(self.replica.state.params)
+            self._idle_cpu += time.thread_time() - c0
             seconds = time.perf_counter() - t0
             self.eval_seconds += seconds
             self.sink.idle(self.m, seconds)  # evaluation is not training
@@ -568,7 +576,11 @@ class LearnerLoop:
             # protocol's boundary, dispatch, rows) instead of waiting for the device: near
             # 1, the device idles between steps (a host-bound learner).
             rec["host_share"] = round(min(max(1.0 - self._blocked / self._wall, 0.0), 1.0), 4)
-        self._wall = self._blocked = 0.0
+            # Of that, the share it ran on a CPU: host_share - host_cpu_share is time it was
+            # ready to run Python but did not (the interpreter lock other threads held,
+            # other locks, the OS run queue), not its own work.
+            rec["host_cpu_share"] = round(min(max(self._cpu / self._wall, 0.0), 1.0), 4)
+        self._wall = self._blocked = self._cpu = 0.0
         if self.proto is not None:  # merges applied, and boundaries one waited for placement
             rec["merges_applied"] = self.proto.applied_merges
             rec["merges_deferred"] = self.proto.deferrals
