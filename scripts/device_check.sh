@@ -109,15 +109,22 @@ case $part in
     done
     ;;
   speed)
-    if [[ ${SMOKE:-0} == 1 ]]; then QUICK=(--quick); else QUICK=(--rounds=2 --steps=150); fi
+    # The learner's thread on the H200 (2026-11-28): host_share 0.88 where the plain loop's
+    # is 0.30, and Python's 5 ms switch interval ran it at 0.85 of plain against 0.70 (one
+    # round). Its cpu_share (CPU time over wall, new) says whether that host time is work of
+    # its own or waiting for the interpreter lock; syncer-proc takes the syncer's Python off
+    # that lock. 2 rounds x 200 steps of 4 arms side by side.
+    if [[ ${SMOKE:-0} == 1 ]]; then
+      QUICK=(--quick --arms=decoupled,py-switch,syncer-proc)
+    else
+      QUICK=(--rounds=2 --steps=200 --arms=decoupled,py-switch,syncer-proc)
+    fi
     # The host's cores alone (~20 s): a mid merge alone and beside busy Python threads, for
     # Python's switch interval and the runs' (runtime/gil.py), old and new chunk sizes.
     GIL=(--part=gil)
     [[ ${SMOKE:-0} == 1 ]] && GIL+=(--quick)
     timeout 90 python3 scripts/bench_syncer_merge.py "${GIL[@]}" 2>&1 | tee "$OUT/speed_gil.log"
-    # 2 rounds x 150 steps of the 6 arms (py-switch: Python's 5 ms switch interval;
-    # host-rebase: merges' rebases on the host): about 3 minutes (2026-11-26, H100: 4 arms
-    # in ~2 minutes).
+    # About 2 minutes (2026-11-26, H100: 4 arms x 2 rounds x 150 steps in ~2 minutes).
     timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
       --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
     # Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps

@@ -267,7 +267,8 @@ class LearnerLoop:
             blocked = self.wait_seconds - waited  # waiting for a merge is not compute
             off = blocked + evaluating
             self._wall += time.perf_counter() - t_step - evaluating
-            self._blocked += blocked
+            # This step's waits: for merges, and for the device (reading metrics).
+            self._blocked += blocked + (self._device_wait - device_wait)
             self._cpu += time.thread_time() - c_step - (self._idle_cpu - idle_cpu)
             self._straggle(unread, time.perf_counter() - t_step - off)
             if self.stager is not None and not flush:  # a flush empties the device queue
@@ -528,8 +529,7 @@ class LearnerLoop:
         step, metrics = finished
         t0, c0 = time.perf_counter(), time.thread_time()
         host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
-        self._blocked += time.perf_counter() - t0  # the device was still busy with it
-        self._device_wait += time.perf_counter() - t0
+        self._device_wait += time.perf_counter() - t0  # the device was still busy with it
         self._idle_cpu += time.thread_time() - c0  # a runtime may spin while it waits
         if not np.isfinite(host["loss"]) and self.plan is not None:
             return True
