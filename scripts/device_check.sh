@@ -13,6 +13,8 @@
 #                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
 #     bash scripts/device_check.sh profile   # jax.profiler traces: one mid Decoupled learner, plain loop
+#     bash scripts/device_check.sh gil       # py-spy: which threads hold the interpreter lock
+#                                            # beside one mid Decoupled learner, and the plain loop
 # Each part stops starting runs when the next would not end inside DEADLINE_S seconds (default
 # 560; a run is assumed to last as long as the one before, and at least EXPECTED_RUN_S), and
 # copies the tables after every run, so a part cut short still returns what ran.
@@ -26,9 +28,11 @@ cd "$(dirname "$0")/.."
 part=${1:-}
 if [[ $part == wheels ]]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
-  # ml-collections is the only import the device image lacks (its absl-py and PyYAML are there).
+  # ml-collections is the only import the device image lacks (its absl-py and PyYAML are
+  # there); py-spy (a sampling profiler, one static binary) is for the `gil` part.
   exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux2014_x86_64 -d .whl "ml-collections>=0.1.1"
+    --implementation cp --platform manylinux2014_x86_64 -d .whl "ml-collections>=0.1.1" \
+    "py-spy>=0.3.14"
 fi
 DEVICE_CHECK_DIR=${DEVICE_CHECK_DIR:-/tmp/device_check}
 OUT=${OUT:-$DEVICE_CHECK_DIR/out}
@@ -192,8 +196,41 @@ case $part in
       ls -la "$OUT/profile_$cfg.tgz" | tee -a "$OUT/profile.log"
     done
     ;;
+  gil)
+    # The decoupled learner's host_share 0.88 on the H200 where the plain loop's is 0.30:
+    # its own work, or waiting for the interpreter lock the run's other threads (data
+    # reader, outbox, stager, syncer and its merge threads) hold? py-spy samples the thread
+    # holding the lock (--gil) while one mid Decoupled learner and then the plain loop run
+    # RUN_STEPS steps; scripts/gil_summary.py groups the samples by thread role.
+    PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    [[ -x $PYSPY ]] || { echo "no py-spy: run 'device_check.sh wheels' first" | tee -a "$OUT/gil.log"; exit 1; }
+    RATE=200
+    if [[ ${SMOKE:-0} == 1 ]]; then
+      M=(--config.train.steps=${RUN_STEPS:-60} --config.train.warmup_steps=2)
+    else
+      M=(--config.model.preset=mid --config.data.seq_len=256 --config.devices_per_learner=1
+        --config.train.batch_size=32 --config.train.learning_rate=0.012
+        --config.train.steps=${RUN_STEPS:-3000} --config.train.warmup_steps=10)
+    fi
+    for cfg in tiny_decoupled tiny_dense; do
+      fits || exit 0
+      extra=()
+      [[ $cfg == tiny_decoupled ]] && extra=(--config.diloco.learners=1)
+      rm -rf "$DEVICE_CHECK_DIR/gil_$cfg"
+      start=$SECONDS
+      # --nonblocking: the run is not paused for each sample (what it measures stays as is).
+      timeout $((DEADLINE_S - SECONDS)) "$PYSPY" record --gil --nonblocking --rate $RATE \
+        --format raw --output "$OUT/gil_$cfg.txt" -- python3 -m decoupled_diloco.main \
+        --config="configs/$cfg.py" "${M[@]}" "${extra[@]}" --config.train.eval_every=0 \
+        --workdir="$DEVICE_CHECK_DIR/gil_$cfg" 2>&1 | tail -4 | tee -a "$OUT/gil.log"
+      last_run_s=$((SECONDS - start))
+      echo "[$SECONDS s] $cfg under py-spy: $last_run_s s" | tee -a "$OUT/gil.log"
+      python3 scripts/gil_summary.py "$OUT/gil_$cfg.txt" --seconds=$last_run_s --rate=$RATE \
+        --depth=4 2>&1 | tee "$OUT/gil_summary_$cfg.txt" | head -14 | tee -a "$OUT/gil.log"
+    done
+    ;;
   *)
-    echo "usage: $0 wheels | quality | more | speed | mfu | overlap | profile" >&2
+    echo "usage: $0 wheels | quality | more | speed | mfu | overlap | profile | gil" >&2
     exit 2
     ;;
 esac

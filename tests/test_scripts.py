@@ -131,3 +131,38 @@ def _is_ratio_of_rounded(printed: float, num: float, den: float) -> bool:
     low = (num - 0.005) / (den + 0.005)
     high = (num + 0.005) / max(den - 0.005, 1e-9)
     return low <= printed + 0.005 and printed - 0.005 <= high
+
+
+def test_gil_summary_groups_lock_samples_by_thread_role(tmp_path):
+    """scripts/gil_summary.py: py-spy raw stacks grouped by the role of the thread holding
+    the lock (the first frame from the root that names one), as shares of the samples and
+    of the wall time; a line that is not py-spy's raw format is refused."""
+    raw = tmp_path / "gil.txt"
+    root = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
+    learner = f"{root};LearnerLoop._train (l.py:1)"
+    raw.write_text(
+        f"{learner};LearnerLoop._boundary (l.py:2);step_boundary (b.py:3) 30\n"
+        f"{learner};LearnerLoop._read (l.py:9) 10\n"
+        f"{root};SyncerLoop.run (s.py:1);SyncerLoop.serve_turn (s.py:2);Syncer._merge (y.py:3) 40\n"
+        f"{root};Prefetch._read (p.py:1);Replica.put_batch (r.py:2) 15\n"
+        " 5\n"
+    )
+    cmd = [sys.executable, str(ROOT / "scripts" / "gil_summary.py"), str(raw), "--seconds=1",
+           "--rate=200", "--depth=2"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "100 samples with the interpreter lock held of 200 taken (50.0% of the wall" in out
+    row = r"^([^\d\n]+?) +(\d+) +([0-9.]+%) +([0-9.]+%)$"
+    shares = {m.group(1).strip(): (int(m.group(2)), m.group(3), m.group(4))
+              for m in re.finditer(row, out, re.M)}  # fmt: skip
+    assert shares["learner"] == (40, "40.0%", "20.0%"), out
+    assert shares["syncer"] == (40, "40.0%", "20.0%"), out
+    assert shares["data prefetch"] == (15, "15.0%", "7.5%"), out
+    assert shares["other"] == (5, "5.0%", "2.5%"), out
+    # The learner's heaviest path: the two frames below its loop.
+    assert re.search(r"30 +30.0%  LearnerLoop._boundary > step_boundary\n", out), out
+    assert re.search(r"40 +40.0%  SyncerLoop.serve_turn > Syncer._merge\n", out), out
+    raw.write_text("not a py-spy line\n")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "not py-spy raw output" in proc.stderr, proc.stderr
