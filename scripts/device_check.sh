@@ -194,6 +194,10 @@ case $part in
         --workdir="$DEVICE_CHECK_DIR/prof_$cfg" 2>&1 | tail -5 | tee -a "$OUT/profile.log"
       tar czf "$OUT/profile_$cfg.tgz" -C "$DEVICE_CHECK_DIR/prof_$cfg" profile summary.json
       ls -la "$OUT/profile_$cfg.tgz" | tee -a "$OUT/profile.log"
+      # Device busy share and the heaviest events thread by thread, readable without xprof.
+      python3 scripts/trace_summary.py "$DEVICE_CHECK_DIR/prof_$cfg" --top=8 \
+        >"$OUT/trace_summary_$cfg.txt" 2>&1
+      head -24 "$OUT/trace_summary_$cfg.txt" | tee -a "$OUT/profile.log"
     done
     ;;
   gil)

@@ -1,6 +1,7 @@
 """Every benchmark script under scripts/ starts: its imports resolve and its absl flags are
 defined once (a script importing another script's module must not define a flag twice)."""
 
+import json
 import pathlib
 import re
 import subprocess
@@ -166,3 +167,48 @@ def test_gil_summary_groups_lock_samples_by_thread_role(tmp_path):
     raw.write_text("not a py-spy line\n")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "not py-spy raw output" in proc.stderr, proc.stderr
+
+
+def test_trace_summary_reads_device_busy_and_thread_roles(tmp_path):
+    """scripts/trace_summary.py on a Chrome trace like jax.profiler's: the device plane's
+    busy share (the union of its streams' events), and per host thread its role (from the
+    project module it spends longest in), its busy share with blocking waits left out, and
+    its heaviest runtime events."""
+    import gzip
+
+    def meta(pid, name, tid=None, kind="process_name"):
+        return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
+
+    def x(pid, tid, name, ts, dur):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        meta(1, "/host:CPU"), meta(2, "/device:GPU:0"),
+        meta(1, "main.py", 10, "thread_name"), meta(1, "main.py", 11, "thread_name"),
+        # the learner: 0-1000 us in its loop, of which 100-400 dispatching a step
+        x(1, 10, "$decoupled_diloco/runtime/learner_loop.py:230 _train", 0, 1000),
+        x(1, 10, "PjitFunction(train_step)", 100, 300),
+        x(1, 10, "Wait for donation holds", 150, 200),
+        # a data reader: 200 us of work, then 800 us blocked on its queue
+        x(1, 11, "$decoupled_diloco/data/prefetch.py:90 _read", 0, 1000),
+        x(1, 11, "$queue.py:122 put", 200, 800),
+        x(1, 11, "$threading.py:295 wait", 200, 800),
+        # two streams of the device, busy 0-300 and 200-500 us: 500 of the 1000 us window
+        x(2, 1, "fusion.1", 0, 300), x(2, 2, "fusion.2", 200, 300),
+    ]  # fmt: skip
+    trace = tmp_path / "profile" / "plugins" / "profile" / "run" / "host.trace.json.gz"
+    trace.parent.mkdir(parents=True)
+    with gzip.open(trace, "wt", encoding="utf-8") as f:
+        json.dump({"traceEvents": events}, f)
+    cmd = [sys.executable, str(ROOT / "scripts" / "trace_summary.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "window 1.0 ms" in out, out
+    assert "/device:GPU:0: busy 50.0% of the window (2 streams/lines)" in out, out
+    assert "learner (thread 10): busy 100.0% of the window" in out, out
+    assert "data prefetch (thread 11): busy 20.0% of the window" in out, out
+    assert re.search(r"0.30 ms  PjitFunction\(train_step\)\n +0.20 ms  Wait for donation", out)
+    proc = subprocess.run(cmd[:2] + [str(tmp_path / "nothing")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "no *.trace.json.gz" in proc.stderr, proc.stderr
