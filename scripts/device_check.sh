@@ -9,6 +9,8 @@
 #     bash scripts/device_check.sh overlap   # mid, seed 0: land vs rebase (ladder rungs, decoupled arm)
 #     bash scripts/device_check.sh quality   # mid scale: streaming_sync vs decoupled, 2 seeds
 #     bash scripts/device_check.sh more      # mid scale, seed 0: decoupled_lr1, dp, _km, _mom, _nag
+#     bash scripts/device_check.sh overhead  # learner overhead alone (mid): decoupled, py-switch,
+#                                            # syncer-proc beside plain, with cpu_share
 #     bash scripts/device_check.sh speed     # merge beside busy threads (host), learner overhead
 #                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
@@ -88,6 +90,18 @@ mfu() {
   timeout $((DEADLINE_S - SECONDS)) python3 scripts/bench_accelerator.py "${args[@]}" \
     --part=mfu 2>&1 | tee -a "$OUT/speed_mfu.log"
 }
+# The learner's thread on the H200 (2026-11-28): host_share 0.88 where the plain loop's is
+# 0.30, and Python's 5 ms switch interval ran it at 0.85 of plain against 0.70 (one round).
+# Its cpu_share (CPU time over wall) says whether that host time is work of its own or
+# waiting for the interpreter lock; syncer-proc takes the syncer's Python off that lock.
+# 2 rounds x 200 steps of 4 arms side by side: about 2 minutes (H100, 2026-11-26: 4 arms x
+# 2 rounds x 150 steps in ~2 minutes).
+overhead() {
+  local args=(--rounds=2 --steps=200 --arms=decoupled,py-switch,syncer-proc)
+  [[ ${SMOKE:-0} == 1 ]] && args=(--quick --arms=decoupled,py-switch,syncer-proc)
+  timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${args[@]}" \
+    --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
+}
 case $part in
   quality)
     # The mid targets' core: Decoupled K = 1 (with grace) <= 1.02x synchronous Streaming
@@ -112,25 +126,16 @@ case $part in
       quality $arms 0 mid_5arms_seed0 || exit
     done
     ;;
+  overhead)
+    overhead
+    ;;
   speed)
-    # The learner's thread on the H200 (2026-11-28): host_share 0.88 where the plain loop's
-    # is 0.30, and Python's 5 ms switch interval ran it at 0.85 of plain against 0.70 (one
-    # round). Its cpu_share (CPU time over wall, new) says whether that host time is work of
-    # its own or waiting for the interpreter lock; syncer-proc takes the syncer's Python off
-    # that lock. 2 rounds x 200 steps of 4 arms side by side.
-    if [[ ${SMOKE:-0} == 1 ]]; then
-      QUICK=(--quick --arms=decoupled,py-switch,syncer-proc)
-    else
-      QUICK=(--rounds=2 --steps=200 --arms=decoupled,py-switch,syncer-proc)
-    fi
     # The host's cores alone (~20 s): a mid merge alone and beside busy Python threads, for
     # Python's switch interval and the runs' (runtime/gil.py), old and new chunk sizes.
     GIL=(--part=gil)
     [[ ${SMOKE:-0} == 1 ]] && GIL+=(--quick)
     timeout 90 python3 scripts/bench_syncer_merge.py "${GIL[@]}" 2>&1 | tee "$OUT/speed_gil.log"
-    # About 2 minutes (2026-11-26, H100: 4 arms x 2 rounds x 150 steps in ~2 minutes).
-    timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${QUICK[@]}" \
-      --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
+    overhead
     # Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps
     # per offer 12)? 54 s on an H100 (2026-11-26); then the same with the syncer in a process
     # of its own (runtime/syncer_process.py: worse on the 2-core dev box, unmeasured beside a
@@ -234,7 +239,7 @@ case $part in
     done
     ;;
   *)
-    echo "usage: $0 wheels | quality | more | speed | mfu | overlap | profile | gil" >&2
+    echo "usage: $0 wheels | quality | more | overhead | speed | mfu | overlap | profile | gil" >&2
     exit 2
     ;;
 esac
