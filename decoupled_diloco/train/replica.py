@@ -38,6 +38,8 @@ _add = jax.jit(  # a + s·d
     lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
 )
 _copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
+# θ + R of members a landing set steps aside from (`Replica.land`): new arrays, one launch.
+_plus = jax.jit(lambda theta, held: jax.tree.map(lambda t, r: t + r, theta, held))
 # A landing's steps set aside (`Replica.land`): s·(θ + x − Θ_new), s = 1 − α, added onto the
 # members' earlier R (donated) or new; x is used once.
 _set_aside = jax.jit(
@@ -62,6 +64,11 @@ _rebase_shift = jax.jit(lambda new, anchor: jax.tree.map(lambda t, a: t - a, new
 # An offer's outer gradient v = G − θ (`diloco.learner.materialize`'s float32 subtraction),
 # from the G a `MergeStager` kept on the devices; a new array, so it survives donation.
 _outer = jax.jit(lambda anchor, theta: jax.tree.map(lambda a, t: a - t, anchor, theta))
+# The same from θ + R where a landing set steps aside: G − (θ + R), `_plus` then `_outer`'s
+# float32 operations in one launch.
+_outer_plus = jax.jit(
+    lambda anchor, theta, held: jax.tree.map(lambda a, t, r: a - (t + r), anchor, theta, held)
+)
 # Device ids -> the lock of `Replica.precompile` there.
 _PRECOMPILING: dict[tuple, threading.Lock] = {}
 
@@ -246,8 +253,8 @@ class Replica:
             if "land" in kinds:  # setting steps aside, and offering θ + R
                 _set_aside.lower(members, members, members, 1.0).compile()
                 _set_aside_onto.lower(members, members, members, members, 1.0).compile()
-                _add.lower(members, members, 1.0).compile()
-                _outer.lower(members, members).compile()
+                _plus.lower(members, members).compile()
+                _outer_plus.lower(members, members, members).compile()
             whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
             if whole:
                 _copy.lower(whole).compile()
@@ -311,25 +318,34 @@ class Replica:
         the host transfer started: `fragment_copies`' counterpart for an offer whose
         outer gradient is computed here (`diloco.device_rebase`): G − (θ + R) where a
         landing set steps aside (the float32 operations of `materialize` on the copies)."""
-        if any(k in self.held for k in names):
-            v = _outer({k: anchor[k] for k in names}, self._copies(names))
-        else:
+        held = [k for k in names if k in self.held]
+        rest = [k for k in names if k not in self.held]
+        v = {}
+        if rest:
             v = self._per_member(
-                names,
+                rest,
                 lambda leaves: _outer({k: anchor[k] for k in leaves}, leaves),
                 lambda name, x, r: _outer_rows(anchor[name], x, r.start, r.stop),
             )
+        if held:
+            v.update(_outer_plus(_pick(anchor, held), self._theta(held), _pick(self.held, held)))
         transfer.start_to_host(v)
         return v
 
     def _copies(self, names) -> dict[str, jax.Array]:
         """New arrays θ + R of the named members (θ where no landing set steps aside)."""
+        held = [k for k in names if k in self.held]
+        rest = [k for k in names if k not in self.held]
         # A row slice is a new array: it survives donation too.
-        out = self._per_member(names, _copy, lambda _, x, r: _take_rows(x, r.start, r.stop))
-        held = [k for k in out if k in self.held]
-        if held:  # `_add` writes into the copies (donated)
-            out.update(_add(_pick(out, held), _pick(self.held, held), 1.0))
+        out = self._per_member(rest, _copy, _rows) if rest else {}
+        if held:
+            out.update(_plus(self._theta(held), _pick(self.held, held)))
         return out
+
+    def _theta(self, names) -> dict[str, jax.Array]:
+        """θ of the named members, to be read by an op that makes new arrays: whole leaves
+        as they are (no copy), row slices taken."""
+        return self._per_member(names, dict, _rows)
 
     def _per_member(self, names, whole, rows) -> dict[str, jax.Array]:
         """New device arrays of the named fragment members:
@@ -418,6 +434,12 @@ def _pick(d: dict, keys) -> dict:
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _take_rows(x: jax.Array, start: int, stop: int) -> jax.Array:
     return x[start:stop]
+
+
+def _rows(name: str, x: jax.Array, rows: slice) -> jax.Array:
+    """`_per_member`'s row-slice op that takes the rows (a new array)."""
+    del name
+    return _take_rows(x, rows.start, rows.stop)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
