@@ -176,6 +176,15 @@ case $part in
       fits || exit 0
       quality $arms 0 mid_land_vs_rebase || exit
     done
+    # If time is left: the overlap rung with the paper's overwrite (the steps since the offer
+    # dropped), on the tiny model at 3x its lr the cheapest on time (0.4% against landing's
+    # 2.0%), where late merges make it lose real work (experiments/results/apply_land/).
+    fits || exit 0
+    timeout $((DEADLINE_S - SECONDS)) python3 experiments/quality_ladder.py "${SCALE[@]}" \
+      --seeds=0 --arms=overlap --set=diloco.apply=overwrite \
+      --out="$DEVICE_CHECK_DIR/overlap_overwrite" >>"$OUT/$part.log" 2>&1
+    echo "[$SECONDS s] overlap rung, overwrite: rc $?" | tee -a "$OUT/$part.log"
+    cp "$DEVICE_CHECK_DIR/overlap_overwrite/quality_ladder.md" "$OUT/overlap_overwrite.md"
     ;;
   profile)
     # Where a Decoupled learner's thread spends its host time on the GPU (host_share 0.88
