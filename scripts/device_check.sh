@@ -11,6 +11,8 @@
 #     bash scripts/device_check.sh more      # mid scale, seed 0: decoupled_lr1, dp, _km, _mom, _nag
 #     bash scripts/device_check.sh overhead  # learner overhead alone (mid): decoupled, py-switch,
 #                                            # syncer-proc beside plain, with cpu_share
+#     bash scripts/device_check.sh fleet     # four mid learners on the GPU: syncer on a thread,
+#                                            # then in a process
 #     bash scripts/device_check.sh speed     # merge beside busy threads (host), learner overhead
 #                                            # and fleet (mid), MFU (gemma_2b)
 #     bash scripts/device_check.sh mfu       # MFU / memory (gemma_2b) alone: the rest of a lease
@@ -102,6 +104,23 @@ overhead() {
   timeout $((DEADLINE_S / 2)) python3 scripts/bench_accelerator.py "${args[@]}" \
     --part=overhead 2>&1 | tee "$OUT/speed_overhead.log"
 }
+# Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps
+# per offer 12)? 54 s on an H100 (2026-11-26). Each argument one run: "" as configured,
+# --local_syncer=process (the syncer in a process of its own, runtime/syncer_process.py:
+# worse on the 2-core dev box, unmeasured beside a GPU; its merges took 76 ms on a thread
+# beside four learners on the H200, 2026-11-28), --gil_switch_ms=0 (Python's switch
+# interval), --fleet_arm=host-rebase (what the device rebases buy the round trip).
+fleet() {
+  local args=(--part=fleet)
+  [[ ${SMOKE:-0} == 1 ]] && args+=(--quick --steps=60 --emulate_step_ms=8 --dtype=float32)
+  for variant in "$@"; do
+    fits || break
+    local start=$SECONDS
+    timeout $((DEADLINE_S / 6)) python3 scripts/bench_accelerator.py "${args[@]}" \
+      $variant 2>&1 | tee -a "$OUT/speed_fleet.log"
+    last_run_s=$((SECONDS - start))
+  done
+}
 case $part in
   quality)
     # The mid targets' core: Decoupled K = 1 (with grace) <= 1.02x synchronous Streaming
@@ -136,21 +155,11 @@ case $part in
     [[ ${SMOKE:-0} == 1 ]] && GIL+=(--quick)
     timeout 90 python3 scripts/bench_syncer_merge.py "${GIL[@]}" 2>&1 | tee "$OUT/speed_gil.log"
     overhead
-    # Four mid learners sharing the GPU, as the quality runs do: do their merges keep H (steps
-    # per offer 12)? 54 s on an H100 (2026-11-26); then the same with the syncer in a process
-    # of its own (runtime/syncer_process.py: worse on the 2-core dev box, unmeasured beside a
-    # GPU), with Python's switch interval, with the rebases on the host (what the device
-    # rebases buy the round trip).
-    FLEET=(--part=fleet)
-    [[ ${SMOKE:-0} == 1 ]] && FLEET+=(--quick --steps=60 --emulate_step_ms=8 --dtype=float32)
-    for variant in "" --local_syncer=process --gil_switch_ms=0 --fleet_arm=host-rebase; do
-      fits || break
-      start=$SECONDS
-      timeout $((DEADLINE_S / 6)) python3 scripts/bench_accelerator.py "${FLEET[@]}" \
-        $variant 2>&1 | tee -a "$OUT/speed_fleet.log"
-      last_run_s=$((SECONDS - start))
-    done
+    fleet "" --local_syncer=process --gil_switch_ms=0 --fleet_arm=host-rebase
     mfu
+    ;;
+  fleet)
+    fleet "" --local_syncer=process
     ;;
   mfu)
     mfu
@@ -248,7 +257,7 @@ case $part in
     done
     ;;
   *)
-    echo "usage: $0 wheels | quality | more | overhead | speed | mfu | overlap | profile | gil" >&2
+    echo "usage: $0 wheels | quality | more | overhead | fleet | speed | mfu | overlap | profile | gil" >&2
     exit 2
     ;;
 esac
