@@ -273,6 +273,10 @@ def set_decoupled(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # 1.031x (1.037-1.047x); synchronous arms lose 1.1% at 0.75 and keep 1.0
     # (experiments/README.md, section 0).
     c.diloco.outer_lr = 0.75
+    # A learner's own checkpoints serve a resume of the whole run only (a crashed learner
+    # rejoins from Θ): at most 10% of its time, however large the model (they are
+    # synchronous; 100 steps of a `mid` learner on a GPU take about a second).
+    c.train.checkpoint_duty = 0.1
     return c
 
 
@@ -304,6 +308,7 @@ def _check_train(t: TrainConfig) -> None:
         (whole(t.eval_batches, 1), "eval_batches", "an integer >= 1"),
         (whole(t.log_every, 1), "log_every", "an integer >= 1"),
         (whole(t.checkpoint_every, 0), "checkpoint_every", "an integer >= 0 (0 = at the end)"),
+        (real(t.checkpoint_duty) and 0 < t.checkpoint_duty <= 1, "checkpoint_duty", "in (0, 1]"),
         (whole(t.prefetch, 0), "prefetch", "an integer >= 0 (batches ahead)"),
         (whole(t.metrics_lag, 1), "metrics_lag",
          "an integer >= 1 (steps dispatched before a step's metrics are read)"),

@@ -600,3 +600,52 @@ def test_host_cpu_share_counts_the_threads_cpu_not_its_waits(small_config, tmp_p
     # Each step: >= 30 ms asleep and 30 ms of CPU, beside a tiny train step.
     assert host > 0.8, host
     assert 0.25 < cpu < host - 0.25, (cpu, host)
+
+
+@pytest.mark.parametrize("every,duty", [(1, 0.25), (3, 1.0)])
+def test_learner_checkpoints_take_at_most_their_duty_of_the_time(
+    small_config, tmp_path, monkeypatch, every, duty
+):
+    """Periodic learner saves that take 20 ms, each step taking 10 ms more: with
+    train.checkpoint_duty 0.25 each save starts at least 0.02 / 0.25 = 0.08 s after the
+    previous one (the due ones in between wait for the first step after that), so saves take
+    at most a quarter of the time; with duty 1 every due one is taken at its step (every
+    `checkpoint_every`)."""
+    import time
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime import local
+    from decoupled_diloco.runtime.learner_loop import LearnerLoop
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    saves, steps = [], 60
+
+    def slow_save(self):  # (writes nothing: the test is about when saves happen)
+        saves.append((self.step, time.perf_counter()))
+        time.sleep(0.02)
+
+    class Slow:  # 10 ms more per step: batches read on the learner's thread (no prefetch)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __next__(self):
+            time.sleep(0.01)
+            return next(self.inner)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    make = local.make_iterator
+    monkeypatch.setattr(local, "make_iterator", lambda *a, **k: Slow(make(*a, **k)))
+    monkeypatch.setattr(LearnerLoop, "save", slow_save)
+    over = {"train.steps": steps, "train.checkpoint_every": every,
+            "train.checkpoint_duty": duty, "train.prefetch": 0}  # fmt: skip
+    LocalRuntime(config_lib.validate(small_config(**over)), str(tmp_path), verbose=False).run()
+    periodic = [(s, t) for s, t in saves if s < steps]  # the last step is the final save
+    if duty < 1:
+        gaps = np.diff([t for _, t in periodic])
+        assert len(periodic) >= 3 and gaps.min() >= 0.08 - 0.005, gaps
+        assert len(periodic) < steps // 2  # most due saves were folded into later ones
+        assert [s for s, _ in periodic] == sorted({s for s, _ in periodic})
+    else:
+        assert [s for s, _ in periodic] == list(range(every, steps, every))

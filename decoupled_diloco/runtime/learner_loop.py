@@ -155,6 +155,10 @@ class LearnerLoop:
         self._cpu = 0.0
         self._idle_cpu = 0.0  # CPU seconds spent waiting for the device or evaluating, all told
         self._device_wait = 0.0  # seconds this thread waited for the device, all told
+        # A periodic checkpoint fell due and waits for its duty share (`_checkpoint_due`);
+        # (start, seconds) of the last periodic save.
+        self._save_pending = False
+        self._last_save = (0.0, 0.0)
         self._initial_data = data.get_state()
 
     def restore(self, params_too: bool) -> bool:
@@ -259,7 +263,7 @@ class LearnerLoop:
             # model), a learner that has not left holds up the rounds that would take the
             # offers of learners behind it (catch-up rounds wait for every live learner).
             last = self.step == run.train.steps
-            save = (last and self.proto is None) or (not last and self._every("checkpoint_every"))
+            save = (last and self.proto is None) or (not last and self._checkpoint_due())
             flush = last or save or bool(self.evaluate and self._every("eval_every"))
             evaluated = self.eval_seconds
             diverged = self._read(unread, keep=0 if flush else lag)
@@ -280,7 +284,10 @@ class LearnerLoop:
             if save and not diverged:
                 if self.step == run.train.steps:  # the last save is the tail, as below
                     self.sink.finished(m, self.clock())
+                t0 = time.perf_counter()
                 self.save()
+                self._last_save = (t0, time.perf_counter() - t0)
+                self._save_pending = False
             if diverged and self.step >= run.train.steps:
                 break  # no steps left to restart for: it leaves without offering (below)
             if diverged:  # a diverged learner must not poison merges: restart it from Θ
@@ -314,6 +321,18 @@ class LearnerLoop:
     def _every(self, key: str) -> bool:
         every = getattr(self.run_cfg.train, key)
         return bool(every) and self.step % every == 0
+
+    def _checkpoint_due(self) -> bool:
+        """Whether this step saves a periodic checkpoint (called once per step): one falls
+        due every `train.checkpoint_every` steps and is taken at the first step at least
+        s / `train.checkpoint_duty` after the start of the last one, s its seconds. Saves are
+        synchronous, so that bounds the share of the learner's time they take, however large
+        the model."""
+        self._save_pending = self._save_pending or self._every("checkpoint_every")
+        if not self._save_pending:
+            return False
+        started, seconds = self._last_save
+        return time.perf_counter() - started >= seconds / self.run_cfg.train.checkpoint_duty
 
     # --- (re)start, boundary, finish --------------------------------------------------
     def _start(self) -> None:

@@ -42,6 +42,7 @@ FREE_TO_CHANGE = frozenset(
         "train.eval_batches",
         "train.log_every",
         "train.checkpoint_every",
+        "train.checkpoint_duty",
         "train.tensorboard",
         "train.prefetch",
         "train.metrics_lag",

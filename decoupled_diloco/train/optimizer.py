@@ -46,6 +46,13 @@ class TrainConfig:
     eval_batches: int = 8  # held-out batches per evaluation
     log_every: int = 10  # steps between metrics.jsonl lines / progress updates
     checkpoint_every: int = 100  # steps between orbax checkpoints; 0 = only at the end
+    # The most share of a learner's time its periodic checkpoints may take: a save of s
+    # seconds (synchronous: the learner's device idles meanwhile) puts the next one at least
+    # s / checkpoint_duty after its start; one that falls due sooner is taken at the first
+    # step after that (runtime/learner_loop.py). 1 = every checkpoint_every steps as due:
+    # the default, since a data-parallel job falls back to its last save; learners with a
+    # syncer rejoin from Θ and save for a resume only (config.set_decoupled: 0.1).
+    checkpoint_duty: float = 1.0
     # Batches a background thread reads and places on the devices ahead of the step that
     # trains on them (data/prefetch.py); 0 = read and transfer inside the step.
     prefetch: int = 2
