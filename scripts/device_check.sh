@@ -36,7 +36,7 @@ if [[ $part == wheels ]]; then
   # there); py-spy (a sampling profiler, one static binary) is for the `gil` part.
   exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux2014_x86_64 -d .whl "ml-collections>=0.1.1" \
-    "py-spy>=0.3.14"
+    "py-spy>=0.4.3"
 fi
 DEVICE_CHECK_DIR=${DEVICE_CHECK_DIR:-/tmp/device_check}
 OUT=${OUT:-$DEVICE_CHECK_DIR/out}
@@ -229,7 +229,10 @@ case $part in
     # reader, outbox, stager, syncer and its merge threads) hold? py-spy samples the thread
     # holding the lock (--gil) while one mid Decoupled learner and then the plain loop run
     # RUN_STEPS steps; scripts/gil_summary.py groups the samples by thread role.
-    PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    # The carried wheel's first: gil_summary.py reads class-qualified names (py-spy >= 0.4.3),
+    # and matches bare ones by file where an older py-spy is all there is.
+    PYSPY=/tmp/site/bin/py-spy
+    [[ -x $PYSPY ]] || PYSPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
     [[ -x $PYSPY ]] || { echo "no py-spy: run 'device_check.sh wheels' first" | tee -a "$OUT/gil.log"; exit 1; }
     RATE=200
     if [[ ${SMOKE:-0} == 1 ]]; then
@@ -246,7 +249,9 @@ case $part in
       rm -rf "$DEVICE_CHECK_DIR/gil_$cfg"
       start=$SECONDS
       # --nonblocking: the run is not paused for each sample (what it measures stays as is).
-      timeout $((DEADLINE_S - SECONDS)) "$PYSPY" record --gil --nonblocking --rate $RATE \
+      # SIGINT at the deadline: py-spy writes what it sampled on Ctrl-C (on SIGTERM, nothing).
+      timeout -s INT -k 30 $((DEADLINE_S - SECONDS)) "$PYSPY" record --gil --nonblocking \
+        --rate $RATE \
         --format raw --output "$OUT/gil_$cfg.txt" -- python3 -m decoupled_diloco.main \
         --config="configs/$cfg.py" "${M[@]}" "${extra[@]}" --config.train.eval_every=0 \
         --workdir="$DEVICE_CHECK_DIR/gil_$cfg" 2>&1 | tail -4 | tee -a "$OUT/gil.log"

@@ -27,35 +27,48 @@ _RATE = flags.DEFINE_float("rate", None, "py-spy's --rate (samples per second)."
 _TOP = flags.DEFINE_integer("top", 6, "Call paths listed per role.")
 _DEPTH = flags.DEFINE_integer("depth", 3, "Frames per call path.")
 
-# (role, a function name whose frame makes a stack that role's), first match from the root.
+# (role, function, file): a frame of that function (with or without its class: py-spy
+# before 0.4.3 prints bare names) in that file makes a stack that role's, first match from
+# the root; "" matches any. Files are matched by their last path component.
 ROLES = (
-    ("learner", "LearnerLoop._train"),
-    ("learner (finish)", "LearnerLoop._finish"),
-    ("learner (ray)", "RayLearner"),
-    ("data prefetch", "Prefetch._read"),
-    ("outbox", "Outbox._loop"),
-    ("merge stager", "MergeStager._place"),
-    ("syncer", "SyncerLoop.serve_turn"),
-    ("syncer checkpoint", "SyncerLoop._save_or_keep_error"),
-    ("syncer", "SyncerLoop.run"),
-    ("merge threads", "apply_outer.<locals>.span"),
-    ("merge threads", "map_spans"),
-    ("syncer process link", "SyncerProcess"),
-    ("lock probe", "LockProbe._run"),
-    ("checkpoint writes", "orbax"),
-    ("metrics sink", "_Sink"),
-    ("main thread", "<module>"),
-    ("main thread", "clean_up"),
+    ("learner", "_train", "learner_loop.py"),
+    ("learner (ray)", "", "ray/learner.py"),
+    ("data prefetch", "_read", "prefetch.py"),
+    ("outbox", "_loop", "outbox.py"),
+    ("merge stager", "_place", "boundary.py"),
+    ("syncer checkpoint", "_save_or_keep_error", "syncer_loop.py"),
+    ("syncer", "serve_turn", "syncer_loop.py"),
+    ("syncer", "run", "syncer_loop.py"),
+    ("merge threads", "span", "outer.py"),
+    ("merge threads", "map_spans", "chunks.py"),
+    ("syncer process link", "", "syncer_process.py"),
+    ("lock probe", "_run", "gil.py"),
+    ("metrics sink", "", "records.py"),
+    ("main thread", "<module>", ""),
+    ("main thread", "clean_up", ""),
     # Stacks py-spy cut short (no thread root): JAX tracing or compiling, mostly start-up.
-    ("jax tracing, compiling", "_pjit_lower"),
-    ("jax tracing, compiling", "DynamicJaxprTrace"),
-    ("jax tracing, compiling", "compile"),
+    ("jax tracing, compiling", "_pjit_lower", ""),
+    ("jax tracing, compiling", "process_primitive", ""),
+    ("jax tracing, compiling", "compile", ""),
 )
 
 
 def _name(frame: str) -> str:
     """'Outbox._loop (decoupled_diloco/runtime/outbox.py:102)' -> 'Outbox._loop'."""
     return frame.split(" (", 1)[0].strip()
+
+
+def _file(frame: str) -> str:
+    """'Outbox._loop (decoupled_diloco/runtime/outbox.py:102)' -> '.../outbox.py'."""
+    where = frame.rpartition(" (")[2].rstrip(")")
+    return where.rsplit(":", 1)[0]
+
+
+def _matches(frame: str, function: str, file: str) -> bool:
+    name = _name(frame)
+    if function and name != function and not name.endswith("." + function):
+        return False
+    return not file or _file(frame).endswith(file)
 
 
 def read(path: str) -> list[tuple[list[str], int]]:
@@ -78,9 +91,8 @@ def read(path: str) -> list[tuple[list[str], int]]:
 def role(frames: list[str]) -> tuple[str, int]:
     """The stack's role and the index of the frame that named it ('other', -1: none)."""
     for i, frame in enumerate(frames):
-        name = _name(frame)
-        for label, marker in ROLES:
-            if marker in name or (marker == "orbax" and "orbax" in frame):
+        for label, function, file in ROLES:
+            if _matches(frame, function, file):
                 return label, i
     return "other", -1
 

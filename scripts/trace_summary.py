@@ -34,27 +34,31 @@ _MIN_SHARE = flags.DEFINE_float(
     "min_share", 0.01, "Threads busy less than this share of the window are left out."
 )
 
-# Project module -> the role of a thread whose Python events mostly come from it.
-ROLES = {
-    "learner_loop.py": "learner",
-    "boundary.py": "learner",
-    "replica.py": "learner",
-    "learner.py": "learner",
-    "profiling.py": "learner",
-    "syncer.py": "syncer",
-    "syncer_loop.py": "syncer",
-    "rounds.py": "syncer",
-    "merge.py": "syncer",
-    "outer.py": "syncer",
-    "chunks.py": "merge threads",
-    "outbox.py": "outbox",
-    "prefetch.py": "data prefetch",
-    "iterator.py": "data prefetch",
-    "windows.py": "data prefetch",
-    "order.py": "data prefetch",
-    "fragment_checkpoint.py": "checkpoint",
-    "gil.py": "lock probe",
-}
+# (module, function or "" for any) -> the role of a thread, first match; a thread takes the
+# role of its longest Python event that matches one (its outermost loop in the window).
+ROLES = (
+    ("boundary.py", "_place", "merge stager"),
+    ("boundary.py", "_rebase", "merge stager"),
+    ("replica.py", "_compile_fragment", "precompile"),
+    ("outbox.py", "", "outbox"),
+    ("prefetch.py", "", "data prefetch"),
+    ("iterator.py", "", "data prefetch"),
+    ("windows.py", "", "data prefetch"),
+    ("order.py", "", "data prefetch"),
+    ("learner_loop.py", "", "learner"),
+    ("boundary.py", "", "learner"),
+    ("replica.py", "", "learner"),
+    ("learner.py", "", "learner"),
+    ("profiling.py", "", "learner"),
+    ("syncer_loop.py", "", "syncer"),
+    ("syncer.py", "", "syncer"),
+    ("rounds.py", "", "syncer"),
+    ("merge.py", "", "syncer"),
+    ("outer.py", "", "merge threads"),
+    ("chunks.py", "", "merge threads"),
+    ("fragment_checkpoint.py", "", "checkpoint"),
+    ("gil.py", "", "lock probe"),
+)
 
 
 def find_trace(path: str) -> pathlib.Path:
@@ -79,31 +83,43 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-# Python functions that block (a thread inside them waits for another, or for time).
+# Python functions that block (a thread inside them waits for another, or for time); a
+# builtin's (the tracer's "<unknown>" module) `__enter__` is a `with lock:` taking the lock.
 WAITS = ("wait", "get", "put", "acquire", "join", "_wait_for_tstate_lock", "sleep", "result",
          "select", "poll")  # fmt: skip
 
 
 def _waiting(name: str) -> bool:
     """A Python event ("$file.py:line function") that blocks: a lock, queue, sleep, join."""
+    if not name.startswith("$"):
+        return False
     function = name.rsplit(" ", 1)[-1]
-    return name.startswith("$") and function in WAITS and (
+    if function == "__enter__":
+        return "<unknown>" in name
+    return function in WAITS and (
         "<unknown>" in name or "threading.py" in name or "queue.py" in name or "time" in name
         or "_base.py" in name or "selectors.py" in name
     )  # fmt: skip
 
 
+def _module_function(name: str) -> tuple[str, str]:
+    """'$decoupled_diloco/runtime/outbox.py:87 _make' -> ('outbox.py', '_make')."""
+    where, _, function = name[1:].rpartition(" ")
+    return where.split(":", 1)[0].rsplit("/", 1)[-1], function
+
+
 def _role(functions: collections.Counter, thread_name: str) -> str:
-    """The role of the project module whose Python events took the thread longest (the
-    outermost module of its own loop: an outbox's thread also runs the replica's code)."""
-    time_in: collections.Counter = collections.Counter()
+    """The role of the thread's longest Python event that names one (`ROLES`): its
+    outermost loop in the window (an outbox's thread also runs the replica's code)."""
+    best, role = -1.0, None
     for name, dur in functions.items():
-        module = name[1:].split(":", 1)[0].rsplit("/", 1)[-1]
-        if module in ROLES:
-            time_in[module] = max(time_in[module], dur)
-    if time_in:
-        return ROLES[time_in.most_common(1)[0][0]]
-    return thread_name or "?"
+        module, function = _module_function(name)
+        for m, f, label in ROLES:
+            if module == m and (not f or function == f):
+                if dur > best:
+                    best, role = dur, label
+                break
+    return role or thread_name or "?"
 
 
 def summarize(trace: dict, top: int = 6, min_share: float = 0.01) -> list[str]:
@@ -119,6 +135,8 @@ def summarize(trace: dict, top: int = 6, min_share: float = 0.01) -> list[str]:
             thread[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
     start = min(e["ts"] for e in events)
     window = max(e["ts"] + e["dur"] for e in events) - start
+    if window <= 0:
+        return [f"the trace's {len(events)} timed events span no time"]
     by_line: dict[tuple, list] = collections.defaultdict(list)
     for e in events:
         by_line[(e["pid"], e.get("tid"))].append(e)

@@ -140,12 +140,16 @@ def test_gil_summary_groups_lock_samples_by_thread_role(tmp_path):
     of the wall time; a line that is not py-spy's raw format is refused."""
     raw = tmp_path / "gil.txt"
     root = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
-    learner = f"{root};LearnerLoop._train (l.py:1)"
+    learner = f"{root};LearnerLoop._train (decoupled_diloco/runtime/learner_loop.py:230)"
+    syncer = "decoupled_diloco/runtime/syncer_loop.py"
     raw.write_text(
         f"{learner};LearnerLoop._boundary (l.py:2);step_boundary (b.py:3) 30\n"
-        f"{learner};LearnerLoop._read (l.py:9) 10\n"
-        f"{root};SyncerLoop.run (s.py:1);SyncerLoop.serve_turn (s.py:2);Syncer._merge (y.py:3) 40\n"
-        f"{root};Prefetch._read (p.py:1);Replica.put_batch (r.py:2) 15\n"
+        # py-spy before 0.4.3 names functions without their class
+        f"{root};_train (decoupled_diloco/runtime/learner_loop.py:230);_read (l.py:9) 10\n"
+        f"{root};SyncerLoop.run ({syncer}:90);SyncerLoop.serve_turn ({syncer}:117);"
+        "Syncer._merge (y.py:3) 40\n"
+        f"{root};Prefetch._read (decoupled_diloco/data/prefetch.py:92);"
+        "Replica.put_batch (r.py:2) 15\n"
         " 5\n"
     )
     cmd = [sys.executable, str(ROOT / "scripts" / "gil_summary.py"), str(raw), "--seconds=1",
@@ -193,6 +197,12 @@ def test_trace_summary_reads_device_busy_and_thread_roles(tmp_path):
         x(1, 11, "$decoupled_diloco/data/prefetch.py:90 _read", 0, 1000),
         x(1, 11, "$queue.py:122 put", 200, 800),
         x(1, 11, "$threading.py:295 wait", 200, 800),
+        # a stager (boundary.py's MergeStager) placing a merge through the replica's code
+        x(1, 12, "$decoupled_diloco/runtime/boundary.py:104 _place", 0, 100),
+        x(1, 12, "$decoupled_diloco/train/replica.py:179 place", 10, 80),
+        # an outbox that waits 800 us for a lock (`with lock:`) of its 1000
+        x(1, 13, "$decoupled_diloco/runtime/outbox.py:87 _make", 0, 1000),
+        x(1, 13, "$<unknown> __enter__", 100, 800),
         # two streams of the device, busy 0-300 and 200-500 us: 500 of the 1000 us window
         x(2, 1, "fusion.1", 0, 300), x(2, 2, "fusion.2", 200, 300),
     ]  # fmt: skip
@@ -208,6 +218,8 @@ def test_trace_summary_reads_device_busy_and_thread_roles(tmp_path):
     assert "/device:GPU:0: busy 50.0% of the window (2 streams/lines)" in out, out
     assert "learner (thread 10): busy 100.0% of the window" in out, out
     assert "data prefetch (thread 11): busy 20.0% of the window" in out, out
+    assert "merge stager (thread 12): busy 10.0% of the window" in out, out
+    assert "outbox (thread 13): busy 20.0% of the window" in out, out
     assert re.search(r"0.30 ms  PjitFunction\(train_step\)\n +0.20 ms  Wait for donation", out)
     proc = subprocess.run(cmd[:2] + [str(tmp_path / "nothing")], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)  # fmt: skip

@@ -597,7 +597,9 @@ class LearnerLoop:
             rec["host_share"] = round(min(max(1.0 - self._blocked / self._wall, 0.0), 1.0), 4)
             # Of that, the share it ran on a CPU: host_share - host_cpu_share is time it was
             # ready to run Python but did not (the interpreter lock other threads held,
-            # other locks, the OS run queue), not its own work.
+            # other locks, the OS run queue), not its own work; and the device waits not
+            # timed as such (a boundary finishing the device's steps before it waits for a
+            # late merge: runs that wait for merges).
             rec["host_cpu_share"] = round(min(max(self._cpu / self._wall, 0.0), 1.0), 4)
         self._wall = self._blocked = self._cpu = 0.0
         if self.proto is not None:  # merges applied, and boundaries one waited for placement
