@@ -10,6 +10,7 @@ and written to report.md) gives the run's summary and per-learner figures.
 """
 
 import json
+import statistics
 import sys
 
 from absl import flags
@@ -212,16 +213,24 @@ def table(workdir: str) -> str:
     ]
     metrics = _rows(workdir, "metrics.jsonl")
     learners = sorted({r["learner"] for r in metrics if isinstance(r["learner"], int)})
-    head = "| learner | last step | last train loss | mean tokens/s | merge delay (steps) |"
-    lines += ["", head, "|---|---|---|---|---|"]
+    # host share / CPU share: medians of the rows' host_share and host_cpu_share (the share
+    # of its steps the learner's thread worked on the host instead of waiting for its device,
+    # and of that the share it ran on a CPU; runtime/learner_loop.py).
+    head = ("| learner | last step | last train loss | mean tokens/s | merge delay (steps) "
+            "| host share / CPU share |")  # fmt: skip
+    lines += ["", head, "|---|---|---|---|---|---|"]
     for m in learners:
         rows = [r for r in metrics if r["learner"] == m and "loss" in r]
         rate = sum(r["tokens_per_second"] for r in rows) / max(len(rows), 1)
         delay = mean_merge_delay(rows)
         delay = "-" if delay is None else f"{delay:.2f}"
-        lines.append(
-            f"| {m} | {rows[-1]['step']} | {rows[-1]['loss']:.4f} | {rate:,.0f} | {delay} |"
-        )
+        shares = "-"
+        if any("host_cpu_share" in r for r in rows):
+            host = statistics.median(r["host_share"] for r in rows if "host_share" in r)
+            cpu = statistics.median(r["host_cpu_share"] for r in rows if "host_cpu_share" in r)
+            shares = f"{host:.2f} / {cpu:.2f}"
+        lines.append(f"| {m} | {rows[-1]['step']} | {rows[-1]['loss']:.4f} | {rate:,.0f} "
+                     f"| {delay} | {shares} |")  # fmt: skip
     merges = _rows(workdir, "merges.jsonl")
     if merges:
         stale = [x for r in merges for x in r["staleness"]]

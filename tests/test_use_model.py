@@ -2,6 +2,8 @@
 run; the entry points' one-line errors."""
 
 import json
+import re
+import statistics
 import subprocess
 import sys
 
@@ -154,6 +156,12 @@ def test_report_writes_a_png_and_a_table(runs, name, tmp_path):
     )
     text = table(str(workdir))
     assert f"{summary['final_eval_loss']:.4g}" in text and "| learner |" in text
+    # each learner's median host share / CPU share of its rows
+    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [r for r in map(json.loads, f) if r.get("learner") == 0 and "host_cpu_share" in r]
+    host = statistics.median(r["host_share"] for r in rows)
+    cpu = statistics.median(r["host_cpu_share"] for r in rows)
+    assert re.search(rf"^\| 0 \| .* \| {host:.2f} / {cpu:.2f} \|$", text, re.M), text
     if name == "dec":  # the syncer's own time per merge, from merges.jsonl
         with open(workdir / "merges.jsonl", encoding="utf-8") as f:
             merges = [json.loads(line) for line in f]
