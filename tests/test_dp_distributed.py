@@ -98,3 +98,57 @@ def test_two_processes_train_one_data_parallel_model(tmp_path):
     steps = sorted(int(s) for s in os.listdir(workdir / "checkpoints" / "learner_0"))
     assert steps[-1] == 6
     assert not (workdir / "process_1" / "checkpoints").exists()
+
+
+DRIVER = """
+import sys, time
+from absl import app
+from decoupled_diloco import cli, main
+from decoupled_diloco.runtime.learner_loop import LearnerLoop
+
+save, extra = LearnerLoop.save, float(sys.argv.pop(1))
+
+
+def slower_save(self):  # this host's saves take `extra` seconds longer than the other's
+    save(self)
+    time.sleep(extra)
+
+
+LearnerLoop.save = slower_save
+app.run(main.main, flags_parser=cli.parse_flags)
+"""
+
+
+@pytest.mark.slow
+def test_hosts_of_one_learner_take_duty_bound_saves_at_the_same_step(tmp_path):
+    """train.checkpoint_duty < 1 on a learner of 2 processes whose saves take different
+    times: each host would space its saves by its own clock, but a save is a collective, so
+    they agree on host 0's step count and finish (a host saving while the other steps would
+    wait for it forever)."""
+    port, workdir = _free_port(), tmp_path / "run"
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    procs = []
+    for i in range(2):
+        cmd = [
+            sys.executable, str(driver), "0.08" if i == 1 else "0.0",
+            "--config=configs/tiny_dense.py", f"--workdir={workdir}",
+            "--config.train.steps=40", "--config.train.eval_every=0",
+            "--config.train.eval_batches=1", "--config.train.checkpoint_every=1",
+            "--config.train.checkpoint_duty=0.5", "--config.data.max_corpus_bytes=300000",
+            "--config.data.seq_len=64", "--config.train.batch_size=16",
+            f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+            "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+        ]  # fmt: skip
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=os.getcwd())
+        procs.append(subprocess.Popen(cmd, env=env, **pipes))
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    steps = sorted(int(s) for s in os.listdir(workdir / "checkpoints" / "learner_0"))
+    assert steps[-1] == 40

@@ -14,6 +14,7 @@ due merges are applied on the replica, a heartbeat goes out. A step's metrics ar
 """
 
 import collections
+import math
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ import time
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from decoupled_diloco import checkpoint, faults, mfu, paths, profiling
 from decoupled_diloco.data.prefetch import Prefetch
@@ -155,10 +157,12 @@ class LearnerLoop:
         self._cpu = 0.0
         self._idle_cpu = 0.0  # CPU seconds spent waiting for the device or evaluating, all told
         self._device_wait = 0.0  # seconds this thread waited for the device, all told
-        # A periodic checkpoint fell due and waits for its duty share (`_checkpoint_due`);
-        # (start, seconds) of the last periodic save.
+        # A periodic checkpoint fell due and waits for step `_save_at` (`_checkpoint_due`);
+        # seconds of the last two periodic saves, (time, step) at the end of the last.
         self._save_pending = False
-        self._last_save = (0.0, 0.0)
+        self._save_at = 0
+        self._save_seconds: collections.deque = collections.deque(maxlen=2)
+        self._last_save_end = (0.0, 0)
         self._initial_data = data.get_state()
 
     def restore(self, params_too: bool) -> bool:
@@ -286,8 +290,8 @@ class LearnerLoop:
                     self.sink.finished(m, self.clock())
                 t0 = time.perf_counter()
                 self.save()
-                self._last_save = (t0, time.perf_counter() - t0)
                 self._save_pending = False
+                self._save_at = self.step + self._save_gap_steps(t0, time.perf_counter())
             if diverged and self.step >= run.train.steps:
                 break  # no steps left to restart for: it leaves without offering (below)
             if diverged:  # a diverged learner must not poison merges: restart it from Θ
@@ -324,15 +328,32 @@ class LearnerLoop:
 
     def _checkpoint_due(self) -> bool:
         """Whether this step saves a periodic checkpoint (called once per step): one falls
-        due every `train.checkpoint_every` steps and is taken at the first step at least
-        s / `train.checkpoint_duty` after the start of the last one, s its seconds. Saves are
-        synchronous, so that bounds the share of the learner's time they take, however large
-        the model."""
+        due every `train.checkpoint_every` steps and is taken at the first step at or after
+        `_save_at`, which the last periodic save set (`_save_gap_steps`)."""
         self._save_pending = self._save_pending or self._every("checkpoint_every")
-        if not self._save_pending:
-            return False
-        started, seconds = self._last_save
-        return time.perf_counter() - started >= seconds / self.run_cfg.train.checkpoint_duty
+        return self._save_pending and self.step >= self._save_at
+
+    def _save_gap_steps(self, start: float, end: float) -> int:
+        """Steps from the periodic save that ran from `start` to `end` (now) to the next
+        one, so that saves (synchronous: the device idles) take at most
+        `train.checkpoint_duty` of the learner's time: a save of s seconds is followed by
+        s·(1/duty − 1) seconds of steps, counted in steps at the step time between the last
+        two saves. s is the shorter of the last two saves (none before two: the first, with
+        the checkpointer's set-up, would space out the rest). Counted in steps, and host 0's
+        count on every host of a multi-host learner, so that all of its hosts take the save,
+        a collective, at the same step."""
+        duty = self.run_cfg.train.checkpoint_duty
+        if duty >= 1:
+            return 0
+        self._save_seconds.append(end - start)
+        (last_end, last_step), self._last_save_end = self._last_save_end, (end, self.step)
+        gap = 0
+        if len(self._save_seconds) == 2 and self.step > last_step and start > last_end:
+            step_s = (start - last_end) / (self.step - last_step)
+            gap = math.ceil(min(self._save_seconds) * (1.0 / duty - 1.0) / step_s)
+        if jax.process_count() > 1:
+            gap = int(multihost_utils.broadcast_one_to_all(np.int32(gap)))
+        return gap
 
     # --- (re)start, boundary, finish --------------------------------------------------
     def _start(self) -> None:
