@@ -224,11 +224,7 @@ def table(workdir: str) -> str:
         rate = sum(r["tokens_per_second"] for r in rows) / max(len(rows), 1)
         delay = mean_merge_delay(rows)
         delay = "-" if delay is None else f"{delay:.2f}"
-        shares = "-"
-        if any("host_cpu_share" in r for r in rows):
-            host = statistics.median(r["host_share"] for r in rows if "host_share" in r)
-            cpu = statistics.median(r["host_cpu_share"] for r in rows if "host_cpu_share" in r)
-            shares = f"{host:.2f} / {cpu:.2f}"
+        shares = " / ".join(_median_of(rows, k) for k in ("host_share", "host_cpu_share"))
         lines.append(f"| {m} | {rows[-1]['step']} | {rows[-1]['loss']:.4f} | {rate:,.0f} "
                      f"| {delay} | {shares} |")  # fmt: skip
     merges = _rows(workdir, "merges.jsonl")
@@ -247,6 +243,13 @@ def table(workdir: str) -> str:
             f"| mean merge time (ms) | {merge_ms:.1f} |",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _median_of(rows: list[dict], key: str) -> str:
+    """The median of the rows' `key` to 2 decimals, "-" where no row has it (runs written
+    before the key existed)."""
+    values = [r[key] for r in rows if key in r]
+    return f"{statistics.median(values):.2f}" if values else "-"
 
 
 def main(argv) -> None:
