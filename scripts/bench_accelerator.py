@@ -484,20 +484,19 @@ def fleet() -> None:
         where = (f"1 emulated accelerator at {_EMULATE.value:g} ms per step, host "
                  f"{jax.devices()[0].device_kind}")  # fmt: skip
     shared = "shared" if used < learners * shape["devices"] else "not shared"
-    where_syncer = overhead_config(_FLEET_ARM.value, learners=learners, **shape).local_syncer
+    run = config_lib.validate(
+        overhead_config(_FLEET_ARM.value, learners=learners, gil_switch_ms=_GIL.value, **shape)
+    )
     print(f"\n(c) fleet: {learners} {_FLEET_ARM.value} learners of {preset}, {shape['batch']} x "
           f"{shape['seq_len']} tokens per step each, {shape['devices']} device(s) each, on "
           f"{where} ({shared}); {shape['steps']} steps, first {skip} excluded; host cores "
           f"{os.cpu_count()}; thread switch interval "
           f"{_GIL.value if _GIL.value is not None else config_lib.GIL_SWITCH_MS:g} ms (0: "
-          f"Python's); syncer on a {where_syncer}", flush=True)  # fmt: skip
+          f"Python's); syncer on a {run.local_syncer}", flush=True)  # fmt: skip
     # --gil_switch_ms applies to the plain loop too: fleet / plain compares like with like.
     plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip,
                              gil_switch_ms=_GIL.value, **shape)  # fmt: skip
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
-    run = config_lib.validate(
-        overhead_config(_FLEET_ARM.value, learners=learners, gil_switch_ms=_GIL.value, **shape)
-    )
     summary = _fresh_run(run, workdir)
     rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
     if any(len(r) < 2 for r in rows):
