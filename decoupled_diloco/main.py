@@ -74,7 +74,8 @@ def main(argv) -> None:
         if oom is None:
             raise
         sys.exit(f"error: a learner ran out of device memory ({oom}). Lower train.batch_size, "
-                 "raise train.microbatches, set model.remat=dots or full, or give each learner "
+                 "raise train.microbatches, set model.remat=dots or full, compute a large "
+                 "vocabulary's logits in chunks (model.logits_chunk=256), or give each learner "
                  "more devices (devices_per_learner), then run in a new --workdir (or resume "
                  "this one with --force_resume)")  # fmt: skip
     finally:

@@ -91,6 +91,10 @@ _SOFTCAP = flags.DEFINE_float(
     "attn_softcap", None, "Override model.attn_logit_softcap of the MFU runs (0: off, which "
     "the fused attention kernels need)."
 )  # fmt: skip
+_CHUNK = flags.DEFINE_integer(
+    "logits_chunk", None, "Override model.logits_chunk of the MFU runs (0: the output layer "
+    "and loss over the whole sequence at once; default: the preset's)."
+)  # fmt: skip
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dd_bench_accelerator", "Run directories.")
 _EMULATE = flags.DEFINE_float(
     "emulate_step_ms", 0.0, "Overhead and fleet: the learners' steps run no model; each "
@@ -146,7 +150,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from decoupled_diloco import compile_cache, report  # noqa: E402
+from decoupled_diloco import compile_cache, models, report  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
 from decoupled_diloco.mfu import largest_fitting_batch, peak_flops  # noqa: E402
 from decoupled_diloco.models.flops import train_flops_per_token  # noqa: E402
@@ -364,6 +368,8 @@ def mfu_run(preset: str, batch: int, seq_len: int, remat: str, devices: int):
     c.model.attention_impl = _ATTN.value
     if _SOFTCAP.value is not None:
         c.model.attn_logit_softcap = _SOFTCAP.value
+    if _CHUNK.value is not None:
+        c.model.logits_chunk = _CHUNK.value
     c.devices_per_learner = devices
     run = config_lib.validate(c)
     return run, Replica(run.model, run.train, make_mesh(jax.devices()[:devices], run.mesh))
@@ -444,9 +450,12 @@ def mfu() -> None:
     first, cap = _pick(_MFU_BATCH, 4, 4), _pick(_MAX_BATCH, 256, 16)
     kind = jax.devices()[0].device_kind
     peak = peak_flops(kind)
+    chunk = (
+        _CHUNK.value if _CHUNK.value is not None else models.get_model_config(preset).logits_chunk
+    )
     print(f"\n(b) {preset}, seq_len {seq_len}, {devices} x {kind} (peak "
           f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown: no MFU'}), "
-          f"attention {_ATTN.value}", flush=True)  # fmt: skip
+          f"attention {_ATTN.value}, logits chunk {chunk or 'off'}", flush=True)  # fmt: skip
     head = ("remat", "batch", "tokens", "plan GiB", "step ms", "tokens/s", "TFLOP/s/dev", "MFU",
             "peak GiB", "init s", "compile s")  # fmt: skip
     print("{:<6} {:>5} {:>7} {:>8} {:>8} {:>9} {:>11} {:>5} {:>8} {:>6} {:>9}".format(*head))

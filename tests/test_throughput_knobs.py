@@ -1,4 +1,5 @@
-"""Memory and throughput knobs: model.remat, train.microbatches, model.attention_impl.
+"""Memory and throughput knobs: model.remat, train.microbatches, model.attention_impl,
+model.logits_chunk.
 
 Each knob changes how a step is computed, never what: the tests compare against the plain
 step (same loss, same updated parameters to float tolerance) and check that the knob really
@@ -158,6 +159,64 @@ def test_sharded_replica_with_microbatches_matches_plain():
         np.testing.assert_allclose(params_2[k], params_1[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+# --- logits chunk ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [8, 12, 32, 64])  # 12: a last chunk of 8 padded positions
+def test_logits_chunk_gives_the_plain_step(plain_step, chunk):
+    cfg = models.get_model_config("tiny", logits_chunk=chunk)
+    assert_same_step(one_step(cfg, batch_of(cfg)), plain_step)
+
+
+def test_logits_chunk_with_microbatches_and_remat_gives_the_plain_step(plain_step):
+    cfg = models.get_model_config("tiny", logits_chunk=8, remat="full")
+    assert_same_step(one_step(cfg, batch_of(cfg), 2), plain_step)
+
+
+def _loss_temp_bytes(cfg, batch=8, seq=128) -> int:
+    """XLA's planned temporary bytes of the loss's gradient for a batch of `batch` x `seq`."""
+    from decoupled_diloco.train.step import loss_fn
+
+    params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(cfg, p, b)[0]))
+    return grad.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_logits_chunk_keeps_one_chunk_of_logits():
+    """With a vocabulary where the logits dominate (8 x 128 positions x 16384 x 4 bytes =
+    64 MiB per float32 buffer, several alive in the backward pass), chunks of 8 positions
+    (4 MiB each) must take the step's temporaries down to near what the rest of the model
+    needs, and they grow with the chunk."""
+    big = dict(vocab_size=16384)
+    plain = _loss_temp_bytes(models.get_model_config("tiny", **big))
+    chunked = _loss_temp_bytes(models.get_model_config("tiny", logits_chunk=8, **big))
+    wider = _loss_temp_bytes(models.get_model_config("tiny", logits_chunk=32, **big))
+    logits = 8 * 128 * 16384 * 4
+    assert plain > 3 * logits, plain
+    assert chunked < logits, chunked
+    assert chunked < wider < plain, (chunked, wider, plain)
+
+
+def test_sharded_replica_with_logits_chunk_matches_plain():
+    """Rows over 4 devices and the vocabulary over 2 (tensor parallel): each chunk's logits
+    stay sharded like the whole sequence's."""
+    mesh = sharding.make_mesh(jax.devices()[:8], sharding.MeshConfig(tensor=2))
+    out = []
+    for chunk in (0, 8):
+        cfg = models.get_model_config("tiny", logits_chunk=chunk)
+        batch = np.asarray(batch_of(cfg, batch=16))
+        train = TrainConfig(warmup_steps=0, batch_size=16, eps=TRAIN.eps)
+        replica = Replica(cfg, train, mesh)
+        replica.init_from_rng(jax.random.key(0))
+        metrics = jax.device_get(replica.step(batch))
+        out.append((replica.host_params(), metrics))
+    (params_0, metrics_0), (params_8, metrics_8) = out
+    np.testing.assert_allclose(metrics_8["loss"], metrics_0["loss"], rtol=2e-5)
+    for k in params_0:
+        np.testing.assert_allclose(params_8[k], params_0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 # --- attention implementation ---------------------------------------------------------------
 
 # No softcap (the fused path has none); a window shorter than the sequence, so local and
@@ -207,6 +266,8 @@ def test_dot_product_attention_matches_reference_when_decoding():
         (dict(remat="some"), "model.remat"),
         (dict(attention_impl="flash"), "model.attention_impl"),
         (dict(attention_impl="dot_product_attention"), "model.attn_logit_softcap = 0"),
+        (dict(logits_chunk=-1), "model.logits_chunk"),
+        (dict(logits_chunk=2.5), "model.logits_chunk"),
     ],
 )
 def test_bad_model_knobs_are_refused(overrides, message):

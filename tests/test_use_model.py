@@ -273,7 +273,7 @@ def test_out_of_device_memory_is_one_line_with_what_to_change(tmp_path):
     assert out.returncode != 0, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: a learner ran out of device memory (RESOURCE_EXHAUSTED")
-    assert "train.microbatches" in last and "model.remat" in last
+    assert "train.microbatches" in last and "model.remat" in last and "logits_chunk" in last
 
 
 def test_a_resumed_runs_records_are_drawn_on_one_clock():

@@ -10,7 +10,9 @@ from decoupled_diloco.models.naming import flatten_params, unflatten_params
 from decoupled_diloco.models.transformer import (
     count_params,
     forward,
+    forward_features,
     init_params,
+    output_logits,
     param_logical_axes,
 )
 
@@ -20,8 +22,10 @@ __all__ = [
     "count_params",
     "flatten_params",
     "forward",
+    "forward_features",
     "get_model_config",
     "init_params",
+    "output_logits",
     "param_logical_axes",
     "unflatten_params",
     "validate_model_config",

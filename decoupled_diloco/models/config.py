@@ -41,6 +41,12 @@ class ModelConfig:
     # jax.nn.dot_product_attention, cuDNN's fused kernel on GPU with bfloat16 (layers.py);
     # it has no logit softcap, so it needs attn_logit_softcap = 0.
     attention_impl: str = "xla"
+    # Training's output layer and loss, `logits_chunk` sequence positions at a time (all the
+    # batch's rows), each chunk's logits recomputed in the backward pass instead of kept:
+    # the float32 logits then take rows x logits_chunk x vocab_size x 4 bytes per buffer,
+    # not rows x seq_len x vocab_size x 4 (gemma_2b at 16 x 1024 tokens: 17 GB each, several
+    # live at once). 0: the whole sequence at once. Same loss and gradients to float tolerance.
+    logits_chunk: int = 0
     # Mixture of experts.
     moe_layers: str = "none"  # "none" | "all" | "every_other" (odd layers 1, 3, 5, ...)
     num_experts: int = 0  # routed experts per MoE layer (E); >= 1 when moe_layers != "none"
@@ -78,6 +84,10 @@ _GEMMA2 = dict(
     sliding_window=4096,
     attn_logit_softcap=50.0,
     final_logit_softcap=30.0,
+    # 256k vocabulary: the float32 logits of 16 x 1024 tokens are 17 GB per buffer; in chunks
+    # of 256 positions a quarter of that, for one more forward pass of the output layer
+    # (2 x 0.59e9 FLOPs per token, ~7% of a gemma_2b step's).
+    logits_chunk=256,
 )
 
 PRESETS: dict[str, dict] = {
@@ -207,6 +217,13 @@ def validate_model_config(cfg: ModelConfig) -> None:
     _require(
         cfg.remat in REMAT_POLICIES,
         f"model.remat ({cfg.remat!r}) must be one of {REMAT_POLICIES}",
+    )
+    _require(
+        isinstance(cfg.logits_chunk, int)
+        and not isinstance(cfg.logits_chunk, bool)
+        and cfg.logits_chunk >= 0,
+        f"model.logits_chunk ({cfg.logits_chunk!r}) must be an int >= 0 (0: the whole "
+        f"sequence at once)",
     )
     _require(
         cfg.attention_impl in ATTENTION_IMPLS,

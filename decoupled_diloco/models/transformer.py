@@ -63,9 +63,15 @@ class Embedder(nn.Module):
         return constrain(x_BTD * jnp.asarray(math.sqrt(self.cfg.d_model), dtype), RESIDUAL)
 
     def decode(self, x_BTD: jax.Array) -> jax.Array:
-        embedding = self.embedding.astype(x_BTD.dtype)
-        logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, embedding, preferred_element_type=jnp.float32)
-        return constrain(logits_BTV, ("batch", None, "vocab"))
+        return output_logits(self.cfg, self.embedding, x_BTD)
+
+
+def output_logits(cfg: ModelConfig, embedding_VD: jax.Array, x_BTD: jax.Array) -> jax.Array:
+    """The tied output layer: final-normed x_BTD @ embedding.T in float32, softcapped. Also
+    applied a chunk of positions at a time by the training loss (`model.logits_chunk`)."""
+    embedding = embedding_VD.astype(x_BTD.dtype)
+    logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, embedding, preferred_element_type=jnp.float32)
+    return softcap(constrain(logits_BTV, ("batch", None, "vocab")), cfg.final_logit_softcap)
 
 
 class Block(nn.Module):
@@ -133,8 +139,10 @@ class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BT: jax.Array, cache: list | None = None, index=0):
-        """(logits_BTV, aux), plus the updated per-layer KV caches if given them."""
+    def __call__(self, tokens_BT: jax.Array, cache: list | None = None, index=0,
+                 features: bool = False):  # fmt: skip
+        """(logits_BTV, aux), plus the updated per-layer KV caches if given them; `features`:
+        (the final-normed residual stream x_BTD the output layer reads, aux) instead."""
         cfg = self.cfg
         embedder = Embedder(cfg, name="embedder")
         x_BTD = embedder.encode(tokens_BT)
@@ -149,8 +157,10 @@ class Transformer(nn.Module):
                 new_cache.append(layer_cache)
             if stats is not None:
                 moe_stats.append(stats)
-        logits_BTV = embedder.decode(RMSNorm(name="final_norm")(x_BTD))
-        out = softcap(logits_BTV, cfg.final_logit_softcap), _moe_aux(cfg, moe_stats)
+        x_BTD = RMSNorm(name="final_norm")(x_BTD)
+        if features:
+            return x_BTD, _moe_aux(cfg, moe_stats)
+        out = embedder.decode(x_BTD), _moe_aux(cfg, moe_stats)
         return out if cache is None else (*out, new_cache)
 
 
@@ -197,6 +207,12 @@ def forward(cfg: ModelConfig, params: dict, tokens_BT: jax.Array) -> tuple[jax.A
     expert) and "dropped_fraction" (scalar, mean over MoE layers).
     """
     return Transformer(cfg).apply({"params": params}, tokens_BT)
+
+
+def forward_features(cfg: ModelConfig, params: dict, tokens_BT: jax.Array):
+    """(x_BTD, aux): `forward` up to the output layer, whose input x_BTD (final-normed, in the
+    compute dtype) `output_logits` turns into `forward`'s logits."""
+    return Transformer(cfg).apply({"params": params}, tokens_BT, features=True)
 
 
 def param_logical_axes(cfg: ModelConfig) -> dict:

@@ -37,6 +37,7 @@ FREE_TO_CHANGE = frozenset(
         # with remat or microbatches).
         "model.remat",
         "model.attention_impl",
+        "model.logits_chunk",
         "train.microbatches",
         "train.eval_every",
         "train.eval_batches",

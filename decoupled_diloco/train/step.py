@@ -25,11 +25,53 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return nll_BT.mean()
 
 
+def chunked_cross_entropy(model_cfg: models.ModelConfig, embedding_VD: jax.Array,
+                          x_BTD: jax.Array, targets_BT: jax.Array) -> jax.Array:  # fmt: skip
+    """`cross_entropy` of the output layer's logits (`models.output_logits` of x_BTD),
+    computed `model_cfg.logits_chunk` positions at a time: a scan over chunks of positions
+    (every row of the batch in each, so a batch-sharded x stays where it is), each chunk's
+    logits recomputed in the backward pass (`jax.checkpoint`), so at most one chunk's
+    float32 logits exist at a time. Positions past the sequence's end in its last chunk are
+    padding with weight 0."""
+    B, T, D = x_BTD.shape
+    C = min(model_cfg.logits_chunk, T)
+    pad = -T % C
+    weights_BT = jnp.ones((B, T), jnp.float32)
+    if pad:
+        x_BTD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0)))
+        targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+        weights_BT = jnp.pad(weights_BT, ((0, 0), (0, pad)))
+    K = (T + pad) // C
+    x_KBCD = constrain(x_BTD.reshape(B, K, C, D).swapaxes(0, 1), (None, "batch", None, None))
+    targets_KBC = targets_BT.reshape(B, K, C).swapaxes(0, 1)
+    weights_KBC = weights_BT.reshape(B, K, C).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def chunk_nll(x_BCD, targets_BC, weights_BC):
+        logp_BCV = jax.nn.log_softmax(models.output_logits(model_cfg, embedding_VD, x_BCD), -1)
+        nll_BC = -jnp.take_along_axis(logp_BCV, targets_BC[..., None], axis=-1)[..., 0]
+        return jnp.sum(nll_BC * weights_BC)
+
+    def add_chunk(total, chunk):
+        return total + chunk_nll(*chunk), None
+
+    total, _ = jax.lax.scan(add_chunk, jnp.zeros((), jnp.float32),
+                            (x_KBCD, targets_KBC, weights_KBC))  # fmt: skip
+    return total / (B * T)
+
+
 def loss_fn(model_cfg: models.ModelConfig, params, batch_BT1: jax.Array):
-    """Returns (training loss incl. MoE auxiliary losses, (cross-entropy, aux dict))."""
+    """Returns (training loss incl. MoE auxiliary losses, (cross-entropy, aux dict)); with
+    `model.logits_chunk` the output layer and cross-entropy run chunk by chunk
+    (`chunked_cross_entropy`)."""
     inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    logits_BTV, aux = models.forward(model_cfg, params, inputs_BT)
-    ce = cross_entropy(logits_BTV, targets_BT)
+    if model_cfg.logits_chunk:
+        x_BTD, aux = models.forward_features(model_cfg, params, inputs_BT)
+        embedding = params["embedder"]["embedding"]
+        ce = chunked_cross_entropy(model_cfg, embedding, x_BTD, targets_BT)
+    else:
+        logits_BTV, aux = models.forward(model_cfg, params, inputs_BT)
+        ce = cross_entropy(logits_BTV, targets_BT)
     total = ce + aux.get("moe_aux_loss", 0.0)
     return total, (ce, aux)
 
