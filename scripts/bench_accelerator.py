@@ -76,6 +76,12 @@ _BATCH = flags.DEFINE_integer("batch", None, "Overhead sequences per step (32; q
 _SEQ = flags.DEFINE_integer("seq_len", None, "Tokens per sequence (256; quick 64).")
 _STEPS = flags.DEFINE_integer("steps", None, "Steps per overhead run (200; quick 40).")
 _SKIP = flags.DEFINE_integer("skip", None, "Leading steps excluded (20; quick 8).")
+_WARMUP = flags.DEFINE_bool(
+    "warmup", True, "Overhead: before the rounds, one untimed run of every arm (--skip + 10 "
+    "steps), so what a process compiles once (the protocol's fragment ops, compiled in the "
+    "background as a learner starts) is not in the first round's window; the compile_s "
+    "column shows what still was."
+)  # fmt: skip
 _ROUNDS = flags.DEFINE_integer("rounds", None, "Rounds of all overhead arms (3; quick 2).")
 _DEVICES = flags.DEFINE_integer("devices", None, "Devices of the learner (1; quick 4).")
 _MFU_PRESET = flags.DEFINE_string("mfu_preset", None, "MFU preset (gemma_2b; quick tiny).")
@@ -300,7 +306,10 @@ def run_overhead_arm(arm: str, workdir: pathlib.Path, skip: int, **shape) -> dic
     if len(rows) < 3:
         raise RuntimeError(f"{arm}: fewer than 3 rows after step {skip}; raise --steps")
     stage = [r["stage_ms"] for r in rows if "stage_ms" in r]
+    waited = [r.get("compile_wait_s", 0.0) for r in rows]
     return {
+        # Seconds the protocol's ops waited for their compile inside the timed window.
+        "compile_wait": waited[-1] - waited[0],
         "steps_per_s": _rate(rows),
         "host_share": _median(rows[1:], "host_share"),
         "cpu_share": _median(rows[1:], "host_cpu_share"),
@@ -331,7 +340,7 @@ def overhead() -> None:
           f"first {skip} excluded", flush=True)  # fmt: skip
     print(
         f"{'round':>5} {'arm':<12} {'steps/s':>8} {'tokens/s':>10} {'host_share':>10} "
-        f"{'cpu_share':>9} {'merges':>6} {'deferred':>8} {'stage_ms':>8}"
+        f"{'cpu_share':>9} {'merges':>6} {'deferred':>8} {'stage_ms':>8} {'compile_s':>9}"
     )
     chosen = ARMS[1:] if _ARMS.value is None else [a for a in _ARMS.value if a != "plain"]
     chosen = list(dict.fromkeys(chosen))  # each arm once per round
@@ -340,6 +349,10 @@ def overhead() -> None:
     if unknown:
         raise ValueError(f"--arms: unknown {unknown}; the arms are {', '.join(ARMS[1:])}")
     results: dict[str, list[dict]] = {arm: [] for arm in arms}
+    if _WARMUP.value:
+        for arm in arms:
+            warm = dict(shape, steps=skip + 10)
+            run_overhead_arm(arm, pathlib.Path(_WORKDIR.value) / f"{arm}_warmup", skip, **warm)
     for r in range(rounds):
         for arm in arms:
             res = run_overhead_arm(arm, pathlib.Path(_WORKDIR.value) / arm, skip, **shape)
@@ -347,7 +360,7 @@ def overhead() -> None:
             print(f"{r:>5} {arm:<12} {res['steps_per_s']:>8.2f} "
                   f"{res['steps_per_s'] * tokens:>10.0f} {res['host_share']:>10.3f} "
                   f"{res['cpu_share']:>9.3f} {res['merges']:>6} {res['deferred']:>8} "
-                  f"{res['stage_ms']:>8.2f}",
+                  f"{res['stage_ms']:>8.2f} {res['compile_wait']:>9.3f}",
                   flush=True)  # fmt: skip
     for arm in arms[1:]:
         ratios = [
@@ -505,6 +518,11 @@ def fleet() -> None:
     # --gil_switch_ms applies to the plain loop too: fleet / plain compares like with like.
     plain = run_overhead_arm("plain", pathlib.Path(_WORKDIR.value) / "fleet_plain", skip,
                              gil_switch_ms=_GIL.value, **shape)  # fmt: skip
+    if _WARMUP.value:  # what a process compiles once, as in the overhead part
+        warm = dict(shape, steps=skip + 10)
+        arm = _FLEET_ARM.value
+        warm_run = overhead_config(arm, learners=learners, gil_switch_ms=_GIL.value, **warm)
+        _fresh_run(config_lib.validate(warm_run), pathlib.Path(_WORKDIR.value) / "fleet_warmup")
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
     summary = _fresh_run(run, workdir)
     rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
@@ -525,6 +543,9 @@ def fleet() -> None:
           f"({', '.join(f'{r:.2f}' for r in rates)} per learner)")  # fmt: skip
     print(f"fleet / plain = {total / plain['steps_per_s']:.3f} (the device's share the fleet "
           f"keeps busy; 1 when the device bounds both)")  # fmt: skip
+    waited = [r[-1].get("compile_wait_s", 0.0) - r[0].get("compile_wait_s", 0.0) for r in rows]
+    print(f"compile wait in the window: {', '.join(f'{w:.3f}' for w in waited)} s per learner "
+          f"(the protocol's ops waiting for their background compile; --warmup)")  # fmt: skip
     host = [_median(r[1:], "host_share") for r in rows]
     cpu = [_median(r[1:], "host_cpu_share") for r in rows]
     print(f"learner threads: host_share {', '.join(f'{x:.2f}' for x in host)}; cpu_share "

@@ -8,9 +8,11 @@ learner joins. Each test uses a model width no other test uses, so the compilati
 of the process is cold for it whatever ran before.
 """
 
+import json
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 import jax
@@ -250,3 +252,62 @@ def test_a_process_that_fails_while_precompiling_exits_with_its_error():
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "RuntimeError: the first train step failed" in proc.stderr
+
+
+def _slow_compiles(monkeypatch, seconds: float) -> dict:
+    """Makes every fragment's `precompile` take `seconds` more; returns the live count of
+    fragments compiling and its maximum."""
+    seen = {"now": 0, "most": 0}
+    lock, compile_fragment = threading.Lock(), Replica._compile_fragment
+
+    def slow(self, *args):
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        try:
+            time.sleep(seconds)
+            compile_fragment(self, *args)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(Replica, "_compile_fragment", slow)
+    return seen
+
+
+def test_fragments_compile_side_by_side_and_waits_for_them_are_counted(small_config,
+                                                                       monkeypatch):  # fmt: skip
+    """On a host with cores to spare the background precompile compiles fragments at once,
+    and a fragment op that has to wait for its compile adds the wait to
+    `compile_wait_s` (learner rows report it: start-up, not the step's cost); once compiled,
+    no more."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    seen = _slow_compiles(monkeypatch, 0.3)
+    run, plan = _sliced(small_config, d_model=32)
+    replica = Replica(run.model, run.train, sharding.make_mesh(jax.devices()[:1], run.mesh))
+    replica.init_from_rng(jax.random.key(0))
+    replica.precompile(plan.names, ("add", "mix"), 0.5)
+    assert replica.compile_wait_s == 0.0
+    replica.fragment_copies(plan.names[-1])
+    waited = replica.compile_wait_s
+    assert waited >= 0.2, waited
+    for names in plan.names:
+        replica.fragment_copies(names)
+    replica.fragment_copies(plan.names[-1])
+    assert seen["most"] >= 2, seen  # side by side
+    before = replica.compile_wait_s
+    replica.fragment_copies(plan.names[0])
+    assert replica.compile_wait_s == before
+
+
+def test_learner_rows_report_the_wait_for_compiles(small_config, tmp_path, monkeypatch):
+    """A learner whose first offers wait for their fragments' compile says so in its rows
+    (the bench's window must not hold it: scripts/bench_accelerator.py --warmup)."""
+    _slow_compiles(monkeypatch, 0.4)
+    run, _ = _sliced(small_config, d_model=64, **{"train.steps": 24, "train.log_every": 1})
+    LocalRuntime(run, str(tmp_path), verbose=False).run()
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [r for r in map(json.loads, f) if "loss" in r and "learner" in r]
+    waits = [r.get("compile_wait_s", 0.0) for r in rows]
+    assert max(waits) >= 0.3, waits
+    assert waits == sorted(waits) or len({r["learner"] for r in rows}) > 1

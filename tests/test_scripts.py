@@ -36,17 +36,19 @@ def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_accelerator.py"), "--part=overhead",
            "--preset=tiny", "--batch=1", "--seq_len=16", "--devices=1", "--steps=40",
            "--skip=8", "--rounds=1", "--dtype=float32", f"--emulate_step_ms={step_ms}",
-           f"--workdir={tmp_path}"]  # fmt: skip
+           "--nowarmup", f"--workdir={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "emulated accelerator at 8 ms per step" in proc.stdout
     rows = {}
     for line in proc.stdout.splitlines():
         parts = line.split()
-        if len(parts) == 9 and parts[0] == "0":
+        if len(parts) == 10 and parts[0] == "0":
             rows[parts[1]] = (float(parts[2]), int(parts[6]))
             host, cpu = float(parts[4]), float(parts[5])  # shares of the learner thread's step
             assert 0 <= cpu <= 1 and 0 <= host <= 1, line
+            # The emulated replica compiles the protocol's ops before its first step.
+            assert float(parts[9]) == 0.0, line
     arms = {"plain", "decoupled", "no-pipeline", "ckpt-duty1", "py-switch", "host-rebase",
             "syncer-proc"}  # fmt: skip
     assert set(rows) == arms, proc.stdout
@@ -86,6 +88,8 @@ def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
     assert number("merge delay") >= 0
     assert 0 <= number("offer to merge") < 60, out
     assert 0 <= number("lock wait") < 1e3, out
+    assert re.search(r"compile wait in the window: ([0-9.]+, ){3}[0-9.]+ s per learner", out), out
+    assert (tmp_path / "fleet_warmup" / "summary.json").exists()  # --warmup's untimed run
     shares = re.search(r"learner threads: host_share ([0-9., ]+); cpu_share ([0-9., ]+) \(", out)
     assert shares, out
     for group in shares.groups():

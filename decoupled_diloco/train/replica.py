@@ -10,7 +10,9 @@ survive the next donation, whose host transfer is started at once).
 import concurrent.futures
 import functools
 import math
+import os
 import threading
+import time
 
 import jax
 import numpy as np
@@ -69,7 +71,7 @@ _outer = jax.jit(lambda anchor, theta: jax.tree.map(lambda a, t: a - t, anchor, 
 _outer_plus = jax.jit(
     lambda anchor, theta, held: jax.tree.map(lambda a, t, r: a - (t + r), anchor, theta, held)
 )
-# Device ids -> the lock of `Replica.precompile` there.
+# (Device ids, a fragment's members) -> the lock of `Replica.precompile`'s compile of it.
 _PRECOMPILING: dict[tuple, threading.Lock] = {}
 
 
@@ -118,6 +120,10 @@ class Replica:
         # the fragment waits for it.
         self._compiling: dict[frozenset, concurrent.futures.Future] = {}
         self._precompiled = None  # what the last `precompile` compiled
+        # Seconds the protocol's device ops waited for their fragment's background compile
+        # (any thread; learner rows report it, `compile_wait_s`): start-up cost, which a
+        # speed measurement must keep out of its window.
+        self.compile_wait_s = 0.0
         self.state: TrainState | None = None
         # Member name -> R, the steps since an offer that a landing set aside (`land`): the
         # learner's parameters in the protocol's sense are θ + R. Empty unless
@@ -234,9 +240,13 @@ class Replica:
             for names in fragments:
                 self._compile_fragment(names, kinds, alpha)
             return
-        # Not a daemon thread: the interpreter joins it at exit (XLA aborts the process if
-        # it is torn down in the middle of a compilation).
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="precompile")
+        # Not daemon threads: the interpreter joins them at exit (XLA aborts the process if
+        # it is torn down in the middle of a compilation). Fragments compile side by side
+        # on half the host's cores (XLA compiles without the interpreter lock): an XLA:GPU
+        # compile of each small op takes a good part of a second, and the first offers of
+        # every fragment come within H steps of the start.
+        threads = max(1, min(len(fragments), (os.cpu_count() or 2) // 2))
+        pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="precompile")
         for names in fragments:
             job = self._compile_fragment, names, kinds, alpha
             self._compiling[frozenset(names)] = pool.submit(*job)
@@ -244,8 +254,9 @@ class Replica:
 
     def _compile_fragment(self, names, kinds, alpha: float) -> None:
         devices = tuple(sorted(d.id for d in self.mesh.devices.flat))
-        # One at a time per set of devices: replicas sharing them find it compiled.
-        with _PRECOMPILING.setdefault(devices, threading.Lock()):  # (dict.setdefault is atomic)
+        # One compile of a fragment per set of devices: replicas sharing them find it
+        # compiled. (dict.setdefault is atomic.)
+        with _PRECOMPILING.setdefault((devices, tuple(sorted(names))), threading.Lock()):
             members = {k: self._abstract_member(k) for k in names}
             if "add" in kinds:  # a rebase staged on the devices (diloco.device_rebase)
                 _rebase_shift.lower(members, members).compile()
@@ -297,6 +308,10 @@ class Replica:
             if future is None:
                 continue
             try:
+                if not future.done():
+                    t0 = time.perf_counter()
+                    concurrent.futures.wait([future])
+                    self.compile_wait_s += time.perf_counter() - t0
                 future.result()
             except Exception as e:  # noqa: BLE001 (the ops compile where first used)
                 if self._compiling.pop(key, None) is not None:  # logged once
