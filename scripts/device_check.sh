@@ -98,6 +98,10 @@ mfu() {
 # waiting for the interpreter lock; syncer-proc takes the syncer's Python off that lock.
 # 2 rounds x 200 steps of 4 arms side by side: about 2 minutes (H100, 2026-11-26: 4 arms x
 # 2 rounds x 150 steps in ~2 minutes).
+# The learner overhead, decoupled arms beside the plain loop. Every arm first runs once
+# untimed (--warmup): the H200's 0.701 (2026-11-28) was one round whose decoupled arm, run
+# first, compiled its fragments' ops inside the window; the compile_s column says what is
+# left.
 overhead() {
   local args=(--rounds=2 --steps=200 --arms=decoupled,py-switch,syncer-proc)
   [[ ${SMOKE:-0} == 1 ]] && args=(--quick --arms=decoupled,py-switch,syncer-proc)
