@@ -177,6 +177,10 @@ def test_a_finished_run_rerun_changes_nothing(runs):
     again = _run(_small_config(**DP), workdir)
     assert again == json.loads((workdir / "summary.json").read_text()) == summary
     assert {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()} == before
+    # A knob free to change (a preset's new memory default, say) reads the same run back.
+    knobs = {"model.logits_chunk": 8, "model.remat": "full", "train.log_every": 3}
+    assert _run(_small_config(**{**DP, **knobs}), workdir) == summary
+    assert {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()} == before
     with pytest.raises(ValueError, match="another config"):
         _run(_small_config(**{**DP, "train.steps": 9}), workdir)
 

@@ -623,10 +623,11 @@ class LearnerLoop:
             # late merge: runs that wait for merges).
             rec["host_cpu_share"] = round(min(max(self._cpu / self._wall, 0.0), 1.0), 4)
         self._wall = self._blocked = self._cpu = 0.0
-        if self.replica.compile_wait_s:
-            # Seconds the protocol's ops have waited for their background compile since the
-            # learner started (`Replica.precompile`): start-up, not the step's cost.
-            rec["compile_wait_s"] = round(self.replica.compile_wait_s, 4)
+        waited = self.replica.compile_waited()
+        if waited:
+            # Seconds this learner's thread has waited for its protocol ops' background
+            # compile (`Replica.precompile`): start-up, not the step's cost.
+            rec["compile_wait_s"] = round(waited, 4)
         if self.proto is not None:  # merges applied, and boundaries one waited for placement
             rec["merges_applied"] = self.proto.applied_merges
             rec["merges_deferred"] = self.proto.deferrals

@@ -91,15 +91,17 @@ def check_resume(workdir: str, cfg: RunConfig, finished: bool, force: bool) -> l
     """Refuses a config the workdir's run cannot continue with; returns the changes that are
     accepted (free ones, or any with `force`)."""
     changed = config_changes(workdir, cfg)
-    if finished and changed:
-        raise ValueError(
-            f"{workdir} holds a finished run with another config (differs in "
-            f"{_listed(changed)}): use another --workdir for a new run"
-        )
     free = FREE_TO_CHANGE
     if (epath.Path(workdir) / run_files.CORPUS).exists():
         free |= FREE_WITH_CORPUS_RECORD
     binding = [k for k in changed if k not in free]
+    # A finished run is only read back: knobs free to change (memory, logging; a preset's
+    # new default for one) leave its summary what it was.
+    if finished and binding:
+        raise ValueError(
+            f"{workdir} holds a finished run with another config (differs in "
+            f"{_listed(binding)}): use another --workdir for a new run"
+        )
     if binding and not force:
         raise ValueError(
             f"{workdir} holds a run with another config (differs in {_listed(binding)}): "

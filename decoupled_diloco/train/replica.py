@@ -120,10 +120,10 @@ class Replica:
         # the fragment waits for it.
         self._compiling: dict[frozenset, concurrent.futures.Future] = {}
         self._precompiled = None  # what the last `precompile` compiled
-        # Seconds the protocol's device ops waited for their fragment's background compile
-        # (any thread; learner rows report it, `compile_wait_s`): start-up cost, which a
-        # speed measurement must keep out of its window.
-        self.compile_wait_s = 0.0
+        # Thread id -> seconds its protocol ops waited for their fragment's background
+        # compile (`compile_waited`).
+        self._compile_waits: dict[int, float] = {}
+        self._compile_waits_lock = threading.Lock()
         self.state: TrainState | None = None
         # Member name -> R, the steps since an offer that a landing set aside (`land`): the
         # learner's parameters in the protocol's sense are θ + R. Empty unless
@@ -311,7 +311,9 @@ class Replica:
                 if not future.done():
                     t0 = time.perf_counter()
                     concurrent.futures.wait([future])
-                    self.compile_wait_s += time.perf_counter() - t0
+                    waited, thread = time.perf_counter() - t0, threading.get_ident()
+                    with self._compile_waits_lock:
+                        self._compile_waits[thread] = self._compile_waits.get(thread, 0.0) + waited
                 future.result()
             except Exception as e:  # noqa: BLE001 (the ops compile where first used)
                 if self._compiling.pop(key, None) is not None:  # logged once
@@ -319,6 +321,14 @@ class Replica:
                                     sorted(key), type(e).__name__, e)  # fmt: skip
             else:
                 self._compiling.pop(key, None)
+
+    def compile_waited(self) -> float:
+        """Seconds the calling thread's protocol ops have waited for their fragment's
+        background compile (`precompile`): start-up cost, which a speed measurement keeps
+        out of its window. A learner's rows report its own thread's (`compile_wait_s`); a
+        stager's waits delay placements, not steps."""
+        with self._compile_waits_lock:
+            return self._compile_waits.get(threading.get_ident(), 0.0)
 
     def fragment_copies(self, names) -> dict[str, jax.Array]:
         """Device copies of the named fragment members (leaves, or row slices of one:
