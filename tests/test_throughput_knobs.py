@@ -145,18 +145,23 @@ def test_sharded_replica_with_microbatches_matches_plain():
     """On an 8-device data-parallel mesh (microbatches of 8 rows, one per device)."""
     cfg = models.get_model_config("tiny")
     mesh = sharding.make_mesh(jax.devices()[:8])
-    batch = np.asarray(batch_of(cfg, batch=16))
-    out = []
-    for n in (1, 2):
-        train = TrainConfig(warmup_steps=0, batch_size=16, microbatches=n, eps=TRAIN.eps)
-        replica = Replica(cfg, train, mesh)
-        replica.init_from_rng(jax.random.key(0))
-        metrics = jax.device_get(replica.step(batch))
-        out.append((replica.host_params(), metrics))
-    (params_1, metrics_1), (params_2, metrics_2) = out
-    np.testing.assert_allclose(metrics_2["loss"], metrics_1["loss"], rtol=2e-5)
-    for k in params_1:
-        np.testing.assert_allclose(params_2[k], params_1[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    _assert_same_replica_step(*(_replica_step(cfg, mesh, microbatches=n) for n in (1, 2)))
+
+
+def _replica_step(cfg, mesh, microbatches: int = 1):
+    """(host params, metrics) after one step of a Replica of `cfg` on `mesh`, 16 rows."""
+    train = TrainConfig(warmup_steps=0, batch_size=16, microbatches=microbatches, eps=TRAIN.eps)
+    replica = Replica(cfg, train, mesh)
+    replica.init_from_rng(jax.random.key(0))
+    metrics = jax.device_get(replica.step(np.asarray(batch_of(cfg, batch=16))))
+    return replica.host_params(), metrics
+
+
+def _assert_same_replica_step(a, b):
+    (params_a, metrics_a), (params_b, metrics_b) = a, b
+    np.testing.assert_allclose(metrics_b["loss"], metrics_a["loss"], rtol=2e-5)
+    for k in params_a:
+        np.testing.assert_allclose(params_b[k], params_a[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 # --- logits chunk ---------------------------------------------------------------------------
@@ -202,19 +207,8 @@ def test_sharded_replica_with_logits_chunk_matches_plain():
     """Rows over 4 devices and the vocabulary over 2 (tensor parallel): each chunk's logits
     stay sharded like the whole sequence's."""
     mesh = sharding.make_mesh(jax.devices()[:8], sharding.MeshConfig(tensor=2))
-    out = []
-    for chunk in (0, 8):
-        cfg = models.get_model_config("tiny", logits_chunk=chunk)
-        batch = np.asarray(batch_of(cfg, batch=16))
-        train = TrainConfig(warmup_steps=0, batch_size=16, eps=TRAIN.eps)
-        replica = Replica(cfg, train, mesh)
-        replica.init_from_rng(jax.random.key(0))
-        metrics = jax.device_get(replica.step(batch))
-        out.append((replica.host_params(), metrics))
-    (params_0, metrics_0), (params_8, metrics_8) = out
-    np.testing.assert_allclose(metrics_8["loss"], metrics_0["loss"], rtol=2e-5)
-    for k in params_0:
-        np.testing.assert_allclose(params_8[k], params_0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    steps = (_replica_step(models.get_model_config("tiny", logits_chunk=c), mesh) for c in (0, 8))
+    _assert_same_replica_step(*steps)
 
 
 # --- attention implementation ---------------------------------------------------------------
