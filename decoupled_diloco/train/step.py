@@ -18,11 +18,15 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Each position's next-token negative log-likelihood in nats (float32)."""
+    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats."""
-    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    nll_BT = -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return nll_BT.mean()
+    return token_nll(logits_BTV, targets_BT).mean()
 
 
 def chunked_cross_entropy(model_cfg: models.ModelConfig, embedding_VD: jax.Array,
@@ -48,8 +52,7 @@ def chunked_cross_entropy(model_cfg: models.ModelConfig, embedding_VD: jax.Array
 
     @jax.checkpoint
     def chunk_nll(x_BCD, targets_BC, weights_BC):
-        logp_BCV = jax.nn.log_softmax(models.output_logits(model_cfg, embedding_VD, x_BCD), -1)
-        nll_BC = -jnp.take_along_axis(logp_BCV, targets_BC[..., None], axis=-1)[..., 0]
+        nll_BC = token_nll(models.output_logits(model_cfg, embedding_VD, x_BCD), targets_BC)
         return jnp.sum(nll_BC * weights_BC)
 
     def add_chunk(total, chunk):
