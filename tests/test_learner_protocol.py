@@ -19,7 +19,7 @@ from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Dropped, Merged, Snapshot
-from decoupled_diloco.runtime.boundary import apply_updates, finish
+from decoupled_diloco.runtime.boundary import HANDOVER_S, apply_updates, finish
 
 H = 2
 
@@ -373,6 +373,38 @@ def test_the_final_sync_outlasts_refusals_until_its_work_is_merged():
     assert len(syncer.offers) == 5
     assert s.proto.unmerged_steps() == [0]  # the fifth offer was merged: Θ holds all 3 steps
     assert s.clock["t"] < 2.0  # retries sat out 0, 1, 2, 2 rounds of 0.2 s, not final_wait
+
+
+class _SlowLink(_RefusingSyncer):
+    """Its replies never come and its flush never completes: a link too slow for the
+    offers; records the timeout each flush was given."""
+
+    def __init__(self, s: Scripted):
+        super().__init__(s, refusals=0)
+        self.flushes = []
+
+    def offer(self, ticket, copies) -> None:
+        self.offers.append(materialize(ticket, copies))
+
+    def flush(self, timeout: float = 600.0) -> bool:
+        self.flushes.append(timeout)
+        return False
+
+
+@pytest.mark.parametrize("final_wait", [0.0, 3.0])
+def test_final_wait_also_bounds_the_wait_for_a_slow_link_to_deliver(final_wait):
+    s = Scripted(final_sync=True, final_wait=final_wait)
+    for _ in range(3):
+        s.step()
+    link = _SlowLink(s)
+    clock = lambda: s.clock["t"]  # noqa: E731
+    t0 = clock()
+    assert finish(s.proto, s.replica, link, link.receive, clock) is False
+    # The final sync waited out final_wait for replies, then gave the link the hand-over
+    # time only (the unbounded flush gave it 600 s, and the link's own 600 s after that).
+    assert clock() - t0 == pytest.approx(final_wait, abs=0.25)
+    assert link.flushes == [HANDOVER_S]
+    assert s.proto.unmerged_steps() == [3]
 
 
 class _RestoredSyncer(_RefusingSyncer):

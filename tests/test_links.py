@@ -8,6 +8,7 @@ from conftest import threads_left
 
 from decoupled_diloco.diloco.messages import Heartbeat, Merged
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
+from decoupled_diloco.runtime.outbox import Outbox
 
 
 class _Stamped(queue.Queue):
@@ -101,3 +102,23 @@ def test_unlimited_links_deliver_at_once():
     link.send(0, Merged(0, 1, None, (0,), 0.0, nbytes=10**9))
     assert inboxes[0].get_nowait().version == 1
     link.send(5, Merged(0, 1, None, (0,), 0.0))  # a learner without an inbox: dropped
+
+
+def test_an_outbox_flush_waits_at_most_its_timeout_in_all():
+    """A finished learner's last flush is bounded by what is left of diloco.final_wait: over
+    a link too slow for its messages it returns False at the timeout, not after the outbox's
+    wait and then the link's, each with the whole timeout (or after the link's 600 s)."""
+    link = LocalLearnerLink(0, [queue.Queue()], lambda p: 0, link_seconds=lambda n: 30.0)
+
+    def materialize(ticket, host, outer):  # 0.4 s of the outbox's thread
+        time.sleep(0.4)
+        return Heartbeat(0, 0, 1, 0.1, 0.0)
+
+    outbox = Outbox(link, materialize, to_host=lambda copies: copies)
+    outbox.offer(None, {})  # then 30 s on the wire
+    t0 = time.monotonic()
+    assert outbox.flush(timeout=0.6) is False
+    assert 0.5 <= time.monotonic() - t0 < 0.9
+    outbox.link = None  # the sender is 30 s into its delivery: close it without waiting
+    outbox.close(timeout=0.5)
+    link.close(timeout=0.1)

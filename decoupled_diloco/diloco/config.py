@@ -106,6 +106,7 @@ class DilocoConfig:
     reply_spares: int = 1
     # At the end every learner resolves its offers in flight (waiting up to final_wait
     # seconds), then offers all its unmerged work; the syncer merges it: Θ holds all work.
+    # final_wait also bounds its wait for the link to deliver them (runtime/boundary.py).
     final_sync: bool = True
     final_wait: float = 120.0  # seconds
     # True: a merged version's update is computed (decode, Θ_new − G + v̂) and placed on the

@@ -27,6 +27,11 @@ from decoupled_diloco.runtime.outbox import Outbox
 # (MergeStager.ready), else deferred.
 WAIT_SHARE = 0.1
 
+# The least a learner's final flush waits for its last messages to be delivered, even with
+# `diloco.final_wait` spent or 0: time for a working link to hand over the final offers and
+# the leave (a slow one is not waited for beyond it).
+HANDOVER_S = 5.0
+
 
 class MergeStager:
     """Computes updates ahead of the boundary that applies them, on one worker thread, and
@@ -287,7 +292,12 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     (a refused one again, after its retry wait). `offer_work=False` (its last steps
     diverged): it only leaves; none of its unmerged work may reach Θ. `on_left()` runs
     once the final offers and the leave are on their way (the learner's last checkpoint:
-    saved while they travel, not before them, which held up the others' rounds)."""
+    saved while they travel, not before them, which held up the others' rounds).
+
+    Returns whether every message reached the link's far end by then: `diloco.final_wait`
+    (after `on_left`) also bounds the wait for the link to deliver them (a link too slow for
+    its offers held a run for minutes past it), though never below `HANDOVER_S`; what is
+    still on its way is left to the link."""
     cfg = proto.cfg
     sync = cfg.final_sync and offer_work
     # A merge deferred at the last boundary (not yet placed) first: it resolves the offer it
@@ -315,4 +325,4 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     if not sync:
         apply_updates(replica, proto.handle(receive(0.0)))
         apply_updates(replica, proto.apply_due(final=True))
-    outbox.flush()
+    return outbox.flush(max(deadline - clock(), HANDOVER_S))

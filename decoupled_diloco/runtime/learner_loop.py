@@ -465,9 +465,18 @@ class LearnerLoop:
         # The end of its training (not a membership leave: it trains again later) is saved
         # once the final offers and the leave are out.
         last = offer_work and (finished or self.interrupted)
-        finish(self.proto, self.replica, self.outbox, self._receive, self.clock, finished,
-               offer_work, on_left=self.save if last else None)  # fmt: skip
+        delivered = finish(self.proto, self.replica, self.outbox, self._receive, self.clock,
+                           finished, offer_work, on_left=self.save if last else None)  # fmt: skip
         left, cfg = self.proto.unmerged_steps(), self.run_cfg.diloco
+        if not delivered:
+            # Its link had not delivered them when diloco.final_wait ran out (a link too slow
+            # for its offers): they go on without the learner waiting for them.
+            self.sink.event(self._event("final_messages_in_transit"))
+            logging.warning(
+                "learner %d: its last offers and leave were still on their way to the syncer "
+                "when diloco.final_wait (%gs) ran out; the learner stops waiting for its link",
+                self.m, cfg.final_wait,
+            )  # fmt: skip
         if offer_work and cfg.final_sync and any(left):
             # Offers still unanswered (or refused) when diloco.final_wait ran out: Θ may yet
             # merge those in flight, but nobody waits to see it.

@@ -14,6 +14,7 @@ materialises inline (`inline=True`).
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from decoupled_diloco.diloco.transport import LearnerLink
@@ -52,13 +53,17 @@ class Outbox:
             self._queue.put((msg, None))
 
     def flush(self, timeout: float = 600.0) -> bool:
-        """Blocks until everything queued is on the link and the link delivered it."""
+        """Blocks until everything queued is on the link and the link delivered it, at most
+        `timeout` s in all; False if that did not happen in time."""
+        deadline = time.monotonic() + timeout
         if not self.inline:
             done = threading.Event()
             self._queue.put((done, None))
             if not done.wait(timeout):
                 return False
-        return self.link.flush(timeout) if self.link is not None else True
+        if self.link is None:
+            return True
+        return self.link.flush(max(deadline - time.monotonic(), 0.0))
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Ends the thread once everything queued before is on the link, then closes the
