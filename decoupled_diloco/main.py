@@ -66,6 +66,18 @@ def main(argv) -> None:
     except RunInterruptedError as e:
         print(f"{e}: learners and syncer saved; the same command resumes", file=sys.stderr)
         sys.exit(130)
+    except KeyboardInterrupt:
+        # A second Ctrl-C: stop at once. Not through the interpreter's shutdown: its
+        # threads are still inside XLA and orbax, and finalizing under them aborted the
+        # process ("Fatal Python error: Aborted").
+        print(
+            "stopped at once (a second Ctrl-C): what the last checkpoints hold is kept; "
+            "the same command resumes from there",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(130)
     except RuntimeError as e:
         corrupt = _cause(e, lambda x: isinstance(x, CorruptCheckpointError))
         if corrupt is not None:

@@ -49,6 +49,22 @@ INTERRUPT_NOTICE = (
     "\ninterrupted: the learners offer their unmerged work and save, then the syncer "
     "(Ctrl-C again stops at once); the same command resumes"
 )
+# A Ctrl-C's signal may reach the process twice within moments (`timeout -s INT` signals the
+# process and then its group): a second one this soon after the first is the same Ctrl-C.
+REPEAT_INTERRUPT_S = 1.0
+
+
+def wait_through_repeat(done: threading.Event, first: float, poll: float = 0.2) -> None:
+    """Waits for `done` through the repeat of the Ctrl-C that came at `first`
+    (time.monotonic()); a KeyboardInterrupt later than REPEAT_INTERRUPT_S after it is a
+    second Ctrl-C and is raised."""
+    while True:
+        try:
+            if done.wait(timeout=poll):
+                return
+        except KeyboardInterrupt:
+            if time.monotonic() - first >= REPEAT_INTERRUPT_S:
+                raise
 
 
 class StopRequest:
