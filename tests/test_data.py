@@ -310,6 +310,29 @@ def test_documents_too_big_to_hold_out_whole_are_split_by_characters():
     assert len(eval_) == 2 and all(len(d.text) == 100 for d in eval_ + train)
 
 
+
+@pytest.mark.parametrize("eval_fraction", [0.02, 0.3, 0.5])
+def test_one_big_file_among_one_liners_is_held_out_by_characters(eval_fraction):
+    """Whole held-out files holding far less than asked (the one-liners the hash picks) or
+    far more (the big file, at 0.5) left one split a few tokens long; the split is then
+    made by characters, and eval holds about eval_fraction of the corpus."""
+    docs = [Document("big.txt", "b" * 100_000)]
+    docs += [Document(f"line{i}.txt", "one line of text") for i in range(10)]
+    train, eval_ = hold_out(docs, eval_fraction)
+    total = sum(len(d.text) for d in docs)
+    held = sum(len(d.text) for d in eval_)
+    assert held + sum(len(d.text) for d in train) == total
+    assert abs(held / total - eval_fraction) < 0.01, held / total
+    assert any(d.name == "big.txt" and d.text for d in train)
+
+
+def test_a_split_too_small_under_a_byte_cap_names_the_cap(tmp_path):
+    (tmp_path / "c.txt").write_text(_words(random.Random(0), 2_000))
+    cfg = DataConfig(source="path", path=str(tmp_path / "c.txt"), seq_len=64,
+                     max_corpus_bytes=1_000)  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval_fraction or data.max_corpus_bytes=0"):
+        make_iterator(cfg, batch_size=2, split="eval")
+
 def test_single_file_is_held_out_by_characters(tmp_path):
     text = _words(random.Random(0), 400)
     (tmp_path / "one.txt").write_text(text)

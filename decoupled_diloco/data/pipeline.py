@@ -51,11 +51,10 @@ def make_iterator(
     seed = cfg.seed if split == "train" else EVAL_SEED
     shard, shards = shard_index * num_hosts + host_index, num_shards * num_hosts
     rows = batch_size // num_hosts
-    remedy = "more data"  # (in the errors raised if the split is too small)
-    if split == "eval":
-        remedy = "a larger data.eval_fraction"
-    elif cfg.max_corpus_bytes:
-        remedy = "data.max_corpus_bytes=0 (all of it)"
+    remedies = ["a larger data.eval_fraction"] if split == "eval" else []
+    if cfg.max_corpus_bytes:  # (what the errors raised if the split is too small advise)
+        remedies.append(f"data.max_corpus_bytes=0 (all of it, not the first {cfg.max_corpus_bytes})")
+    remedy = " or ".join(remedies) or "more data"
     what = f"the {split} split of {cfg.path or cfg.tfds_name or cfg.source or 'stdlib'}"
     items = (len(data) - 1) // cfg.seq_len if isinstance(data, np.ndarray) else len(data)
     if 0 < items < shards:

@@ -335,10 +335,11 @@ def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document]
     round(eval_fraction * n) documents (at least 1, at most n - 1) go to eval, picked by a hash
     of their names: stable across seeds and machines, and uncorrelated with the sort order.
     A single document is split by characters instead: its last eval_fraction goes to eval.
-    When whole documents would hold out far more of the text than asked (a few files of
-    very different sizes, e.g. a folder of train / valid / test files whose train file the
-    hash picks), eval takes the documents, in hash order, that fit eval_fraction of the
-    characters, and if none fits, the last eval_fraction of every document.
+    When whole documents would hold out far more or far less of the text than asked
+    (`eval_share_bounds`: a few files of very different sizes, e.g. a folder of train /
+    valid / test files whose train file the hash picks, or one big file among one-liners),
+    eval takes the documents, in hash order, that fit eval_fraction of the characters, and
+    if those still hold far less than that, the last eval_fraction of every document.
     """
     if not docs:
         raise ValueError("the corpus has no documents")
@@ -350,30 +351,33 @@ def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document]
     )
     held = by_hash[:num_eval]
     total = sum(len(d.text) for d in docs)
+    low, high = eval_share_bounds(eval_fraction)
     share = sum(len(d.text) for d in held) / max(total, 1)
-    if share > max_eval_share(eval_fraction):
+    if total and not low <= share <= high:  # (no text at all: refused by the caller)
         room, held = eval_fraction * total, []
         for d in by_hash:
             if len(d.text) <= room and len(held) < len(docs) - 1:
                 held.append(d)
                 room -= len(d.text)
-        how = f"{len(held)} whole file(s) that fit" if held else "every file's last part"
+        fits = sum(len(d.text) for d in held) / total >= low
+        how = f"{len(held)} whole file(s) that fit" if fits else "every file's last part"
         logging.warning(
-            "holding out %d of %d files would put %.0f%% of the corpus's characters in the "
+            "holding out %d of %d files would put %.1f%% of the corpus's characters in the "
             "eval split (data.eval_fraction=%g): it holds out %s instead",
             num_eval, len(docs), 100 * share, eval_fraction, how,
         )  # fmt: skip
-        if not held:
+        if not fits:
             return _tails(docs, eval_fraction)
     eval_names = {d.name for d in held}
     train = [d for d in docs if d.name not in eval_names]
     return train, [d for d in docs if d.name in eval_names]
 
 
-def max_eval_share(eval_fraction: float) -> float:
-    """The most of a corpus's characters whole held-out files may hold before the split is
-    made by characters instead (a few equal files keep their whole-file split)."""
-    return 2 * eval_fraction + 0.1
+def eval_share_bounds(eval_fraction: float) -> tuple[float, float]:
+    """The least and the most of a corpus's characters whole held-out files may hold before
+    the split is made otherwise (`hold_out`; a few equal files keep their whole-file split):
+    a quarter of eval_fraction, and twice it plus 0.1, at most halfway to all of it."""
+    return eval_fraction / 4, min(2 * eval_fraction + 0.1, (1 + eval_fraction) / 2)
 
 
 def _tails(docs: list[Document], eval_fraction: float) -> tuple[list[Document], list[Document]]:
