@@ -53,7 +53,8 @@ def make_iterator(
     rows = batch_size // num_hosts
     remedies = ["a larger data.eval_fraction"] if split == "eval" else []
     if cfg.max_corpus_bytes:  # (what the errors raised if the split is too small advise)
-        remedies.append(f"data.max_corpus_bytes=0 (all of it, not the first {cfg.max_corpus_bytes})")
+        cap = cfg.max_corpus_bytes
+        remedies.append(f"data.max_corpus_bytes=0 (all of it, not its first {cap} bytes)")
     remedy = " or ".join(remedies) or "more data"
     what = f"the {split} split of {cfg.path or cfg.tfds_name or cfg.source or 'stdlib'}"
     items = (len(data) - 1) // cfg.seq_len if isinstance(data, np.ndarray) else len(data)
