@@ -310,7 +310,6 @@ def test_documents_too_big_to_hold_out_whole_are_split_by_characters():
     assert len(eval_) == 2 and all(len(d.text) == 100 for d in eval_ + train)
 
 
-
 @pytest.mark.parametrize("eval_fraction", [0.02, 0.3, 0.5])
 def test_one_big_file_among_one_liners_is_held_out_by_characters(eval_fraction):
     """Whole held-out files holding far less than asked (the one-liners the hash picks) or
@@ -332,6 +331,7 @@ def test_a_split_too_small_under_a_byte_cap_names_the_cap(tmp_path):
                      max_corpus_bytes=1_000)  # fmt: skip
     with pytest.raises(ValueError, match=r"eval_fraction or data.max_corpus_bytes=0"):
         make_iterator(cfg, batch_size=2, split="eval")
+
 
 def test_single_file_is_held_out_by_characters(tmp_path):
     text = _words(random.Random(0), 400)

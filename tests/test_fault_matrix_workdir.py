@@ -347,9 +347,7 @@ def test_a_syncer_run_that_merged_nothing_is_a_failed_run(small_config, tmp_path
         pytest.param("ray", 1, marks=pytest.mark.ray),
     ],
 )
-def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(
-    tmp_path, runtime, signals
-):
+def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path, runtime, signals):
     """SIGINT to the run's process group, as a terminal's Ctrl-C sends it (a syncer process
     and Ray's own services get it too; Ray's actors run in process groups of their own):
     learners offer what Θ lacks and save, the syncer merges and saves, exit 130 without a
