@@ -273,6 +273,26 @@ def test_local_run_crashes_a_fast_and_a_slow_learner_at_their_scheduled_steps(
     assert summary["steps"] == 10 and summary["downtime_gap_steps"] == 2 * 2
 
 
+def test_a_crash_before_the_first_step_is_a_failure_and_a_rejoin(small_config, tmp_path):
+    """A crash at time 0 comes before the learner's state exists: it was only a late start,
+    counted nowhere (2 crashes scheduled, 1 failure reported). (A step schedule refuses
+    step 0.)"""
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    cfg = small_config(**{"train.steps": 6, "diloco.learners": 2, "diloco.sync_every": 2,
+                          "diloco.fragments": 2, "diloco.grace_gamma": 0.0,
+                          "faults.crashes": [[1, 0.0]],
+                          "faults.restart_delay_s": 0.5})  # fmt: skip
+    summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    with open(tmp_path / "events.jsonl", encoding="utf-8") as f:
+        events = [json.loads(line) for line in f if json.loads(line).get("learner") == 1]
+    kinds = [
+        e["event"] for e in events if e["event"] in ("learner_start", "learner_down", "rejoin")
+    ]
+    assert kinds == ["learner_down", "rejoin"]
+    assert summary["failures"] == 1 and summary["restarts"] == 1 and summary["steps"] == 6
+
+
 def test_a_learner_down_in_a_gap_does_not_pace_it():
     """Learner 1 took 2 steps, then crashed: the gap is paced by learner 0's 10 steps."""
     steps = [[0.1 * i for i in range(1, 11)], [0.1, 0.2]]

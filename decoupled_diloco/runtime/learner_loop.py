@@ -248,7 +248,7 @@ class LearnerLoop:
             seen = t
             if fired or missed or not self.schedule.is_up(m, t):
                 diverged = self._read(unread, keep=0)
-                if not self._down(t, diverged):
+                if not self._down(t, diverged, crash=fired or missed):
                     self.sink.finished(m, t)  # left for good (scavenging): no longer allocated
                     return
                 if self.link is not None and not self.outbox.inline:
@@ -517,12 +517,20 @@ class LearnerLoop:
         apply_updates(self.replica, updates)
 
     # --- faults -----------------------------------------------------------------------
-    def _down(self, t: float, diverged: bool = False) -> bool:
+    def _down(self, t: float, diverged: bool = False, crash: bool = False) -> bool:
         """Not up at t. A crash loses the device state (emulated here, or the driver kills
         the process); leaving the membership is graceful: final offers and a Leave first
-        (`diverged`: its last steps' loss was not finite; only the Leave). False once this
-        learner will never be a member again."""
+        (`diverged`: its last steps' loss was not finite; only the Leave). `crash`: a
+        crash event of this step or inside it. False once this learner will never be a
+        member again."""
         member = self.schedule.is_member(self.m, t)
+        crashed = crash or (member and not self.schedule.is_up(self.m, t))
+        if self.replica.state is None and self.away == "start" and member and crashed:
+            # Crashed before its first step (a crash at time or step 0): a failure like any
+            # later one (it was only a late start), and its start, after the restart delay,
+            # a rejoin.
+            self.sink.event({**self._event("learner_down"), "time": t})
+            self.away = "crash"
         if self.replica.state is not None and (self.emulate_crashes or not member):
             if member:  # down since t (the event carries when it happened, not when seen)
                 self.sink.event({**self._event("learner_down"), "time": t})
