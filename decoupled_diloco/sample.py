@@ -34,6 +34,7 @@ def sample(
     import math
 
     import jax
+    from absl import logging
 
     from decoupled_diloco.loading import load
     from decoupled_diloco.models.decode import generate
@@ -52,9 +53,16 @@ def sample(
                          "0 samples from all of it")  # fmt: skip
     tok = model.tokenizer
     batch = [p for p in prompts for _ in range(num_samples)]
-    ids = [[int(i) for i in tok.encode(p)] for p in batch]
-    if any(not x for x in ids):
-        raise ValueError("every prompt needs at least one token (an empty prompt has none)")
+    # An empty prompt starts a document: the separator the corpus's documents follow.
+    ids = [[int(i) for i in tok.encode(p)] or [int(tok.eos_id)] for p in batch]
+    trained = model.config.data.seq_len
+    longest = max(len(x) for x in ids) + max_new_tokens
+    if longest > trained:
+        logging.warning(
+            "samples reach %d tokens, past the %d the model trained on (data.seq_len): "
+            "positions beyond it were never trained, and each token costs more as the "
+            "cache grows", longest, trained,
+        )  # fmt: skip
     out = generate(
         model.config.model,
         model.nested(),
@@ -94,7 +102,9 @@ def main(argv) -> None:
 
 def _define_flags() -> None:
     flags.DEFINE_string("workdir", None, "A run's workdir, or an exported model.")
-    flags.DEFINE_multi_string("prompt", ["\n"], "Prompt text (repeat for a batch).")
+    flags.DEFINE_multi_string(
+        "prompt", ["\n"], 'Prompt text (repeat for a batch); "" starts a new document.'
+    )
     flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per sample.")
     flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy.")
     flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 = all.")

@@ -2,6 +2,7 @@
 run; the entry points' one-line errors."""
 
 import json
+import logging
 import re
 import statistics
 import subprocess
@@ -143,6 +144,18 @@ def test_sampling_is_deterministic_per_seed(runs):
                         ({"top_k": 1000}, "--top_k=1000 is more than the model's")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             sample(str(workdir), ["def "], 4, **kwargs)
+
+
+def test_an_empty_prompt_starts_a_document_and_long_samples_are_warned_of(runs, caplog):
+    workdir, _ = runs["dp"]
+    ((prompt, text),) = sample(str(workdir), [""], 8, temperature=0.0)
+    assert prompt == "" and isinstance(text, str)  # from the separator (it was refused)
+    seq_len = json.loads((workdir / "run_config.json").read_text())["data"]["seq_len"]
+    with caplog.at_level(logging.WARNING):
+        sample(str(workdir), ["ab"], seq_len - 2, temperature=0.0)
+        assert "past the" not in caplog.text
+        sample(str(workdir), ["ab"], seq_len - 1, temperature=0.0)
+    assert f"reach {seq_len + 1} tokens, past the {seq_len}" in caplog.text
 
 
 @pytest.mark.parametrize("name", ["dp", "dec", "moe"])
