@@ -103,10 +103,36 @@ def check_data(run: RunConfig) -> None:
 
     cfg, batch, M = run.data, run.train.batch_size, run.num_learners
     with fatal_errors():
-        load_corpus(cfg)
+        corpus = load_corpus(cfg)
         for m in range(M):
             make_iterator(cfg, "train", batch, shard_index=m, num_shards=M)
         make_iterator(cfg, "eval", batch)
+    warn_of_repeats(run, corpus.splits)
+
+
+def warn_of_repeats(run: RunConfig, splits: dict) -> None:
+    """Logs a warning when the run would read its train split more than once (every
+    learner's steps together), or one evaluation more windows than the eval split holds
+    (the same windows then count several times). In-memory splits only (`splits`: the
+    corpus's; a TFDS split is opened, not counted)."""
+    from absl import logging
+
+    seq_len, batch = run.data.seq_len, run.train.batch_size
+    reads = {
+        "train": (run.train.steps * batch * run.num_learners, "the run's steps read"),
+        "eval": (run.train.eval_batches * batch, "each evaluation reads"),
+    }
+    for split, (windows_read, who) in reads.items():
+        data = splits[split]
+        if not hasattr(data, "dtype"):  # a TFDS record range
+            continue
+        windows = max((len(data) - 1) // seq_len, 1)
+        if windows_read > windows:
+            logging.warning(
+                "the %s split holds %d windows of data.seq_len=%d tokens and %s %d of them "
+                "(%.1fx): windows repeat", split, windows, seq_len, who, windows_read,
+                windows_read / windows,
+            )  # fmt: skip
 
 
 def check_fragments(run: RunConfig) -> None:

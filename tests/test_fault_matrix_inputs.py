@@ -4,6 +4,7 @@ on Ray an error no restart can fix stops the run instead of a restart loop."""
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -100,6 +101,28 @@ def test_a_single_binary_file_is_refused_as_a_corpus(small_config, tmp_path):
     (folder / "weights.bin").write_bytes(binary.read_bytes())
     names = load_corpus(config_lib.validate(small_config(**{"data.path": str(folder)})).data)
     assert "weights.bin" not in names.document_names["train"] + names.document_names["eval"]
+
+
+def test_reading_a_split_more_than_once_is_warned_of(small_config, tmp_path, caplog):
+    """A run that loops its train split, or evaluates on more windows than the eval split
+    holds, trains and evaluates (windows repeat) but says so at start-up."""
+    (tmp_path / "c.txt").write_text("".join(f"line {i} of a small corpus\n" for i in range(400)))
+    common = {"data.path": str(tmp_path / "c.txt"), "data.seq_len": 16}
+    windows = {}
+    for split in ("train", "eval"):
+        data = load_corpus(config_lib.validate(small_config(**common)).data).splits[split]
+        windows[split] = (len(data) - 1) // 16
+    fits = {"train.steps": windows["train"] // 8, "train.eval_batches": windows["eval"] // 8}
+    with caplog.at_level(logging.WARNING):
+        preflight.check_data(config_lib.validate(small_config(**common, **fits)))
+        assert "windows repeat" not in caplog.text
+        over = {
+            "train.steps": fits["train.steps"] + 1,
+            "train.eval_batches": 1 + fits["train.eval_batches"],
+        }
+        preflight.check_data(config_lib.validate(small_config(**common, **over)))
+    assert f"the train split holds {windows['train']} windows" in caplog.text
+    assert f"the eval split holds {windows['eval']} windows" in caplog.text
 
 
 def test_devices_per_learner_must_divide_the_devices(small_config):
