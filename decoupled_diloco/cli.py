@@ -2,7 +2,11 @@
 devices to partition between learners, no CUDA graphs on a GPU), quiet logs, and the
 persistent compilation cache. Importing this module does not import JAX."""
 
+import contextlib
 import os
+import signal
+import threading
+import time
 
 CPU_DEVICES = 8
 
@@ -107,3 +111,33 @@ def parse_flags(argv: list[str]) -> list[str]:
         return app.parse_flags_with_usage(argv)
     except _CONFIG_ERRORS as e:
         sys.exit(f"error: {_config_error(e, argv)}\n{CONFIG_DOCS}")
+
+
+# A Ctrl-C's signal may reach the process twice within moments (`timeout -s INT` signals the
+# process and then its group); the run takes the second for the user's second Ctrl-C, which
+# stops at once instead of saving.
+REPEAT_INTERRUPT_S = 1.0
+
+
+@contextlib.contextmanager
+def one_interrupt_per_press():
+    """Inside: SIGINT raises KeyboardInterrupt as Python's own handler does, except within
+    REPEAT_INTERRUPT_S of the last one it raised (the same Ctrl-C arriving again: ignored).
+    Only on the main thread, and only over Python's own handler (else a no-op)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):  # fmt: skip
+        yield
+        return
+    last = [-float("inf")]
+
+    def handler(signum, frame):
+        now = time.monotonic()
+        if now - last[0] >= REPEAT_INTERRUPT_S:
+            last[0] = now
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

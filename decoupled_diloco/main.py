@@ -60,19 +60,20 @@ def main(argv) -> None:
 
     _install_profiler(run)
     try:
-        summary = launch.run(run, _WORKDIR.value, force=_FORCE.value)
+        with cli.one_interrupt_per_press():
+            summary = launch.run(run, _WORKDIR.value, force=_FORCE.value)
     except (FatalRunError, ValueError, WorkdirBusyError, launch.ModelNotFiniteError) as e:
         sys.exit(f"error: {e}")  # bad data or run files; a workdir of another run or in use
     except RunInterruptedError as e:
         print(f"{e}: learners and syncer saved; the same command resumes", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:
-        # A second Ctrl-C: stop at once. Not through the interpreter's shutdown: its
-        # threads are still inside XLA and orbax, and finalizing under them aborted the
-        # process ("Fatal Python error: Aborted").
+        # A second Ctrl-C (or one before training began): stop at once. Not through the
+        # interpreter's shutdown: the run's threads may be inside XLA and orbax, and
+        # finalizing under them aborted the process ("Fatal Python error: Aborted").
         print(
-            "stopped at once (a second Ctrl-C): what the last checkpoints hold is kept; "
-            "the same command resumes from there",
+            "stopped at once: what the last checkpoints hold is kept; the same command "
+            "resumes from there",
             file=sys.stderr,
             flush=True,
         )

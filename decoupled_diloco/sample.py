@@ -55,13 +55,14 @@ def sample(
     batch = [p for p in prompts for _ in range(num_samples)]
     # An empty prompt starts a document: the separator the corpus's documents follow.
     ids = [[int(i) for i in tok.encode(p)] or [int(tok.eos_id)] for p in batch]
+    # The model reads every token of a sample but its last: seq_len positions were trained.
     trained = model.config.data.seq_len
-    longest = max(len(x) for x in ids) + max_new_tokens
-    if longest > trained:
+    read = max(len(x) for x in ids) + max_new_tokens - 1
+    if read > trained:
         logging.warning(
-            "samples reach %d tokens, past the %d the model trained on (data.seq_len): "
-            "positions beyond it were never trained, and each token costs more as the "
-            "cache grows", longest, trained,
+            "samples of up to %d tokens take the model to position %d, past the %d it "
+            "trained on (data.seq_len): those were never trained, and each token costs "
+            "more as the cache grows", read + 1, read, trained,
         )  # fmt: skip
     out = generate(
         model.config.model,

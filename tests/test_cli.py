@@ -70,3 +70,27 @@ print(json.dumps({"flags": seen, "backends_started": bool(xb._backends)}))
         assert OFF in flags.split(), name
         assert f"{COUNT}=8" in flags.split(), name
     assert not got["backends_started"]
+
+
+def test_a_ctrl_c_signalled_twice_at_once_interrupts_once():
+    """`timeout -s INT` signals the process and then its group: the second signal, moments
+    after the first, is not the user's second Ctrl-C (which stops a run at once)."""
+    import signal
+    import time
+
+    def interrupts(gaps: list[float]) -> int:
+        count = 0
+        for gap in gaps:
+            time.sleep(gap)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler runs here, at the next bytecode
+            except KeyboardInterrupt:
+                count += 1
+        return count
+
+    with cli.one_interrupt_per_press():
+        assert interrupts([0.0, 0.0]) == 1  # the repeat is ignored
+        assert interrupts([cli.REPEAT_INTERRUPT_S]) == 1  # a press a second later is one
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert interrupts([0.0, 0.0]) == 2  # outside: Python's own handler

@@ -338,7 +338,7 @@ class _RefusingSyncer:
     def send(self, msg) -> None:
         pass
 
-    def flush(self, timeout: float = 0.0) -> bool:
+    def flush(self, timeout: float = 0.0, deliver_timeout: float | None = None) -> bool:
         return True
 
     def receive(self, timeout: float) -> list:
@@ -386,8 +386,8 @@ class _SlowLink(_RefusingSyncer):
     def offer(self, ticket, copies) -> None:
         self.offers.append(materialize(ticket, copies))
 
-    def flush(self, timeout: float = 600.0) -> bool:
-        self.flushes.append(timeout)
+    def flush(self, timeout: float = 600.0, deliver_timeout: float | None = None) -> bool:
+        self.flushes.append(deliver_timeout)
         return False
 
 
@@ -405,6 +405,10 @@ def test_final_wait_also_bounds_the_wait_for_a_slow_link_to_deliver(final_wait):
     assert clock() - t0 == pytest.approx(final_wait, abs=0.25)
     assert link.flushes == [HANDOVER_S]
     assert s.proto.unmerged_steps() == [3]
+    # A learner leaving the membership (its outbox is dropped next) waits for the link.
+    s.clock["t"] = t0
+    finish(s.proto, s.replica, link, link.receive, clock, finished=False, bounded=False)
+    assert link.flushes[-1] is None
 
 
 class _RestoredSyncer(_RefusingSyncer):

@@ -119,6 +119,6 @@ def test_an_outbox_flush_waits_at_most_its_timeout_in_all():
     t0 = time.monotonic()
     assert outbox.flush(timeout=0.6) is False
     assert 0.5 <= time.monotonic() - t0 < 0.9
-    outbox.link = None  # the sender is 30 s into its delivery: close it without waiting
+    outbox.link = None  # the message is 30 s from arriving: close the link without waiting
     outbox.close(timeout=0.5)
     link.close(timeout=0.1)

@@ -443,7 +443,7 @@ class _SyncerLink:
     def send(self, msg) -> None:
         self._deliver(self.syncer.handle(msg, self.clock["t"]))
 
-    def flush(self, timeout: float = 0.0) -> bool:
+    def flush(self, timeout: float = 0.0, deliver_timeout: float | None = None) -> bool:
         return True
 
     def receive(self, timeout: float) -> list:

@@ -335,11 +335,12 @@ def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document]
     round(eval_fraction * n) documents (at least 1, at most n - 1) go to eval, picked by a hash
     of their names: stable across seeds and machines, and uncorrelated with the sort order.
     A single document is split by characters instead: its last eval_fraction goes to eval.
-    When whole documents would hold out far more or far less of the text than asked
-    (`eval_share_bounds`: a few files of very different sizes, e.g. a folder of train /
-    valid / test files whose train file the hash picks, or one big file among one-liners),
-    eval takes the documents, in hash order, that fit eval_fraction of the characters, and
-    if those still hold far less than that, the last eval_fraction of every document.
+    When whole documents would hold out far more of the text than asked, or far less and
+    under MIN_EVAL_CHARS characters (`eval_share_bounds`: a few files of very different
+    sizes, e.g. a folder of train / valid / test files whose train file the hash picks, or
+    one big file among one-liners), eval takes the documents, in hash order, that fit
+    eval_fraction of the characters, and if those are as few, the last eval_fraction of
+    every document.
     """
     if not docs:
         raise ValueError("the corpus has no documents")
@@ -350,16 +351,18 @@ def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document]
         docs, key=lambda d: hashlib.sha1(d.name.encode("utf-8", "surrogatepass")).digest()
     )
     held = by_hash[:num_eval]
-    total = sum(len(d.text) for d in docs)
+    total, held_chars = sum(len(d.text) for d in docs), sum(len(d.text) for d in held)
     low, high = eval_share_bounds(eval_fraction)
-    share = sum(len(d.text) for d in held) / max(total, 1)
-    if total and not low <= share <= high:  # (no text at all: refused by the caller)
+    share = held_chars / max(total, 1)
+    too_little = share < low and held_chars < MIN_EVAL_CHARS
+    if total and (too_little or share > high):  # (no text at all: refused by the caller)
         room, held = eval_fraction * total, []
         for d in by_hash:
             if len(d.text) <= room and len(held) < len(docs) - 1:
                 held.append(d)
                 room -= len(d.text)
-        fits = sum(len(d.text) for d in held) / total >= low
+        kept = sum(len(d.text) for d in held)
+        fits = held and (kept / total >= low or kept >= MIN_EVAL_CHARS)
         how = f"{len(held)} whole file(s) that fit" if fits else "every file's last part"
         logging.warning(
             "holding out %d of %d files would put %.1f%% of the corpus's characters in the "
@@ -371,6 +374,13 @@ def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document]
     eval_names = {d.name for d in held}
     train = [d for d in docs if d.name not in eval_names]
     return train, [d for d in docs if d.name in eval_names]
+
+
+# Whole held-out files holding far less than eval_fraction of the text are kept unless they
+# hold fewer characters than this (under one window of 4096 bytes: an eval split that small
+# fails at any usual seq_len, where a bigger one only evaluates on less text than asked, and
+# changing it would change runs' splits).
+MIN_EVAL_CHARS = 4096
 
 
 def eval_share_bounds(eval_fraction: float) -> tuple[float, float]:

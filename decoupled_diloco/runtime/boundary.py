@@ -27,9 +27,9 @@ from decoupled_diloco.runtime.outbox import Outbox
 # (MergeStager.ready), else deferred.
 WAIT_SHARE = 0.1
 
-# The least a learner's final flush waits for its last messages to be delivered, even with
-# `diloco.final_wait` spent or 0: time for a working link to hand over the final offers and
-# the leave (a slow one is not waited for beyond it).
+# The least a finished learner waits for its link to deliver its last messages (once they
+# are materialised), even with `diloco.final_wait` spent or 0: time for a working link to
+# deliver the final offers and the leave (a slow one is not waited for beyond it).
 HANDOVER_S = 5.0
 
 
@@ -284,7 +284,7 @@ def final_offers(proto: Learner, replica, outbox: Outbox) -> None:
 
 
 def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bool = True,
-           offer_work: bool = True, on_left=None):  # fmt: skip
+           offer_work: bool = True, on_left=None, bounded: bool = True) -> bool:  # fmt: skip
     """Training is over (`finished`: the step budget is done; else the learner leaves the
     membership). With `diloco.final_sync` every step of its work reaches Θ: it offers all
     unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
@@ -294,10 +294,12 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     once the final offers and the leave are on their way (the learner's last checkpoint:
     saved while they travel, not before them, which held up the others' rounds).
 
-    Returns whether every message reached the link's far end by then: `diloco.final_wait`
-    (after `on_left`) also bounds the wait for the link to deliver them (a link too slow for
-    its offers held a run for minutes past it), though never below `HANDOVER_S`; what is
-    still on its way is left to the link."""
+    Returns whether every message reached the link's far end: `bounded`, what is left of
+    `diloco.final_wait` (after `on_left`), though never less than `HANDOVER_S`, also bounds
+    the wait for the link to deliver them once they are materialised (a link too slow for
+    its offers held a run for minutes past final_wait); what is still on its way is left to
+    the link. Not `bounded` (a learner leaving the membership, whose outbox is dropped
+    next): the outbox's own flush timeout."""
     cfg = proto.cfg
     sync = cfg.final_sync and offer_work
     # A merge deferred at the last boundary (not yet placed) first: it resolves the offer it
@@ -325,4 +327,6 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     if not sync:
         apply_updates(replica, proto.handle(receive(0.0)))
         apply_updates(replica, proto.apply_due(final=True))
-    return outbox.flush(max(deadline - clock(), HANDOVER_S))
+    if not bounded:
+        return outbox.flush()
+    return outbox.flush(deliver_timeout=max(deadline - clock(), HANDOVER_S))

@@ -49,22 +49,6 @@ INTERRUPT_NOTICE = (
     "\ninterrupted: the learners offer their unmerged work and save, then the syncer "
     "(Ctrl-C again stops at once); the same command resumes"
 )
-# A Ctrl-C's signal may reach the process twice within moments (`timeout -s INT` signals the
-# process and then its group): a second one this soon after the first is the same Ctrl-C.
-REPEAT_INTERRUPT_S = 1.0
-
-
-def wait_through_repeat(done: threading.Event, first: float, poll: float = 0.2) -> None:
-    """Waits for `done` through the repeat of the Ctrl-C that came at `first`
-    (time.monotonic()); a KeyboardInterrupt later than REPEAT_INTERRUPT_S after it is a
-    second Ctrl-C and is raised."""
-    while True:
-        try:
-            if done.wait(timeout=poll):
-                return
-        except KeyboardInterrupt:
-            if time.monotonic() - first >= REPEAT_INTERRUPT_S:
-                raise
 
 
 class StopRequest:
@@ -230,7 +214,9 @@ class LearnerLoop:
 
     def _train(self, stop) -> None:
         run, m = self.run_cfg, self.m
-        seen = self.clock()  # faults up to here have been applied
+        # Faults up to `seen` have been applied; a fresh start has applied none (a crash at
+        # time 0 that ended while the learner was starting up is still seen, as missed).
+        seen = 0.0 if self.away == "start" else self.clock()
         # Dispatched steps whose metrics (loss, NaN check) the host has not read yet: it reads
         # a step's only `train.metrics_lag` steps later, so the device always has that many
         # steps queued while the host works (its boundary, the next batch, rows).
@@ -475,14 +461,16 @@ class LearnerLoop:
             defer=not self.outbox.inline,
         )  # fmt: skip
 
-    def _finish(self, finished: bool = True, offer_work: bool = True) -> None:
+    def _finish(self, finished: bool = True, offer_work: bool = True, bounded: bool = True
+                ) -> None:  # fmt: skip
         if self.proto is None:
             return
         # The end of its training (not a membership leave: it trains again later) is saved
         # once the final offers and the leave are out.
         last = offer_work and (finished or self.interrupted)
         delivered = finish(self.proto, self.replica, self.outbox, self._receive, self.clock,
-                           finished, offer_work, on_left=self.save if last else None)  # fmt: skip
+                           finished, offer_work, on_left=self.save if last else None,
+                           bounded=bounded)  # fmt: skip
         left, cfg = self.proto.unmerged_steps(), self.run_cfg.diloco
         if not delivered:
             # Its link had not delivered them when diloco.final_wait ran out (a link too slow
@@ -524,11 +512,9 @@ class LearnerLoop:
         crash event of this step or inside it. False once this learner will never be a
         member again."""
         member = self.schedule.is_member(self.m, t)
-        crashed = crash or (member and not self.schedule.is_up(self.m, t))
-        if self.replica.state is None and self.away == "start" and member and crashed:
-            # Crashed before its first step (a crash at time or step 0): a failure like any
-            # later one (it was only a late start), and its start, after the restart delay,
-            # a rejoin.
+        if self._crashed_before_starting(t, member, crash):
+            # A failure like any later one (it was only a late start), and its start, after
+            # the restart delay, a rejoin.
             self.sink.event({**self._event("learner_down"), "time": t})
             self.away = "crash"
         if self.replica.state is not None and (self.emulate_crashes or not member):
@@ -542,12 +528,23 @@ class LearnerLoop:
                     self.notice_down(Leave(self.m, life, self.clock()))
             else:  # left at t (stopped stepping); its final sync follows
                 self.sink.event({**self._event("learner_leave"), "time": t})
-                self._finish(finished=False, offer_work=not diverged)
+                # Its outbox is dropped below: every message must be on the wire first.
+                self._finish(finished=False, offer_work=not diverged, bounded=False)
                 self._crash("leave")
         if not member and self.schedule.never_member_again(self.m, t, self.run_cfg.train.steps):
             return False
         time.sleep(POLL_S)
         return True
+
+    def _crashed_before_starting(self, t: float, member: bool, crash: bool) -> bool:
+        """Whether this learner, a member since the run began that has not started yet,
+        crashed (an emulated crash at time 0; Ray's driver records the crashes of the
+        processes it kills)."""
+        if not (self.emulate_crashes and member and self.away == "start"):
+            return False
+        if self.replica.state is not None or self.schedule.member_windows[self.m][0][0] > 0:
+            return False  # started, or a later joiner (its start is a member_join)
+        return crash or not self.schedule.is_up(self.m, t)
 
     def _crash(self, why: str) -> None:
         """Everything the failed slice held is lost: device state, unsent messages and the

@@ -30,7 +30,6 @@ from decoupled_diloco.runtime.learner_loop import (
     LearnerLoop,
     RunAbortedError,
     RunInterruptedError,
-    wait_through_repeat,
 )
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.runtime.records import RunLog
@@ -287,12 +286,10 @@ class LocalRuntime:
         learner_threads = [
             self._thread(f"learner{m}", loop.run, self.stop) for m, loop in enumerate(self.loops)
         ]
-        interrupted_at = None
         try:
             self._watch(learner_threads)
         except KeyboardInterrupt:
-            interrupted_at = time.monotonic()
-            self._interrupt(learner_threads, interrupted_at)
+            self._interrupt(learner_threads)
         except BaseException:
             # The main thread failed (an evaluation of Θ): the run stops as at a learner's
             # failure, and its threads end before the error is raised (else they would
@@ -307,10 +304,7 @@ class LocalRuntime:
             raise
         self._syncers_stop.set()  # learners are done: let the syncer flush and stop
         for t in syncer_threads:
-            if interrupted_at is None:
-                t.join()
-            else:  # its save: a second Ctrl-C stops it, the first one's repeat does not
-                wait_through_repeat(t.done, interrupted_at)
+            t.join()
         self.lock_probe.stop()
         self.progress.close()
         for loop in self.syncers:
@@ -328,11 +322,10 @@ class LocalRuntime:
             return None
         return self._finish()
 
-    def _interrupt(self, learner_threads, first: float) -> None:
-        """Ctrl-C (at time.monotonic() `first`): learners stop at their next step, offer
-        what Θ lacks of their work and save; the syncer merges it and saves (a second
-        Ctrl-C stops at once, losing what the last checkpoints do not hold; the first one's
-        signal arriving again moments later is not a second, `wait_through_repeat`)."""
+    def _interrupt(self, learner_threads) -> None:
+        """Ctrl-C: learners stop at their next step, offer what Θ lacks of their work and
+        save; the syncer merges it and saves (a second Ctrl-C stops at once, losing what
+        the last checkpoints do not hold)."""
         print(INTERRUPT_NOTICE, file=sys.stderr, flush=True)
         self.interrupted = True
         for loop in self.loops:
@@ -341,7 +334,8 @@ class LocalRuntime:
         # Not Thread.is_alive: a join the KeyboardInterrupt cut short can leave a running
         # thread marked as stopped (CPython's tstate lock); each thread sets `done` itself.
         for t in learner_threads:
-            wait_through_repeat(t.done, first)
+            while not t.done.wait(timeout=0.2):
+                pass
 
     def _thread(self, name: str, target, stop) -> threading.Thread:
         done = threading.Event()  # set when `target` has returned or failed

@@ -52,9 +52,11 @@ class Outbox:
         else:
             self._queue.put((msg, None))
 
-    def flush(self, timeout: float = 600.0) -> bool:
-        """Blocks until everything queued is on the link and the link delivered it, at most
-        `timeout` s in all; False if that did not happen in time."""
+    def flush(self, timeout: float = 600.0, deliver_timeout: float | None = None) -> bool:
+        """Blocks until everything queued is on the link (offers materialised: the
+        learner's own work) and the link delivered it; False if that did not happen in
+        time. At most `timeout` s in all, or, given `deliver_timeout`, up to `timeout` for
+        the first and `deliver_timeout` for the link."""
         deadline = time.monotonic() + timeout
         if not self.inline:
             done = threading.Event()
@@ -63,7 +65,8 @@ class Outbox:
                 return False
         if self.link is None:
             return True
-        return self.link.flush(max(deadline - time.monotonic(), 0.0))
+        left = deadline - time.monotonic() if deliver_timeout is None else deliver_timeout
+        return self.link.flush(max(left, 0.0))
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Ends the thread once everything queued before is on the link, then closes the

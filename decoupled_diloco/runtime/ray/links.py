@@ -118,8 +118,12 @@ class RayLearnerLink(LocalLearnerLink):
         )
 
     def flush(self, timeout: float = 600.0) -> bool:
-        """Waits until the sender thread has handed everything over and the shards have it."""
-        return super().flush(timeout) and all(p.drain(timeout) for p in self.posters)
+        """Waits until the sender thread has handed everything over and the shards have it,
+        at most `timeout` s in all."""
+        deadline = time.monotonic() + timeout
+        if not super().flush(timeout):
+            return False
+        return all(p.drain(max(deadline - time.monotonic(), 0.0)) for p in self.posters)
 
 
 class LearnerMailboxes:

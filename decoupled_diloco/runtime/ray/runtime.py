@@ -48,11 +48,7 @@ from decoupled_diloco.diloco.messages import Leave
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.preflight import FatalRunError
 from decoupled_diloco.runtime import accounting
-from decoupled_diloco.runtime.learner_loop import (
-    INTERRUPT_NOTICE,
-    REPEAT_INTERRUPT_S,
-    RunInterruptedError,
-)
+from decoupled_diloco.runtime.learner_loop import INTERRUPT_NOTICE, RunInterruptedError
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
 from decoupled_diloco.runtime.ray import failures
@@ -192,9 +188,7 @@ class RayRuntime:
         """Ctrl-C: every learner stops at its next step boundary, offers what Θ lacks of its
         work, leaves and saves; the syncer shards merge it and save. Then RunInterruptedError
         (no summary): the same command resumes. A second Ctrl-C stops at once, losing what
-        the last checkpoints do not hold (the first one's signal arriving again within
-        REPEAT_INTERRUPT_S is not a second)."""
-        first = time.monotonic()
+        the last checkpoints do not hold."""
         print(INTERRUPT_NOTICE, file=sys.stderr, flush=True)
         asked: dict[int, tuple] = {}  # m -> (the call, the process it was made to)
         while not all(s["done"] or m in self.lost for m, s in enumerate(self.status)):
@@ -205,11 +199,7 @@ class RayRuntime:
                 if m not in asked or _failed(asked[m][0]) or asked[m][1] != pid:
                     # again when the call failed or Ray restarted the process since
                     asked[m] = (self.learners[(m, 0)].interrupt.remote(), pid)
-            try:
-                self._collect(wait=self.run_cfg.ray.poll_seconds)
-            except KeyboardInterrupt:
-                if time.monotonic() - first >= REPEAT_INTERRUPT_S:
-                    raise
+            self._collect(wait=self.run_cfg.ray.poll_seconds)
         for actor in self.syncers:
             for rec in _call(actor.finish)["records"]:
                 self.log.record(rec)
