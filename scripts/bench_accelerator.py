@@ -286,6 +286,14 @@ def _rate(rows: list[dict]) -> float:
     return (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["time"] - rows[0]["time"])
 
 
+def untimed(name: str, run) -> None:
+    """--warmup: `run(workdir)` once for what the process compiles, its folder then removed."""
+    path, start = pathlib.Path(_WORKDIR.value) / f"{name}_warmup", time.perf_counter()
+    run(path)
+    shutil.rmtree(path)
+    print(f"warm-up: {name} ran once untimed ({time.perf_counter() - start:.1f} s)", flush=True)
+
+
 def _fresh_run(run, workdir: pathlib.Path) -> dict:
     """Runs `run` in an empty `workdir` (on the emulated device with --emulate_step_ms);
     returns its summary."""
@@ -350,9 +358,9 @@ def overhead() -> None:
         raise ValueError(f"--arms: unknown {unknown}; the arms are {', '.join(ARMS[1:])}")
     results: dict[str, list[dict]] = {arm: [] for arm in arms}
     if _WARMUP.value:
+        warm = dict(shape, steps=skip + 10)
         for arm in arms:
-            warm = dict(shape, steps=skip + 10)
-            run_overhead_arm(arm, pathlib.Path(_WORKDIR.value) / f"{arm}_warmup", skip, **warm)
+            untimed(arm, lambda path, arm=arm: run_overhead_arm(arm, path, skip, **warm))
     for r in range(rounds):
         for arm in arms:
             res = run_overhead_arm(arm, pathlib.Path(_WORKDIR.value) / arm, skip, **shape)
@@ -522,7 +530,7 @@ def fleet() -> None:
         warm = dict(shape, steps=skip + 10)
         arm = _FLEET_ARM.value
         warm_run = overhead_config(arm, learners=learners, gil_switch_ms=_GIL.value, **warm)
-        _fresh_run(config_lib.validate(warm_run), pathlib.Path(_WORKDIR.value) / "fleet_warmup")
+        untimed("fleet", lambda path: _fresh_run(config_lib.validate(warm_run), path))
     workdir = pathlib.Path(_WORKDIR.value) / "fleet"
     summary = _fresh_run(run, workdir)
     rows = [[r for r in _rows(workdir, m) if r["step"] >= skip] for m in range(learners)]
