@@ -85,7 +85,8 @@ def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> N
 def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
     """A run resumes on the corpus and with the tokenizer it started with.
 
-    The first attempt records its corpus (`CORPUS`). A resume whose corpus differs (a file
+    The first attempt records its corpus (`CORPUS`; a record without a `RUN_CONFIG`, of a
+    start that failed before its run began, is replaced). A resume whose corpus differs (a file
     added, edited or removed under data.path, another Python's stdlib) is refused unless
     `force`, which accepts it, records the new corpus and returns ["corpus"] (else []).
     A resume whose tokenizer is not the workdir's `TOKENIZER` byte for byte (a sentencepiece
@@ -107,7 +108,10 @@ def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
             f"--config.data.spm_model_path={saved} --force_resume to keep the run's own"
         )
     record, now = root / CORPUS, corpus.fingerprint
-    then = json.loads(record.read_text()) if record.exists() else None
+    # Without a run config no run started here (a start that failed before its runtime
+    # wrote one, e.g. a Ray cluster short of slices): its corpus record binds nothing.
+    begun = (root / RUN_CONFIG).exists()
+    then = json.loads(record.read_text()) if record.exists() and begun else None
     if then is not None and (problem := corpus_record_problem(then)):
         raise ValueError(
             f"{record} holds {problem}: repair or remove it (a run "

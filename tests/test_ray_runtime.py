@@ -22,6 +22,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco import run_files  # noqa: E402
 from decoupled_diloco.config import RayConfig  # noqa: E402
 from decoupled_diloco.diloco import compression  # noqa: E402
 from decoupled_diloco.diloco.fragments import model_plan  # noqa: E402
@@ -706,3 +707,16 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
     assert all(isinstance(v, np.ndarray) for v in got[0].params.values())
     for h in [syncer_actor, *inboxes]:
         ray.kill(h)
+
+
+def test_a_cluster_short_of_slices_leaves_no_run_in_the_workdir(cluster, small_config, tmp_path):
+    """A TPU run on a cluster without the slices fails before its workdir records a run:
+    the next start there, with another config or corpus, is a new run, not a refused one."""
+    over = {"ray.accelerator": "tpu", "ray.checkpoint_dir": str(tmp_path / "ck")}
+    run = config_lib.validate(_ray_config(small_config, **over))
+    with pytest.raises(ValueError, match="the Ray cluster has 0 TPU slices"):
+        RayRuntime(run, str(tmp_path / "run"), verbose=False).run()
+    assert not (tmp_path / "run" / run_files.RUN_CONFIG).exists()
+    # A corpus record of such a start binds nothing either.
+    (tmp_path / "run" / run_files.CORPUS).write_text('{"train": {"sha256": "0", "documents": 1}}')
+    assert run_files.check_corpus(str(tmp_path / "run"), run.data, force=False) == []

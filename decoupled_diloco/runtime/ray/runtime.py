@@ -88,10 +88,13 @@ class RayRuntime:
 
     # --- launch -----------------------------------------------------------------------
     def run(self) -> dict:
-        run_files.write(self.workdir, self.run_cfg)
         started = ray_cluster.connect(self.run_cfg.ray, self.verbose)
         try:
-            self._launch()
+            # A cluster without the slices the run needs fails here, before the workdir
+            # records a run (its config would bind the next start in it).
+            layouts = self._layouts()
+            run_files.write(self.workdir, self.run_cfg)
+            self._launch(layouts)
             try:
                 self._build_evaluator()
                 self._watch()
@@ -105,7 +108,15 @@ class RayRuntime:
                 ray.shutdown()
             self.log.close()
 
-    def _launch(self) -> None:
+    def _layouts(self) -> list[dict | None]:
+        """Each learner's TPU slice and host layout (None: not on TPU slices)."""
+        run = self.run_cfg
+        if run.ray.accelerator != "tpu":
+            return [None] * run.num_learners
+        slices = ray_cluster.tpu_slices(ray.nodes())
+        return ray_cluster.learner_hosts(slices, run.num_learners, run.devices_per_learner)
+
+    def _launch(self, layouts: list[dict | None]) -> None:
         # Actors read the tokenizer the driver trained (if any), never train their own.
         run = run_files.with_shared_tokenizer(self.run_cfg, self.ckpt_dir)
         rc = run.ray
@@ -120,11 +131,6 @@ class RayRuntime:
             name = ray_links.actor_name(self.run_id, "syncer", s)
             actor = ray.remote(SyncerActor).options(name=name, **opts)
             self.syncers.append(actor.remote(s, run, self.ckpt_dir, self.run_id, self.t0))
-        if rc.accelerator == "tpu":
-            slices = ray_cluster.tpu_slices(ray.nodes())
-            layouts = ray_cluster.learner_hosts(slices, run.num_learners, run.devices_per_learner)
-        else:
-            layouts = [None] * run.num_learners
         self.hosts = [1 if h is None else h["hosts"] for h in layouts]
         for m, layout in enumerate(layouts):
             for host in range(self.hosts[m]):
