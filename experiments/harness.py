@@ -114,7 +114,18 @@ def seeds() -> list[int]:
     # --quick runs one seed unless --seeds is given explicitly (quick runs with a spread).
     if FLAGS.smoke or (FLAGS.quick and not FLAGS["seeds"].present):
         return [0]
-    return [int(s) for s in FLAGS.seeds]
+    return parse_seeds(FLAGS.seeds)
+
+
+def parse_seeds(texts: list[str]) -> list[int]:
+    """--seeds as distinct integers >= 0 (ValueError naming the flag otherwise)."""
+    try:
+        out = [int(s) for s in texts]
+    except ValueError:
+        raise ValueError(f"--seeds={','.join(texts)}: seeds are integers >= 0") from None
+    if not out or min(out) < 0 or len(set(out)) < len(out):
+        raise ValueError(f"--seeds={','.join(texts)}: give one or more distinct integers >= 0")
+    return out
 
 
 def extra_overrides() -> dict:
@@ -312,6 +323,9 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
     if FLAGS.check_configs:
         check_configs(arms_fn, out, quick, full)
         raise SystemExit(0)
+    if FLAGS.budget_s < 0:
+        raise ValueError(f"--budget_s={FLAGS.budget_s:g}: a cap in seconds, >= 0 (0: none)")
+    parse_seeds(FLAGS.seeds)  # even where --smoke or --quick run seed 0 alone
     arms = selected(arms_fn())
     for arm in arms:  # fail fast: a typo in the last arm must not cost the first hour
         config_lib.validate(config_for(arm, seeds()[0], quick, full))
