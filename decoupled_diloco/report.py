@@ -211,6 +211,8 @@ def table(workdir: str) -> str:
         for k in keys
         if k in s
     ]
+    if not s:  # interrupted, or still running: the metrics below are all there is
+        lines = ["(no summary.json: the run has not finished; the rows so far follow)"]
     metrics = _rows(workdir, "metrics.jsonl")
     learners = sorted({r["learner"] for r in metrics if isinstance(r["learner"], int)})
     # host share / CPU share: medians of the rows' host_share and host_cpu_share (the share

@@ -158,6 +158,15 @@ def test_an_empty_prompt_starts_a_document_and_long_samples_are_warned_of(runs, 
     assert f"to position {seq_len + 1}, past the {seq_len}" in caplog.text
 
 
+def test_the_table_of_an_unfinished_run_says_so(runs, tmp_path):
+    workdir, _ = runs["dp"]
+    for name in ("metrics.jsonl", "run_config.json"):  # a run without its summary.json
+        (tmp_path / name).write_bytes((workdir / name).read_bytes())
+    text = table(str(tmp_path))
+    assert "no summary.json: the run has not finished" in text
+    assert "| summary | value |" not in text and "no summary.json" not in table(str(workdir))
+
+
 @pytest.mark.parametrize("name", ["dp", "dec", "moe"])
 def test_report_writes_a_png_and_a_table(runs, name, tmp_path):
     workdir, summary = runs[name]
