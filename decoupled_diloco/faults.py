@@ -59,7 +59,7 @@ class FaultSpec:
     """What can go wrong in a run; times in seconds of wall (or simulated) time, except the
     explicit schedule (crashes, membership, syncer_crashes) with `unit = "steps"`."""
 
-    seed: int = 0
+    seed: int = 0  # draws of the random faults (chip failures, stragglers, speed noise)
     # "seconds" | "steps": unit of the times in crashes, membership and syncer_crashes
     # (steps: a learner's own completed steps for its crashes, the run's lead step for the
     # others; see fault_steps.py). Delays and durations stay in seconds.
@@ -69,7 +69,7 @@ class FaultSpec:
     chips_per_learner: int = 1  # a learner crashes when any of its chips fails
     restart_delay_s: float = 5.0  # seconds, in either unit: crash -> learner back (rejoins)
     straggler_rate_per_hour: float = 0.0  # Poisson rate of slowdown episodes per learner
-    straggler_duration_s: float = 10.0
+    straggler_duration_s: float = 10.0  # seconds each slowdown episode lasts
     straggler_slowdown: float = 2.0  # step-time multiplier during an episode
     speed_factors: tuple[float, ...] = ()  # per-learner step-time multiplier; () = all 1
     slow_fraction: float = 0.0  # alternative to speed_factors: the last this-fraction...
