@@ -291,6 +291,7 @@ def test_a_resume_never_trains_with_another_sentencepiece_model(tmp_path, fresh_
     assert run_files.check_corpus(wd, data, force=False) == []  # the first start records it
     first = get_tokenizer(data).model_proto
     (tmp_path / "run" / run_files.TOKENIZER).write_bytes(first)  # as the runtime saves it
+    (tmp_path / "run" / run_files.RUN_CONFIG).write_text("{}")  # ...with its config: it began
     assert run_files.check_corpus(wd, data, force=False) == []  # the same corpus: resumes
     (folder / "extra.txt").write_text("zq zq xv xv\n" * 500)  # retrains another model
     fresh_corpora()
