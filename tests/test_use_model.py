@@ -152,9 +152,10 @@ def test_an_empty_prompt_starts_a_document_and_long_samples_are_warned_of(runs, 
     assert prompt == "" and isinstance(text, str)  # from the separator (it was refused)
     seq_len = json.loads((workdir / "run_config.json").read_text())["data"]["seq_len"]
     with caplog.at_level(logging.WARNING):
-        sample(str(workdir), ["ab"], seq_len - 1, temperature=0.0)  # reads seq_len tokens
+        prompt = "a" * seq_len  # bytes: seq_len tokens
+        sample(str(workdir), [prompt], 1, temperature=0.0)  # the model reads seq_len tokens
         assert "past the" not in caplog.text
-        sample(str(workdir), ["ab"], seq_len, temperature=0.0)
+        sample(str(workdir), [prompt], 2, temperature=0.0)
     assert f"to position {seq_len + 1}, past the {seq_len}" in caplog.text
 
 
