@@ -461,9 +461,7 @@ class LearnerLoop:
             defer=not self.outbox.inline,
         )  # fmt: skip
 
-    def _finish(
-        self, finished: bool = True, offer_work: bool = True, bounded: bool = True
-    ) -> None:
+    def _finish(self, finished: bool = True, offer_work: bool = True, bounded: bool = True) -> None:
         if self.proto is None:
             return
         # The end of its training (not a membership leave: it trains again later) is saved
