@@ -351,18 +351,21 @@ def hold_out(docs: list[Document], eval_fraction: float) -> tuple[list[Document]
         docs, key=lambda d: hashlib.sha1(d.name.encode("utf-8", "surrogatepass")).digest()
     )
     held = by_hash[:num_eval]
-    total, held_chars = sum(len(d.text) for d in docs), sum(len(d.text) for d in held)
+    total = sum(len(d.text) for d in docs)
     low, high = eval_share_bounds(eval_fraction)
+
+    def too_little(chars: int) -> bool:
+        return chars / total < low and chars < MIN_EVAL_CHARS
+
+    held_chars = sum(len(d.text) for d in held)
     share = held_chars / max(total, 1)
-    too_little = share < low and held_chars < MIN_EVAL_CHARS
-    if total and (too_little or share > high):  # (no text at all: refused by the caller)
+    if total and (too_little(held_chars) or share > high):  # (no text: the caller refuses it)
         room, held = eval_fraction * total, []
         for d in by_hash:
             if len(d.text) <= room and len(held) < len(docs) - 1:
                 held.append(d)
                 room -= len(d.text)
-        kept = sum(len(d.text) for d in held)
-        fits = held and (kept / total >= low or kept >= MIN_EVAL_CHARS)
+        fits = held and not too_little(sum(len(d.text) for d in held))
         how = f"{len(held)} whole file(s) that fit" if fits else "every file's last part"
         logging.warning(
             "holding out %d of %d files would put %.1f%% of the corpus's characters in the "

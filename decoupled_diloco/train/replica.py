@@ -120,10 +120,9 @@ class Replica:
         # the fragment waits for it.
         self._compiling: dict[frozenset, concurrent.futures.Future] = {}
         self._precompiled = None  # what the last `precompile` compiled
-        # Thread id -> seconds its protocol ops waited for their fragment's background
-        # compile (`compile_waited`).
-        self._compile_waits: dict[int, float] = {}
-        self._compile_waits_lock = threading.Lock()
+        # Per thread (`.seconds`): how long its protocol ops waited for their fragment's
+        # background compile (`compile_waited`).
+        self._compile_waits = threading.local()
         self.state: TrainState | None = None
         # Member name -> R, the steps since an offer that a landing set aside (`land`): the
         # learner's parameters in the protocol's sense are θ + R. Empty unless
@@ -311,9 +310,8 @@ class Replica:
                 if not future.done():
                     t0 = time.perf_counter()
                     concurrent.futures.wait([future])
-                    waited, thread = time.perf_counter() - t0, threading.get_ident()
-                    with self._compile_waits_lock:
-                        self._compile_waits[thread] = self._compile_waits.get(thread, 0.0) + waited
+                    waited = time.perf_counter() - t0
+                    self._compile_waits.seconds = self.compile_waited() + waited
                 future.result()
             except Exception as e:  # noqa: BLE001 (the ops compile where first used)
                 if self._compiling.pop(key, None) is not None:  # logged once
@@ -327,8 +325,7 @@ class Replica:
         background compile (`precompile`): start-up cost, which a speed measurement keeps
         out of its window. A learner's rows report its own thread's (`compile_wait_s`); a
         stager's waits delay placements, not steps."""
-        with self._compile_waits_lock:
-            return self._compile_waits.get(threading.get_ident(), 0.0)
+        return getattr(self._compile_waits, "seconds", 0.0)
 
     def fragment_copies(self, names) -> dict[str, jax.Array]:
         """Device copies of the named fragment members (leaves, or row slices of one:
