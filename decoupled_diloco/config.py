@@ -343,8 +343,10 @@ def _check_faults_fit_the_run(spec: faults.FaultSpec, d: DilocoConfig) -> None:
         )
 
 
-def validate(c: ml_collections.ConfigDict) -> RunConfig:
-    """Checks every section and returns the frozen RunConfig; ValueError names the key."""
+def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> RunConfig:
+    """Checks every section and returns the frozen RunConfig; ValueError names the key.
+    `require_packages=False`: a package the runtime needs (Ray) may be missing here (the
+    config is checked on one machine for a run on another)."""
     import jax
 
     if c.runtime not in RUNTIMES:
@@ -400,7 +402,7 @@ def validate(c: ml_collections.ConfigDict) -> RunConfig:
 
     ray_cfg = _dataclass_from(RayConfig, c.get("ray", ml_collections.ConfigDict()), "ray")
     ray_cfg.validate(c.runtime)  # (a TPU config run as runtime "local" needs no Ray paths)
-    if c.runtime == "ray" and importlib.util.find_spec("ray") is None:
+    if require_packages and c.runtime == "ray" and importlib.util.find_spec("ray") is None:
         raise ValueError('runtime="ray" needs Ray: pip install -e ".[ray]"')
     if c.runtime == "ray" and not diloco_cfg.uses_syncer:
         raise ValueError(

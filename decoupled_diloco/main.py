@@ -28,6 +28,14 @@ _FORCE = flags.DEFINE_bool(
     "Resume a workdir's run although config keys changed that change what it computes "
     "(the old config is kept as run_config.<attempt>.json).",
 )
+_CHECK = flags.DEFINE_bool(
+    "check_config",
+    False,
+    "Check the config and its overrides as a run's start-up does, print the run's shape and "
+    "exit: nothing is written (no --workdir needed), no data read, no JAX world or Ray "
+    "cluster joined; the learners' meshes are checked against this process's devices "
+    "(set XLA_FLAGS=--xla_force_host_platform_device_count=N to check for N).",
+)
 _PROFILE = flags.DEFINE_string(
     "profile",
     "",
@@ -38,13 +46,16 @@ _PROFILE = flags.DEFINE_string(
 
 def main(argv) -> None:
     del argv
-    if not flags.FLAGS["config"].present or not _WORKDIR.value:
+    if not flags.FLAGS["config"].present or not (_WORKDIR.value or _CHECK.value):
         sys.exit("usage: python -m decoupled_diloco.main --config=configs/<file>.py --workdir=DIR")
     path = config_flags.get_config_filename(flags.FLAGS["config"])
     if not os.path.isfile(path.split(":")[0]):
         sys.exit(f"error: config file {path} not found (see configs/ for the shipped ones)")
     config = _CONFIG.value
     cli.start(flags.FLAGS["verbosity"].present)
+    if _CHECK.value:
+        check_config(config)
+        return
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.preflight import FatalRunError
     from decoupled_diloco.runtime import launch
@@ -99,6 +110,38 @@ def main(argv) -> None:
         f"merges={summary.get('merges', 0)} goodput={summary.get('goodput', 0):.3f} "
         f"-> {_WORKDIR.value}/summary.json",
         flush=True,
+    )
+
+
+def check_config(config) -> None:
+    """`--check_config`: validation without running; exits 1 with the error."""
+    from decoupled_diloco import config as config_lib
+
+    try:
+        run = config_lib.validate(config, require_packages=False)
+    except ValueError as e:
+        sys.exit(f"config error: {e}")
+    print(f"config ok: {shape(run, config.model.preset)}", flush=True)
+
+
+def shape(run, preset: str) -> str:
+    """One line: who trains what, on which meshes, synced how."""
+    from decoupled_diloco import models, sharding
+
+    mesh = sharding.mesh_shape(run.mesh, run.devices_per_learner)
+    axes = ", ".join(f"{a} {n}" for a, n in zip(sharding.MESH_AXES, mesh, strict=True) if n > 1)
+    d, t = run.diloco, run.train
+    learners = f"{d.learners} learner{'s' * (d.learners != 1)}"
+    sync = (
+        f"H {d.sync_every}, P {d.fragments}, tau {d.overlap}, K {d.quorum}"
+        if d.uses_syncer
+        else "no syncer (data-parallel)"
+    )
+    return (
+        f"{run.name}: {run.runtime} runtime, {learners} x {run.devices_per_learner} devices "
+        f"(mesh {axes or 'one device'}), model {preset} "
+        f"{models.count_params(run.model) / 1e6:.1f}M params, {t.steps} steps x "
+        f"{t.batch_size} x {run.data.seq_len} tokens per learner; {sync}"
     )
 
 

@@ -334,6 +334,7 @@ def test_dp_execute_looks_up_worker_0(monkeypatch, capsys):
         return subprocess.CompletedProcess(cmd, 0, stdout="10.9.8.7\n" if "describe" in cmd else "")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
+    _checked(monkeypatch)
     argv = ["dp", *COMMON, "--accelerator=v5p-16", "--slices=1", "--workdir=gs://b/x", "--execute"]
     assert launch.main(argv) == 0
     assert calls[0] == dp.worker0_ip_command("dd-0", V5E)
@@ -410,10 +411,24 @@ def _no_subprocess(*args, **kwargs):
     raise AssertionError(f"a dry run must not run anything: {args}")
 
 
+def _checked(monkeypatch) -> list:
+    """The local config check replaced by a recorder (it runs the entry point: tested below)."""
+    steps = []
+
+    def fake(args):
+        steps.append(args.step)
+        return "# checked here: (faked)"
+
+    monkeypatch.setattr(launch, "check_config", fake)
+    return steps
+
+
 @pytest.mark.parametrize("argv", STEPS, ids=[f"{s[0]}{i}" for i, s in enumerate(STEPS)])
 def test_dry_run_prints_exact_commands_and_runs_nothing(argv, monkeypatch, capsys):
     monkeypatch.setattr(subprocess, "run", _no_subprocess)
+    checked = _checked(monkeypatch)
     assert launch.main(argv) == 0
+    assert checked == ([argv[0]] if argv[0] in ("launch", "dp") else [])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == launch.DRY_RUN_NOTE
     printed = [shlex.split(line) for line in lines if not line.startswith("#")]
@@ -486,6 +501,82 @@ def test_cli_rejects_bad_arguments(argv, message, monkeypatch, capsys):
         launch.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+LAUNCH_V5E = [
+    "launch",
+    *COMMON,
+    "--accelerator=v5litepod-16",
+    "--slices=2",
+    f"--checkpoint-dir={CKPT}",
+]
+DP_V5E = ["dp", *COMMON, "--accelerator=v5litepod-16", "--slices=1", "--workdir=gs://b/dp"]
+
+
+def test_launch_checks_the_runs_config_here_before_printing_or_running(tmp_path, capsys):
+    """`launch` and `dp` run the entry point's `--check_config` on the command they would
+    start (config file, the launcher's keys, the overrides; as many CPU devices as the slice
+    has chips): a config that would stop at start-up on the cluster stops here, before
+    anything is printed or created; a good one is summarised in a comment. Nothing written."""
+    workdir = tmp_path / "never"
+    assert launch.main([*LAUNCH_V5E, f"--workdir={workdir}"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == launch.DRY_RUN_NOTE
+    assert out[1].startswith("# checked here: config ok: tpu_dense_multislice_2b: ray runtime, ")
+    assert "2 learners x 16 devices (mesh fsdp 16)" in out[1]  # --slices, --accelerator
+    assert not workdir.exists()
+
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main([*LAUNCH_V5E, "--", "--config.train.stepz=3"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "would stop at start-up: error: unknown config key train.stepz" in captured.err
+    assert not captured.out  # not one command printed
+
+    # dp checks the local file its hosts get a copy of, with the slice's 16 chips.
+    with pytest.raises(SystemExit):
+        launch.main([*DP_V5E, "--", "--config.train.batch_size=24"])
+    assert "train.batch_size (24) must be divisible" in capsys.readouterr().err
+
+
+def test_overrides_of_the_launchers_own_keys_are_refused():
+    """An override comes last on the command line and would win: 8 learners on 4 slices."""
+    spec = parse_accelerator("v5litepod-16")
+    with pytest.raises(ValueError, match=r"diloco.learners=8: the launcher sets that key"):
+        cluster.main_command("c.py", "w", 4, spec, "h:1", CKPT, ("--config.diloco.learners=8",))
+    with pytest.raises(ValueError, match=r"--config.ray.checkpoint_dir=gs://elsewhere"):
+        cluster.main_command(
+            "c.py",
+            "w",
+            4,
+            spec,
+            "h:1",
+            CKPT,
+            (f"--config.{cluster.CHECKPOINT_KEY}=gs://elsewhere",),
+        )
+    with pytest.raises(ValueError, match=r"--config.diloco.sync_every=0\)"):
+        dp.dp_main_command("c.py", "gs://b/dp", spec, 0, "h", ("--config.diloco.sync_every=12",))
+    assert cluster.main_command("c.py", "w", 4, spec, "h:1", CKPT, ("--config.seed=3",))[-1] == (
+        "--config.seed=3"
+    )
+
+
+def test_launch_without_the_packages_to_check_with(monkeypatch, capsys):
+    """No JAX here (a bare cloud shell): a dry run says the config went unchecked; --execute
+    refuses until the packages are installed or --no-config-check is given."""
+    monkeypatch.setattr(launch, "CHECK_NEEDS", ("no_such_module_for_the_test",))
+    monkeypatch.setattr(subprocess, "run", _no_subprocess)
+    assert launch.main(LAUNCH_V5E) == 0
+    assert "# the run's config was not checked: no_such_module_for_the_test not installed" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(SystemExit):
+        launch.main([*LAUNCH_V5E, "--execute"])
+    assert "--no-config-check" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    assert launch.main([*LAUNCH_V5E, "--execute", "--no-config-check", "--head-ip=10.0.0.2"]) == 0
+    assert len(calls) == 1 and calls[0][:3] == ["gcloud", "compute", "ssh"]
 
 
 def _has_key(c, dotted: str) -> bool:

@@ -29,6 +29,9 @@ baseline on one slice, without Ray (one JAX world over the slice's hosts):
 """
 
 import argparse
+import importlib.util
+import os
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -40,6 +43,11 @@ from tpu_slices import check_name, one_slice, parse_accelerator
 
 DRY_RUN_NOTE = "# dry run: nothing was executed; add --execute to run these commands"
 HEAD_IP_PLACEHOLDER = "HEAD_IP"
+# The checkout holding this script: the head VM runs `launch`'s config path from its own
+# checkout, so a relative path is checked against this one's configs/.
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHECK_NEEDS = ("jax", "ml_collections", "absl")  # what `main --check_config` imports
+CHECK_TIMEOUT_S = 300
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     ray = argparse.ArgumentParser(add_help=False)
     ray.add_argument("--head-ip", default="", help="head VM internal IP (default: look it up)")
     ray.add_argument("--ray-port", type=int, default=cluster.RAY_PORT)
+    checked = argparse.ArgumentParser(add_help=False)
+    checked.add_argument(
+        "--no-config-check",
+        action="store_true",
+        help="skip checking the run's config and overrides here first (`python -m "
+        "decoupled_diloco.main --check_config`, which needs this checkout's packages "
+        "installed: pip install -e .)",
+    )
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="step", required=True)
@@ -85,7 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ray-up", parents=[common, slices, accel, ray], help="(re)start Ray: all")
     j = sub.add_parser("join", parents=[common, slices, accel, ray], help="(re)join one slice")
     j.add_argument("--slice", type=int, required=True, help="the slice I to (re)join")
-    la = sub.add_parser("launch", parents=[common, slices, accel, ray], help="start the driver")
+    la = sub.add_parser(
+        "launch", parents=[common, slices, accel, ray, checked], help="start the driver"
+    )
     la.add_argument("--config", default="configs/tpu_dense_multislice.py")
     la.add_argument("--workdir", default="", help="default: runs/<name> in the head's checkout")
     la.add_argument(
@@ -94,7 +112,9 @@ def _parser() -> argparse.ArgumentParser:
         help="where learners and syncer checkpoint, reachable from every VM: gs://BUCKET/...",
     )
     la.add_argument("overrides", nargs="*", help="after --: --config.<key>=<value> overrides")
-    b = sub.add_parser("dp", parents=[common, slices, accel], help="DP baseline on one slice")
+    b = sub.add_parser(
+        "dp", parents=[common, slices, accel, checked], help="DP baseline on one slice"
+    )
     b.add_argument("--slice", type=int, default=0, help="the slice I that runs it")
     b.add_argument("--config", default="configs/tpu_dense_multislice.py")
     b.add_argument("--workdir", required=True, help="gs://BUCKET/runs/RUN: every host's path")
@@ -193,6 +213,61 @@ def plan(args) -> list[list[str]]:
     return provision.delete_commands(name, args.slices, cloud, args.keep_head, args.slice)
 
 
+def _check_command(args) -> tuple[list[str], dict, pathlib.Path | None]:
+    """(command, environment, working directory) that runs the step's entry point here with
+    `--check_config`: the same config file and flags the remote command gets, on CPU, with
+    as many fake devices as the slice has chips."""
+    spec = parse_accelerator(args.accelerator)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec.chips}"
+    overrides = tuple(args.overrides)
+    if args.step == "launch":
+        address = f"{HEAD_IP_PLACEHOLDER}:{args.ray_port}"
+        workdir = args.workdir or f"runs/{args.name}"
+        cmd = cluster.main_command(
+            args.config, workdir, args.slices, spec, address, args.checkpoint_dir, overrides,
+            sys.executable,
+        )  # fmt: skip
+        cwd = ROOT
+    else:  # dp: worker 0's command; the hosts run a copy of the local config file
+        ip = dp.WORKER0_IP_PLACEHOLDER
+        cmd = dp.dp_main_command(args.config, args.workdir, spec, 0, ip, overrides, sys.executable)
+        cmd = [f"--config={args.config}" if a.startswith("--config=") else a for a in cmd]
+        cwd = None
+    return [*cmd, "--check_config"], env, cwd
+
+
+def check_config(args) -> str:
+    """Runs the step's config through the entry point's start-up checks here, so that a bad
+    key or value fails now rather than in a driver log on the cluster; returns a comment line
+    (what was checked), ValueError when the run would not start. Without the packages to check
+    with: a comment in a dry run, an error with --execute."""
+    cmd, env, cwd = _check_command(args)  # (checks the arguments it is built from)
+    missing = [m for m in CHECK_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        why = (
+            f"the run's config was not checked: {', '.join(missing)} not installed in this "
+            "Python (pip install -e . in this checkout, or --no-config-check)"
+        )
+        if args.execute:
+            raise ValueError(why)
+        return f"# {why}"
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=CHECK_TIMEOUT_S
+    )
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    if done.returncode:
+        errors = [ln for ln in lines if ln.startswith(("error:", "config error:"))]
+        why = errors[0] if errors else (lines[-1] if lines else f"exit {done.returncode}")
+        raise ValueError(
+            f"the run would stop at start-up: {why} (checked here by `python -m "
+            "decoupled_diloco.main --check_config` with the step's flags; --no-config-check "
+            "skips the check)"
+        )
+    ok = [ln for ln in lines if ln.startswith("config ok:")]
+    return f"# checked here: {ok[-1] if ok else lines[-1]}"
+
+
 def run(commands: list[list[str]], execute: bool) -> None:
     """Prints every command; with `execute`, runs each and stops at the first failure."""
     for cmd in commands:
@@ -205,9 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        checked = None  # before plan(), which looks addresses up with --execute
+        if args.step in ("launch", "dp") and not args.no_config_check:
+            checked = check_config(args)
         commands = plan(args)
         if not args.execute:
             print(DRY_RUN_NOTE)
+        if checked:
+            print(checked, flush=True)
         lookup = None if args.execute else _lookup(args, _cloud(args))
         if lookup is not None:
             print(f"# {lookup[0]} is the output of: {shlex.join(lookup[1])}")

@@ -165,6 +165,26 @@ def check_overrides(overrides) -> None:
         raise ValueError(f"extra arguments must be --config.<key>=<value> overrides, got {bad}")
 
 
+def config_key(flag: str) -> str:
+    """`--config.a.b=v` -> `a.b`."""
+    return flag.removeprefix("--config.").split("=", 1)[0]
+
+
+def check_not_overriding(own: list[str], overrides) -> None:
+    """The launcher sets some keys from its own flags (learners from --slices, chips from
+    --accelerator, ...); an override of one would come last and win, e.g. 8 learners on 4
+    slices. Refused, naming the flag that sets it."""
+    mine = {config_key(f): f for f in own if f.startswith("--config.")}
+    clash = [o for o in overrides if config_key(o) in mine]
+    if clash:
+        set_by = ", ".join(mine[config_key(o)] for o in clash)
+        raise ValueError(
+            f"{', '.join(clash)}: the launcher sets that key itself ({set_by}) from its own "
+            "flags (--slices, --accelerator, --head-ip, --ray-port, --checkpoint-dir) or the "
+            "step: change those instead"
+        )
+
+
 def check_checkpoint_dir(path: str) -> str:
     """Learners write their checkpoints on their own TPU hosts and the syncer on the head, so
     the directory must be one they all reach: a bucket (gs://...) or an absolute path on a
@@ -191,7 +211,7 @@ def main_command(
     node_ids("learner", num_slices)  # validates the slice count
     check_checkpoint_dir(checkpoint_dir)
     check_overrides(overrides)
-    return [
+    own = [
         *[python, "-m", "decoupled_diloco.main", f"--config={config}", f"--workdir={workdir}"],
         "--config.runtime=ray",
         RAY_ACCELERATOR,
@@ -199,8 +219,9 @@ def main_command(
         f"--config.devices_per_learner={spec.chips}",
         f"--config.{RAY_ADDRESS_KEY}={ray_address}",
         f"--config.{CHECKPOINT_KEY}={checkpoint_dir}",
-        *overrides,
     ]
+    check_not_overriding(own, overrides)
+    return [*own, *overrides]
 
 
 def driver_log(name: str) -> str:

@@ -12,7 +12,7 @@ Nothing runs here.
 import posixpath
 import shlex
 
-from tpu_cluster import VENV, check_overrides
+from tpu_cluster import VENV, check_not_overriding, check_overrides
 from tpu_provision import TPU_VM, Cloud
 from tpu_slices import SliceSpec, one_slice
 
@@ -64,6 +64,7 @@ def dp_main_command(
             f"--config.distributed.num_processes={spec.hosts}",
             f"--config.distributed.process_id={worker}",
         ]
+    check_not_overriding(cmd, overrides)
     return [*cmd, *overrides]
 
 
