@@ -602,6 +602,73 @@ def test_host_cpu_share_counts_the_threads_cpu_not_its_waits(small_config, tmp_p
     assert 0.25 < cpu < host - 0.25, (cpu, host)
 
 
+def test_a_launch_held_by_the_devices_full_queue_is_a_wait_for_the_device(
+    small_config, tmp_path, monkeypatch
+):
+    """XLA:CPU holds at most 32 programs per device in flight, and a launch beyond that
+    blocks until one finishes: a device-bound learner then waits in the train step's call,
+    not in a metrics read. That wait is the device's, so host_share stays low (it read
+    ~1.0 on Ray, and 0.55-0.98 for one local learner on this CPU, counting it as host work)."""
+    import json
+    import time
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime.local import LocalRuntime
+    from decoupled_diloco.train import replica as replica_module
+
+    pause = 0.03  # seconds each launch of the train step is held, off the CPU
+
+    def held(*args, **kwargs):
+        fn = jax.jit(*args, **kwargs)
+        return replica_module._Launch(lambda *a, **k: (time.sleep(pause), fn(*a, **k))[1])
+
+    monkeypatch.setattr(replica_module, "_launch", held)  # the replica's train step, row ops
+    run = config_lib.validate(small_config(**{"train.prefetch": 0, "train.steps": 10}))
+    before = replica_module.dispatch_waited()
+    LocalRuntime(run, str(tmp_path), verbose=False).run()
+    assert replica_module.dispatch_waited() == before  # counted on the learner's thread
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if r.get("learner") == 0 and "host_share" in r][2:]
+    assert len(rows) >= 5
+    host = float(np.median([r["host_share"] for r in rows]))
+    assert host < 0.5, host  # >= 30 ms of each step held in the launch
+
+
+def test_dispatch_waited_counts_a_threads_time_off_the_cpu_in_launches():
+    import threading
+    import time
+
+    from decoupled_diloco.train import replica as replica_module
+
+    asleep = replica_module._Launch(lambda: time.sleep(0.05))
+    spin_until = [0.0]
+
+    def spin():
+        spin_until[0] = time.thread_time() + 0.05
+        while time.thread_time() < spin_until[0]:
+            pass
+
+    busy = replica_module._Launch(spin)
+    seen = {}
+
+    def on_a_thread():
+        t0 = replica_module.dispatch_waited()
+        asleep()
+        seen["asleep"] = replica_module.dispatch_waited() - t0
+        t0 = replica_module.dispatch_waited()
+        busy()
+        seen["busy"] = replica_module.dispatch_waited() - t0
+
+    main = replica_module.dispatch_waited()
+    thread = threading.Thread(target=on_a_thread)
+    thread.start()
+    thread.join()
+    assert 0.045 <= seen["asleep"] < 0.5
+    assert seen["busy"] < 0.03  # on the CPU all along (2 busy cores may preempt it a little)
+    assert replica_module.dispatch_waited() == main  # another thread's waits are its own
+
+
 @pytest.mark.parametrize("every,duty,first_s", [(1, 0.25, 0.02), (1, 0.25, 0.4), (3, 1.0, 0.02)])
 def test_learner_checkpoints_take_at_most_their_duty_of_the_time(
     small_config, tmp_path, monkeypatch, every, duty, first_s

@@ -30,6 +30,7 @@ from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Leave, Snapshot
 from decoupled_diloco.runtime.boundary import MergeStager, apply_updates, finish, step_boundary
 from decoupled_diloco.runtime.outbox import Outbox
+from decoupled_diloco.train.replica import dispatch_waited
 
 _MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
 POLL_S = 0.02  # seconds between checks while a learner is down
@@ -249,7 +250,7 @@ class LearnerLoop:
                     break  # resumed in its final sync, and Θ holds every step: none to take
             t_step, waited = time.perf_counter(), self.wait_seconds
             c_step, idle_cpu = time.thread_time(), self._idle_cpu
-            device_wait = self._device_wait
+            device_wait, launch_wait = self._device_wait, dispatch_waited()
             profiling.step(m, self.step, self.replica.ready)  # --profile's window
             metrics = self.replica.step(next(self.data))
             self.step += 1
@@ -277,8 +278,10 @@ class LearnerLoop:
             blocked = self.wait_seconds - waited  # waiting for a merge is not compute
             off = blocked + evaluating
             self._wall += time.perf_counter() - t_step - evaluating
-            # This step's waits: for merges, and for the device (reading metrics).
-            self._blocked += blocked + (self._device_wait - device_wait)
+            # This step's waits: for merges, and for the device (reading metrics, and
+            # launching programs while its queue is full).
+            launched = dispatch_waited() - launch_wait
+            self._blocked += blocked + (self._device_wait - device_wait) + launched
             self._cpu += time.thread_time() - c_step - (self._idle_cpu - idle_cpu)
             self._straggle(unread, time.perf_counter() - t_step - off)
             if self.stager is not None and not flush:  # a flush empties the device queue
@@ -642,8 +645,9 @@ class LearnerLoop:
         rec.update(mfu.row_fields(self.run_cfg, self.replica.mesh, rate))
         if self._wall > 0:
             # Share of the steps' wall time this thread was busy on the host (data, the
-            # protocol's boundary, dispatch, rows) instead of waiting for the device: near
-            # 1, the device idles between steps (a host-bound learner).
+            # protocol's boundary, dispatch, rows) instead of waiting for the device (in a
+            # metrics read, or in a launch the device's full queue held: `dispatch_waited`):
+            # near 1, the device idles between steps (a host-bound learner).
             rec["host_share"] = round(min(max(1.0 - self._blocked / self._wall, 0.0), 1.0), 4)
             # Of that, the share it ran on a CPU: host_share - host_cpu_share is time it was
             # ready to run Python but did not (the interpreter lock other threads held,

@@ -24,6 +24,44 @@ from decoupled_diloco.models import flatten_params, unflatten_params
 from decoupled_diloco.train import optimizer as optim
 from decoupled_diloco.train.step import TrainState, make_train_step
 
+# Seconds each thread has spent off the CPU inside the jitted calls below (`dispatch_waited`).
+_dispatch_waits = threading.local()
+
+
+def dispatch_waited() -> float:
+    """Seconds the calling thread has spent off the CPU inside this module's jitted calls,
+    all told. A launch returns at once while the device has room for it, and blocks while
+    its queue of programs is full (XLA:CPU holds 32 per device): a learner that far ahead
+    waits for the device there, not in a metrics read, and that wait is not host work.
+    (It also holds whatever else kept a launching thread off the CPU: a compile on other
+    threads at a first call, the interpreter lock taken back after it.)"""
+    return getattr(_dispatch_waits, "seconds", 0.0)
+
+
+class _Launch:
+    """A jitted function whose calls add their off-CPU time to `dispatch_waited`; its other
+    attributes (`lower`) are the function's."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self, *args, **kwargs):
+        t, c = time.perf_counter(), time.thread_time()
+        out = self._fn(*args, **kwargs)
+        off = (time.perf_counter() - t) - (time.thread_time() - c)
+        if off > 0:
+            _dispatch_waits.seconds = dispatch_waited() + off
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+
+def _launch(*args, **kwargs) -> _Launch:
+    """`jax.jit(*args, **kwargs)`, timed as `_Launch`."""
+    return _Launch(jax.jit(*args, **kwargs))
+
+
 # The protocol's device operations on a fragment's leaves (dicts of arrays). Shared by
 # every replica of the process, so learners on the same devices compile each fragment's
 # once; `Replica.precompile` compiles them before the first step. Merges update θ in place:
@@ -32,23 +70,23 @@ from decoupled_diloco.train.step import TrainState, make_train_step
 # the whole state every step, offers and snapshots are copies (`fragment_copies`), saves
 # are synchronous, and only data-parallel runs (which never merge) evaluate the replica's
 # own parameters.
-_mix = jax.jit(  # α·a + (1 − α)·b
+_mix = _launch(  # α·a + (1 − α)·b
     lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b),
     donate_argnums=0,
 )
-_add = jax.jit(  # a + s·d
+_add = _launch(  # a + s·d
     lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
 )
-_copy = jax.jit(lambda a: jax.tree.map(lambda x: x.copy(), a))
+_copy = _launch(lambda a: jax.tree.map(lambda x: x.copy(), a))
 # θ + R of members a landing set steps aside from (`Replica.land`): new arrays, one launch.
-_plus = jax.jit(lambda theta, held: jax.tree.map(lambda t, r: t + r, theta, held))
+_plus = _launch(lambda theta, held: jax.tree.map(lambda t, r: t + r, theta, held))
 # A landing's steps set aside (`Replica.land`): s·(θ + x − Θ_new), s = 1 − α, added onto the
 # members' earlier R (donated) or new; x is used once.
-_set_aside = jax.jit(
+_set_aside = _launch(
     lambda theta, x, new, s: jax.tree.map(lambda t, d, n: s * ((t + d) - n), theta, x, new),
     donate_argnums=1,
 )
-_set_aside_onto = jax.jit(
+_set_aside_onto = _launch(
     lambda held, theta, x, new, s: jax.tree.map(
         lambda r, t, d, n: r + s * ((t + d) - n), held, theta, x, new
     ),
@@ -58,17 +96,17 @@ _set_aside_onto = jax.jit(
 # in the same order: the same bits, except that XLA may flush subnormals, |x| < 1.2e-38, to
 # zero where numpy keeps them), from arrays on the devices (`MergeStager`). Θ_new is not
 # donated: it stays as the next rebase's G. v̂ is used once.
-_rebase_held = jax.jit(
+_rebase_held = _launch(
     lambda new, anchor, sent: jax.tree.map(lambda t, a, v: (t - a) + v, new, anchor, sent),
     donate_argnums=2,
 )
-_rebase_shift = jax.jit(lambda new, anchor: jax.tree.map(lambda t, a: t - a, new, anchor))
+_rebase_shift = _launch(lambda new, anchor: jax.tree.map(lambda t, a: t - a, new, anchor))
 # An offer's outer gradient v = G − θ (`diloco.learner.materialize`'s float32 subtraction),
 # from the G a `MergeStager` kept on the devices; a new array, so it survives donation.
-_outer = jax.jit(lambda anchor, theta: jax.tree.map(lambda a, t: a - t, anchor, theta))
+_outer = _launch(lambda anchor, theta: jax.tree.map(lambda a, t: a - t, anchor, theta))
 # The same from θ + R where a landing set steps aside: G − (θ + R), `_plus` then `_outer`'s
 # float32 operations in one launch.
-_outer_plus = jax.jit(
+_outer_plus = _launch(
     lambda anchor, theta, held: jax.tree.map(lambda a, t, r: a - (t + r), anchor, theta, held)
 )
 # (Device ids, a fragment's members) -> the lock of `Replica.precompile`'s compile of it.
@@ -104,7 +142,7 @@ class Replica:
         self.state_shardings = TrainState(
             sharding.replicated(mesh), self.param_shardings, self.opt_shardings
         )
-        self._train_step = jax.jit(
+        self._train_step = _launch(
             make_train_step(model_cfg, self.optimizer, learning_rate, mesh, train_cfg.microbatches),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, sharding.replicated(mesh)),
@@ -440,7 +478,7 @@ class Replica:
     def _row_update(self, leaf: str):
         """The jitted row-slice update of `leaf` (`_update_rows`, keeping its sharding)."""
         if leaf not in self._row_updates:
-            self._row_updates[leaf] = jax.jit(
+            self._row_updates[leaf] = _launch(
                 _update_rows,
                 static_argnums=(2, 3),
                 out_shardings=self.flat_shardings[leaf],
@@ -453,6 +491,7 @@ def _pick(d: dict, keys) -> dict:
     return {k: d[k] for k in keys}
 
 
+@_Launch
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _take_rows(x: jax.Array, start: int, stop: int) -> jax.Array:
     return x[start:stop]
@@ -464,6 +503,7 @@ def _rows(name: str, x: jax.Array, rows: slice) -> jax.Array:
     return _take_rows(x, rows.start, rows.stop)
 
 
+@_Launch
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _outer_rows(anchor: jax.Array, x: jax.Array, start: int, stop: int) -> jax.Array:
     return anchor - x[start:stop]
