@@ -110,6 +110,7 @@ def write_plans(out) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "fragmentation_plan.png", dpi=120)
     plt.close(fig)
     (out / "fragmentation_plan.md").write_text(text)

@@ -169,13 +169,13 @@ def out_dir() -> pathlib.Path:
 
 
 def setup() -> pathlib.Path:
-    """Compilation cache, quiet logs, output folder; returns the output folder."""
+    """Compilation cache, quiet logs; returns the output folder, created only once the arms
+    are checked (`run_arms`) or something is written into it: a typo leaves no folder."""
     from decoupled_diloco import compile_cache
 
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
     compile_cache.enable()
     out = out_dir()
-    (out / "runs").mkdir(parents=True, exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     return out
 
@@ -208,6 +208,7 @@ def check_configs(arms_fn, out: pathlib.Path, quick: dict, full: dict) -> None:
                 print(f"{scale} {m}: {len(arms)} arms x seeds {seeds()} valid", flush=True)
     finally:
         FLAGS.quick, FLAGS.smoke, FLAGS.scale = saved
+    out.mkdir(parents=True, exist_ok=True)
     (out / "configs.json").write_text(json.dumps(dump, indent=1, sort_keys=True))
     print(f"wrote {out}/configs.json ({len(dump)} configs)", flush=True)
 
@@ -334,6 +335,7 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
     budget = FLAGS.budget_s or (budget_s or {}).get(mode(), 0.0)
     todo = [(a, s) for s in seeds() for a in arms]
     print(f"{len(todo)} runs: {len(arms)} arms x seeds {seeds()}, {mode_note()}", flush=True)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
     results, t0, warm = [], time.time(), set()
     for i, (arm, seed) in enumerate(todo, 1):
         c = config_for(arm, seed, quick, full)
@@ -387,6 +389,7 @@ def write(out: pathlib.Path, name: str, markdown: str, fig, results: list[Result
     """<name>.md, <name>.png and <name>.json (every summary) into `out`; prints the table."""
     import matplotlib.pyplot as plt
 
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(markdown)
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=120)

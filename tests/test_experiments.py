@@ -326,12 +326,15 @@ def test_inner_lr_sweep_compares_each_arm_at_its_best_lr(tmp_path):
         (["--seeds=a,b"], "--seeds=a,b: seeds are integers >= 0"),
         (["--seeds=0,0"], "--seeds=0,0: give one or more distinct integers >= 0"),
         (["--smoke", "--budget_s=-1"], "--budget_s=-1: a cap in seconds"),
+        (["--arms=K4,no_such_arm"], "--arms: unknown ['no_such_arm']"),
     ],
 )
 def test_bad_seeds_and_budgets_fail_before_any_run(tmp_path, args, why):
     """They ran: letters as a traceback, a repeated seed as a spread of 0, a negative budget
-    stopping every run after one step, with tables written as if valid."""
-    cmd = [sys.executable, str(ROOT / "experiments" / "quorum_grace.py"), f"--out={tmp_path}"]
+    stopping every run after one step, with tables written as if valid. Nor is the output
+    folder made for a run refused (an unknown arm left an empty one)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "experiments" / "quorum_grace.py"), f"--out={out}"]
     proc = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
-    assert not list(tmp_path.rglob("summary.json"))
+    assert not out.exists()
