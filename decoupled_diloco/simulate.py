@@ -29,6 +29,7 @@ ignored.
 import dataclasses
 import json
 import os
+import sys
 
 from absl import app, flags
 
@@ -104,7 +105,7 @@ def main(argv):
             spec = load_fault_spec(FLAGS.fault_spec)
         result = simulate(FLAGS.method, FLAGS.chips, FLAGS.learners, params, spec)
     except ValueError as e:
-        raise app.UsageError(str(e)) from e
+        sys.exit(f"error: {e}")  # (a UsageError would print every flag's help above it)
     if FLAGS.json:
         print(json.dumps(result.to_dict()))
         return

@@ -237,6 +237,12 @@ def test_million_chips_over_weeks_is_fast():
         (("dp", 100, 1, dataclasses.replace(SHORT, slice_chips=0)), "slice_chips"),
         (("dp", 100, 1, dataclasses.replace(SHORT, horizon_days=0.0)), "horizon_days"),
         (("dp", 6, 2, SHORT, FaultSpec(chips_per_learner=2)), "chips_per_learner"),
+        # What one process can hold: arrays per chip and per failure.
+        (("dp", 10**9, 1, SHORT), "chips .1,000,000,000. above 100,000,000"),
+        (
+            ("dp", 1_200_000, 1, dataclasses.replace(SHORT, chip_mtbf_years=1e-4)),
+            "failures expected .chips x horizon / chip MTBF. above 20,000,000",
+        ),
     ],
 )
 def test_bad_input_names_the_key(args, key):
@@ -265,6 +271,8 @@ def test_cli_json():
         cmd[:-1] + ["--learners=3"], capture_output=True, text=True, env=env, cwd=root
     )
     assert bad.returncode != 0 and "chips" in bad.stderr + bad.stdout
+    # The error alone, not every flag's help above it.
+    assert bad.stderr.strip().splitlines() == ["error: chips (2) must be divisible by learners (3)"]
 
 
 # The paper's goodput at 1.2M chips, chip MTBF 1 year (the design brief's reference numbers).

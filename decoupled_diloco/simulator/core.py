@@ -61,6 +61,12 @@ class SimResult:
         return dataclasses.asdict(self)
 
 
+# What one process models: it keeps arrays per chip (~16 bytes each) and per failure (~200
+# bytes: 1.2M chips and 0.92M failures took 210 MB, 12M chips and 0.46M failures 173 MB).
+MAX_CHIPS = 100_000_000
+MAX_FAILURES = 20_000_000
+
+
 def _check(method: str, chips: int, learners: int, p: SimParams, spec) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -78,6 +84,18 @@ def _check(method: str, chips: int, learners: int, p: SimParams, spec) -> None:
             f"({spec.chips_per_learner}) when a FaultSpec drives the simulation"
         )
     validate_sim_params(p)
+    if chips > MAX_CHIPS:
+        raise ValueError(
+            f"chips ({chips:,}) above {MAX_CHIPS:,}: the simulation keeps arrays per chip "
+            "(~16 bytes each) in memory"
+        )
+    failures = _failures_per_s(chips, p, spec) * p.horizon_s
+    if failures > MAX_FAILURES:
+        raise ValueError(
+            f"~{failures:,.0f} failures expected (chips x horizon / chip MTBF) above "
+            f"{MAX_FAILURES:,}, each kept in memory (~200 bytes): shorten the horizon or "
+            "simulate fewer chips"
+        )
 
 
 def _slice_efficiency(trace: Trace, learners: int, groups: int, p: SimParams) -> np.ndarray:
