@@ -204,6 +204,26 @@ def test_a_corrupt_tokenizer_model_is_named_at_start_up(small_config, tmp_path):
         config_lib.validate(c)
 
 
+def test_a_tokenizer_bucket_out_of_reach_is_named(monkeypatch):
+    """Without network a gs:// model's read ended, after gcsfs's retries, in aiohttp's DNS
+    error (an OSError) with nothing naming the config key."""
+    from decoupled_diloco import paths
+    from decoupled_diloco.data import tokenizer
+
+    class Unreachable:
+        def is_file(self):
+            raise OSError("Cannot connect to host storage.googleapis.com:443 ssl:default")
+
+    monkeypatch.setattr(paths, "resolve", lambda path: Unreachable())
+    with pytest.raises(ValueError) as e:
+        tokenizer.load_sentencepiece("gs://bucket/t.model")
+    assert str(e.value).startswith(
+        "data.spm_model_path='gs://bucket/t.model' could not be read from this machine "
+        "(OSError: Cannot connect to host storage.googleapis.com:443 ssl:default): check its "
+        "network and credentials"
+    )
+
+
 def test_the_command_line_refuses_a_binary_corpus_in_one_line(tmp_path):
     """The whole entry point: one line naming the file, exit != 0, no workdir."""
     binary = _binary_file(tmp_path)

@@ -177,10 +177,19 @@ def load_sentencepiece(model_path: str) -> SentencePieceTokenizer:
     """The sentencepiece model in the file `data.spm_model_path` names (local or gs://);
     ValueError naming the file when it is missing or not a model."""
     path = paths.resolve(model_path)
-    if not path.is_file():
+    try:
+        found = path.is_file()
+        data = path.read_bytes() if found else b""
+    except OSError as e:  # a bucket out of reach: no network, no credentials (gcsfs, aiohttp)
+        raise ValueError(
+            f"data.spm_model_path={model_path!r} could not be read from this machine "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}):"
+            " check its network and credentials, or copy the model to a local file"
+        ) from e
+    if not found:
         raise ValueError(f"data.spm_model_path={model_path!r}: no such file")
     try:
-        tokenizer = SentencePieceTokenizer(path.read_bytes())
+        tokenizer = SentencePieceTokenizer(data)
     except (RuntimeError, OSError) as e:  # sentencepiece: "could not parse ModelProto"
         raise ValueError(
             f"data.spm_model_path={model_path!r}: {path} is not a readable sentencepiece "
