@@ -4,10 +4,16 @@
     python -m decoupled_diloco.evaluate --workdir=/tmp/dd_dec --step=200    # an older checkpoint
     python -m decoupled_diloco.evaluate --workdir=/tmp/dd_dec \\
         --config.data.source=shakespeare --config.data.eval_fraction=0.05   # another corpus
+    python -m decoupled_diloco.evaluate --workdir=/tmp/dd_dec --text=held_out/   # whole files
 
 Only `--config.data.*` (and `--config.train.eval_batches`) overrides apply; everything else
-is the run's own config. On the run's own eval set, with the devices it evaluated on, this
-prints the number in its summary.json (`final_eval_loss`).
+is the run's own config. `--text=PATH` (a file, folder or glob, read as `data.path` reads
+one) scores all of it instead of an eval split: its documents packed with the separator as
+in training, cut into windows of `data.seq_len` predictions that follow one another, so
+every token after the first is predicted once, from the context its window holds (only
+`--config.data.seq_len` applies); the tokens after the last whole window are not scored.
+On the run's own eval set, with the devices it evaluated on, this prints the number in its
+summary.json (`final_eval_loss`).
 """
 
 from decoupled_diloco import cli
@@ -65,6 +71,48 @@ def evaluate(
     return evaluator(model.params), model.source
 
 
+def evaluate_text(
+    path: str, text: str, step: int | None = None, seq_len: int | None = None
+) -> tuple[float, str, dict]:
+    """(mean loss, where Θ came from, counts) of the model at `path` over every token of the
+    files `text` names (module docstring), in windows of `seq_len` (default: the run's)."""
+    import jax
+    import numpy as np
+
+    from decoupled_diloco import sharding
+    from decoupled_diloco.data import corpus, sources
+    from decoupled_diloco.loading import load
+    from decoupled_diloco.train.evaluate import Evaluator
+
+    model = load(path, step)
+    run = model.config
+    t = run.data.seq_len if seq_len is None else seq_len
+    if not isinstance(t, int) or t < 1:
+        raise ValueError(f"data.seq_len must be an int >= 1, got {t!r}")
+    docs = sources.read_documents(sources.path_files(text))
+    ids = corpus.pack(model.tokenizer, [d.text for d in docs]).astype(np.int32)
+    n = (len(ids) - 1) // t  # windows of t + 1 tokens, each starting at the last one's end
+    if n < 1:
+        raise ValueError(
+            f"--text={text!r}: {len(ids)} tokens (with separators), fewer than one window "
+            f"of data.seq_len + 1 = {t + 1}"
+        )
+    windows = np.lib.stride_tricks.sliding_window_view(ids[: n * t + 1], t + 1)[::t]
+    per = min(run.devices_per_learner, jax.device_count())
+    mesh = sharding.make_mesh(sharding.learner_devices(jax.devices(), per, 0), run.mesh)
+    b = run.train.batch_size  # (a multiple of the batch-parallel devices: validated)
+    whole = n - n % b
+    batches = [np.ascontiguousarray(windows[i : i + b]) for i in range(0, whole, b)]
+    # A window left over scores alone: a batch of copies of it has its loss as the mean
+    # (rows never mix: attention is within a row, and MoE routes each row on its own).
+    batches += [np.repeat(windows[i : i + 1], b, axis=0) for i in range(whole, n)]
+    weights = [b] * (whole // b) + [1] * (n - whole)
+    evaluator = Evaluator(run.model, run.data, mesh, b, 0, batches, weights)
+    counts = {"files": len(docs), "tokens": len(ids), "windows": n,
+              "unscored_tokens": len(ids) - 1 - n * t}  # fmt: skip
+    return evaluator(model.params), model.source, counts
+
+
 def main(argv) -> None:
     del argv
     FLAGS = flags.FLAGS
@@ -81,18 +129,41 @@ def main(argv) -> None:
         sys.exit(f"error: only --config.data.* and --config.train.eval_batches apply, not {other}")
     from decoupled_diloco.checkpoint import CorruptCheckpointError
 
+    if FLAGS.text:
+        extra = sorted(k for k in overrides if k != "data.seq_len")
+        if extra:
+            sys.exit(f"error: with --text only --config.data.seq_len applies, not {extra}")
     try:
-        loss, source = evaluate(
-            FLAGS.workdir, FLAGS.step, data, overrides.get("train.eval_batches")
-        )
+        if FLAGS.text:
+            loss, source, counts = evaluate_text(
+                FLAGS.workdir, FLAGS.text, FLAGS.step, data.get("seq_len")
+            )
+        else:
+            loss, source = evaluate(
+                FLAGS.workdir, FLAGS.step, data, overrides.get("train.eval_batches")
+            )
     except (FileNotFoundError, ValueError, CorruptCheckpointError) as e:
         sys.exit(f"error: {e}")
+    if FLAGS.text:
+        print(
+            f"eval_loss={loss:.6f} over {FLAGS.text}: {counts['windows']} windows, "
+            f"{counts['tokens'] - 1 - counts['unscored_tokens']} tokens predicted, "
+            f"{counts['unscored_tokens']} after the last window not ({source}; {FLAGS.workdir})",
+            flush=True,
+        )
+        return
     print(f"eval_loss={loss:.6f} ({source}; {FLAGS.workdir})", flush=True)
 
 
 def _define_flags() -> None:
     flags.DEFINE_string("workdir", None, "A run's workdir, or an exported model.")
     flags.DEFINE_integer("step", None, "The newest checkpoint at or before this step.")
+    flags.DEFINE_string(
+        "text",
+        None,
+        "Score all of these files (a file, folder or glob) instead of an eval split: every "
+        "token predicted once, in windows of data.seq_len.",
+    )
     config_flags.DEFINE_config_dict("config", config_lib.default_config())
 
 

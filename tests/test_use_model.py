@@ -85,6 +85,39 @@ def test_evaluate_with_data_path_alone_scores_that_text(runs, tmp_path):
     assert np.isfinite(loss) and loss != pytest.approx(summary["final_eval_loss"], abs=1e-3)
 
 
+@pytest.mark.parametrize("name", ["dp", "moe"])
+def test_evaluate_text_predicts_every_token_of_the_files_once(runs, name, tmp_path):
+    """`evaluate --text`: all of the files, not a split: their documents packed with the
+    separator, windows of seq_len predictions one after another; against a float64 mean of
+    the target log-probabilities from `Model.forward`, window by window. 42 windows at
+    batch 8: five whole batches and two left over, each scored alone (MoE too: its rows
+    are routed on their own)."""
+    from decoupled_diloco.evaluate import evaluate_text
+
+    workdir, _ = runs[name]
+    model = decoupled_diloco.load(str(workdir))
+    docs = ["def f(x):\n    return x * 2\n" * 12, "import os\nprint(os.sep)\n" * 15]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    t = 16
+    ids = []
+    for d in docs:
+        ids += list(model.tokenizer.encode(d)) + [model.tokenizer.eos_id]
+    n = (len(ids) - 1) // t
+    assert n == 42 and n % 8 == 2, n
+    nll = []
+    for i in range(n):
+        window = ids[i * t : i * t + t + 1]
+        logits, _ = model.forward([window[:-1]])
+        logp = jax.nn.log_softmax(np.asarray(logits[0], np.float64), axis=-1)
+        nll += [-float(logp[j, window[j + 1]]) for j in range(t)]
+    loss, _, counts = evaluate_text(str(workdir), str(tmp_path / "corpus.jsonl"), seq_len=t)
+    assert counts == {"files": 2, "tokens": len(ids), "windows": n,
+                      "unscored_tokens": len(ids) - 1 - n * t}  # fmt: skip
+    assert loss == pytest.approx(float(np.mean(nll)), rel=2e-5)
+    with pytest.raises(ValueError, match="fewer than one window of data.seq_len"):
+        evaluate_text(str(workdir), str(tmp_path / "corpus.jsonl"), seq_len=len(ids))
+
+
 def test_export_round_trips_bit_exactly(runs, tmp_path):
     workdir, _ = runs["dec"]
     export(str(workdir), str(tmp_path / "model"))

@@ -10,11 +10,15 @@ from decoupled_diloco.train.step import make_eval_step
 
 
 class Evaluator:
-    """Mean eval cross-entropy over the first `num_batches` held-out batches (fixed set)."""
+    """Mean eval cross-entropy over the first `num_batches` held-out batches (fixed set), or
+    over `batches` given with their `weights` (how many distinct windows each stands for)."""
 
-    def __init__(self, model_cfg, data_cfg, mesh, batch_size: int, num_batches: int):
-        it = make_iterator(data_cfg, "eval", batch_size=batch_size)
-        self.batches = [next(it) for _ in range(num_batches)]
+    def __init__(self, model_cfg, data_cfg, mesh, batch_size: int, num_batches: int,
+                 batches: list | None = None, weights: list | None = None):  # fmt: skip
+        if batches is None:
+            it = make_iterator(data_cfg, "eval", batch_size=batch_size)
+            batches = [next(it) for _ in range(num_batches)]
+        self.batches, self.weights = batches, weights
         abstract = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
         self.param_shardings = sharding.param_shardings(
             abstract, models.param_logical_axes(model_cfg), mesh
@@ -35,4 +39,7 @@ class Evaluator:
             batch = transfer.to_device({"b": b}, {"b": self.batch_sharding})["b"]
             losses.append(self._eval(params, batch))
         host = transfer.to_host({str(i): x for i, x in enumerate(losses)})
-        return float(np.mean([float(v) for v in host.values()]))
+        values = [float(host[str(i)]) for i in range(len(losses))]
+        if self.weights is None:
+            return float(np.mean(values))
+        return float(np.average(values, weights=self.weights))
