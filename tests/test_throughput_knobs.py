@@ -82,7 +82,44 @@ def test_remat_wraps_every_block_with_its_policy():
     full = _remat_policies(models.get_model_config("tiny", remat="full"))
     dots = _remat_policies(models.get_model_config("tiny", remat="dots"))
     assert full == [None, None]  # one per block (tiny has 2), saving nothing
-    assert dots == [jax.checkpoint_policies.dots_with_no_batch_dims_saveable] * 2
+    assert dots == [models.transformer.REMAT_POLICIES["dots"]] * 2
+
+
+def _saved(cfg) -> list[str]:
+    """What the gradient keeps from the forward pass (jax's saved-residuals listing)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    params = models.init_params(cfg, jax.random.key(0))
+    batch = batch_of(cfg, batch=2, seq=16)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda p: models.forward(cfg, p, batch[:, :-1])[0].mean(), params)
+    return out.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("capacity_factor", [1.25, 0.0], ids=["capacity", "dropless"])
+def test_remat_dots_keeps_the_experts_matmuls(capacity_factor):
+    """The experts' matmuls are the bulk of an MoE block's FLOPs; "dots" keeps their outputs
+    (gate, up, down of every MoE block) as it keeps the dense projections, "full" none. The
+    no-batch-dims policy alone kept neither the capacity path's E-batched einsums nor the
+    dropless grouped matmuls: "dots" recomputed nearly what "full" does."""
+    kept = {}
+    for remat in ("dots", "full"):
+        cfg = models.get_model_config("tiny_moe", remat=remat, capacity_factor=capacity_factor)
+        kept[remat] = [ln for ln in _saved(cfg) if "named 'expert_matmul'" in ln]
+    assert len(kept["dots"]) == 3 * models.get_model_config("tiny_moe").num_layers
+    assert kept["full"] == []
+
+
+def test_remat_dots_moe_gives_the_plain_step():
+    plain = one_step(
+        models.get_model_config("tiny_moe"), batch_of(models.get_model_config("tiny_moe"))
+    )
+    cfg = models.get_model_config("tiny_moe", remat="dots")
+    assert_same_step(one_step(cfg, batch_of(cfg)), plain)
 
 
 def _compiled_dots(cfg) -> int:

@@ -35,10 +35,16 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from decoupled_diloco.models.config import ModelConfig
 from decoupled_diloco.models.layers import FeedForward, fan_in_init, param
 from decoupled_diloco.sharding import constrain
+
+# Name of the routed experts' matmul outputs, which remat "dots" keeps (transformer.py): its
+# policy keeps dots without batch dimensions, and these are batched over E (capacity
+# path) or grouped (`ragged_dot_general`, dropless), so they would be recomputed.
+EXPERT_MATMUL = "expert_matmul"
 
 # Logical axes of expert-major activations: rows on the data axes, experts on `expert`.
 _DISPATCHED = ("dispatch_batch", "expert", None, None)
@@ -111,10 +117,11 @@ def capacity_experts(
     dtype = x_BTD.dtype
     x_BECD = jnp.einsum("BTEC,BTD->BECD", dispatch_BTEC.astype(dtype), x_BTD)
     x_BECD = constrain(x_BECD, _DISPATCHED)  # token-major -> expert-major: all-to-all
-    gate_BECF = jnp.einsum("BECD,EDF->BECF", x_BECD, gate_EDF)
-    up_BECF = jnp.einsum("BECD,EDF->BECF", x_BECD, up_EDF)
+    gate_BECF = checkpoint_name(jnp.einsum("BECD,EDF->BECF", x_BECD, gate_EDF), EXPERT_MATMUL)
+    up_BECF = checkpoint_name(jnp.einsum("BECD,EDF->BECF", x_BECD, up_EDF), EXPERT_MATMUL)
     hidden_BECF = constrain(jax.nn.gelu(gate_BECF, approximate=True) * up_BECF, _DISPATCHED_HIDDEN)
-    y_BECD = constrain(jnp.einsum("BECF,EFD->BECD", hidden_BECF, down_EFD), _DISPATCHED)
+    y_BECD = jnp.einsum("BECF,EFD->BECD", hidden_BECF, down_EFD)
+    y_BECD = constrain(checkpoint_name(y_BECD, EXPERT_MATMUL), _DISPATCHED)
     y_BECD = constrain(y_BECD, _TOKEN_MAJOR)  # expert-major -> token-major: all-to-all back
     return jnp.einsum("BTEC,BECD->BTD", combine_BTEC.astype(dtype), y_BECD)
 
@@ -143,7 +150,9 @@ def _grouped_matmul(
     y_BMO = jax.lax.ragged_dot_general(
         x_BMI, w_EIO, group_sizes_BE, ragged_dot_dimension_numbers=_GROUPED
     )
-    return constrain(y_BMO, ("batch", None, "mlp" if mlp_dim == 2 else None))
+    return constrain(
+        checkpoint_name(y_BMO, EXPERT_MATMUL), ("batch", None, "mlp" if mlp_dim == 2 else None)
+    )
 
 
 def dropless_experts(

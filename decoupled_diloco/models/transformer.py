@@ -18,11 +18,13 @@ never scanned:
 Rematerialisation (`cfg.remat`, training only: decoding with a KV cache never remats) wraps
 each decoder block in `jax.checkpoint` (flax `nn.remat`; param names are unchanged):
 "full" saves nothing inside a block, so the backward pass reruns the block's forward from its
-input (activation memory ~ one [B, T, D] per block, ~1/3 more FLOPs); "dots" uses
-`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`: the outputs of matmuls with no
-dot batch dimension (the weight projections q/k/v/out, ffw, router and experts) are saved,
-while attention's [B, H, T, S] scores and probabilities (batched dots over B and H), softmax,
-norms, rotary and gelu are recomputed; it removes the T^2 memory for little recompute.
+input (activation memory ~ one [B, T, D] per block, ~1/3 more FLOPs); "dots" saves the
+outputs of the weight projections: `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`
+(matmuls with no dot batch dimension: q/k/v/out, ffw, router) and the routed experts' matmuls
+by name (`moe.EXPERT_MATMUL`: batched over E in the capacity path, grouped in the dropless
+one, so that policy alone would recompute them), while attention's [B, H, T, S] scores and
+probabilities (batched dots over B and H), softmax, norms, rotary and gelu are recomputed; it
+removes the T^2 memory for little recompute.
 
 Embedding init: normal with std 0.02 (GPT-2 convention). Inputs are embedding * sqrt(D), and
 logits are final-normed x (RMS 1) @ embedding.T, so initial logits have std 0.02 * sqrt(D): ~0.16
@@ -39,7 +41,7 @@ import numpy as np
 
 from decoupled_diloco.models.config import ModelConfig, validate_model_config
 from decoupled_diloco.models.layers import Attention, FeedForward, RMSNorm, param, softcap
-from decoupled_diloco.models.moe import MoE
+from decoupled_diloco.models.moe import EXPERT_MATMUL, MoE
 from decoupled_diloco.sharding import constrain
 
 EMBEDDING_INIT_STD = 0.02
@@ -122,7 +124,10 @@ def _moe_aux(cfg: ModelConfig, stats: list[dict]) -> dict[str, jax.Array]:
 
 REMAT_POLICIES = {
     "full": None,  # jax.checkpoint's default: save nothing but the block's inputs
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(EXPERT_MATMUL),
+    ),
 }
 
 
