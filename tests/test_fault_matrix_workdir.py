@@ -199,6 +199,22 @@ def test_a_resume_refuses_changed_config_unless_forced(small_config, tmp_path):
     assert attempts[-1]["forced"] and "train.seed" in attempts[-1]["changed"]
 
 
+def test_a_resume_may_change_where_the_learner_is_placed(small_config, tmp_path):
+    """The mesh (an OOM run resumed FSDP-sharded) changes no math: resumed without
+    --force_resume, its checkpoint restored onto the new shardings."""
+    base = {"train.steps": 8, "train.checkpoint_every": 4}
+    _halted(small_config(**base), tmp_path, after=6)
+    placed = config_lib.validate(small_config(**base, **{"mesh.data": 1, "mesh.fsdp": -1}))
+    assert workdir.check_resume(str(tmp_path), placed, False, False) == ["mesh.data", "mesh.fsdp"]
+    summary = launch.run(placed, str(tmp_path), verbose=False)
+    assert summary["steps"] == 8
+    attempts = _read(tmp_path / "attempts.jsonl")
+    assert not attempts[-1].get("forced")
+    rows = [r for r in _read(tmp_path / "metrics.jsonl") if r.get("learner") == 0]
+    first_steps = [r["step"] for r in rows if r["step"] <= 4]
+    assert first_steps == sorted(set(first_steps))  # steps 1-4 from the first attempt only
+
+
 def _text_corpus(folder, files=6, lines=300):
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(files):

@@ -39,6 +39,14 @@ FREE_TO_CHANGE = frozenset(
         "model.attention_impl",
         "model.logits_chunk",
         "train.microbatches",
+        # Where a learner's computation is placed: its batch and math are the same on any
+        # mesh (to float tolerance), and its checkpoint restores onto the new shardings (an
+        # OOM run may resume sharded FSDP or tensor-parallel).
+        "mesh.data",
+        "mesh.fsdp",
+        "mesh.tensor",
+        "mesh.expert",
+        "devices_per_learner",
         "train.eval_every",
         "train.eval_batches",
         "train.log_every",
