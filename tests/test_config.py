@@ -55,6 +55,9 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"diloco.reply_spares": -1}, "diloco.reply_spares"),
         ({"mesh.tensor": 3}, "mesh"),
         ({"runtime": "slurm"}, "runtime"),
+        # inf / nan passed the model's range checks (inf crashed in the parameter count)
+        ({"model.rope_base": float("inf")}, r"model.rope_base \(inf\) must be finite"),
+        ({"model.attn_logit_softcap": float("nan")}, r"model.attn_logit_softcap \(nan\)"),
         ({"data.source": "nowhere"}, "data.source"),
         ({"train.steps": 0}, "train.steps"),
         # every train.* key in range: these failed in a learner thread or trained quietly

@@ -5,6 +5,7 @@ branches on a preset's name.
 """
 
 import dataclasses
+import math
 
 ATTENTION_KINDS = ("global", "local")
 MOE_LAYER_CHOICES = ("none", "all", "every_other")
@@ -200,6 +201,10 @@ def _require(ok: bool, message: str) -> None:
 
 def validate_model_config(cfg: ModelConfig) -> None:
     """Raises ValueError naming the offending field ("model.<field>") if `cfg` is unusable."""
+    for f in dataclasses.fields(cfg):  # inf / nan pass every range check below, then misbehave
+        value = getattr(cfg, f.name)
+        if isinstance(value, float):
+            _require(math.isfinite(value), f"model.{f.name} ({value}) must be finite")
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         value = getattr(cfg, name)
         _require(value > 0, f"model.{name} ({value}) must be > 0")
