@@ -362,3 +362,38 @@ def test_a_learner_that_fails_to_build_leaves_no_thread_behind(small_config, tmp
     with pytest.raises(RuntimeError, match="cannot be built"):
         _run(cfg, tmp_path)
     assert threads_left(before) == []
+
+
+EVAL_MANY_BATCHES = """
+from decoupled_diloco import cli
+cli.xla_flags(8)
+import jax, numpy as np
+from decoupled_diloco import models, sharding
+from decoupled_diloco.data.config import DataConfig
+from decoupled_diloco.train.evaluate import Evaluator
+cfg = models.get_model_config("tiny")
+mesh = sharding.make_mesh(jax.devices()[:8])
+rng = np.random.default_rng(0)
+batches = [rng.integers(0, 256, (32, 129), dtype=np.int32) for _ in range(100)]
+ev = Evaluator(cfg, DataConfig(), mesh, 32, 0, batches, [1.0] * 100)
+params = models.init_params(cfg, jax.random.key(0))
+print("loss", ev(params))
+"""
+
+
+def test_an_evaluation_of_many_batches_on_a_mesh_completes():
+    """100 batches of 32 x 128 tokens on 8 CPU devices: launched all at once, XLA:CPU (at most 32 programs per
+    device in flight) aborted the process after 60 s ("Termination timeout for all
+    reduce"), so a run with train.eval_batches=100 died without a summary. Run in its own
+    process: an abort must fail this test, not end the test run."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", EVAL_MANY_BATCHES], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-1500:]
+    values = dict(
+        line.split() for line in out.stdout.splitlines() if line[:5] in ("loss ", "first")
+    )
+    assert np.isfinite(float(values["loss"])) and float(values["loss"]) > 0

@@ -9,6 +9,13 @@ from decoupled_diloco.models import flatten_params, unflatten_params
 from decoupled_diloco.train.step import make_eval_step
 
 
+# Batches launched ahead of the ones done. Unbounded, XLA:CPU aborted an evaluation of more
+# than ~32 batches on a mesh of several devices ("Termination timeout for all reduce": it
+# holds at most 32 programs per device in flight, and a collective's participants queued
+# behind others' never met).
+IN_FLIGHT = 8
+
+
 class Evaluator:
     """Mean eval cross-entropy over the first `num_batches` held-out batches (fixed set), or
     over `batches` given with their `weights` (how many distinct windows each stands for)."""
@@ -36,6 +43,8 @@ class Evaluator:
             params = unflatten_params(transfer.to_device(params, self.flat_shardings))
         losses = []
         for b in self.batches:
+            if len(losses) >= IN_FLIGHT:
+                losses[-IN_FLIGHT].block_until_ready()
             batch = transfer.to_device({"b": b}, {"b": self.batch_sharding})["b"]
             losses.append(self._eval(params, batch))
         host = transfer.to_host({str(i): x for i, x in enumerate(losses)})
