@@ -10,8 +10,9 @@ Only `--config.data.*` (and `--config.train.eval_batches`) overrides apply; ever
 is the run's own config. `--text=PATH` (a file, folder or glob, read as `data.path` reads
 one) scores all of it instead of an eval split: its documents packed with the separator as
 in training, cut into windows of `data.seq_len` predictions that follow one another, so
-every token after the first is predicted once, from the context its window holds (only
-`--config.data.seq_len` applies); the tokens after the last whole window are not scored.
+every token after the first is predicted once, from the context its window holds, up to the
+last whole window (the fewer than seq_len tokens after it are not scored; the output counts
+them). Only `--config.data.seq_len` applies.
 On the run's own eval set, with the devices it evaluated on, this prints the number in its
 summary.json (`final_eval_loss`).
 """
@@ -89,7 +90,10 @@ def evaluate_text(
     t = run.data.seq_len if seq_len is None else seq_len
     if not isinstance(t, int) or t < 1:
         raise ValueError(f"data.seq_len must be an int >= 1, got {t!r}")
-    docs = sources.read_documents(sources.path_files(text))
+    try:
+        docs = sources.read_documents(sources.path_files(text))
+    except ValueError as e:  # the readers name the corpus key; here it is the flag
+        raise ValueError(str(e).replace(f"data.path={text!r}", f"--text={text!r}")) from e
     ids = corpus.pack(model.tokenizer, [d.text for d in docs]).astype(np.int32)
     n = (len(ids) - 1) // t  # windows of t + 1 tokens, each starting at the last one's end
     if n < 1:
@@ -103,10 +107,20 @@ def evaluate_text(
     b = run.train.batch_size  # (a multiple of the batch-parallel devices: validated)
     whole = n - n % b
     batches = [np.ascontiguousarray(windows[i : i + b]) for i in range(0, whole, b)]
-    # A window left over scores alone: a batch of copies of it has its loss as the mean
-    # (rows never mix: attention is within a row, and MoE routes each row on its own).
-    batches += [np.repeat(windows[i : i + 1], b, axis=0) for i in range(whole, n)]
-    weights = [b] * (whole // b) + [1] * (n - whole)
+    weights = [b] * (whole // b)
+    # The windows left over go in batches as small as the mesh splits (`ways` rows), the
+    # last filled up with `pad` copies of the first leftover window, whose own loss a batch
+    # of nothing but copies of it gives and takes back out: rows never mix (attention is
+    # within a row, MoE routes each row on its own), so a batch's mean is its rows' mean.
+    ways = sharding.batch_axis_size(mesh)
+    left = windows[whole:n]
+    pad = -len(left) % ways
+    rows = np.concatenate([left, np.repeat(left[:1], pad, axis=0)])
+    batches += [rows[i : i + ways] for i in range(0, len(rows), ways)]
+    weights += [ways] * (len(rows) // ways)
+    if pad:
+        batches.append(np.repeat(left[:1], ways, axis=0))
+        weights.append(-pad)
     evaluator = Evaluator(run.model, run.data, mesh, b, 0, batches, weights)
     counts = {"files": len(docs), "tokens": len(ids), "windows": n,
               "unscored_tokens": len(ids) - 1 - n * t}  # fmt: skip
@@ -129,6 +143,8 @@ def main(argv) -> None:
         sys.exit(f"error: only --config.data.* and --config.train.eval_batches apply, not {other}")
     from decoupled_diloco.checkpoint import CorruptCheckpointError
 
+    if FLAGS["text"].present and not FLAGS.text:
+        sys.exit("error: --text is empty: give a file, folder or glob to score")
     if FLAGS.text:
         extra = sorted(k for k in overrides if k != "data.seq_len")
         if extra:
