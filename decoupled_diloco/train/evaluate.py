@@ -8,7 +8,6 @@ from decoupled_diloco.data import make_iterator
 from decoupled_diloco.models import flatten_params, unflatten_params
 from decoupled_diloco.train.step import make_eval_step
 
-
 # Batches launched ahead of the ones done. Unbounded, XLA:CPU aborted an evaluation of more
 # than ~32 batches on a mesh of several devices ("Termination timeout for all reduce": it
 # holds at most 32 programs per device in flight, and a collective's participants queued
