@@ -382,9 +382,10 @@ print("loss", ev(params))
 
 
 def test_an_evaluation_of_many_batches_on_a_mesh_completes():
-    """100 batches of 32 x 128 tokens on 8 CPU devices: launched all at once, XLA:CPU (at most 32 programs per
-    device in flight) aborted the process after 60 s ("Termination timeout for all
-    reduce"), so a run with train.eval_batches=100 died without a summary. Run in its own
+    """100 batches of 32 x 128 tokens on 8 CPU devices: launched all at once, XLA:CPU (at
+    most 32 programs per device in flight) aborted the process after 60 s ("Termination
+    timeout for all reduce"), so a run with train.eval_batches=100 died without a summary
+    (the test then takes ~65 s instead of ~8). Run in its own
     process: an abort must fail this test, not end the test run."""
     import subprocess
     import sys
