@@ -1,10 +1,13 @@
 """Run outputs: metrics.jsonl, merges.jsonl, events, summary.json and the console progress line."""
 
+import contextlib
 import json
 import math
 import sys
 import threading
 import time
+
+from absl import logging
 
 from decoupled_diloco import paths
 
@@ -17,13 +20,52 @@ def _clean(x):
     return x
 
 
+def parse_jsonl(text: str, name: str) -> list[dict]:
+    """The records of a JSON-lines file's `text`. A last line cut short (no newline after
+    it: a process killed while writing it) is left out; any other line that is not a record
+    is a ValueError naming the file and line."""
+    lines = text.split("\n")
+    torn = lines.pop() if lines else ""  # what follows the last newline: "" or a torn line
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: line {i} is not a JSON record ({e})") from e
+    if torn.strip():
+        with contextlib.suppress(json.JSONDecodeError):  # else cut short: left out
+            records.append(json.loads(torn))  # complete, only its newline missing
+    return records
+
+
+def read_jsonl(path) -> list[dict]:
+    """`parse_jsonl` of the file at `path` (local or remote); [] when there is none."""
+    path = paths.resolve(path)
+    return parse_jsonl(path.read_text(), str(path)) if path.exists() else []
+
+
 class JsonlWriter:
     """Thread-safe append-only JSON-lines file (one object per line), local or remote
-    (paths.AppendFile: flushed per line locally, uploaded every few seconds remotely)."""
+    (paths.AppendFile: flushed per line locally, uploaded every few seconds remotely). A
+    last line cut short by a killed process is dropped before anything is appended, so it
+    cannot run into the next record."""
 
     def __init__(self, path: str):
         self._file = paths.AppendFile(path)
         self._lock = threading.Lock()
+        self._name = str(path)
+        content = self._file.content()
+        if content and not content.endswith(b"\n"):
+            end = content.rfind(b"\n") + 1
+            logging.warning(
+                "%s: its last line was cut short (a process killed while writing it): "
+                "dropped %d bytes",
+                path,
+                len(content) - end,
+            )
+            self._file.replace_content(content[:end])
 
     def write(self, record: dict) -> None:
         line = json.dumps({k: _clean(v) for k, v in record.items()})
@@ -34,10 +76,10 @@ class JsonlWriter:
         """Drops the lines whose record fails `keep(record)` (e.g. steps a resumed run will
         redo); returns how many were dropped."""
         with self._lock:
-            lines = [ln for ln in self._file.content().decode().splitlines() if ln.strip()]
-            kept = [ln + "\n" for ln in lines if keep(json.loads(ln))]
-            self._file.replace_content("".join(kept).encode())
-        return len(lines) - len(kept)
+            records = parse_jsonl(self._file.content().decode(), self._name)
+            kept = [r for r in records if keep(r)]
+            self._file.replace_content("".join(json.dumps(r) + "\n" for r in kept).encode())
+        return len(records) - len(kept)
 
     def count(self) -> int:
         """Records in the file, those of earlier attempts of the run included."""

@@ -16,6 +16,7 @@ import sys
 from absl import flags
 
 from decoupled_diloco import cli, paths
+from decoupled_diloco.metrics import read_jsonl
 
 FAULT_MARKS = {  # event -> (colour, label) on the time axes
     "learner_down": ("tab:red", "learner down"),
@@ -30,10 +31,7 @@ FAULT_MARKS = {  # event -> (colour, label) on the time axes
 
 
 def _rows(workdir: str, name: str) -> list[dict]:
-    path = paths.resolve(workdir) / name
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(paths.resolve(workdir) / name)
 
 
 def run_time(rows: list[dict], attempt_seconds: list[float] | None = None) -> list[dict]:

@@ -583,3 +583,34 @@ def test_a_final_sync_that_runs_out_of_time_says_what_it_did_not_see_merged(smal
         assert all(
             n >= lack for n, lack in zip(e["unmerged_steps"], lacks[e["learner"]], strict=True)
         )
+
+
+def test_a_record_cut_short_by_a_kill_does_not_block_the_resume(small_config, tmp_path):
+    """A process killed while writing a metrics line leaves it without its end: the resume
+    stopped on it ("Unterminated string", no file named) and `report` raised. The torn line
+    is dropped (warned of), the next record starts on a line of its own; a bad line in the
+    middle of a file is an error naming the file and line."""
+    from decoupled_diloco.metrics import JsonlWriter, parse_jsonl
+
+    base = {"train.steps": 8, "train.checkpoint_every": 4}
+    _halted(small_config(**base), tmp_path, after=6)
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "a", encoding="utf-8") as f:
+        f.write('{"learner": 0, "step": 7, "loss": 1.2')  # the kill came mid-line
+    summary = launch.run(config_lib.validate(small_config(**base)), str(tmp_path), verbose=False)
+    assert summary["steps"] == 8
+    text = metrics.read_text()
+    assert text.endswith("\n")
+    rows = [json.loads(line) for line in text.splitlines()]  # every line a whole record
+    assert max(r["step"] for r in rows if r.get("learner") == 0) == 8
+
+    assert parse_jsonl('{"a": 1}\n{"a": 2}', "f") == [{"a": 1}, {"a": 2}]  # newline missing
+    assert parse_jsonl('{"a": 1}\n{"a": ', "f") == [{"a": 1}]
+    with pytest.raises(ValueError, match=r"^f: line 2 is not a JSON record"):
+        parse_jsonl('{"a": 1}\n{"a": \n{"a": 3}\n', "f")
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text('{"a": 1}\n{"a"')
+    writer = JsonlWriter(str(torn))
+    writer.write({"a": 2})
+    writer.close()
+    assert torn.read_text() == '{"a": 1}\n{"a": 2}\n'

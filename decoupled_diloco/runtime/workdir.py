@@ -25,6 +25,7 @@ from etils import epath
 
 from decoupled_diloco import paths, run_files
 from decoupled_diloco.config import RunConfig
+from decoupled_diloco.metrics import read_jsonl
 from decoupled_diloco.runtime.workdir_lock import LOCK, WorkdirBusyError, lock
 
 __all__ = ["LOCK", "WorkdirBusyError", "lock"]  # the lock lives in workdir_lock.py
@@ -124,10 +125,7 @@ def _listed(keys: list[str]) -> str:
 
 
 def previous_attempts(workdir: str) -> list[dict]:
-    path = epath.Path(workdir) / ATTEMPTS
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(epath.Path(workdir) / ATTEMPTS)
 
 
 class Attempt:
