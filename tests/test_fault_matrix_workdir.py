@@ -190,6 +190,14 @@ def test_a_resume_refuses_changed_config_unless_forced(small_config, tmp_path):
         "name",
         "train.checkpoint_every",
     ]
+    # A model of another shape is refused even forced, before anything is written: it
+    # replaced run_config.json, then failed to restore (calling the checkpoints corrupt),
+    # and the run's own command was refused from then on.
+    wider = small_config(**{"train.steps": 8, "train.checkpoint_every": 4, "model.d_model": 32})
+    before = (tmp_path / "run_config.json").read_bytes()
+    with pytest.raises(ValueError, match=r"reshape \(block_0/attn/k, .*even with --force_resume"):
+        launch.run(config_lib.validate(wider), str(tmp_path), verbose=False, force=True)
+    assert (tmp_path / "run_config.json").read_bytes() == before
     summary = launch.run(config_lib.validate(changed), str(tmp_path), verbose=False, force=True)
     assert summary["steps"] == 8
     assert (tmp_path / "run_config.1.json").exists()  # the config it replaced
@@ -614,3 +622,16 @@ def test_a_record_cut_short_by_a_kill_does_not_block_the_resume(small_config, tm
     writer.write({"a": 2})
     writer.close()
     assert torn.read_text() == '{"a": 1}\n{"a": 2}\n'
+
+
+def test_a_run_without_its_run_config_is_not_resumed_on_trust(small_config, tmp_path):
+    """run_config.json removed from a run that trained: the resume compared nothing and took
+    any config ("changed": []). Refused unless forced; a forced resume writes it anew."""
+    base = {"train.steps": 8, "train.checkpoint_every": 4}
+    _halted(small_config(**base), tmp_path, after=6)
+    (tmp_path / "run_config.json").unlink()
+    other = config_lib.validate(small_config(**base, **{"train.learning_rate": 0.5}))
+    with pytest.raises(ValueError, match=r"trained .metrics, checkpoints. but no run_config"):
+        launch.run(other, str(tmp_path), verbose=False)
+    assert launch.run(other, str(tmp_path), verbose=False, force=True)["steps"] == 8
+    assert (tmp_path / "run_config.json").exists()

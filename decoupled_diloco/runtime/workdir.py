@@ -99,6 +99,17 @@ def config_changes(workdir: str, cfg: RunConfig) -> list[str]:
 def check_resume(workdir: str, cfg: RunConfig, finished: bool, force: bool) -> list[str]:
     """Refuses a config the workdir's run cannot continue with; returns the changes that are
     accepted (free ones, or any with `force`)."""
+    root = epath.Path(workdir)
+    trained = (root / "metrics.jsonl").exists() and (root / "metrics.jsonl").stat().length > 0
+    trained = trained or ((root / "checkpoints").exists() and any((root / "checkpoints").iterdir()))
+    if trained and not (root / run_files.RUN_CONFIG).exists() and not force:
+        # Without it a resume would take any config on trust.
+        raise ValueError(
+            f"{workdir} holds a run that trained (metrics, checkpoints) but no "
+            f"{run_files.RUN_CONFIG}: the config it started with cannot be compared; put the "
+            "file back, use another --workdir, or pass --force_resume to continue it with "
+            "this config"
+        )
     changed = config_changes(workdir, cfg)
     free = FREE_TO_CHANGE
     if (epath.Path(workdir) / run_files.CORPUS).exists():
@@ -117,7 +128,29 @@ def check_resume(workdir: str, cfg: RunConfig, finished: bool, force: bool) -> l
             "resume it with its own config, use another --workdir, or pass --force_resume to "
             "continue it with the new values"
         )
+    reshaped = _reshaped(workdir, cfg) if any(k.startswith("model.") for k in binding) else []
+    if reshaped:  # checked before anything is written: the run's own command still resumes
+        raise ValueError(
+            f"{workdir} holds a run whose parameters the new model.* values reshape "
+            f"({_listed(reshaped)}): no checkpoint of it can be restored, even with "
+            "--force_resume; use another --workdir for the new model"
+        )
     return changed
+
+
+def _reshaped(workdir: str, cfg: RunConfig) -> list[str]:
+    """Parameters whose shape differs between the workdir's run's model and `cfg`'s (or
+    that only one of them has)."""
+    import jax
+
+    from decoupled_diloco import models
+
+    def shapes(model_cfg) -> dict:
+        tree = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+        return {k: v.shape for k, v in models.flatten_params(tree).items()}
+
+    then, now = shapes(run_files.read_config(workdir).model), shapes(cfg.model)
+    return sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
 
 
 def _listed(keys: list[str]) -> str:
