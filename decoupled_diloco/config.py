@@ -387,6 +387,12 @@ def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> Run
     per = _devices_per_learner(c.devices_per_learner, m, c.runtime, jax.device_count())
     mesh_cfg = _dataclass_from(sharding.MeshConfig, c.mesh, "mesh")
     shape = sharding.mesh_shape(mesh_cfg, per)
+    experts = shape[sharding.MESH_AXES.index("expert")]
+    if model_cfg.num_experts and experts > 1 and model_cfg.num_experts % experts:
+        raise ValueError(
+            f"mesh.expert ({experts}) must divide model.num_experts ({model_cfg.num_experts}): "
+            "else every expert is copied whole onto each of the axis' devices"
+        )
     batch_ways = math.prod(
         s for a, s in zip(sharding.MESH_AXES, shape, strict=True) if a != "tensor"
     )

@@ -122,6 +122,9 @@ def check_config(config) -> None:
     except ValueError as e:
         sys.exit(f"config error: {e}")
     print(f"config ok: {shape(run, config.model.preset)}", flush=True)
+    from decoupled_diloco.preflight import warn_of_whole_parameters
+
+    warn_of_whole_parameters(run)  # (logged)
 
 
 def shape(run, preset: str) -> str:
@@ -138,7 +141,8 @@ def shape(run, preset: str) -> str:
         else "no syncer (data-parallel)"
     )
     return (
-        f"{run.name}: {run.runtime} runtime, {learners} x {run.devices_per_learner} devices "
+        f"{run.name}: {run.runtime} runtime, {learners} x {run.devices_per_learner} "
+        f"device{'s' * (run.devices_per_learner != 1)} "
         f"(mesh {axes or 'one device'}), model {preset} "
         f"{models.count_params(run.model) / 1e6:.1f}M params, {t.steps} steps x "
         f"{t.batch_size} x {run.data.seq_len} tokens per learner; {sync}"

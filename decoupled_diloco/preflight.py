@@ -51,6 +51,40 @@ def check(run: RunConfig, workdir: str) -> None:
     check_workdir_files(workdir)
     check_data(run)
     check_fragments(run)
+    warn_of_whole_parameters(run)
+
+
+# Share of the parameters a mesh axis would split that may stay whole on it unremarked (the
+# MQA presets' single k/v head on a tensor axis: ~5% of gemma_2b's on 8).
+WHOLE_SHARE_WARNED = 0.1
+
+
+def warn_of_whole_parameters(run: RunConfig) -> list[str]:
+    """Warns (and returns the warnings) of an fsdp or tensor axis that does not divide the
+    dimensions it would split: those parameters are copied whole onto each of its devices
+    (`sharding.logical_to_spec`), memory and compute an even split would not spend."""
+    import jax
+    from absl import logging
+
+    from decoupled_diloco import models, sharding
+
+    shape = sharding.mesh_shape(run.mesh, run.devices_per_learner)
+    params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
+    report = sharding.whole_on_axes(params, models.param_logical_axes(run.model), shape)
+    warnings = []
+    for axis, (share, names) in report.items():
+        if share > WHOLE_SHARE_WARNED:
+            more = f", ... ({len(names)})" if len(names) > 4 else ""
+            warnings.append(
+                f"mesh.{axis}={shape[sharding.MESH_AXES.index(axis)]} does not divide the "
+                f"dimensions it would split of {share:.0%} of those parameters "
+                f"({', '.join(names[:4])}{more}): they are copied whole onto each of its "
+                "devices; a size dividing the heads, kv heads, ffw width and vocabulary "
+                "splits them"
+            )
+    for w in warnings:
+        logging.warning("%s", w)
+    return warnings
 
 
 def check_filesystems(run: RunConfig, workdir: str) -> None:

@@ -27,6 +27,7 @@ expert's weights onto every device.
 import contextlib
 import dataclasses
 import math
+import types
 from collections.abc import Sequence
 
 import jax
@@ -67,7 +68,14 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
         names = " and ".join(f"mesh.{a}" for a in free)
-        raise ValueError(f"{names} are all -1; at most one mesh axis may be -1")
+        hint = ""
+        if "data" in free and cfg.data == MeshConfig.data:  # the default, likely not set
+            other = next(a for a in free if a != "data")
+            hint = (
+                f" (mesh.data is -1 by default, taking the devices the other axes leave: "
+                f"set mesh.data=1 for mesh.{other} to take them all)"
+            )
+        raise ValueError(f"{names} are all -1; at most one mesh axis may be -1{hint}")
     for a, s in sizes.items():
         if not isinstance(s, int) or s == 0 or s < -1:
             raise ValueError(f"mesh.{a} must be a positive integer or -1, got {s!r}")
@@ -138,6 +146,38 @@ def param_shardings(params_shapes, logical_axes, mesh: Mesh):
         logical_axes,
         is_leaf=lambda x: isinstance(x, tuple),
     )
+
+
+def whole_on_axes(params_shapes, logical_axes, shape: Sequence[int]) -> dict[str, tuple]:
+    """For each parameter-splitting mesh axis (fsdp, tensor, expert) of more than one device
+    in a mesh of `shape` (MESH_AXES order): (share of the parameters the rules would split
+    over it that stay whole on it, because it does not divide their dimension, those
+    parameters' names). Shares are of elements."""
+    sizes = dict(zip(MESH_AXES, shape, strict=True))
+    mesh = types.SimpleNamespace(shape=sizes)  # (what logical_to_spec reads of a Mesh)
+    paths, _ = jax.tree_util.tree_flatten_with_path(params_shapes)
+    names = ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in paths]
+    leaves = [leaf for _, leaf in paths]
+    axes_of = jax.tree.leaves(logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+    out = {}
+    for axis in ("fsdp", "tensor", "expert"):
+        if sizes[axis] == 1:
+            continue
+        meant = whole = 0
+        whole_names = []
+        for name, leaf, logical in zip(names, leaves, axes_of, strict=True):
+            rules = [LOGICAL_RULES.get(a) for a in logical if a is not None]
+            if not any(axis == r or (isinstance(r, tuple) and axis in r) for r in rules):
+                continue
+            n = math.prod(leaf.shape)
+            meant += n
+            spec = logical_to_spec(logical, leaf.shape, mesh)
+            if not any(axis == p or (isinstance(p, tuple) and axis in p) for p in spec):
+                whole += n
+                whole_names.append(name)
+        if meant:
+            out[axis] = (whole / meant, whole_names)
+    return out
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

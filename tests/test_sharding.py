@@ -21,6 +21,7 @@ from decoupled_diloco.sharding import (
     mesh_shape,
     param_shardings,
     replicated,
+    whole_on_axes,
 )
 from decoupled_diloco.train.optimizer import (
     TrainConfig,
@@ -79,6 +80,8 @@ def test_mesh_shape_resolves_free_axis(cfg, num_devices, expected):
     "cfg, num_devices, key",
     [
         (MeshConfig(data=-1, fsdp=-1), 8, "mesh.data"),  # two free axes
+        # mesh.data is -1 by default: a user who set fsdp=-1 alone is told how to mean it
+        (MeshConfig(fsdp=-1), 8, "set mesh.data=1 for mesh.fsdp to take them all"),
         (MeshConfig(data=-1, tensor=3), 8, "mesh.data"),  # 8 not divisible by 3
         (MeshConfig(data=2, tensor=2), 8, "mesh.tensor"),  # 4 devices named, 8 given
         (MeshConfig(fsdp=0), 8, "mesh.fsdp"),
@@ -326,3 +329,40 @@ def test_dense_step_splits_activations_over_the_batch(mesh_cfg):
     assert not [s for s in global_shapes if s in hlo], "activations of the global batch"
     tensor = mesh.shape["tensor"]
     assert f"f32[{rows},{SEQ},{V // tensor}]" in hlo  # each device's own rows of the logits
+
+
+def test_an_axis_that_does_not_divide_what_it_splits_is_named(small_config, caplog):
+    """A mesh axis dividing none of a parameter's dimensions leaves it whole on each of the
+    axis' devices (the fallback tiny CPU models need): an expert axis not dividing the
+    experts is refused (every expert copied onto every device: 256 GiB per device for the
+    MoE TPU preset on 32), an fsdp or tensor axis that leaves more than a tenth of what it
+    would split whole is warned of at start-up and by --check_config."""
+    import logging
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.preflight import warn_of_whole_parameters
+
+    moe = {"model.preset": "tiny_moe"}
+    with pytest.raises(ValueError, match=r"mesh.expert \(8\) must divide model.num_experts \(4\)"):
+        config_lib.validate(small_config(**moe, **{"mesh.data": 1, "mesh.expert": 8}))
+    assert config_lib.validate(small_config(**moe, **{"mesh.data": 2, "mesh.expert": 4}))
+
+    with caplog.at_level(logging.WARNING):
+        split = warn_of_whole_parameters(
+            config_lib.validate(small_config(**{"mesh.data": 2, "mesh.tensor": 4}))
+        )
+        whole = warn_of_whole_parameters(
+            config_lib.validate(small_config(**{"mesh.data": 1, "mesh.tensor": 8}))
+        )
+    assert split == []  # tiny's 4 heads, 4 kv heads, ffw 256 and vocab 256 split 4 ways
+    assert len(whole) == 1 and whole[0].startswith(
+        "mesh.tensor=8 does not divide the dimensions it would split of 18% of those "
+        "parameters (block_0/attn/k, block_0/attn/out, block_0/attn/q, block_0/attn/v, ..."
+    )
+    assert whole[0] in caplog.text
+    # gemma_2b's one kv head on 8 tensor devices: 5% whole, the MQA norm, not warned of.
+    cfg = models.get_model_config("gemma_2b")
+    params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    report = whole_on_axes(params, models.param_logical_axes(cfg), (1, 1, 8, 1))
+    assert 0.03 < report["tensor"][0] < 0.1
+    assert all(name.endswith(("/attn/k", "/attn/v")) for name in report["tensor"][1])
