@@ -41,6 +41,8 @@ def test_data_parallel_run_learns_on_the_real_corpus(small_config, tmp_path):
     assert summary["final_eval_loss"] < first_loss - 1.5
     for key in ("step", "tokens", "loss", "learning_rate", "tokens_per_second"):
         assert key in rows[-2], key
+    # Every row a rate, the first too (it read 0: a run of log_every steps showed none).
+    assert all(r["tokens_per_second"] > 0 for r in rows if "tokens_per_second" in r)
     assert any("eval_loss" in r for r in rows)
     for key in ("final_eval_loss", "steps", "tokens", "wall_seconds"):
         assert key in summary

@@ -246,6 +246,8 @@ class LearnerLoop:
                 continue
             if self.replica.state is None:
                 self._start()
+                if self.proto is None:  # a first row's rate: since this life's first step
+                    self._rate = (self.clock(), self.step)  # (its compile included)
                 if self.step >= run.train.steps:
                     break  # resumed in its final sync, and Θ holds every step: none to take
             t_step, waited = time.perf_counter(), self.wait_seconds
