@@ -122,9 +122,9 @@ def check_config(config) -> None:
     except ValueError as e:
         sys.exit(f"config error: {e}")
     print(f"config ok: {shape(run, config.model.preset)}", flush=True)
-    from decoupled_diloco.preflight import warn_of_whole_parameters
+    from decoupled_diloco.preflight import warn_of_placement
 
-    warn_of_whole_parameters(run)  # (logged)
+    warn_of_placement(run)  # (logged)
 
 
 def shape(run, preset: str) -> str:

@@ -51,7 +51,36 @@ def check(run: RunConfig, workdir: str) -> None:
     check_workdir_files(workdir)
     check_data(run)
     check_fragments(run)
-    warn_of_whole_parameters(run)
+    warn_of_placement(run)
+
+
+def warn_of_placement(run: RunConfig) -> list[str]:
+    """Warns (and returns the warnings) of devices no learner uses and of parameters a mesh
+    axis leaves whole (`warn_of_whole_parameters`)."""
+    warnings = warn_of_idle_devices(run)
+    return warnings + warn_of_whole_parameters(run)
+
+
+def warn_of_idle_devices(run: RunConfig) -> list[str]:
+    """Local runtime: learners take disjoint groups of devices_per_learner devices (several
+    learners to a group when there are more learners than groups); devices beyond
+    learners x devices_per_learner train nothing."""
+    import jax
+    from absl import logging
+
+    if run.runtime != "local":
+        return []
+    n, per, m = jax.device_count(), run.devices_per_learner, run.num_learners
+    used = min(m, n // per) * per
+    if used >= n:
+        return []
+    warning = (
+        f"{n - used} of the {n} devices stay idle: {m} learner{'s' * (m != 1)} x "
+        f"devices_per_learner={per} use {used} (set devices_per_learner, or diloco.learners, "
+        "to use them all)"
+    )
+    logging.warning("%s", warning)
+    return [warning]
 
 
 # Share of the parameters a mesh axis would split that may stay whole on it unremarked (the

@@ -366,3 +366,21 @@ def test_an_axis_that_does_not_divide_what_it_splits_is_named(small_config, capl
     report = whole_on_axes(params, models.param_logical_axes(cfg), (1, 1, 8, 1))
     assert 0.03 < report["tensor"][0] < 0.1
     assert all(name.endswith(("/attn/k", "/attn/v")) for name in report["tensor"][1])
+
+
+def test_devices_no_learner_uses_are_warned_of(small_config):
+    """3 learners on 8 devices take groups of 2: 2 devices idle, which a devices_per_learner
+    of 3 was refused for and this was not; 4 learners x 2 use them all."""
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.preflight import warn_of_idle_devices
+
+    three = config_lib.validate(small_config(**{"diloco.learners": 3, "diloco.sync_every": 4}))
+    assert warn_of_idle_devices(three) == [
+        "2 of the 8 devices stay idle: 3 learners x devices_per_learner=2 use 6 (set "
+        "devices_per_learner, or diloco.learners, to use them all)"
+    ]
+    four = config_lib.validate(small_config(**{"diloco.learners": 4, "diloco.sync_every": 4}))
+    assert warn_of_idle_devices(four) == []
+    shared = small_config(**{"diloco.learners": 3, "diloco.sync_every": 4})
+    shared.devices_per_learner = 4  # 2 groups, learners round-robin over them: none idle
+    assert warn_of_idle_devices(config_lib.validate(shared)) == []
