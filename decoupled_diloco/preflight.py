@@ -48,6 +48,7 @@ def check(run: RunConfig, workdir: str) -> None:
     """Raises `FatalRunError` when the run could not start or would fail in every process;
     reads, never writes."""
     check_filesystems(run, workdir)
+    check_workdir_path(workdir)
     check_workdir_files(workdir)
     check_data(run)
     check_fragments(run)
@@ -129,6 +130,24 @@ def check_filesystems(run: RunConfig, workdir: str) -> None:
     with fatal_errors():
         for what, path in named.items():
             paths.check_reachable(path, what)
+
+
+def check_workdir_path(workdir: str) -> None:
+    """A local --workdir must be a folder this process may write, or one it may create."""
+    import os
+
+    if paths.is_remote(paths.resolve(workdir)):
+        return
+    path = os.path.abspath(os.path.expanduser(workdir))
+    probe = path
+    while not os.path.exists(probe):  # the deepest part of it that exists
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == path else f"lies below a file ({probe})"
+        raise FatalRunError(f"--workdir={workdir} {where}: give a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "" if probe == path else f" ({probe}, where it would be made)"
+        raise FatalRunError(f"--workdir={workdir}{what} is not writable by this process")
 
 
 def check_workdir_files(workdir: str) -> None:

@@ -635,3 +635,16 @@ def test_a_run_without_its_run_config_is_not_resumed_on_trust(small_config, tmp_
         launch.run(other, str(tmp_path), verbose=False)
     assert launch.run(other, str(tmp_path), verbose=False, force=True)["steps"] == 8
     assert (tmp_path / "run_config.json").exists()
+
+
+def test_a_workdir_that_is_a_file_is_one_line(small_config, tmp_path):
+    """A file where the workdir (or a folder above it) would be raised FileExistsError /
+    NotADirectoryError tracebacks; now the start refuses it, naming the file."""
+    from decoupled_diloco.preflight import FatalRunError
+
+    (tmp_path / "afile").write_text("x")
+    run = config_lib.validate(small_config())
+    with pytest.raises(FatalRunError, match=r"afile is a file: give a folder$"):
+        launch.run(run, str(tmp_path / "afile"), verbose=False)
+    with pytest.raises(FatalRunError, match=r"afile/sub lies below a file \(.*afile\)"):
+        launch.run(run, str(tmp_path / "afile" / "sub"), verbose=False)
