@@ -14,6 +14,7 @@ driver that trained a sentencepiece model also shares it with the other hosts of
 """
 
 import dataclasses
+import hashlib
 import json
 import typing
 
@@ -28,6 +29,9 @@ from decoupled_diloco.train.optimizer import TrainConfig
 
 RUN_CONFIG = "run_config.json"
 TOKENIZER = "tokenizer.model"
+# sha256 of TOKENIZER as the run wrote it: a model swapped or damaged since is named, not
+# used (runs from before 2026-11-29 have none, and are read unchecked).
+TOKENIZER_SHA256 = "tokenizer.model.sha256"
 CORPUS = "corpus.json"
 _SECTIONS = {
     "model": models.ModelConfig,
@@ -80,6 +84,25 @@ def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> N
     paths.write_atomic(root / RUN_CONFIG, config)  # a resumed run rewrites it
     if isinstance(tokenizer, SentencePieceTokenizer):
         paths.write_atomic(root / TOKENIZER, tokenizer.model_proto)
+        digest = hashlib.sha256(tokenizer.model_proto).hexdigest()
+        paths.write_atomic(root / TOKENIZER_SHA256, digest + "\n")
+
+
+def _tokenizer_bytes(directory) -> bytes:
+    """The run's sentencepiece model file, checked against the digest written with it."""
+    file = epath.Path(directory) / TOKENIZER
+    data = file.read_bytes()
+    recorded = epath.Path(directory) / TOKENIZER_SHA256
+    if recorded.exists():
+        then, now = recorded.read_text().strip(), hashlib.sha256(data).hexdigest()
+        if then != now:
+            raise ValueError(
+                f"{file} is not the sentencepiece model the run wrote (sha256 {now[:12]}..., "
+                f"recorded {then[:12]}... in {TOKENIZER_SHA256}): it was replaced or damaged "
+                "since; put the run's own model back (the model's embeddings belong to its "
+                "vocabulary)"
+            )
+    return data
 
 
 def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
@@ -100,7 +123,7 @@ def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
     corpus, root = load_corpus(data), paths.resolve(workdir)
     saved = root / TOKENIZER
     spm = isinstance(corpus.tokenizer, SentencePieceTokenizer) and saved.exists()
-    if spm and corpus.tokenizer.model_proto != saved.read_bytes():
+    if spm and corpus.tokenizer.model_proto != _tokenizer_bytes(root):
         raise ValueError(
             f"{workdir}'s run trained with the sentencepiece model in {saved}, and this "
             "config's tokenizer is another one (its corpus or sentencepiece changed): the "
@@ -199,4 +222,8 @@ def read_tokenizer(path: str, data: DataConfig) -> Tokenizer:
     file = epath.Path(path) / TOKENIZER
     if not file.exists():
         raise FileNotFoundError(f"{file} not found: the run's sentencepiece model is missing")
-    return SentencePieceTokenizer(file.read_bytes())
+    data = _tokenizer_bytes(path)
+    try:
+        return SentencePieceTokenizer(data)
+    except (RuntimeError, OSError) as e:  # sentencepiece: "could not parse ModelProto"
+        raise ValueError(f"{file} is not a readable sentencepiece model ({e})") from e

@@ -648,3 +648,39 @@ def test_a_workdir_that_is_a_file_is_one_line(small_config, tmp_path):
         launch.run(run, str(tmp_path / "afile"), verbose=False)
     with pytest.raises(FatalRunError, match=r"afile/sub lies below a file \(.*afile\)"):
         launch.run(run, str(tmp_path / "afile" / "sub"), verbose=False)
+
+
+def test_a_swapped_or_damaged_tokenizer_model_is_named(small_config, tmp_path, fresh_corpora):
+    """The run's tokenizer.model was read on trust: another valid model was used to score
+    (5.73 against 4.80), garbage raised sentencepiece's RuntimeError, and a resume's remedy
+    (spm_model_path=<workdir>/tokenizer.model) trained on the swapped vocabulary. Its
+    sha256 is written beside it and checked wherever it is read."""
+    pytest.importorskip("sentencepiece")
+    from decoupled_diloco.data import DataConfig, get_tokenizer
+
+    folder = _text_corpus(tmp_path / "corpus")
+    data = DataConfig(source="path", path=str(folder), tokenizer="sentencepiece",
+                      spm_vocab_size=300, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    run = config_lib.validate(small_config(**{"model.vocab_size": 512}))
+    run = dataclasses.replace(run, data=data)
+    wd = tmp_path / "run"
+    assert run_files.check_corpus(str(wd), data, force=False) == []
+    run_files.write(str(wd), run, get_tokenizer(data))
+    assert run_files.read_tokenizer(str(wd), data).vocab_size == 300  # as written: read
+    (folder / "extra.txt").write_text("zq zq xv xv\n" * 500)  # another model, valid
+    fresh_corpora()
+    other = get_tokenizer(data).model_proto
+    (wd / run_files.TOKENIZER).write_bytes(other)
+    kept = dataclasses.replace(data, spm_model_path=f"{wd}/{run_files.TOKENIZER}")
+    for read in (
+        lambda: run_files.read_tokenizer(str(wd), data),
+        lambda: run_files.check_corpus(str(wd), kept, force=True),  # the old remedy
+    ):
+        with pytest.raises(
+            ValueError, match=r"tokenizer.model is not the sentencepiece model the run wrote"
+        ):
+            read()
+    (wd / run_files.TOKENIZER_SHA256).unlink()  # a run from before the digest: unchecked...
+    (wd / run_files.TOKENIZER).write_bytes(b"\x00 not a model")
+    with pytest.raises(ValueError, match=r"tokenizer.model is not a readable sentencepiece"):
+        run_files.read_tokenizer(str(wd), data)  # ...but garbage is named, not a traceback
