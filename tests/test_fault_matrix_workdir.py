@@ -684,3 +684,23 @@ def test_a_swapped_or_damaged_tokenizer_model_is_named(small_config, tmp_path, f
     (wd / run_files.TOKENIZER).write_bytes(b"\x00 not a model")
     with pytest.raises(ValueError, match=r"tokenizer.model is not a readable sentencepiece"):
         run_files.read_tokenizer(str(wd), data)  # ...but garbage is named, not a traceback
+
+
+def test_a_run_whose_checkpoints_are_gone_starts_over_without_doubling_its_rows(
+    small_config, tmp_path, caplog
+):
+    """Checkpoints removed: the run restarted at step 0 silently, and metrics.jsonl held
+    the earlier attempt's steps twice (a kill -9 trims them back to the checkpoint)."""
+    import logging
+
+    base = {"train.steps": 8, "train.checkpoint_every": 4}
+    _halted(small_config(**base), tmp_path, after=6)
+    shutil.rmtree(tmp_path / "checkpoints")
+    with caplog.at_level(logging.WARNING):
+        summary = launch.run(
+            config_lib.validate(small_config(**base)), str(tmp_path), verbose=False
+        )
+    assert summary["steps"] == 8
+    assert "no learner checkpoint to resume from: the run starts over at step 0" in caplog.text
+    steps = [r["step"] for r in _read(tmp_path / "metrics.jsonl") if r.get("learner") == 0]
+    assert steps == sorted(set(steps)) and steps[-1] == 8

@@ -264,16 +264,23 @@ class LocalRuntime:
         resumed = [loop.restore(params_too=True) for loop in self.loops]
         for loop in self.loops:  # a process that runs the run takes new lives (next_life)
             loop.take_life(loop.incarnation)
-        if any(resumed):
+        earlier = self.log.metrics.count()  # rows of earlier attempts
+        if any(resumed) or earlier:
             steps = [loop.step for loop in self.loops]
             # Rows of steps after the checkpoints are redone (and logged again) now.
-            self.log.metrics.retain(
+            dropped = self.log.metrics.retain(
                 lambda r: (
                     r.get("step", 0)
                     <= (max(steps) if r["learner"] == "global" else steps[r["learner"]])
                 )
             )
-            if self.verbose:
+            if not any(resumed):  # checkpoints removed, or none written before the end
+                logging.warning(
+                    "%s holds %d metrics rows of earlier attempts but no learner checkpoint "
+                    "to resume from: the run starts over at step 0 (%d rows past it dropped)",
+                    self.workdir, earlier, dropped,
+                )  # fmt: skip
+            elif self.verbose:
                 print(f"resuming from checkpoints at learner steps {steps}", flush=True)
         self.progress = Progress(run.train.steps)
         self.syncers = self._syncer_loops() if run.uses_syncer else []
