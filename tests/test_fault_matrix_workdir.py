@@ -152,6 +152,8 @@ def test_a_resume_on_a_syncer_without_the_learners_work_says_what_is_lost(small_
     records = len(_read(tmp_path / "merges.jsonl"))
     assert lost > 0 and summary["rolled_back_merges"] == lost
     assert summary["merges"] == records - lost
+    # ...and in the summary: the steps summed over learners (it read steps 12, goodput ~1)
+    assert summary["resume_lost_steps"] == 16
 
 
 def test_two_runs_on_one_workdir_the_second_is_refused(tmp_path):

@@ -132,6 +132,9 @@ class Ledger:
         self.delayed_merges = 0
         self.rejected = 0
         self.dropped = 0
+        # Steps a resume found the syncer's Θ to lack (a kill after its last checkpoint),
+        # summed over learners: trained, then lost (`resume_cut` events).
+        self.resume_lost_steps = 0
         self.failures = 0
         self.restarts = 0
         self.syncer_failures = 0
@@ -298,6 +301,7 @@ class Ledger:
             "downtime_gap_steps": self.tolerance,
             "failures": self.failures,
             "restarts": self.restarts,
+            "resume_lost_steps": self.resume_lost_steps,
             "rejected_offers": self.rejected,
             "dropped_offers": self.dropped,
         }

@@ -66,6 +66,8 @@ class RunLog:
             ledger.rejected += 1
         elif kind == "drop_offer":
             ledger.dropped += 1
+        elif kind == "resume_cut":
+            ledger.resume_lost_steps += rec.get("lost_steps", 0)
 
     def step(self, m: int, seconds: float, t: float) -> None:
         self.ledger.step(m, seconds, t)
