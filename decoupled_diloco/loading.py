@@ -176,6 +176,8 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
     manager = _manager(directory)
     saves = manager.all_steps()
     ok = [n for n in saves if step is None or n <= step]
+    if not saves:
+        raise FileNotFoundError(f"no learner checkpoint in {directory}: the run saved none yet")
     if not ok:
         raise ValueError(f"no learner checkpoint at or before step {step}: kept {saves}")
     params = jax.eval_shape(lambda: models.init_params(config.model, jax.random.key(0)))
@@ -205,7 +207,12 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
 
 
 def _load_export(root: epath.Path, step: int | None) -> Model:
-    info = json.loads((root / EXPORT_MARKER).read_text())
+    try:
+        info = json.loads((root / EXPORT_MARKER).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{root / EXPORT_MARKER} is not the export's record ({e})") from e
+    if not isinstance(info, dict):
+        raise ValueError(f"{root / EXPORT_MARKER} is not the export's record (not an object)")
     exported = info.get("step")
     if step is not None and exported is None:
         raise ValueError(f"{root} does not record the step it holds: load it without --step")

@@ -265,6 +265,27 @@ def test_entry_points_fail_in_one_clear_line(tmp_path):
     assert nothing.returncode != 0 and "run_config.json not found" in nothing.stderr
 
 
+def test_a_run_without_saves_and_a_damaged_export_are_named(runs, tmp_path):
+    """A run killed before its first save read "no learner checkpoint at or before step
+    None: kept []"; a damaged export.json, JSON's own error with no file named."""
+    import shutil
+
+    from decoupled_diloco.loading import load
+
+    workdir, _ = runs["dp"]
+    bare = tmp_path / "bare"
+    (bare / "checkpoints" / "learner_0").mkdir(parents=True)
+    shutil.copy(workdir / "run_config.json", bare / "run_config.json")
+    with pytest.raises(
+        FileNotFoundError, match=r"no learner checkpoint in .*learner_0: the run saved none yet"
+    ):
+        load(str(bare))
+    export(str(workdir), str(tmp_path / "export"))
+    (tmp_path / "export" / "export.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"export/export.json is not the export's record"):
+        load(str(tmp_path / "export"))
+
+
 def _flip_arrays(step_dir) -> None:
     """Bad bytes in the middle of every array file of a checkpoint step (Θ, moments)."""
     for path in step_dir.rglob("*"):
