@@ -262,13 +262,19 @@ def main(argv) -> None:
     out = str(paths.resolve(FLAGS.out or f"{FLAGS.workdir}/report.png"))
     plot(FLAGS.workdir, out)
     text = table(FLAGS.workdir)
-    (paths.resolve(out).parent / "report.md").write_text(text)
-    print(text + f"\nwrote {out}", flush=True)
+    md = paths.resolve(out).with_suffix(".md")  # beside the PNG, named after it
+    md.write_text(text)
+    print(text + f"\nwrote {out} and {md}", flush=True)
 
 
 def _define_flags() -> None:
     flags.DEFINE_string("workdir", None, "The run's workdir.")
-    flags.DEFINE_string("out", None, "The PNG to write (default: <workdir>/report.png).")
+    flags.DEFINE_string(
+        "out",
+        None,
+        "The PNG to write, and its table beside it as .md (default: "
+        "<workdir>/report.png and report.md).",
+    )
 
 
 if __name__ == "__main__":
