@@ -660,3 +660,10 @@ def test_memory_table_counts_each_devices_shards(small_config):
     full = table.measure(c, 16, jax.devices()[:8], remat="full")
     assert (r["remat"], full["remat"]) == ("none", "full")
     assert full["flops"] > r["flops"] > 0
+    # --set changes the config before it is measured; rows name their mesh.
+    assert r["mesh"] == "1x8x1x1"
+    data = table.measure(table._overridden(c, ["mesh.fsdp=1", "mesh.data=-1"]), 16,
+                         jax.devices()[:8])  # fmt: skip
+    assert data["mesh"] == "8x1x1x1" and data["params"] == params  # replicated
+    with pytest.raises(SystemExit, match="--set=mesh: expected KEY=VALUE"):
+        table._overridden(c, ["mesh"])

@@ -45,7 +45,9 @@ def _args(argv):
     p.add_argument(
         "--batch", default="", help="comma-separated sequences per step (default: config's)"
     )
-    p.add_argument("--devices", type=int, default=8, help="chips of one learner (its mesh)")
+    p.add_argument(
+        "--devices", type=int, default=8, help="chips of one learner (its mesh; default 8)"
+    )
     p.add_argument(
         "--topology",
         default="",
@@ -56,8 +58,36 @@ def _args(argv):
     p.add_argument(
         "--remat", default="", help="comma-separated model.remat policies (default: config's)"
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every --config, e.g. --set=mesh.fsdp=4 --set=mesh.data=2 "
+        "(repeatable; values read as Python literals)",
+    )
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     return p.parse_args(argv)
+
+
+def _overridden(config, overrides: list[str]):
+    """`config` with each KEY=VALUE of `overrides` set (a ConfigDict's dotted keys)."""
+    import ast
+
+    c = config.copy_and_resolve_references()
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set={item}: expected KEY=VALUE")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        try:
+            c.update_from_flattened_dict({key: value})
+        except (KeyError, AttributeError, TypeError) as e:
+            raise SystemExit(f"--set={item}: {e}") from e
+    return c
 
 
 def _load(spec: str):
@@ -121,6 +151,7 @@ def measure(config, batch: int, devices: list, seq_len: int = 0, remat: str = ""
     )
     row = {
         "preset": c.model.preset,
+        "mesh": "x".join(str(n) for n in sharding.mesh_shape(run.mesh, len(devices))),
         "remat": run.model.remat,
         "batch": batch,
         "seq_len": run.data.seq_len,
@@ -155,6 +186,7 @@ def measure(config, batch: int, devices: list, seq_len: int = 0, remat: str = ""
 def _row(r: dict, markdown: bool) -> str:
     cells = [
         r["preset"],
+        r["mesh"],
         r["remat"],
         str(r["batch"]),
         str(r["seq_len"]),
@@ -168,8 +200,8 @@ def _row(r: dict, markdown: bool) -> str:
 
 
 HEADER = [
-    "preset", "remat", "batch", "seq", "devices", "params", "optimizer", "temp", "total",
-    "TFLOP", "compile s",
+    "preset", "mesh (data x fsdp x tensor x expert)", "remat", "batch", "seq", "devices",
+    "params", "optimizer", "temp", "total", "TFLOP", "compile s",
 ]  # fmt: skip
 
 
@@ -197,7 +229,7 @@ def main(argv=None) -> int:
     if args.markdown:
         print("|" + "---|" * len(HEADER))
     for spec in args.config:
-        config = _load(spec)
+        config = _overridden(_load(spec), args.set)
         batches = [int(b) for b in args.batch.split(",") if b] or [config.train.batch_size]
         for remat in [p for p in args.remat.split(",") if p] or [""]:
             for b in batches:
