@@ -49,23 +49,27 @@ def read_jsonl(path) -> list[dict]:
 class JsonlWriter:
     """Thread-safe append-only JSON-lines file (one object per line), local or remote
     (paths.AppendFile: flushed per line locally, uploaded every few seconds remotely). A
-    last line cut short by a killed process is dropped before anything is appended, so it
-    cannot run into the next record."""
+    last line cut short by a killed process is dropped before anything is appended (as
+    `parse_jsonl` leaves it out), so it cannot run into the next record."""
 
     def __init__(self, path: str):
         self._file = paths.AppendFile(path)
         self._lock = threading.Lock()
         self._name = str(path)
         content = self._file.content()
-        if content and not content.endswith(b"\n"):
-            end = content.rfind(b"\n") + 1
-            logging.warning(
-                "%s: its last line was cut short (a process killed while writing it): "
-                "dropped %d bytes",
-                path,
-                len(content) - end,
-            )
-            self._file.replace_content(content[:end])
+        end = content.rfind(b"\n") + 1
+        if end < len(content):  # something after the last newline
+            try:
+                json.loads(content[end:])  # a whole record, only its newline lost: kept
+                self._file.append(b"\n")
+            except ValueError:
+                logging.warning(
+                    "%s: its last line was cut short (a process killed while writing it): "
+                    "dropped %d bytes",
+                    path,
+                    len(content) - end,
+                )
+                self._file.replace_content(content[:end])
 
     def write(self, record: dict) -> None:
         line = json.dumps({k: _clean(v) for k, v in record.items()})

@@ -624,6 +624,11 @@ def test_a_record_cut_short_by_a_kill_does_not_block_the_resume(small_config, tm
     writer.write({"a": 2})
     writer.close()
     assert torn.read_text() == '{"a": 1}\n{"a": 2}\n'
+    torn.write_text('{"a": 1}\n{"a": 2}')  # whole, only the newline lost: kept, as read
+    writer = JsonlWriter(str(torn))
+    writer.write({"a": 3})
+    writer.close()
+    assert parse_jsonl(torn.read_text(), "f") == [{"a": 1}, {"a": 2}, {"a": 3}]
 
 
 def test_a_run_without_its_run_config_is_not_resumed_on_trust(small_config, tmp_path):
