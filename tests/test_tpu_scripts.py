@@ -539,6 +539,16 @@ def test_launch_checks_the_runs_config_here_before_printing_or_running(tmp_path,
     assert "train.batch_size (24) must be divisible" in capsys.readouterr().err
 
 
+def test_a_config_check_that_hangs_is_one_line(monkeypatch, capsys):
+    """A check that cannot finish (a gs:// tokenizer out of reach) is an error, not a
+    TimeoutExpired traceback."""
+    monkeypatch.setattr(launch, "CHECK_TIMEOUT_S", 0.01)
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(LAUNCH_V5E)
+    assert exit_info.value.code == 2
+    assert "did not finish within 0.01 s" in capsys.readouterr().err
+
+
 def test_overrides_of_the_launchers_own_keys_are_refused():
     """An override comes last on the command line and would win: 8 learners on 4 slices."""
     spec = parse_accelerator("v5litepod-16")

@@ -252,9 +252,15 @@ def check_config(args) -> str:
         if args.execute:
             raise ValueError(why)
         return f"# {why}"
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=CHECK_TIMEOUT_S
-    )
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=CHECK_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as e:  # e.g. a gs:// tokenizer this machine cannot reach
+        raise ValueError(
+            f"the config check here did not finish within {CHECK_TIMEOUT_S} s (a path this "
+            "machine cannot reach?); --no-config-check skips it"
+        ) from e
     lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
     if done.returncode:
         errors = [ln for ln in lines if ln.startswith(("error:", "config error:"))]
