@@ -39,6 +39,7 @@ from outputs import results_dir  # noqa: E402
 
 from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco.metrics import parse_jsonl  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
 
 flags.DEFINE_string("out", "experiments/results/chaos_crashes", "Output directory.")
@@ -72,8 +73,8 @@ def make_config(arm: str, quick: bool):
 
 
 def _rows(workdir: pathlib.Path, name: str) -> list[dict]:
-    with open(workdir / name, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    path = workdir / name
+    return parse_jsonl(path.read_text(encoding="utf-8"), str(path))
 
 
 def run_with_budget(run, workdir: pathlib.Path, budget_s: float) -> dict:

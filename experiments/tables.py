@@ -4,12 +4,13 @@ paired by seed, mean ± sample std, markdown tables, eval curves and bars."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import statistics
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from decoupled_diloco.metrics import read_jsonl
 
 if TYPE_CHECKING:
     from arm_config import Arm
@@ -27,11 +28,7 @@ class Result:
 
 
 def rows(rundir: pathlib.Path, name: str) -> list[dict]:
-    path = rundir / name
-    if not path.exists():
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(rundir / name)  # (a run killed mid-line: its torn last line left out)
 
 
 def eval_curve(r: Result) -> list[tuple[float, int, float]]:
