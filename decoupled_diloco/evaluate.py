@@ -41,10 +41,9 @@ def evaluate(
 ) -> tuple[float, str]:
     """(mean held-out loss, where Θ came from) of the model at `path` on its eval split, or
     on the corpus `data_overrides` (DataConfig fields) describes."""
-    import jax
     from etils import epath
 
-    from decoupled_diloco import run_files, sharding
+    from decoupled_diloco import run_files
     from decoupled_diloco.data import validate_data_config
     from decoupled_diloco.loading import load
     from decoupled_diloco.train.evaluate import Evaluator
@@ -64,12 +63,20 @@ def evaluate(
         overrides["spm_model_path"] = str(epath.Path(path) / run_files.TOKENIZER)
     data = dataclasses.replace(run.data, **overrides)
     validate_data_config(data)
-    # Learner 0's devices and mesh, as the run's own evaluations used (else what there is).
-    per = min(run.devices_per_learner, jax.device_count())
-    mesh = sharding.make_mesh(sharding.learner_devices(jax.devices(), per, 0), run.mesh)
+    mesh = _learner0_mesh(run)
     batches = eval_batches or run.train.eval_batches
     evaluator = Evaluator(run.model, data, mesh, run.train.batch_size, batches)
     return evaluator(model.params), model.source
+
+
+def _learner0_mesh(run):
+    """Learner 0's devices and mesh, as the run's own evaluations used (else what there is)."""
+    import jax
+
+    from decoupled_diloco import sharding
+
+    per = min(run.devices_per_learner, jax.device_count())
+    return sharding.make_mesh(sharding.learner_devices(jax.devices(), per, 0), run.mesh)
 
 
 def evaluate_text(
@@ -77,7 +84,6 @@ def evaluate_text(
 ) -> tuple[float, str, dict]:
     """(mean loss, where Θ came from, counts) of the model at `path` over every token of the
     files `text` names (module docstring), in windows of `seq_len` (default: the run's)."""
-    import jax
     import numpy as np
 
     from decoupled_diloco import sharding
@@ -102,8 +108,7 @@ def evaluate_text(
             f"of data.seq_len + 1 = {t + 1}"
         )
     windows = np.lib.stride_tricks.sliding_window_view(ids[: n * t + 1], t + 1)[::t]
-    per = min(run.devices_per_learner, jax.device_count())
-    mesh = sharding.make_mesh(sharding.learner_devices(jax.devices(), per, 0), run.mesh)
+    mesh = _learner0_mesh(run)
     b = run.train.batch_size  # (a multiple of the batch-parallel devices: validated)
     whole = n - n % b
     batches = [np.ascontiguousarray(windows[i : i + b]) for i in range(0, whole, b)]
