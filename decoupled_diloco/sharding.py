@@ -155,28 +155,26 @@ def whole_on_axes(params_shapes, logical_axes, shape: Sequence[int]) -> dict[str
     parameters' names). Shares are of elements."""
     sizes = dict(zip(MESH_AXES, shape, strict=True))
     mesh = types.SimpleNamespace(shape=sizes)  # (what logical_to_spec reads of a Mesh)
+
+    def mesh_axes(entries) -> set[str]:  # the mesh axes rules or spec entries name
+        return {a for e in entries for a in ((e,) if isinstance(e, str) else e or ())}
+
     paths, _ = jax.tree_util.tree_flatten_with_path(params_shapes)
-    names = ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in paths]
-    leaves = [leaf for _, leaf in paths]
     axes_of = jax.tree.leaves(logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+    leaves = []  # (name, elements, axes the rules would split it over, axes that split it)
+    for (path, leaf), logical in zip(paths, axes_of, strict=True):
+        meant = mesh_axes(LOGICAL_RULES.get(a) for a in logical if a is not None)
+        split = mesh_axes(logical_to_spec(logical, leaf.shape, mesh))
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        leaves.append((name, math.prod(leaf.shape), meant, split))
     out = {}
     for axis in ("fsdp", "tensor", "expert"):
-        if sizes[axis] == 1:
+        meant = [(name, n, axis in split) for name, n, rules, split in leaves if axis in rules]
+        if sizes[axis] == 1 or not meant:
             continue
-        meant = whole = 0
-        whole_names = []
-        for name, leaf, logical in zip(names, leaves, axes_of, strict=True):
-            rules = [LOGICAL_RULES.get(a) for a in logical if a is not None]
-            if not any(axis == r or (isinstance(r, tuple) and axis in r) for r in rules):
-                continue
-            n = math.prod(leaf.shape)
-            meant += n
-            spec = logical_to_spec(logical, leaf.shape, mesh)
-            if not any(axis == p or (isinstance(p, tuple) and axis in p) for p in spec):
-                whole += n
-                whole_names.append(name)
-        if meant:
-            out[axis] = (whole / meant, whole_names)
+        whole = [(name, n) for name, n, was_split in meant if not was_split]
+        share = sum(n for _, n in whole) / sum(n for _, n, _ in meant)
+        out[axis] = (share, [name for name, _ in whole])
     return out
 
 
