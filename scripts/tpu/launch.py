@@ -192,12 +192,7 @@ def plan(args) -> list[list[str]]:
         cluster.check_overrides(args.overrides)  # before any look-up
         cluster.check_checkpoint_dir(args.checkpoint_dir)
         address = f"{_address(args, cloud, args.head_ip)}:{args.ray_port}"
-        workdir = args.workdir or f"runs/{name}"
-        python = f"../{cluster.VENV}/bin/python"
-        overrides = tuple(args.overrides)
-        main = cluster.main_command(
-            args.config, workdir, args.slices, spec, address, args.checkpoint_dir, overrides, python
-        )
+        main = _launch_main(args, spec, address, f"../{cluster.VENV}/bin/python")
         return [cluster.launch_command(name, cloud, main)]
     if args.step == "dp":
         cluster.check_overrides(args.overrides)  # before any look-up
@@ -213,6 +208,15 @@ def plan(args) -> list[list[str]]:
     return provision.delete_commands(name, args.slices, cloud, args.keep_head, args.slice)
 
 
+def _launch_main(args, spec, address: str, python: str) -> list[str]:
+    """`launch`'s entry-point command: run by `python`, joining Ray at `address`."""
+    workdir = args.workdir or f"runs/{args.name}"
+    return cluster.main_command(
+        args.config, workdir, args.slices, spec, address, args.checkpoint_dir,
+        tuple(args.overrides), python,
+    )  # fmt: skip
+
+
 def _check_command(args) -> tuple[list[str], dict, pathlib.Path | None]:
     """(command, environment, working directory) that runs the step's entry point here with
     `--check_config`: the same config file and flags the remote command gets, on CPU, with
@@ -220,17 +224,12 @@ def _check_command(args) -> tuple[list[str], dict, pathlib.Path | None]:
     spec = parse_accelerator(args.accelerator)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec.chips}"
-    overrides = tuple(args.overrides)
     if args.step == "launch":
-        address = f"{HEAD_IP_PLACEHOLDER}:{args.ray_port}"
-        workdir = args.workdir or f"runs/{args.name}"
-        cmd = cluster.main_command(
-            args.config, workdir, args.slices, spec, address, args.checkpoint_dir, overrides,
-            sys.executable,
-        )  # fmt: skip
+        cmd = _launch_main(args, spec, f"{HEAD_IP_PLACEHOLDER}:{args.ray_port}", sys.executable)
         cwd = ROOT
     else:  # dp: worker 0's command; the hosts run a copy of the local config file
         ip = dp.WORKER0_IP_PLACEHOLDER
+        overrides = tuple(args.overrides)
         cmd = dp.dp_main_command(args.config, args.workdir, spec, 0, ip, overrides, sys.executable)
         cmd = [f"--config={args.config}" if a.startswith("--config=") else a for a in cmd]
         cwd = None
