@@ -215,7 +215,7 @@ def table(workdir: str) -> str:
     learners = sorted({r["learner"] for r in metrics if isinstance(r["learner"], int)})
     # host share / CPU share: medians of the rows' host_share and host_cpu_share (the share
     # of its steps the learner's thread worked on the host instead of waiting for its device,
-    # and of that the share it ran on a CPU; runtime/learner_loop.py).
+    # and of that the share it ran on a CPU; runtime/step_times.py).
     head = ("| learner | last step | last train loss | mean tokens/s | merge delay (steps) "
             "| host share / CPU share |")  # fmt: skip
     lines += ["", head, "|---|---|---|---|---|---|"]

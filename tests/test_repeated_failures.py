@@ -87,7 +87,7 @@ def test_a_stopped_learner_is_reported_once_and_counted_out(tmp_path, capsys):
 def test_every_process_of_a_learner_gets_a_fresh_incarnation_on_any_node(tmp_path):
     # Nothing node-local: a learner Ray restarts on another node (its own died) must not
     # reuse the incarnation of the process it replaces, nor of any earlier one.
-    from decoupled_diloco.runtime.learner_loop import next_life
+    from decoupled_diloco.runtime.lives import next_life
 
     ckpt = str(tmp_path / "checkpoints")
     lives = [next_life(ckpt, 1, 0, floor=0) for _ in range(3)]

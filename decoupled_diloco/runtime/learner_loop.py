@@ -14,7 +14,6 @@ due merges are applied on the replica, a heartbeat goes out. A step's metrics ar
 """
 
 import collections
-import math
 import os
 import threading
 import time
@@ -22,15 +21,16 @@ import time
 import jax
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
-from decoupled_diloco import checkpoint, faults, mfu, paths, profiling
+from decoupled_diloco import checkpoint, faults, mfu, profiling
 from decoupled_diloco.data.prefetch import Prefetch
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Leave, Snapshot
 from decoupled_diloco.runtime.boundary import MergeStager, apply_updates, finish, step_boundary
+from decoupled_diloco.runtime.lives import next_life
 from decoupled_diloco.runtime.outbox import Outbox
-from decoupled_diloco.train.replica import dispatch_waited
+from decoupled_diloco.runtime.save_schedule import SaveSchedule
+from decoupled_diloco.runtime.step_times import StepTimes
 
 _MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
 POLL_S = 0.02  # seconds between checks while a learner is down
@@ -57,35 +57,6 @@ class StopRequest:
     through its inbox with the syncer's replies: the hosts of a multi-host learner receive
     their messages together at a step boundary (host 0's, broadcast), so all of them stop
     after the same step."""
-
-
-def _lives_file(ckpt_dir: str, m: int, host: int):
-    return paths.resolve(ckpt_dir) / "lives" / f"learner_{m}_{host}"
-
-
-def last_life(ckpt_dir: str, m: int, host: int) -> int | None:
-    """The newest incarnation learner m (host `host`) took with this checkpoint directory
-    (`next_life`), None if none."""
-    try:
-        return int(_lives_file(ckpt_dir, m, host).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def next_life(ckpt_dir: str, m: int, host: int, floor: int) -> int:
-    """A fresh incarnation for learner m (host `host` of its slice): above every one an
-    earlier life took with this checkpoint directory, and at least `floor` (e.g. its
-    checkpoint's). Recorded under `ckpt_dir`, which every node reaches: a learner's
-    checkpoint holds the life it saved in, not the ones it took since (a crash, a NaN
-    restart), and a process that came back after a kill must not reuse a life the syncer
-    has seen: the syncer would refuse its Join for good, or (Ray restarting it on another
-    node) take offers its dead predecessor still had in flight as its own."""
-    last = last_life(ckpt_dir, m, host)
-    life = floor if last is None else max(floor, last + 1)
-    path = _lives_file(ckpt_dir, m, host)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    paths.write_atomic(path, str(life))
-    return life
 
 
 class LearnerLoop:
@@ -145,25 +116,11 @@ class LearnerLoop:
         self.interrupted = False
         self._stop_requested = False  # a StopRequest arrived: stop before the next step
         self.away = "start"  # why the learner is about to (re)start
-        self.wait_seconds = 0.0  # time blocked on late merges: idle, not compute
-        self.eval_seconds = 0.0  # time evaluating (data-parallel): idle, not compute
+        self.times = StepTimes()  # where its steps' time goes (rows' host_share)
+        self.saves = SaveSchedule(run.train.checkpoint_every, run.train.checkpoint_duty)
         self.steps_since_start = 0
         self._rate = (None, 0)  # (time, step) of the previous row
         self._delays = (0, 0)  # the protocol's (delay_steps, delays) at the previous row
-        # Since the previous row: wall seconds of steps, and of those, seconds this thread
-        # waited for the device (fetching a step's metrics) or for late merges.
-        self._wall, self._blocked = 0.0, 0.0
-        # Since the previous row: CPU seconds this thread ran during the steps' host work
-        # (`time.thread_time`, its waits for the device and evaluations left out).
-        self._cpu = 0.0
-        self._idle_cpu = 0.0  # CPU seconds spent waiting for the device or evaluating, all told
-        self._device_wait = 0.0  # seconds this thread waited for the device, all told
-        # A periodic checkpoint fell due and waits for step `_save_at` (`_checkpoint_due`);
-        # seconds of the last two periodic saves, (time, step) at the end of the last.
-        self._save_pending = False
-        self._save_at = 0
-        self._save_seconds: collections.deque = collections.deque(maxlen=2)
-        self._last_save_end = (0.0, 0)
         self._initial_data = data.get_state()
 
     def restore(self, params_too: bool) -> bool:
@@ -250,9 +207,7 @@ class LearnerLoop:
                     self._rate = (self.clock(), self.step)  # (its compile included)
                 if self.step >= run.train.steps:
                     break  # resumed in its final sync, and Θ holds every step: none to take
-            t_step, waited = time.perf_counter(), self.wait_seconds
-            c_step, idle_cpu = time.thread_time(), self._idle_cpu
-            device_wait, launch_wait = self._device_wait, dispatch_waited()
+            self.times.begin()
             profiling.step(m, self.step, self.replica.ready)  # --profile's window
             metrics = self.replica.step(next(self.data))
             self.step += 1
@@ -272,33 +227,22 @@ class LearnerLoop:
             # model), a learner that has not left holds up the rounds that would take the
             # offers of learners behind it (catch-up rounds wait for every live learner).
             last = self.step == run.train.steps
-            save = (last and self.proto is None) or (not last and self._checkpoint_due())
+            save = (last and self.proto is None) or (not last and self.saves.due(self.step))
             flush = last or save or bool(self.evaluate and self._every("eval_every"))
-            evaluated = self.eval_seconds
             diverged = self._read(unread, keep=0 if flush else lag)
-            evaluating = self.eval_seconds - evaluated
-            blocked = self.wait_seconds - waited  # waiting for a merge is not compute
-            off = blocked + evaluating
-            self._wall += time.perf_counter() - t_step - evaluating
-            # This step's waits: for merges, and for the device (reading metrics, and
-            # launching programs while its queue is full).
-            launched = dispatch_waited() - launch_wait
-            self._blocked += blocked + (self._device_wait - device_wait) + launched
-            self._cpu += time.thread_time() - c_step - (self._idle_cpu - idle_cpu)
-            self._straggle(unread, time.perf_counter() - t_step - off)
+            device_wait = self.times.end()
+            self._straggle(unread, self.times.compute_seconds())
             if self.stager is not None and not flush:  # a flush empties the device queue
                 # A merge placed within this costs the device nothing.
-                slack = self._device_wait - device_wait
-                self.stager.slack = 0.8 * self.stager.slack + 0.2 * slack
+                self.stager.slack = 0.8 * self.stager.slack + 0.2 * device_wait
             self.steps_since_start += 1
-            self.sink.step(m, time.perf_counter() - t_step - off, self.clock())
+            self.sink.step(m, self.times.compute_seconds(), self.clock())
             if save and not diverged:
                 if self.step == run.train.steps:  # the last save is the tail, as below
                     self.sink.finished(m, self.clock())
                 t0 = time.perf_counter()
                 self.save()
-                self._save_pending = False
-                self._save_at = self.step + self._save_gap_steps(t0, time.perf_counter())
+                self.saves.saved(self.step, t0, time.perf_counter())
             if diverged and self.step >= run.train.steps:
                 break  # no steps left to restart for: it leaves without offering (below)
             if diverged:  # a diverged learner must not poison merges: restart it from Θ
@@ -332,35 +276,6 @@ class LearnerLoop:
     def _every(self, key: str) -> bool:
         every = getattr(self.run_cfg.train, key)
         return bool(every) and self.step % every == 0
-
-    def _checkpoint_due(self) -> bool:
-        """Whether this step saves a periodic checkpoint (called once per step): one falls
-        due every `train.checkpoint_every` steps and is taken at the first step at or after
-        `_save_at`, which the last periodic save set (`_save_gap_steps`)."""
-        self._save_pending = self._save_pending or self._every("checkpoint_every")
-        return self._save_pending and self.step >= self._save_at
-
-    def _save_gap_steps(self, start: float, end: float) -> int:
-        """Steps from the periodic save that ran from `start` to `end` (now) to the next
-        one, so that saves (synchronous: the device idles) take at most
-        `train.checkpoint_duty` of the learner's time: a save of s seconds is followed by
-        s·(1/duty − 1) seconds of steps, counted in steps at the step time between the last
-        two saves. s is the shorter of the last two saves (none before two: the first, with
-        the checkpointer's set-up, would space out the rest). Counted in steps, and host 0's
-        count on every host of a multi-host learner, so that all of its hosts take the save,
-        a collective, at the same step."""
-        duty = self.run_cfg.train.checkpoint_duty
-        if duty >= 1:
-            return 0
-        self._save_seconds.append(end - start)
-        (last_end, last_step), self._last_save_end = self._last_save_end, (end, self.step)
-        gap = 0
-        if len(self._save_seconds) == 2 and self.step > last_step and start > last_end:
-            step_s = (start - last_end) / (self.step - last_step)
-            gap = math.ceil(min(self._save_seconds) * (1.0 / duty - 1.0) / step_s)
-        if jax.process_count() > 1:
-            gap = int(multihost_utils.broadcast_one_to_all(np.int32(gap)))
-        return gap
 
     # --- (re)start, boundary, finish --------------------------------------------------
     def _start(self) -> None:
@@ -461,7 +376,7 @@ class LearnerLoop:
     def _boundary(self) -> None:
         # A multi-host learner (inline offers) applies every merge at the same boundary on
         # all of its hosts: it does not defer one its own stager has not placed yet.
-        self.wait_seconds += step_boundary(
+        self.times.merge_wait += step_boundary(
             self.proto, self.replica, self.outbox, self._receive, self.clock, self.stager,
             defer=not self.outbox.inline,
         )  # fmt: skip
@@ -601,10 +516,8 @@ class LearnerLoop:
         if finished is None:
             return False
         step, metrics = finished
-        t0, c0 = time.perf_counter(), time.thread_time()
-        host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
-        self._device_wait += time.perf_counter() - t0  # the device was still busy with it
-        self._idle_cpu += time.thread_time() - c0  # a runtime may spin while it waits
+        with self.times.reading_device():
+            host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
         if not np.isfinite(host["loss"]) and self.plan is not None:
             return True
         run = self.run_cfg
@@ -616,11 +529,8 @@ class LearnerLoop:
             return False
         rec = self._row(step, host)
         if evaluate:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            rec["eval_loss"] = self.evaluate(self.replica.state.params)
-            self._idle_cpu += time.thread_time() - c0
-            seconds = time.perf_counter() - t0
-            self.eval_seconds += seconds
+            params = self.replica.state.params
+            rec["eval_loss"], seconds = self.times.evaluate(lambda: self.evaluate(params))
             self.sink.idle(self.m, seconds)  # evaluation is not training
         self.sink.row(rec)
         return False
@@ -645,19 +555,7 @@ class LearnerLoop:
             "time": now,
         }
         rec.update(mfu.row_fields(self.run_cfg, self.replica.mesh, rate))
-        if self._wall > 0:
-            # Share of the steps' wall time this thread was busy on the host (data, the
-            # protocol's boundary, dispatch, rows) instead of waiting for the device (in a
-            # metrics read, or in a launch the device's full queue held: `dispatch_waited`):
-            # near 1, the device idles between steps (a host-bound learner).
-            rec["host_share"] = round(min(max(1.0 - self._blocked / self._wall, 0.0), 1.0), 4)
-            # Of that, the share it ran on a CPU: host_share - host_cpu_share is time it was
-            # ready to run Python but did not (the interpreter lock other threads held,
-            # other locks, the OS run queue), not its own work; and the device waits not
-            # timed as such (a boundary finishing the device's steps before it waits for a
-            # late merge: runs that wait for merges).
-            rec["host_cpu_share"] = round(min(max(self._cpu / self._wall, 0.0), 1.0), 4)
-        self._wall = self._blocked = self._cpu = 0.0
+        rec.update(self.times.shares())  # host_share, host_cpu_share
         waited = self.replica.compile_waited()
         if waited:
             # Seconds this learner's thread has waited for its protocol ops' background

@@ -50,7 +50,7 @@ class TrainConfig:
     # seconds (synchronous: the learner's device idles meanwhile) is followed by at least
     # s·(1/checkpoint_duty − 1) seconds of steps (counted in steps, alike on every host) before
     # the next; one that falls due sooner is taken at the first step after that
-    # (runtime/learner_loop.py). 1 = every checkpoint_every steps as due:
+    # (runtime/save_schedule.py). 1 = every checkpoint_every steps as due:
     # the default, since a data-parallel job falls back to its last save; learners with a
     # syncer rejoin from Θ and save for a resume only (config.set_decoupled: 0.1).
     checkpoint_duty: float = 1.0

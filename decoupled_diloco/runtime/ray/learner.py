@@ -189,7 +189,7 @@ class LearnerActor:
         is announced all the same: the registry takes a repeat as a no-op, and a later
         life's Leave as the end of the registered one."""
         from decoupled_diloco.diloco.messages import Leave
-        from decoupled_diloco.runtime.learner_loop import last_life
+        from decoupled_diloco.runtime.lives import last_life
         from decoupled_diloco.runtime.ray import links
 
         life = last_life(self.ckpt_dir, self.m, 0)

@@ -1,0 +1,88 @@
+"""Where a learner thread's step time goes, for its metrics rows.
+
+A step's wall time, less its waits for late merges and its evaluations (idle, not
+training), is its compute time as the learner sees it (`compute_seconds`). Of that, the
+thread waited for the device in two ways: reading a step's metrics (the device still
+computing it), and launching a program while the device's queue was full (XLA:CPU holds at
+most 32 programs per device in flight; `replica.dispatch_waited`). The rest it was busy on
+the host: `host_share` near 1 means the device idles between steps (a host-bound learner).
+"""
+
+import contextlib
+import time
+
+from decoupled_diloco.train.replica import dispatch_waited
+
+
+class StepTimes:
+    """One learner thread's clock: `begin()` and `end()` around each step (its metrics
+    reads included), `reading_device()` and `evaluate(fn)` around the waits, `shares()` at
+    each row."""
+
+    def __init__(self):
+        self.merge_wait = 0.0  # seconds blocked on late merges, all told
+        self.evaluation = 0.0  # seconds evaluating (data-parallel), all told
+        self.device_wait = 0.0  # seconds waiting for the device in metrics reads, all told
+        self.idle_cpu = 0.0  # CPU seconds spent in those waits and evaluations, all told
+        # Since the previous row: the steps' wall seconds less evaluations, of those the
+        # seconds waiting (for merges, for the device), and the thread's CPU seconds outside
+        # its waits (`time.thread_time`).
+        self._wall = self._blocked = self._cpu = 0.0
+        self._mark: tuple = ()
+        self._off = 0.0  # the current step's waits for merges and evaluations
+
+    def begin(self) -> None:
+        times = (self.merge_wait, self.evaluation, self.device_wait, self.idle_cpu)
+        self._mark = (time.perf_counter(), time.thread_time(), *times, dispatch_waited())
+        self._off = 0.0
+
+    def end(self) -> float:
+        """Ends the step begun last, after its metrics reads: adds its times to the row's.
+        Returns the seconds it waited for the device in metrics reads."""
+        t0, c0, merge, evaluation, device, idle_cpu, launched = self._mark
+        evaluating, blocked = self.evaluation - evaluation, self.merge_wait - merge
+        device_wait = self.device_wait - device
+        self._off = blocked + evaluating
+        self._wall += time.perf_counter() - t0 - evaluating
+        self._blocked += blocked + device_wait + (dispatch_waited() - launched)
+        self._cpu += time.thread_time() - c0 - (self.idle_cpu - idle_cpu)
+        return device_wait
+
+    def compute_seconds(self) -> float:
+        """The current step's seconds since `begin`, less its waits for merges and its
+        evaluations."""
+        return time.perf_counter() - self._mark[0] - self._off
+
+    @contextlib.contextmanager
+    def reading_device(self):
+        """Times a read of the device's results: the device was still busy with them."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        yield
+        self.device_wait += time.perf_counter() - t0
+        self.idle_cpu += time.thread_time() - c0  # a runtime may spin while it waits
+
+    def evaluate(self, fn):
+        """`fn()` timed as an evaluation: (its result, seconds)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = fn()
+        self.idle_cpu += time.thread_time() - c0
+        seconds = time.perf_counter() - t0
+        self.evaluation += seconds
+        return out, seconds
+
+    def shares(self) -> dict:
+        """A row's shares of the steps since the previous row ({} without steps), and a new
+        count from here."""
+        out = {}
+        if self._wall > 0:
+            # Share of the steps' wall time this thread was busy on the host (data, the
+            # protocol's boundary, dispatch, rows) instead of waiting for the device.
+            out["host_share"] = round(min(max(1.0 - self._blocked / self._wall, 0.0), 1.0), 4)
+            # Of that, the share it ran on a CPU: host_share - host_cpu_share is time it was
+            # ready to run Python but did not (the interpreter lock other threads held,
+            # other locks, the OS run queue), not its own work; and the device waits not
+            # timed as such (a boundary finishing the device's steps before it waits for a
+            # late merge: runs that wait for merges).
+            out["host_cpu_share"] = round(min(max(self._cpu / self._wall, 0.0), 1.0), 4)
+        self._wall = self._blocked = self._cpu = 0.0
+        return out
