@@ -3,8 +3,6 @@
 
 import time
 
-import pytest
-
 from decoupled_diloco.runtime.save_schedule import SaveSchedule
 from decoupled_diloco.runtime.step_times import StepTimes
 
@@ -17,7 +15,7 @@ def _busy(seconds: float) -> None:
 
 def test_a_steps_waits_for_the_device_and_merges_are_not_host_work():
     """A step of 50 ms reading the device, 50 ms blocked on a merge and 50 ms of host work,
-    with a 50 ms evaluation beside: a third of its time on the host, all of that on a CPU;
+    with a 150 ms evaluation beside: a third of its time on the host, all of that on a CPU;
     its compute time leaves the merge wait and the evaluation out."""
     times = StepTimes()
     times.begin()
@@ -27,13 +25,15 @@ def test_a_steps_waits_for_the_device_and_merges_are_not_host_work():
     time.sleep(0.05)
     times.merge_wait += time.perf_counter() - t0
     _busy(0.05)
-    loss, seconds = times.evaluate(lambda: time.sleep(0.05) or 1.5)
-    assert loss == 1.5 and seconds >= 0.05
-    assert times.end() == pytest.approx(0.05, abs=0.03)  # the device wait of this step
-    assert times.compute_seconds() == pytest.approx(0.10, abs=0.04)
+    loss, seconds = times.time_evaluation(lambda: time.sleep(0.15) or 1.5)
+    assert loss == 1.5 and seconds >= 0.15
+    assert 0.05 <= times.end() < 0.2  # the device wait of this step
+    assert 0.09 < times.compute_seconds() < 0.3  # device wait and host work
+    # (a loaded machine stretches the waits and the busy part alike; left out, the device
+    # wait would read 0.67, the merge wait 0.67, and the evaluation counted 0.67)
     shares = times.shares()
-    assert 0.2 < shares["host_share"] < 0.45, shares
-    assert 0.2 < shares["host_cpu_share"] < 0.45, shares
+    assert 0.15 < shares["host_share"] < 0.55, shares
+    assert 0.1 < shares["host_cpu_share"] < 0.45, shares
     assert times.shares() == {}  # counted anew from each row
 
 

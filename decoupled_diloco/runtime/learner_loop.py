@@ -530,7 +530,7 @@ class LearnerLoop:
         rec = self._row(step, host)
         if evaluate:
             params = self.replica.state.params
-            rec["eval_loss"], seconds = self.times.evaluate(lambda: self.evaluate(params))
+            rec["eval_loss"], seconds = self.times.time_evaluation(lambda: self.evaluate(params))
             self.sink.idle(self.m, seconds)  # evaluation is not training
         self.sink.row(rec)
         return False

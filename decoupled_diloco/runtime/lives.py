@@ -1,7 +1,8 @@
 """A learner's incarnations ("lives"), recorded under the run's checkpoint directory.
 
-Every start of a learner after a failure (a crash, a NaN restart, a killed process that
-came back) is a new incarnation, and the syncer refuses the Join of one it has seen end.
+Every process that runs a learner takes a new incarnation as it starts, and so does every
+restart after a failure (a crash, a NaN restart, a killed process that came back); the
+syncer refuses the Join of one it has seen end.
 A learner's checkpoint holds the life it saved in, not the ones it took since, so each
 life taken is also written to `<ckpt_dir>/lives/learner_<m>_<host>`, which every node of
 the run reaches.

@@ -17,7 +17,8 @@ from jax.experimental import multihost_utils
 
 class SaveSchedule:
     """`due(step)` once per step says whether to save after it; `saved(step, start, end)`
-    after each save (periodic or not) sets the gap to the next one."""
+    after each save the step loop takes (periodic ones, a data-parallel learner's last)
+    sets the gap to the next one."""
 
     def __init__(self, every: int, duty: float):
         self.every, self.duty = every, duty

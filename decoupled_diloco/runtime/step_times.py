@@ -1,23 +1,35 @@
 """Where a learner thread's step time goes, for its metrics rows.
 
-A step's wall time, less its waits for late merges and its evaluations (idle, not
-training), is its compute time as the learner sees it (`compute_seconds`). Of that, the
-thread waited for the device in two ways: reading a step's metrics (the device still
-computing it), and launching a program while the device's queue was full (XLA:CPU holds at
-most 32 programs per device in flight; `replica.dispatch_waited`). The rest it was busy on
-the host: `host_share` near 1 means the device idles between steps (a host-bound learner).
+A step's wall time less its evaluations (idle, not training) is what a row's shares divide:
+the thread waited for late merges, and for the device in two ways: reading a step's metrics
+(the device still computing it), and launching a program while the device's queue was full
+(XLA:CPU holds at most 32 programs per device in flight; `replica.dispatch_waited`). The
+rest it was busy on the host: `host_share` near 1 means the device idles between steps (a
+host-bound learner). The step's time as the learner's ledger counts it (`compute_seconds`)
+leaves the merge waits out too.
 """
 
 import contextlib
 import time
+from typing import NamedTuple
 
 from decoupled_diloco.train.replica import dispatch_waited
 
 
+class _Mark(NamedTuple):  # the clocks and totals at a step's start
+    wall: float
+    cpu: float
+    merge_wait: float
+    evaluation: float
+    device_wait: float
+    idle_cpu: float
+    launch_wait: float
+
+
 class StepTimes:
     """One learner thread's clock: `begin()` and `end()` around each step (its metrics
-    reads included), `reading_device()` and `evaluate(fn)` around the waits, `shares()` at
-    each row."""
+    reads included), `reading_device()` and `time_evaluation(fn)` around the waits,
+    `shares()` at each row."""
 
     def __init__(self):
         self.merge_wait = 0.0  # seconds blocked on late merges, all told
@@ -28,30 +40,30 @@ class StepTimes:
         # seconds waiting (for merges, for the device), and the thread's CPU seconds outside
         # its waits (`time.thread_time`).
         self._wall = self._blocked = self._cpu = 0.0
-        self._mark: tuple = ()
+        self._mark: _Mark | None = None
         self._off = 0.0  # the current step's waits for merges and evaluations
 
     def begin(self) -> None:
-        times = (self.merge_wait, self.evaluation, self.device_wait, self.idle_cpu)
-        self._mark = (time.perf_counter(), time.thread_time(), *times, dispatch_waited())
+        totals = (self.merge_wait, self.evaluation, self.device_wait, self.idle_cpu)
+        self._mark = _Mark(time.perf_counter(), time.thread_time(), *totals, dispatch_waited())
         self._off = 0.0
 
     def end(self) -> float:
         """Ends the step begun last, after its metrics reads: adds its times to the row's.
         Returns the seconds it waited for the device in metrics reads."""
-        t0, c0, merge, evaluation, device, idle_cpu, launched = self._mark
-        evaluating, blocked = self.evaluation - evaluation, self.merge_wait - merge
-        device_wait = self.device_wait - device
+        mark = self._mark
+        evaluating, blocked = self.evaluation - mark.evaluation, self.merge_wait - mark.merge_wait
+        device_wait = self.device_wait - mark.device_wait
         self._off = blocked + evaluating
-        self._wall += time.perf_counter() - t0 - evaluating
-        self._blocked += blocked + device_wait + (dispatch_waited() - launched)
-        self._cpu += time.thread_time() - c0 - (self.idle_cpu - idle_cpu)
+        self._wall += time.perf_counter() - mark.wall - evaluating
+        self._blocked += blocked + device_wait + (dispatch_waited() - mark.launch_wait)
+        self._cpu += time.thread_time() - mark.cpu - (self.idle_cpu - mark.idle_cpu)
         return device_wait
 
     def compute_seconds(self) -> float:
         """The current step's seconds since `begin`, less its waits for merges and its
         evaluations."""
-        return time.perf_counter() - self._mark[0] - self._off
+        return time.perf_counter() - self._mark.wall - self._off
 
     @contextlib.contextmanager
     def reading_device(self):
@@ -61,7 +73,7 @@ class StepTimes:
         self.device_wait += time.perf_counter() - t0
         self.idle_cpu += time.thread_time() - c0  # a runtime may spin while it waits
 
-    def evaluate(self, fn):
+    def time_evaluation(self, fn):
         """`fn()` timed as an evaluation: (its result, seconds)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         out = fn()
