@@ -196,7 +196,7 @@ def test_run_all_lists_every_experiment():
         assert f"--out=experiments/results_quick/{name} " in proc.stdout
 
 
-def test_only_full_mode_writes_the_published_results():
+def test_only_full_mode_writes_the_published_results(monkeypatch):
     sys.path.insert(0, str(ROOT / "experiments"))
     from outputs import results_dir
 
@@ -207,6 +207,11 @@ def test_only_full_mode_writes_the_published_results():
     )
     assert str(results_dir(published, "quick", given=True)) == published  # --out was given
     assert str(results_dir("/tmp/mine", "quick", given=False)) == "/tmp/mine"
+    # A default lies in the checkout wherever the script starts (was experiments/experiments/
+    # results/... from experiments/).
+    monkeypatch.chdir(ROOT / "experiments")
+    assert results_dir(published, "full", given=False).resolve() == ROOT / published
+    assert str(results_dir(published, "quick", given=True)) == published
 
 
 @pytest.mark.slow
