@@ -48,6 +48,7 @@ ROLES = (
     ("learner_loop.py", "", "learner"),
     ("boundary.py", "", "learner"),
     ("replica.py", "", "learner"),
+    ("fragment_ops.py", "", "learner"),
     ("learner.py", "", "learner"),
     ("profiling.py", "", "learner"),
     ("syncer_loop.py", "", "syncer"),

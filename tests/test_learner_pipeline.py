@@ -614,19 +614,19 @@ def test_a_launch_held_by_the_devices_full_queue_is_a_wait_for_the_device(
 
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.runtime.local import LocalRuntime
-    from decoupled_diloco.train import replica as replica_module
+    from decoupled_diloco.train import fragment_ops
 
     pause = 0.03  # seconds each launch of the train step is held, off the CPU
 
     def held(*args, **kwargs):
         fn = jax.jit(*args, **kwargs)
-        return replica_module._Launch(lambda *a, **k: (time.sleep(pause), fn(*a, **k))[1])
+        return fragment_ops.Launch(lambda *a, **k: (time.sleep(pause), fn(*a, **k))[1])
 
-    monkeypatch.setattr(replica_module, "_launch", held)  # the replica's train step, row ops
+    monkeypatch.setattr(fragment_ops, "launch", held)  # the replica's train step, row ops
     run = config_lib.validate(small_config(**{"train.prefetch": 0, "train.steps": 10}))
-    before = replica_module.dispatch_waited()
+    before = fragment_ops.dispatch_waited()
     LocalRuntime(run, str(tmp_path), verbose=False).run()
-    assert replica_module.dispatch_waited() == before  # counted on the learner's thread
+    assert fragment_ops.dispatch_waited() == before  # counted on the learner's thread
     with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     rows = [r for r in rows if r.get("learner") == 0 and "host_share" in r][2:]
@@ -639,9 +639,9 @@ def test_dispatch_waited_counts_a_threads_time_off_the_cpu_in_launches():
     import threading
     import time
 
-    from decoupled_diloco.train import replica as replica_module
+    from decoupled_diloco.train import fragment_ops
 
-    asleep = replica_module._Launch(lambda: time.sleep(0.05))
+    asleep = fragment_ops.Launch(lambda: time.sleep(0.05))
     spin_until = [0.0]
 
     def spin():
@@ -649,24 +649,24 @@ def test_dispatch_waited_counts_a_threads_time_off_the_cpu_in_launches():
         while time.thread_time() < spin_until[0]:
             pass
 
-    busy = replica_module._Launch(spin)
+    busy = fragment_ops.Launch(spin)
     seen = {}
 
     def on_a_thread():
-        t0 = replica_module.dispatch_waited()
+        t0 = fragment_ops.dispatch_waited()
         asleep()
-        seen["asleep"] = replica_module.dispatch_waited() - t0
-        t0 = replica_module.dispatch_waited()
+        seen["asleep"] = fragment_ops.dispatch_waited() - t0
+        t0 = fragment_ops.dispatch_waited()
         busy()
-        seen["busy"] = replica_module.dispatch_waited() - t0
+        seen["busy"] = fragment_ops.dispatch_waited() - t0
 
-    main = replica_module.dispatch_waited()
+    main = fragment_ops.dispatch_waited()
     thread = threading.Thread(target=on_a_thread)
     thread.start()
     thread.join()
     assert 0.045 <= seen["asleep"] < 0.5
     assert seen["busy"] < 0.03  # on the CPU all along (2 busy cores may preempt it a little)
-    assert replica_module.dispatch_waited() == main  # another thread's waits are its own
+    assert fragment_ops.dispatch_waited() == main  # another thread's waits are its own
 
 
 @pytest.mark.parametrize("every,duty,first_s", [(1, 0.25, 0.02), (1, 0.25, 0.4), (3, 1.0, 0.02)])

@@ -3,7 +3,7 @@
 A step's wall time less its evaluations (idle, not training) is what a row's shares divide:
 the thread waited for late merges, and for the device in two ways: reading a step's metrics
 (the device still computing it), and launching a program while the device's queue was full
-(XLA:CPU holds at most 32 programs per device in flight; `replica.dispatch_waited`). The
+(XLA:CPU holds at most 32 programs per device in flight; `fragment_ops.dispatch_waited`). The
 rest it was busy on the host: `host_share` near 1 means the device idles between steps (a
 host-bound learner). The step's time as the learner's ledger counts it (`compute_seconds`)
 leaves the merge waits out too.
@@ -13,7 +13,7 @@ import contextlib
 import time
 from typing import NamedTuple
 
-from decoupled_diloco.train.replica import dispatch_waited
+from decoupled_diloco.train.fragment_ops import dispatch_waited
 
 
 class _Mark(NamedTuple):  # the clocks and totals at a step's start

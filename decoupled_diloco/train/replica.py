@@ -1,5 +1,6 @@
 """A learner's device replica: its mesh, jitted train step, TrainState and the few device
-operations the DiLoCo protocol asks for (fragment copies, shifts and mixes of leaves).
+operations the DiLoCo protocol asks for (fragment copies, shifts and mixes of leaves; the
+jitted ops themselves are `fragment_ops.py`'s).
 
 The protocol itself (`diloco/learner.py`) is numpy only; parameter bytes cross between the
 two only through `transfer.py`. Train steps donate the state, so fragment copies are taken
@@ -21,106 +22,12 @@ from absl import logging
 from decoupled_diloco import models, sharding, transfer
 from decoupled_diloco.diloco.fragment_members import parse_member
 from decoupled_diloco.models import flatten_params, unflatten_params
+from decoupled_diloco.train import fragment_ops as ops
 from decoupled_diloco.train import optimizer as optim
 from decoupled_diloco.train.step import TrainState, make_train_step
 
-# Seconds each thread has spent off the CPU inside the jitted calls below (`dispatch_waited`).
-_dispatch_waits = threading.local()
-
-
-def dispatch_waited() -> float:
-    """Seconds the calling thread has spent off the CPU inside this module's jitted calls,
-    all told. A launch returns at once while the device has room for it, and blocks while
-    its queue of programs is full (XLA:CPU holds 32 per device): a learner that far ahead
-    waits for the device there, not in a metrics read, and that wait is not host work.
-    (It also holds whatever else kept a launching thread off the CPU: a compile on other
-    threads at a first call, the interpreter lock taken back after it.)"""
-    return getattr(_dispatch_waits, "seconds", 0.0)
-
-
-class _Launch:
-    """A jitted function whose calls add their off-CPU time to `dispatch_waited`; its other
-    attributes (`lower`) are the function's."""
-
-    def __init__(self, fn):
-        self._fn = fn
-
-    def __call__(self, *args, **kwargs):
-        t, c = time.perf_counter(), time.thread_time()
-        out = self._fn(*args, **kwargs)
-        off = (time.perf_counter() - t) - (time.thread_time() - c)
-        if off > 0:
-            _dispatch_waits.seconds = dispatch_waited() + off
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._fn, name)
-
-
-def _launch(*args, **kwargs) -> _Launch:
-    """`jax.jit(*args, **kwargs)`, timed as `_Launch`."""
-    return _Launch(jax.jit(*args, **kwargs))
-
-
-# The protocol's device operations on a fragment's leaves (dicts of arrays). Shared by
-# every replica of the process, so learners on the same devices compile each fragment's
-# once; `Replica.precompile` compiles them before the first step. Merges update θ in place:
-# a donated leaf's buffer holds the result (no fragment-sized allocation per merge, no
-# second copy of it at the peak). Nothing else holds those buffers: the train step donates
-# the whole state every step, offers and snapshots are copies (`fragment_copies`), saves
-# are synchronous, and only data-parallel runs (which never merge) evaluate the replica's
-# own parameters.
-_mix = _launch(  # α·a + (1 − α)·b
-    lambda a, b, alpha: jax.tree.map(lambda x, y: alpha * x + (1 - alpha) * y, a, b),
-    donate_argnums=0,
-)
-_add = _launch(  # a + s·d
-    lambda a, d, s: jax.tree.map(lambda x, y: x + s * y, a, d), donate_argnums=0
-)
-_copy = _launch(lambda a: jax.tree.map(lambda x: x.copy(), a))
-# θ + R of members a landing set steps aside from (`Replica.land`): new arrays, one launch.
-_plus = _launch(lambda theta, held: jax.tree.map(lambda t, r: t + r, theta, held))
-# A landing's steps set aside (`Replica.land`): s·(θ + x − Θ_new), s = 1 − α, added onto the
-# members' earlier R (donated) or new; x is used once.
-_set_aside = _launch(
-    lambda theta, x, new, s: jax.tree.map(lambda t, d, n: s * ((t + d) - n), theta, x, new),
-    donate_argnums=1,
-)
-_set_aside_onto = _launch(
-    lambda held, theta, x, new, s: jax.tree.map(
-        lambda r, t, d, n: r + s * ((t + d) - n), held, theta, x, new
-    ),
-    donate_argnums=0,
-)
-# A rebase's x = Θ_new − G + v̂ (`diloco.updates.rebase_delta`, the same float32 operations
-# in the same order: the same bits, except that XLA may flush subnormals, |x| < 1.2e-38, to
-# zero where numpy keeps them), from arrays on the devices (`MergeStager`). Θ_new is not
-# donated: it stays as the next rebase's G. v̂ is used once.
-_rebase_held = _launch(
-    lambda new, anchor, sent: jax.tree.map(lambda t, a, v: (t - a) + v, new, anchor, sent),
-    donate_argnums=2,
-)
-_rebase_shift = _launch(lambda new, anchor: jax.tree.map(lambda t, a: t - a, new, anchor))
-# An offer's outer gradient v = G − θ (`diloco.learner.materialize`'s float32 subtraction),
-# from the G a `MergeStager` kept on the devices; a new array, so it survives donation.
-_outer = _launch(lambda anchor, theta: jax.tree.map(lambda a, t: a - t, anchor, theta))
-# The same from θ + R where a landing set steps aside: G − (θ + R), `_plus` then `_outer`'s
-# float32 operations in one launch.
-_outer_plus = _launch(
-    lambda anchor, theta, held: jax.tree.map(lambda a, t, r: a - (t + r), anchor, theta, held)
-)
 # (Device ids, a fragment's members) -> the lock of `Replica.precompile`'s compile of it.
 _PRECOMPILING: dict[tuple, threading.Lock] = {}
-
-
-def _leaf_update(kind: str, alpha: float):
-    """(jitted op, its scalar) that `Replica.apply` runs on whole leaves for an update of
-    `kind` mixed with `alpha`; None where the update simply replaces them (a mix, α = 0)."""
-    if kind == "add":
-        return _add, 1.0 - alpha
-    if kind == "land":  # even at α = 0: θ must not become Θ_new's buffers (a stager keeps
-        return _mix, alpha  # them as the next G, and the train step donates θ)
-    return (_mix, alpha) if alpha else None
 
 
 class Replica:
@@ -142,7 +49,7 @@ class Replica:
         self.state_shardings = TrainState(
             sharding.replicated(mesh), self.param_shardings, self.opt_shardings
         )
-        self._train_step = _launch(
+        self._train_step = ops.launch(
             make_train_step(model_cfg, self.optimizer, learning_rate, mesh, train_cfg.microbatches),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, sharding.replicated(mesh)),
@@ -237,8 +144,8 @@ class Replica:
         subnormals, which XLA may flush to zero)."""
         self._await_precompiled(new)
         if sent is None:
-            return _rebase_shift(new, anchor)
-        return _rebase_held(new, anchor, sent)
+            return ops.rebase_shift(new, anchor)
+        return ops.rebase_held(new, anchor, sent)
 
     def _member_sharding(self, name: str) -> jax.sharding.Sharding:
         leaf, rows = parse_member(name)
@@ -296,20 +203,20 @@ class Replica:
         with _PRECOMPILING.setdefault((devices, tuple(sorted(names))), threading.Lock()):
             members = {k: self._abstract_member(k) for k in names}
             if "add" in kinds:  # a rebase staged on the devices (diloco.device_rebase)
-                _rebase_shift.lower(members, members).compile()
-                _rebase_held.lower(members, members, members).compile()
+                ops.rebase_shift.lower(members, members).compile()
+                ops.rebase_held.lower(members, members, members).compile()
             if "land" in kinds:  # setting steps aside, and offering θ + R
-                _set_aside.lower(members, members, members, 1.0).compile()
-                _set_aside_onto.lower(members, members, members, members, 1.0).compile()
-                _plus.lower(members, members).compile()
-                _outer_plus.lower(members, members, members).compile()
+                ops.set_aside.lower(members, members, members, 1.0).compile()
+                ops.set_aside_onto.lower(members, members, members, members, 1.0).compile()
+                ops.plus.lower(members, members).compile()
+                ops.outer_plus.lower(members, members, members).compile()
             whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
             if whole:
-                _copy.lower(whole).compile()
+                ops.copy_leaves.lower(whole).compile()
                 if "add" in kinds:  # and an offer's v = G − θ from that G
-                    _outer.lower(whole, whole).compile()
+                    ops.outer.lower(whole, whole).compile()
                 for kind in kinds:
-                    op = _leaf_update(kind, alpha)
+                    op = ops.leaf_update(kind, alpha)
                     if op is not None:
                         op[0].lower(whole, whole, op[1]).compile()
             for name in names:
@@ -384,11 +291,11 @@ class Replica:
         if rest:
             v = self._per_member(
                 rest,
-                lambda leaves: _outer({k: anchor[k] for k in leaves}, leaves),
+                lambda leaves: ops.outer({k: anchor[k] for k in leaves}, leaves),
                 lambda name, x, r: _outer_rows(anchor[name], x, r.start, r.stop),
             )
         if held:
-            v.update(_outer_plus(_pick(anchor, held), self._theta(held), _pick(self.held, held)))
+            v.update(ops.outer_plus(_pick(anchor, held), self._theta(held), _pick(self.held, held)))
         transfer.start_to_host(v)
         return v
 
@@ -397,9 +304,9 @@ class Replica:
         held = [k for k in names if k in self.held]
         rest = [k for k in names if k not in self.held]
         # A row slice is a new array: it survives donation too.
-        out = self._per_member(rest, _copy, _rows) if rest else {}
+        out = self._per_member(rest, ops.copy_leaves, _rows) if rest else {}
         if held:
-            out.update(_plus(self._theta(held), _pick(self.held, held)))
+            out.update(ops.plus(self._theta(held), _pick(self.held, held)))
         return out
 
     def _theta(self, names) -> dict[str, jax.Array]:
@@ -429,7 +336,7 @@ class Replica:
         flat = flatten_params(self.state.params)
         placed = self._on_devices(arrays)
         x = {k: v for k, v in placed.items() if parse_member(k)[1] is None}
-        op = _leaf_update(kind, alpha)
+        op = ops.leaf_update(kind, alpha)
         try:
             if x and op is None:
                 flat.update(x)
@@ -460,9 +367,9 @@ class Replica:
         onto, fresh = [k for k in x if k in self.held], [k for k in x if k not in self.held]
         if onto:
             args = (_pick(d, onto) for d in (self.held, views, x, new))
-            self.held.update(_set_aside_onto(*args, s))
+            self.held.update(ops.set_aside_onto(*args, s))
         if fresh:
-            self.held.update(_set_aside(*(_pick(d, fresh) for d in (views, x, new)), s))
+            self.held.update(ops.set_aside(*(_pick(d, fresh) for d in (views, x, new)), s))
         self.apply("land", new, alpha)  # the mix, into θ's buffers even at α = 0
 
     def _on_devices(self, arrays: dict) -> dict:
@@ -478,7 +385,7 @@ class Replica:
     def _row_update(self, leaf: str):
         """The jitted row-slice update of `leaf` (`_update_rows`, keeping its sharding)."""
         if leaf not in self._row_updates:
-            self._row_updates[leaf] = _launch(
+            self._row_updates[leaf] = ops.launch(
                 _update_rows,
                 static_argnums=(2, 3),
                 out_shardings=self.flat_shardings[leaf],
@@ -491,7 +398,7 @@ def _pick(d: dict, keys) -> dict:
     return {k: d[k] for k in keys}
 
 
-@_Launch
+@ops.Launch
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _take_rows(x: jax.Array, start: int, stop: int) -> jax.Array:
     return x[start:stop]
@@ -503,7 +410,7 @@ def _rows(name: str, x: jax.Array, rows: slice) -> jax.Array:
     return _take_rows(x, rows.start, rows.stop)
 
 
-@_Launch
+@ops.Launch
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _outer_rows(anchor: jax.Array, x: jax.Array, start: int, stop: int) -> jax.Array:
     return anchor - x[start:stop]
