@@ -57,8 +57,7 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
         attempt = workdir_lib.Attempt(workdir, changed, forced=force)
         try:
             runtime = _runtime(cfg, workdir, verbose, str(paths.resolve(shared) / "checkpoints"))
-            ledger = runtime.log.ledger
-            attempt.watch(lambda: {"failures": ledger.failures, "restarts": ledger.restarts})
+            attempt.watch(workdir_lib.counters_of(runtime.log.ledger))
             summary = attempt.finish(runtime.run())
         finally:
             attempt.stop()  # a failed attempt's record says how far it got

@@ -157,6 +157,13 @@ def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
 
 
+def counters_of(ledger):
+    """What an attempt's heartbeat records of a run's ledger (`Attempt.watch`): every
+    counter summed over attempts (`ACCUMULATED`; wall time is the attempt's own clock), so
+    a killed attempt's failures and lost steps count in the run's summary."""
+    return lambda: {k: getattr(ledger, k) for k in ACCUMULATED if k != "wall_seconds"}
+
+
 def previous_attempts(workdir: str) -> list[dict]:
     return read_jsonl(epath.Path(workdir) / ATTEMPTS)
 
