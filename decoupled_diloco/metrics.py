@@ -103,10 +103,20 @@ def write_json(path: str, obj: dict) -> None:
 class Progress:
     """A single refreshing console line (a plain line per update when not a TTY)."""
 
-    def __init__(self, total_steps: int, stream=sys.stderr):
+    def __init__(self, total_steps: int, stream=sys.stderr, learners: int = 1):
         self.total, self.stream, self.t0 = total_steps, stream, time.monotonic()
         self.tty = stream.isatty()
+        self.learners = learners
         self._lock = threading.Lock()
+        self._lead = -1  # the step of the leading learner's last row
+
+    def learner_row(self, learner, step: int, text: str) -> None:
+        """Learner `learner`'s row at `step`: the line follows whichever learner leads, so
+        one that is down or slow does not stop it."""
+        if step < self._lead:
+            return
+        self._lead = step
+        self.update(step, text if self.learners == 1 else f"learner {learner} {text}")
 
     def update(self, step: int, text: str) -> None:
         frac = min(step / max(self.total, 1), 1.0)

@@ -300,6 +300,29 @@ def test_a_learner_down_in_a_gap_does_not_pace_it():
     assert gaps == [(0.0, 1.05)]
 
 
+def test_the_progress_line_follows_the_leading_learner_and_names_those_down(tmp_path):
+    """Learner 0 down at the start (a long restart delay): the line moves with the others'
+    rows and says who is down (it followed learner 0 alone, and printed nothing for minutes)."""
+    import io
+
+    from decoupled_diloco.metrics import Progress
+    from decoupled_diloco.runtime.records import RunLog
+
+    log, out = RunLog(str(tmp_path), Ledger(3), tensorboard=False), io.StringIO()
+    progress = Progress(20, stream=out, learners=3)
+    log.event({"event": "learner_down", "learner": 0, "step": 0, "time": 0.0})
+    for m, step in [(1, 5), (2, 5), (1, 10), (2, 8)]:
+        rec = {"learner": m, "step": step, "loss": 2.0, "tokens_per_second": 100.0}
+        progress.learner_row(m, step, log.progress_text(rec, uses_syncer=True))
+    lines = out.getvalue().splitlines()
+    assert [ln.split("s learner ")[1].split()[0] for ln in lines] == ["1", "2", "1"]  # 2@8: behind
+    assert lines[-1].endswith("merges 0 down: learner 0") and " 10/20 " in lines[-1]
+    log.event({"event": "rejoin", "learner": 0, "step": 0, "time": 1.0})
+    rec = {"learner": 0, "step": 11, "loss": 2.0, "tokens_per_second": 100.0}
+    assert "down" not in log.progress_text(rec, uses_syncer=True)
+    log.close()
+
+
 def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path):
     """Learner 0's merges of fragment 0 at versions 1-3, of fragment 1 at 1-2; the syncer
     restores fragment 0 at version 1 and fragment 1 at 2: the merges at versions 2 and 3 of

@@ -224,6 +224,11 @@ class Ledger:
         with self._lock:
             return who in self._down
 
+    def learners_down(self) -> list[int]:
+        """The learners failed and not restarted, in order."""
+        with self._lock:
+            return sorted(w for w in self._down if not isinstance(w, tuple))
+
     def failure(self, who, now: float) -> None:
         """`who`: a learner index or ("syncer", shard)."""
         with self._lock:

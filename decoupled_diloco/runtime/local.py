@@ -55,13 +55,9 @@ class _Sink:
 
     def row(self, rec: dict) -> None:
         self.rt.log.row(rec)
-        if rec["learner"] == 0 and self.rt.verbose:
-            extra = f" eval {rec['eval_loss']:.3f}" if "eval_loss" in rec else ""
-            merges = f" merges {self.rt.log.ledger.merges}" if self.rt.run_cfg.uses_syncer else ""
-            self.rt.progress.update(
-                rec["step"],
-                f"loss {rec['loss']:.3f}{extra} tok/s {rec['tokens_per_second']:.0f}{merges}",
-            )
+        if self.rt.verbose:
+            text = self.rt.log.progress_text(rec, self.rt.run_cfg.uses_syncer)
+            self.rt.progress.learner_row(rec["learner"], rec["step"], text)
 
     def step(self, m: int, seconds: float, t: float) -> None:
         self.rt.log.step(m, seconds, t)
@@ -282,7 +278,7 @@ class LocalRuntime:
                 )  # fmt: skip
             elif self.verbose:
                 print(f"resuming from checkpoints at learner steps {steps}", flush=True)
-        self.progress = Progress(run.train.steps)
+        self.progress = Progress(run.train.steps, learners=run.num_learners)
         self.syncers = self._syncer_loops() if run.uses_syncer else []
         # How long the run's threads wait to run Python again (summary.json's lock_wait_ms).
         self.lock_probe = gil.LockProbe().start()

@@ -36,6 +36,17 @@ class RunLog:
         if self.tensorboard is not None:
             self.tensorboard.row(rec)
 
+    def progress_text(self, rec: dict, uses_syncer: bool) -> str:
+        """What the console line says of a learner's row: its loss, rate, the run's merges,
+        and the learners down (a run waiting for one to restart says so)."""
+        extra = f" eval {rec['eval_loss']:.3f}" if "eval_loss" in rec else ""
+        text = f"loss {rec['loss']:.3f}{extra} tok/s {rec['tokens_per_second']:.0f}"
+        text += f" merges {self.ledger.merges}" if uses_syncer else ""
+        down = self.ledger.learners_down()
+        if down:
+            text += f" down: learner{'s' * (len(down) > 1)} {', '.join(map(str, down))}"
+        return text
+
     def record(self, rec: dict) -> None:
         """A syncer record: merges to merges.jsonl (and the ledger), the rest are events."""
         if rec.get("event") == "merge":

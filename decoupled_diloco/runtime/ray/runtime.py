@@ -148,7 +148,7 @@ class RayRuntime:
         """With `ray.evaluate = "driver"`, evaluates Θ on the driver's devices: learner 0's
         device group when the driver has that many (the local runtime's choice), else one."""
         run = self.run_cfg
-        self.progress = Progress(run.train.steps)
+        self.progress = Progress(run.train.steps, learners=run.num_learners)
         self.evaluator = None
         if run.ray.evaluate != "driver":
             return
@@ -266,12 +266,9 @@ class RayRuntime:
                 self.log.row(row)
         for row in out["rows"]:
             self.log.row(row)
-            if m == 0 and self.verbose:
-                self.progress.update(
-                    row["step"],
-                    f"loss {row['loss']:.3f} tok/s {row['tokens_per_second']:.0f} "
-                    f"merges {self.ledger.merges}",
-                )
+            if self.verbose:
+                text = self.log.progress_text(row, self.run_cfg.uses_syncer)
+                self.progress.learner_row(m, row["step"], text)
         self.status[m] = {k: out[k] for k in ("step", "done", "incarnation")}
         self.fates.repeats.progressed(m, out["step"])
         if out["done"]:
