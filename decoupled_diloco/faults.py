@@ -151,6 +151,12 @@ def _numbers(value) -> list:
 
 HORIZON_S = 7 * 24 * 3600.0  # fault timelines of a run are drawn this far ahead
 MAX_RANDOM_EVENTS = 1_000_000  # expected draws of one random process over a timeline
+# Larger finite values are refused at start-up: a learner this much slower, a delay this
+# long, a link this slow is no schedule a run lives through (the sleeps and waits they
+# reach overflowed, killing a learner or link thread mid-run).
+MAX_SLOWDOWN = 1e4  # step-time multipliers (speed_factors, slow_factor, straggler_slowdown)
+MAX_SPEED_NOISE = 2.0  # std of the per-step log-normal noise (the paper's is 0.10)
+MIN_BANDWIDTH_BPS = 1e3  # a limited link's bits/s (0 = unlimited)
 
 
 def _check_rates(spec: FaultSpec, m: int, horizon_s: float) -> None:
@@ -222,9 +228,32 @@ def validate_fault_spec(
             _fail("membership", f"needs 0 <= join < leave, got {entry!r}")
     if any(not t >= 0 for t in spec.syncer_crashes):
         _fail("syncer_crashes", f"times must be >= 0, got {spec.syncer_crashes}")
+    _check_bounds(spec)
     if steps:
         fault_steps.validate(spec, max_step, m)
     _check_rates(spec, m, horizon_s)
+
+
+def _check_bounds(spec: FaultSpec) -> None:
+    """Finite values past what any run could live through (`MAX_SLOWDOWN` and the rest)."""
+    gone = " (a learner that slow is gone: end its faults.membership window)"
+    for field in ("speed_factors", "slow_factor", "straggler_slowdown"):
+        big = [x for x in _numbers(getattr(spec, field)) if x > MAX_SLOWDOWN]
+        if big:
+            _fail(field, f"must be at most {MAX_SLOWDOWN:g}, got {big[0]:g}{gone}")
+    if spec.speed_noise > MAX_SPEED_NOISE:
+        _fail("speed_noise", f"must be at most {MAX_SPEED_NOISE:g} (a log-normal std; the "
+              f"paper's is 0.10), got {spec.speed_noise:g}")  # fmt: skip
+    for field in ("restart_delay_s", "syncer_restart_delay_s", "straggler_duration_s",
+                  "link_latency_s"):  # fmt: skip
+        long = [x for x in _numbers(getattr(spec, field)) if x > HORIZON_S]
+        if long:
+            _fail(field, f"must be at most {HORIZON_S:g} s (the {HORIZON_S / 86400:g}-day "
+                  f"fault timeline), got {long[0]:g}")  # fmt: skip
+    slow = [x for x in spec.link_bandwidth_bps if 0 < x < MIN_BANDWIDTH_BPS]
+    if slow:
+        _fail("link_bandwidth_bps", f"must be 0 (unlimited) or at least {MIN_BANDWIDTH_BPS:g} "
+              f"bits/s, got {slow[0]:g}")  # fmt: skip
 
 
 def fault_spec_from_dict(d: Mapping) -> FaultSpec:

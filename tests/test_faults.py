@@ -199,6 +199,15 @@ def test_fault_spec_from_dict_round_trip_and_unknown_key():
         ({"speed_noise": float("nan")}, "faults.speed_noise must be finite"),
         ({"crashes": ((0, float("inf")),)}, "faults.crashes must be finite"),
         ({"membership": ((0, float("nan"), 5.0),)}, "faults.membership must be finite"),
+        # finite, but no run lives through them (a sleep overflowed, killing a thread)
+        ({"speed_factors": (1.0, 1e300)}, "faults.speed_factors must be at most"),
+        ({"slow_fraction": 0.5, "slow_factor": 1e5}, "faults.slow_factor must be at most"),
+        ({"straggler_slowdown": 1e9}, "faults.straggler_slowdown must be at most"),
+        ({"speed_noise": 50.0}, "faults.speed_noise must be at most"),
+        ({"link_latency_s": (0.0, 1e300)}, "faults.link_latency_s must be at most"),
+        ({"restart_delay_s": 1e9}, "faults.restart_delay_s must be at most"),
+        ({"straggler_duration_s": 1e12}, "faults.straggler_duration_s must be at most"),
+        ({"link_bandwidth_bps": (0.0, 1e-300)}, "faults.link_bandwidth_bps must be 0"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):
