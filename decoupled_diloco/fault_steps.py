@@ -7,11 +7,14 @@ host; one in steps does not. Two clocks, both counted in completed steps:
   step boundary after step s, before step s + 1). Its own clock: a slow learner crashes
   at the same point of its training as a fast one. It fires once: a learner that redoes
   steps after a restore (data-parallel restarts from its last checkpoint) does not crash
-  again, and a run resumed past s does not replay it;
+  again, and a run resumed at or past s does not replay it (it fired when the learner
+  first got there);
 * the syncer's crashes and the membership windows `(learner, join, leave)` follow the
   run's lead step: the highest step any learner has completed so far. It never goes back
   (a restore rolls one learner back, not the run), it advances while some learners are
-  down, and it exists before a scavenged learner's first step (which it must trigger).
+  down, and it exists before a scavenged learner's first step (which it must trigger). A
+  resumed run does not replay the syncer crashes at or before the first step reported to
+  it; its membership windows are replayed, as the state they set.
 
 A fired entry becomes a wall-clock event at the time it fired (`FaultSchedule.
 learner_reached` / `run_reached`): the crash's restart comes `restart_delay_s` seconds
@@ -118,6 +121,7 @@ class StepTriggers:
         ]
         self._first_seen: list[int | None] = [None] * num_learners
         self._syncer = sorted(int(s) for s in spec.syncer_crashes)
+        self._resumed_lead: int | None = None  # the first step reported to `run_reached`
         self.windows = {}  # learner -> merged (join, leave) step windows
         for i, a, b in spec.membership:
             self.windows.setdefault(int(i), []).append((a, b))
@@ -137,8 +141,8 @@ class StepTriggers:
         with self._lock:
             pending = self._crashes[m]
             if self._first_seen[m] is None:  # a resumed run does not replay passed crashes
-                self._first_seen[m] = step
-                while pending and pending[0] < step:
+                self._first_seen[m] = step  # (a fresh run's first step is 0: none dropped)
+                while step > 0 and pending and pending[0] <= step:
                     pending.pop(0)
             fired = False
             while pending and pending[0] <= step:
@@ -150,6 +154,10 @@ class StepTriggers:
         """Some learner has completed `step` steps: the (kind, learner) entries that fire now,
         in step order; kind is "syncer_crash" (learner -1), "leave" or "join"."""
         with self._lock:
+            if self._resumed_lead is None:  # a resumed run does not replay passed crashes
+                self._resumed_lead = int(step)
+                while step > 0 and self._syncer and self._syncer[0] <= step:
+                    self._syncer.pop(0)
             self.lead = max(self.lead, int(step))
             out = []
             while self._syncer and self._syncer[0] <= self.lead:

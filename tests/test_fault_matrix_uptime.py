@@ -149,6 +149,18 @@ def test_step_crash_fires_once_and_not_when_resumed_past_it():
     assert not schedule.learner_reached(0, 5, 100.0)  # redone after a restore
     resumed = FaultSchedule(FaultSpec(unit="steps", crashes=((0, 5), (0, 12))), 1, 1e6)
     assert [s for s in range(8, 15) if resumed.learner_reached(0, s, float(s))] == [12]
+    # Resumed at the crash's own step (it fired there before the kill): not again (it did,
+    # and a Ctrl-C'd run resumed at step 30 counted 3 failures for one crash).
+    at = FaultSchedule(FaultSpec(unit="steps", crashes=((0, 30), (0, 31))), 1, 1e6)
+    assert [s for s in range(30, 35) if at.learner_reached(0, s, float(s))] == [31]
+
+
+def test_a_resumed_run_does_not_replay_the_syncer_crashes_its_lead_passed():
+    spec = FaultSpec(unit="steps", syncer_crashes=(20, 36, 50), syncer_restart_delay_s=1.0)
+    resumed = FaultSchedule(spec, 2, 1e6)
+    for step in range(36, 60):  # resumed at step 36: the crashes at 20 and 36 happened
+        resumed.run_reached(step, float(step))
+    assert resumed.syncer_down == [(50.0, 51.0)]
 
 
 def test_syncer_crash_and_membership_follow_the_runs_lead_step():
