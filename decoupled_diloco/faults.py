@@ -112,6 +112,9 @@ def _check_shapes(spec: FaultSpec) -> None:
     forms = {"crashes": ("learner", spec.unit), "membership": ("learner", "join", "leave")}
     for field, names in forms.items():
         entries = getattr(spec, field)
+        if isinstance(entries, str):  # a command-line value that is no Python literal
+            _fail(field, f"must be a Python literal: a list of ({', '.join(names)}) entries, "
+                  f"got the text {entries!r} (an infinite leave is written 1e400)")  # fmt: skip
         if not isinstance(entries, tuple | list):
             _fail(field, f"must be a list of ({', '.join(names)}) entries, got {entries!r}")
         for entry in entries:

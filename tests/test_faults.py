@@ -185,6 +185,7 @@ def test_fault_spec_from_dict_round_trip_and_unknown_key():
         ({"crashes": ((True, 5.0),)}, "faults.crashes entries must hold numbers"),
         ({"crashes": ((0.0, 5.0),)}, "faults.crashes names learner 0.0"),
         ({"membership": (1, 5, 30)}, "faults.membership entries must be"),
+        ({"membership": "[[0, 0, inf]]"}, "faults.membership must be a Python literal"),
         ({"speed_factors": (1.0, "x")}, "faults.speed_factors must be a list of numbers"),
         ({"syncer_crashes": 5.0}, "faults.syncer_crashes must be a list of numbers"),
         ({"restart_delay_s": "1"}, "faults.restart_delay_s must be a number"),
