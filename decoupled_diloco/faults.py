@@ -259,6 +259,19 @@ def _check_bounds(spec: FaultSpec) -> None:
               f"bits/s, got {slow[0]:g}")  # fmt: skip
 
 
+def timed_in_seconds(spec: FaultSpec) -> list[str]:
+    """The `faults.*` fields that place events on the wall clock of an attempt (which starts
+    at 0 in each process: a resumed run replays them), [] if none."""
+    fields = [] if spec.unit == "steps" else [
+        f for f in ("crashes", "membership", "syncer_crashes") if getattr(spec, f)
+    ]  # fmt: skip
+    if spec.chip_mtbf_hours > 0:
+        fields.append("chip_mtbf_hours")
+    if spec.straggler_rate_per_hour > 0:
+        fields.append("straggler_rate_per_hour")
+    return fields
+
+
 def fault_spec_from_dict(d: Mapping) -> FaultSpec:
     """Builds a FaultSpec from JSON-like data (lists become tuples); unknown keys raise."""
     known = {f.name for f in dataclasses.fields(FaultSpec)}

@@ -361,6 +361,21 @@ def test_a_killed_attempts_lost_steps_count_in_the_summary(small_config, tmp_pat
     assert summary["resume_lost_steps"] == every >= lost
 
 
+@pytest.mark.parametrize("unit", ["seconds", "steps"])
+def test_a_resume_says_a_schedule_in_seconds_replays(small_config, tmp_path, caplog, unit):
+    """Each attempt's fault clock starts at 0: a resume replays a schedule in seconds (its
+    crashes counted again), and says so; one in steps is not replayed, and not warned of."""
+    import logging
+
+    cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4, "faults.unit": unit,
+                          "faults.crashes": [[0, 7]], "faults.restart_delay_s": 0.1})  # fmt: skip
+    _halted(cfg, tmp_path, after=5)
+    with caplog.at_level(logging.WARNING):
+        launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    replays = "fault schedule is in seconds (faults.crashes)" in caplog.text
+    assert replays == (unit == "seconds"), caplog.text
+
+
 def test_a_non_finite_model_is_a_failed_run(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 6, "train.learning_rate": 1e9, "train.grad_clip": 0.0,
                           "train.warmup_steps": 0})  # fmt: skip

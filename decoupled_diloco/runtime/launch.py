@@ -22,7 +22,9 @@ import gc
 import json
 import math
 
-from decoupled_diloco import paths, preflight, run_files
+from absl import logging
+
+from decoupled_diloco import faults, paths, preflight, run_files
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import write_json
 from decoupled_diloco.runtime import workdir as workdir_lib
@@ -55,6 +57,14 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
         if changed and verbose:
             print(f"resuming with changed {', '.join(changed)}", flush=True)
         attempt = workdir_lib.Attempt(workdir, changed, forced=force)
+        timed = faults.timed_in_seconds(cfg.faults) if attempt.number else []
+        if timed:
+            logging.warning(
+                "resuming a run whose fault schedule is in seconds (faults.%s): each attempt's "
+                "clock starts at 0, so this one replays the schedule from its start (its "
+                "crashes count again in failures); faults.unit=steps places explicit faults "
+                "at training steps, which a resume does not replay", ", faults.".join(timed),
+            )  # fmt: skip
         try:
             runtime = _runtime(cfg, workdir, verbose, str(paths.resolve(shared) / "checkpoints"))
             attempt.watch(workdir_lib.counters_of(runtime.log.ledger))
