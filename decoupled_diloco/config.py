@@ -334,6 +334,11 @@ def _check_faults_fit_the_run(spec: faults.FaultSpec, d: DilocoConfig) -> None:
             "a syncer (diloco.sync_every > 0): a data-parallel run is one job, and one that "
             "leaves ends the run"
         )
+    if spec.syncer_crashes and not d.uses_syncer:
+        raise ValueError(
+            "faults.syncer_crashes needs a DiLoCo-family run with a syncer (diloco.sync_every "
+            "> 0): a data-parallel run has none to crash (they were ignored)"
+        )
     if d.uses_syncer and spec.syncer_crashes and spec.syncer_restart_delay_s >= d.join_timeout:
         raise ValueError(
             f"faults.syncer_restart_delay_s ({spec.syncer_restart_delay_s:g} s) must be below "

@@ -82,6 +82,7 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         # faults this run could not live through: a data-parallel job that leaves; a
         # syncer outage that outlasts a (re)joining learner's wait for it
         ({"faults.membership": [[0, 0.0, 5.0]]}, "needs a DiLoCo-family run with a syncer"),
+        ({"faults.syncer_crashes": [5.0]}, "faults.syncer_crashes needs a DiLoCo-family run"),
         ({"faults.chip_mtbf_hours": 1e-9}, "faults.chip_mtbf_hours"),  # 3.6 µs per chip
         (
             {
