@@ -260,8 +260,8 @@ def _check_bounds(spec: FaultSpec) -> None:
 
 
 def timed_in_seconds(spec: FaultSpec) -> list[str]:
-    """The `faults.*` fields that place events on the wall clock of an attempt (which starts
-    at 0 in each process: a resumed run replays them), [] if none."""
+    """The `faults.*` fields that place events on the run's clock in seconds (which a
+    resumed attempt continues: `FaultSchedule`'s offset), [] if none."""
     fields = [] if spec.unit == "steps" else [
         f for f in ("crashes", "membership", "syncer_crashes") if getattr(spec, f)
     ]  # fmt: skip
@@ -312,13 +312,23 @@ class FaultSchedule:
 
     `events` is sorted by time (ties in a fixed kind order, then learner); every accepted
     crash is followed by its restart at crash + restart_delay_s (if inside the horizon).
+
+    `offset_s`: where this attempt's clock starts on the run's timeline (the seconds that
+    earlier attempts of a resumed run trained, `workdir.fault_clock`). The timeline is the
+    run's, drawn from 0 whatever the offset; every method takes and returns the attempt's
+    times (run time - offset_s), so a resumed attempt neither replays what happened before
+    its start nor skips what is due after it. The attributes (`events`, `down`,
+    `member_windows`, `syncer_down`, `straggles`) hold run times.
     """
 
-    def __init__(self, spec: FaultSpec, num_learners: int, horizon_s: float):
+    def __init__(self, spec: FaultSpec, num_learners: int, horizon_s: float, offset_s: float = 0.0):
         if not horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
+        if not 0 <= offset_s < math.inf:
+            raise ValueError(f"offset_s must be finite and >= 0, got {offset_s}")
         validate_fault_spec(spec, num_learners, horizon_s=horizon_s)
         self.spec, self.num_learners, self.horizon_s = spec, num_learners, float(horizon_s)
+        self.offset = float(offset_s)
         m = num_learners
         self.speed = np.ones(m)
         if spec.speed_factors:
@@ -374,13 +384,13 @@ class FaultSchedule:
     def _crash_events(self, learner: int, t: float) -> list[FaultEvent]:
         """A random or timed crash of `learner` at t, in time order after its earlier ones:
         its down interval and events (none while it is down or not a member)."""
-        down = self.down[learner]
-        if (down and t < down[-1][1]) or not self.is_member(learner, t):
+        down, member = self.down[learner], self.member_windows[learner]
+        if (down and t < down[-1][1]) or not _inside(member, t):
             return []
         back = t + self.spec.restart_delay_s
         down.append((t, back))
         out = [FaultEvent(t, "crash", learner)]
-        if back < self.horizon_s and self.is_member(learner, back):
+        if back < self.horizon_s and _inside(member, back):
             out.append(FaultEvent(back, "restart", learner))
         return out
 
@@ -411,11 +421,13 @@ class FaultSchedule:
         return out
 
     def events_between(self, t0: float, t1: float) -> list[FaultEvent]:
-        """Events with t0 <= time < t1, in timeline order."""
+        """Events with t0 <= time < t1, in timeline order (attempt times)."""
+        off = self.offset
         with self._lock:
-            lo = bisect.bisect_left(self._keys, (t0,))
-            hi = bisect.bisect_left(self._keys, (t1,))
-            return self.events[lo:hi]
+            lo = bisect.bisect_left(self._keys, (t0 + off,))
+            hi = bisect.bisect_left(self._keys, (t1 + off,))
+            found = self.events[lo:hi]
+        return [e._replace(time=e.time - off) for e in found] if off else found
 
     # --- step schedules (fault_steps.py): placed on the timeline as the run reaches them ----
     def learner_reached(self, learner: int, step: int, t: float) -> bool:
@@ -426,11 +438,12 @@ class FaultSchedule:
             return False
         if not self.is_up(learner, t):
             return False
+        t += self.offset
         back = t + self.spec.restart_delay_s
         with self._lock:
             bisect.insort(self.down[learner], (t, back))
         self._add(FaultEvent(t, "crash", learner))
-        if self.is_member(learner, back):
+        if _inside(self.member_windows[learner], back):
             self._add(FaultEvent(back, "restart", learner))
         return True
 
@@ -439,10 +452,11 @@ class FaultSchedule:
         syncer crashes and membership changes scheduled up to it happen at t."""
         if self.steps is None:
             return
+        t += self.offset
         with self._lock:  # learners report concurrently: one thread applies a batch whole
             for kind, learner in self.steps.run_reached(step):
                 if kind == "syncer_crash":
-                    if not self.syncer_up(t):
+                    if _inside(self.syncer_down, t):
                         continue
                     back = t + self.spec.syncer_restart_delay_s
                     bisect.insort(self.syncer_down, (t, back))
@@ -462,7 +476,7 @@ class FaultSchedule:
     def never_member_again(self, learner: int, t: float, last_step: int) -> bool:
         """Whether the learner's membership has ended by t for good (a step schedule's joins
         up to `last_step`, the run's step budget, may still come)."""
-        if any(end > t for _, end in self.member_windows[learner]):
+        if any(end > t + self.offset for _, end in self.member_windows[learner]):
             return False
         return self.steps is None or not self.steps.joins_pending(learner, last_step)
 
@@ -474,19 +488,27 @@ class FaultSchedule:
 
     def is_member(self, learner: int, t: float) -> bool:
         """Whether the learner exists at t (scavenging windows; unlisted = always)."""
-        return _inside(self.member_windows[learner], t)
+        return _inside(self.member_windows[learner], t + self.offset)
+
+    def joins_late(self, learner: int) -> bool:
+        """Whether the learner is no member when this attempt starts (its membership begins
+        later: its start is a join)."""
+        return not self.is_member(learner, 0.0)
 
     def member_since(self, learner: int, t: float) -> float | None:
-        """When the learner's membership window holding t opened (None: not a member)."""
-        return _since(self.member_windows[learner], t)
+        """When the learner's membership window holding t opened (None: not a member;
+        negative: before this attempt started)."""
+        since = _since(self.member_windows[learner], t + self.offset)
+        return None if since is None else since - self.offset
 
     def is_up(self, learner: int, t: float) -> bool:
         """Alive (not between a crash and its restart) and a member at time t."""
-        return self.is_member(learner, t) and not _inside(self.down[learner], t)
+        return self.is_member(learner, t) and not _inside(self.down[learner], t + self.offset)
 
     def straggle_factor(self, learner: int, t: float) -> float:
         """The episode slowdown if a straggler episode is active at t, else 1."""
-        return self.spec.straggler_slowdown if _inside(self.straggles[learner], t) else 1.0
+        active = _inside(self.straggles[learner], t + self.offset)
+        return self.spec.straggler_slowdown if active else 1.0
 
     def step_time_factor(self, learner: int, step: int, t: float) -> float:
         """Step-time multiplier: constant speed * active straggle * hashed per-step noise."""
@@ -502,7 +524,7 @@ class FaultSchedule:
 
     def step_time_factors(self, step, t) -> np.ndarray:
         """Vectorised `step_time_factor` for all learners: [learners, len(step)] (step, t: [n])."""
-        step, t = np.asarray(step), np.asarray(t, dtype=np.float64)
+        step, t = np.asarray(step), np.asarray(t, dtype=np.float64) + self.offset
         out = np.empty((self.num_learners, t.size))
         for learner, episodes in enumerate(self.straggles):
             active = np.zeros(t.size, dtype=bool)
@@ -527,12 +549,13 @@ class FaultSchedule:
         return latency + (0.0 if math.isinf(bw) else num_bytes * 8.0 / bw)
 
     def syncer_up(self, t: float) -> bool:
-        return not _inside(self.syncer_down, t)
+        return not _inside(self.syncer_down, t + self.offset)
 
     def syncer_down_since(self, t: float) -> float | None:
         """When the syncer outage holding t began (None if the syncer is up at t)."""
-        return _since(self.syncer_down, t)
+        since = _since(self.syncer_down, t + self.offset)
+        return None if since is None else since - self.offset
 
     def to_json(self) -> list[dict]:
-        """The timeline as JSON-ready dicts (for the run's event log)."""
+        """The timeline as JSON-ready dicts (for the run's event log), in run times."""
         return [e._asdict() for e in self.events]

@@ -44,8 +44,9 @@ def _halted(cfg, wd, after):
     with workdir.lock(str(wd)):
         run_files.check_corpus(str(wd), run.data, force=False)
         attempt = workdir.Attempt(str(wd), [], forced=False)
-        rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after)
-        attempt.watch(workdir.counters_of(rt.log.ledger))
+        rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after,
+                          fault_offset_s=attempt.fault_offset)  # fmt: skip
+        attempt.watch(workdir.counters_of(rt.log.ledger), rt.fault_clock)
         assert rt.run() is None
         attempt.stop()  # what its last heartbeat would have written
 
@@ -361,19 +362,22 @@ def test_a_killed_attempts_lost_steps_count_in_the_summary(small_config, tmp_pat
     assert summary["resume_lost_steps"] == every >= lost
 
 
-@pytest.mark.parametrize("unit", ["seconds", "steps"])
-def test_a_resume_says_a_schedule_in_seconds_replays(small_config, tmp_path, caplog, unit):
-    """Each attempt's fault clock starts at 0: a resume replays a schedule in seconds (its
-    crashes counted again), and says so; one in steps is not replayed, and not warned of."""
-    import logging
-
-    cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4, "faults.unit": unit,
-                          "faults.crashes": [[0, 7]], "faults.restart_delay_s": 0.1})  # fmt: skip
+def test_a_resume_continues_a_schedule_in_seconds_instead_of_replaying_it(small_config, tmp_path):
+    """The fault clock is the run's: attempts.jsonl records where each attempt left it, and
+    the resumed attempt starts there, so the crash at 0 s that hit the first attempt does not
+    hit the second (it did, counted again in `failures`, when each attempt began at 0)."""
+    cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4,
+                          "faults.crashes": [[0, 0.0]], "faults.restart_delay_s": 0.1})  # fmt: skip
     _halted(cfg, tmp_path, after=5)
-    with caplog.at_level(logging.WARNING):
-        launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
-    replays = "fault schedule is in seconds (faults.crashes)" in caplog.text
-    assert replays == (unit == "seconds"), caplog.text
+    first = _read(tmp_path / "attempts.jsonl")[0]
+    assert first["own"]["failures"] == 1 and first["fault_clock"] > 0
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    second = _read(tmp_path / "attempts.jsonl")[1]
+    assert second["own"]["failures"] == 0, second
+    assert second["fault_clock"] > first["fault_clock"]
+    assert summary["failures"] == 2  # the crash, and the killed first attempt
+    crashes = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "learner_down"]
+    assert len(crashes) == 1, crashes
 
 
 def test_a_non_finite_model_is_a_failed_run(small_config, tmp_path):

@@ -268,3 +268,52 @@ def test_short_horizon_timeline_is_a_prefix_of_a_long_one():
     short = FaultSchedule(BUSY, 4, 3600.0)
     long = FaultSchedule(BUSY, 4, 10 * 3600.0)
     assert short.events == long.events_between(0.0, 3600.0)
+
+
+def test_an_offset_schedule_is_the_same_timeline_read_from_where_a_resume_starts():
+    """A resumed attempt's schedule (offset o) answers at its time t what the run's answers at
+    o + t: nothing before o comes back, an outage straddling o goes on, later events move."""
+    o = 1000.0
+    run, resumed = FaultSchedule(BUSY, 4, 3600.0), FaultSchedule(BUSY, 4, 3600.0, offset_s=o)
+    later = run.events_between(o, 3600.0)
+    assert later and resumed.events_between(0.0, 3600.0 - o) == [
+        e._replace(time=e.time - o) for e in later
+    ]
+    before = resumed.events_between(-o, 0.0)  # the first attempt's: never asked for from 0 on
+    assert before and [e.time + o for e in before] == [e.time for e in run.events_between(0.0, o)]
+    probes = np.linspace(0.0, 2600.0, 1301)
+    for t in probes:
+        for m in range(4):
+            assert resumed.is_up(m, t) == run.is_up(m, t + o)
+            assert resumed.straggle_factor(m, t) == run.straggle_factor(m, t + o)
+            assert resumed.step_time_factor(m, 5, t) == run.step_time_factor(m, 5, t + o)
+        assert resumed.syncer_up(t) == run.syncer_up(t + o)
+    since = run.member_since(3, o)  # learner 3 joined at 600 s, before the resume
+    assert since == 600.0 and resumed.member_since(3, 0.0) == since - o
+    assert not resumed.joins_late(3) and run.joins_late(3)
+    assert run.syncer_down_since(1501.0) - o == resumed.syncer_down_since(1501.0 - o)
+    factors = resumed.step_time_factors(np.arange(5), probes[:5])
+    assert np.array_equal(factors, run.step_time_factors(np.arange(5), probes[:5] + o))
+    with pytest.raises(ValueError, match="offset_s"):
+        FaultSchedule(BUSY, 4, 3600.0, offset_s=-1.0)
+
+
+def test_an_offset_step_schedule_places_its_faults_at_the_run_time_they_happen():
+    spec = FaultSpec(unit="steps", crashes=((1, 3),), syncer_crashes=(4,),
+                     membership=((2, 5, 9),), restart_delay_s=2.0,
+                     syncer_restart_delay_s=5.0)  # fmt: skip
+    sched = FaultSchedule(spec, 3, 3600.0, offset_s=500.0)
+    assert sched.joins_late(2) and not sched.joins_late(1)
+    for step in range(5):  # (the first step reported: where the attempt began)
+        sched.run_reached(step, 2.0 * step)
+    assert not any(sched.learner_reached(1, step, 2.0 * step) for step in range(3))
+    assert sched.learner_reached(1, 3, 10.0)
+    assert not sched.is_up(1, 11.0) and sched.is_up(1, 12.5)
+    assert sched.down[1] == [(510.0, 512.0)]  # run time
+    sched.run_reached(5, 20.0)
+    assert not sched.syncer_up(9.0) and sched.syncer_down_since(9.0) == 8.0
+    assert sched.is_member(2, 20.0) and sched.member_since(2, 30.0) == 20.0
+    assert [(e.time, e.kind) for e in sched.events_between(0.0, 100.0)] == [
+        (8.0, "syncer_crash"), (10.0, "crash"), (12.0, "restart"), (13.0, "syncer_restart"),
+        (20.0, "join"),
+    ]  # fmt: skip

@@ -22,8 +22,6 @@ import gc
 import json
 import math
 
-from absl import logging
-
 from decoupled_diloco import faults, paths, preflight, run_files
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import write_json
@@ -58,16 +56,14 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
             print(f"resuming with changed {', '.join(changed)}", flush=True)
         attempt = workdir_lib.Attempt(workdir, changed, forced=force)
         timed = faults.timed_in_seconds(cfg.faults) if attempt.number else []
-        if timed:
-            logging.warning(
-                "resuming a run whose fault schedule is in seconds (faults.%s): each attempt's "
-                "clock starts at 0, so this one replays the schedule from its start (its "
-                "crashes count again in failures); faults.unit=steps places explicit faults "
-                "at training steps, which a resume does not replay", ", faults.".join(timed),
-            )  # fmt: skip
+        if timed and verbose:
+            print(f"the fault schedule (faults.{', faults.'.join(timed)}) continues at "
+                  f"{attempt.fault_offset:.1f} s, where the earlier attempts left it",
+                  flush=True)  # fmt: skip
         try:
-            runtime = _runtime(cfg, workdir, verbose, str(paths.resolve(shared) / "checkpoints"))
-            attempt.watch(workdir_lib.counters_of(runtime.log.ledger))
+            ckpt_dir = str(paths.resolve(shared) / "checkpoints")
+            runtime = _runtime(cfg, workdir, verbose, ckpt_dir, attempt.fault_offset)
+            attempt.watch(workdir_lib.counters_of(runtime.log.ledger), runtime.fault_clock)
             summary = attempt.finish(runtime.run())
         finally:
             attempt.stop()  # a failed attempt's record says how far it got
@@ -96,14 +92,16 @@ def records_dir(cfg: RunConfig, workdir: str) -> str:
     return workdir if i == 0 else f"{workdir.rstrip('/')}/process_{i}"
 
 
-def _runtime(cfg: RunConfig, workdir: str, verbose: bool, ckpt_dir: str):
+def _runtime(cfg: RunConfig, workdir: str, verbose: bool, ckpt_dir: str, fault_offset_s: float):
     if cfg.runtime == "ray":
         from decoupled_diloco.runtime.ray.runtime import RayRuntime
 
-        return RayRuntime(cfg, workdir, verbose=verbose)
+        return RayRuntime(cfg, workdir, verbose=verbose, fault_offset_s=fault_offset_s)
     from decoupled_diloco.runtime.local import LocalRuntime
 
-    return LocalRuntime(cfg, workdir, verbose=verbose, ckpt_dir=ckpt_dir)
+    return LocalRuntime(
+        cfg, workdir, verbose=verbose, ckpt_dir=ckpt_dir, fault_offset_s=fault_offset_s
+    )
 
 
 def _checked(summary: dict) -> dict:

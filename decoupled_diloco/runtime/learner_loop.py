@@ -284,7 +284,7 @@ class LearnerLoop:
         else:
             self._join_syncer()
         self.restored = None
-        late = self.away == "start" and self.schedule.member_windows[self.m][0][0] > 0
+        late = self.away == "start" and self.schedule.joins_late(self.m)
         if self.away == "start" and not late:
             event = "learner_start"
         else:
@@ -461,7 +461,7 @@ class LearnerLoop:
         processes it kills)."""
         if not (self.emulate_crashes and member and self.away == "start"):
             return False
-        if self.replica.state is not None or self.schedule.member_windows[self.m][0][0] > 0:
+        if self.replica.state is not None or self.schedule.joins_late(self.m):
             return False  # started, or a later joiner (its start is a member_join)
         return crash or not self.schedule.is_up(self.m, t)
 

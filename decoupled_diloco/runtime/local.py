@@ -80,18 +80,22 @@ class LocalRuntime:
         halt_after: int | None = None,
         ckpt_dir: str | None = None,
         replica=Replica,
+        fault_offset_s: float = 0.0,
     ):
         """`halt_after`: stop every learner abruptly after that many steps, with no final
         checkpoint or summary (tests use it to emulate a killed job). `ckpt_dir`: default
         <workdir>/checkpoints; every process of a multi-host world passes the same one.
         `replica`: what builds a learner's replica from (model, train, mesh) configs
-        (benchmarks pass one that emulates an accelerator's step time)."""
+        (benchmarks pass one that emulates an accelerator's step time). `fault_offset_s`:
+        where this attempt starts on the fault timeline (`workdir.Attempt.fault_offset`)."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         self._replica = replica
         self.halt_after = halt_after
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
         self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
-        self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
+        self.schedule = faults.FaultSchedule(
+            run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s
+        )
         self.stop = threading.Event()  # learners stop (a budget, a test, a failure)
         self.failed = threading.Event()  # a thread failed: learners wait for no reply
         self._syncers_stop = threading.Event()  # set once every learner has finished
@@ -104,6 +108,11 @@ class LocalRuntime:
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    def fault_clock(self) -> float:
+        """Where the run stands on its fault timeline: the earlier attempts' seconds plus
+        this one's since it started training (its start-up is not on the timeline)."""
+        return self.schedule.offset + (self.now() if self.t0 else 0.0)
 
     # --- construction ---------------------------------------------------------------
     def _build(self) -> None:

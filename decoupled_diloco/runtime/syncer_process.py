@@ -57,7 +57,8 @@ class SyncerProcess:
     """The parent's end of shard `shard`: what the local runtime asks of a `SyncerLoop`
     (`run`, `global_params`, `stats`, `close`), served by a process.
 
-    `start(init_params, t0)` hands the child Θ_0 and the run's clock origin; `run(stop)`
+    `start(init_params, t0)` hands the child Θ_0, the run's clock origin and where it
+    starts on the fault timeline (`schedule.offset`: the child draws the same one); `run(stop)`
     forwards messages until `stop`, then has the child merge what is pending, save and
     report, and returns its final Θ and stats for `global_params` and `stats`."""
 
@@ -86,7 +87,7 @@ class SyncerProcess:
 
     # --- the run ----------------------------------------------------------------------
     def start(self, init_params: dict, t0: float) -> None:
-        self.wire.send("start", init_params, t0=t0)
+        self.wire.send("start", init_params, t0=t0, fault_offset_s=self.schedule.offset)
         self._reader = threading.Thread(
             target=self._read, name=f"syncer{self.shard}-replies", daemon=True
         )
@@ -245,7 +246,9 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
             raise RuntimeError(f"a syncer process got {kind!r} before 'start'")
         t0 = meta["t0"]
         link = _PipeSyncerLink(wire)
-        schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
+        schedule = faults.FaultSchedule(
+            run.faults, run.num_learners, faults.HORIZON_S, meta["fault_offset_s"]
+        )
         loop = SyncerLoop(
             shard, run, plan, init_params, link, FragmentCheckpointer(ckpt_dir), schedule,
             lambda: time.monotonic() - t0,  # CLOCK_MONOTONIC: the parent's clock too

@@ -171,12 +171,19 @@ def previous_attempts(workdir: str) -> list[dict]:
 class Attempt:
     """This process's attempt at the run. While it runs, a daemon thread rewrites
     attempts.jsonl's last line every `every` seconds with its counters so far, so an attempt
-    that is killed still leaves its wall time and failures (to within `every`)."""
+    that is killed still leaves its wall time and failures (to within `every`).
+
+    It also records where the run stands on its fault timeline (`fault_clock`: the seconds
+    every attempt has trained so far); `fault_offset` is the last such reading of the earlier
+    attempts, where this attempt's faults in seconds continue from instead of replaying
+    (a killed attempt's reading is its last heartbeat's, up to `every` seconds short)."""
 
     def __init__(self, workdir: str, changed: list[str], forced: bool, every: float = 5.0):
         self.workdir, self.every = workdir, every
         self.records = previous_attempts(workdir)
         self.number = len(self.records)
+        self.fault_offset = max((r.get("fault_clock", 0.0) for r in self.records), default=0.0)
+        self.fault_clock = lambda: self.fault_offset
         self.t0 = time.time()
         root = epath.Path(workdir)
         if forced and changed:  # keep the config this attempt replaces
@@ -190,9 +197,11 @@ class Attempt:
         self._thread: threading.Thread | None = None
         self._write()
 
-    def watch(self, counters) -> None:
-        """Starts the heartbeat; `counters()` returns this process's failures etc. so far."""
+    def watch(self, counters, fault_clock=None) -> None:
+        """Starts the heartbeat; `counters()` returns this process's failures etc. so far,
+        `fault_clock()` the run's place on its fault timeline (the runtime's)."""
         self.counters = counters
+        self.fault_clock = fault_clock or self.fault_clock
         self._thread = threading.Thread(target=self._beat, name="attempt", daemon=True)
         self._thread.start()
 
@@ -213,6 +222,7 @@ class Attempt:
         with self._lock:
             own = {k: v for k, v in self.counters().items() if k in ACCUMULATED}
             self.record["own"] = {"wall_seconds": time.time() - self.t0, **own}
+            self.record["fault_clock"] = self.fault_clock()
             lines = [json.dumps(r) for r in [*self.records, self.record]]
             paths.write_atomic(epath.Path(self.workdir) / ATTEMPTS, "\n".join(lines) + "\n")
 

@@ -84,8 +84,10 @@ class LearnerActor:
         host: int = 0,
         hosts: int = 1,
         slice_id: str = "",
+        fault_offset_s: float = 0.0,
     ):
         self.m, self.run, self.ckpt_dir, self.run_id, self.t0 = m, run, ckpt_dir, run_id, t0
+        self.fault_offset_s = fault_offset_s
         gil.set_switch_interval(run.gil_switch_ms)  # the actor's process is its own
         self.host, self.hosts, self.slice_id = host, hosts, slice_id
         self.restarted = was_restarted()
@@ -235,7 +237,7 @@ class LearnerActor:
                 run.data, "train", run.train.batch_size, m, M, self.host, self.hosts
             )
             plan = model_plan(run.model, run.diloco)
-        schedule = faults.FaultSchedule(run.faults, M, faults.HORIZON_S)
+        schedule = faults.FaultSchedule(run.faults, M, faults.HORIZON_S, self.fault_offset_s)
         link = None
         if self.host == 0:
             shards = [

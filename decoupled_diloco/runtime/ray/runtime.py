@@ -61,12 +61,18 @@ from decoupled_diloco.train.evaluate import Evaluator
 
 
 class RayRuntime:
-    def __init__(self, run: RunConfig, workdir: str, verbose: bool = True):
+    def __init__(
+        self, run: RunConfig, workdir: str, verbose: bool = True, fault_offset_s: float = 0.0
+    ):
+        """`fault_offset_s`: where this attempt starts on the fault timeline
+        (`workdir.Attempt.fault_offset`; every actor draws the timeline from it)."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
         self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
         self.ledger = self.log.ledger
-        self.schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
+        self.schedule = faults.FaultSchedule(
+            run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s
+        )
         # Actors resolve paths from their own working directory: give them an absolute one.
         self.ckpt_dir = str(paths.resolve(run.ray.checkpoint_dir or f"{workdir}/checkpoints"))
         self.evals = ray_eval.DriverEvals()
@@ -82,9 +88,15 @@ class RayRuntime:
         self.pids: dict[tuple, tuple[int, str]] = {}  # (role, index, host) -> (pid, node)
         self._pending: dict[tuple, object] = {}  # in-flight poll per actor
         self._fault_t = 0.0
+        self.run_id: str | None = None  # set when the actors launch (and the clock starts)
 
     def now(self) -> float:
         return time.time() - self.t0
+
+    def fault_clock(self) -> float:
+        """Where the run stands on its fault timeline: the earlier attempts' seconds plus
+        this one's since its actors launched."""
+        return self.schedule.offset + (self.now() if self.run_id is not None else 0.0)
 
     # --- launch -----------------------------------------------------------------------
     def run(self) -> dict:
@@ -130,7 +142,9 @@ class RayRuntime:
         for s in range(shards):
             name = ray_links.actor_name(self.run_id, "syncer", s)
             actor = ray.remote(SyncerActor).options(name=name, **opts)
-            self.syncers.append(actor.remote(s, run, self.ckpt_dir, self.run_id, self.t0))
+            self.syncers.append(
+                actor.remote(s, run, self.ckpt_dir, self.run_id, self.t0, self.schedule.offset)
+            )
         self.hosts = [1 if h is None else h["hosts"] for h in layouts]
         for m, layout in enumerate(layouts):
             for host in range(self.hosts[m]):
@@ -141,8 +155,9 @@ class RayRuntime:
                 actor = ray.remote(LearnerActor).options(name=name, **o)
                 slice_id = "" if layout is None else layout["slice"]
                 self.learners[(m, host)] = actor.remote(
-                    m, run, self.ckpt_dir, self.run_id, self.t0, host, self.hosts[m], slice_id
-                )
+                    m, run, self.ckpt_dir, self.run_id, self.t0, host, self.hosts[m], slice_id,
+                    self.schedule.offset,
+                )  # fmt: skip
 
     def _build_evaluator(self) -> None:
         """With `ray.evaluate = "driver"`, evaluates Θ on the driver's devices: learner 0's

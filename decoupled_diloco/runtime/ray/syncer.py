@@ -43,7 +43,15 @@ def initial_params(run: RunConfig) -> dict:
 class SyncerActor:
     """Syncer shard `shard`; wrap with `ray.remote(...)` to use."""
 
-    def __init__(self, shard: int, run: RunConfig, ckpt_dir: str, run_id: str, t0: float):
+    def __init__(
+        self,
+        shard: int,
+        run: RunConfig,
+        ckpt_dir: str,
+        run_id: str,
+        t0: float,
+        fault_offset_s: float = 0.0,
+    ):
         from decoupled_diloco import compile_cache, faults
         from decoupled_diloco.diloco.fragments import model_plan
         from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
@@ -66,7 +74,9 @@ class SyncerActor:
             print(f"syncer shard {shard}: fatal error: {e}", file=sys.stderr, flush=True)
             self.fatal = str(e)
             return
-        schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S)
+        schedule = faults.FaultSchedule(
+            run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s
+        )
         self.inbox: queue.Queue = queue.Queue()
         names = {m: links.actor_name(run_id, "learner", m) for m in range(run.num_learners)}
         link = LocalSyncerLink(
