@@ -180,7 +180,7 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
         raise FileNotFoundError(f"no learner checkpoint in {directory}: the run saved none yet")
     if not ok:
         raise ValueError(f"no learner checkpoint at or before step {step}: kept {saves}")
-    params = jax.eval_shape(lambda: models.init_params(config.model, jax.random.key(0)))
+    params = models.param_shapes(config.model)
     opt = optim.make_inner_optimizer(config.train)
     opt_state = jax.eval_shape(opt.init, params)
     abstract = TrainState(jax.ShapeDtypeStruct((), np.int32), params, opt_state)

@@ -93,13 +93,12 @@ def warn_of_whole_parameters(run: RunConfig) -> list[str]:
     """Warns (and returns the warnings) of an fsdp or tensor axis that does not divide the
     dimensions it would split: those parameters are copied whole onto each of its devices
     (`sharding.logical_to_spec`), memory and compute an even split would not spend."""
-    import jax
     from absl import logging
 
     from decoupled_diloco import models, sharding
 
     shape = sharding.mesh_shape(run.mesh, run.devices_per_learner)
-    params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
+    params = models.param_shapes(run.model)
     report = sharding.whole_on_axes(params, models.param_logical_axes(run.model), shape)
     warnings = []
     for axis, (share, names) in report.items():

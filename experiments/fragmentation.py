@@ -46,16 +46,13 @@ def arms() -> list[harness.Arm]:
 
 def plan_bandwidth(r) -> tuple[float, float, list[float]]:
     """(peak, mean, per-offset) fp32 bytes per learner step from the run's fragment plan."""
-    import jax
 
     from decoupled_diloco import config as config_lib
     from decoupled_diloco import models
     from decoupled_diloco.diloco.fragments import model_plan
 
     run = config_lib.validate(r.config)  # the config the (possibly cached) run used
-    shapes = models.flatten_params(
-        jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
-    )
+    shapes = models.flatten_params(models.param_shapes(run.model))
     return _per_step(model_plan(run.model, run.diloco), shapes)
 
 
@@ -69,13 +66,12 @@ def _per_step(plan, shapes) -> tuple[float, float, list[float]]:
 def gemma_plans() -> dict[str, tuple[float, float, list[float], int]]:
     """Label -> (peak, mean, per-step bytes, embedding fragments) of gemma_2b at P = H = 24,
     from abstract shapes."""
-    import jax
 
     from decoupled_diloco import models
     from decoupled_diloco.diloco.fragments import make_fragment_plan
 
     cfg = models.get_model_config(PLAN_PRESET)
-    flat = models.flatten_params(jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0))))
+    flat = models.flatten_params(models.param_shapes(cfg))
     shapes = {k: tuple(v.shape) for k, v in flat.items()}
     out = {}
     # (tensor cannot plan P = 24 here: gemma_2b has 12 tensor kinds besides the embedding)

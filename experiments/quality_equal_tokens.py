@@ -165,7 +165,7 @@ def param_count(r) -> int:
     from decoupled_diloco import models
 
     model = config_lib.validate(r.config).model
-    abstract = jax.eval_shape(lambda: models.init_params(model, jax.random.key(0)))
+    abstract = models.param_shapes(model)
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
 
 

@@ -311,11 +311,10 @@ def make_fragment_plan(
 def model_plan(model_cfg, diloco_cfg) -> FragmentPlan:
     """The fragment plan of a model under a `DilocoConfig` (deterministic: every process
     derives the same one)."""
-    import jax
 
     from decoupled_diloco import models
 
-    abstract = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+    abstract = models.param_shapes(model_cfg)
     shapes = {k: tuple(v.shape) for k, v in models.flatten_params(abstract).items()}
     return make_fragment_plan(
         shapes, diloco_cfg.fragments, diloco_cfg.fragment_strategy, diloco_cfg.sync_every,

@@ -14,6 +14,7 @@ from decoupled_diloco.models.transformer import (
     init_params,
     output_logits,
     param_logical_axes,
+    param_shapes,
 )
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "init_params",
     "output_logits",
     "param_logical_axes",
+    "param_shapes",
     "unflatten_params",
     "validate_model_config",
 ]

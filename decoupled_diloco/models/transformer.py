@@ -220,6 +220,13 @@ def forward_features(cfg: ModelConfig, params: dict, tokens_BT: jax.Array):
     return Transformer(cfg).apply({"params": params}, tokens_BT, features=True)
 
 
+@functools.lru_cache(maxsize=16)
+def param_shapes(cfg: ModelConfig) -> dict:
+    """`init_params`'s tree as `jax.ShapeDtypeStruct`s, allocating nothing (cached per
+    config: start-up asks for it in several places; treat it as read-only)."""
+    return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+
+
 def param_logical_axes(cfg: ModelConfig) -> dict:
     """Same nesting as init_params; each leaf is a tuple of logical axis names (or None), one
     per array dim, from "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert"."""
@@ -248,7 +255,7 @@ def count_params(cfg: ModelConfig, activated: bool = False) -> int:
     activated=True counts, of each expert-stacked tensor, only the top-k experts a token uses.
     """
     validate_model_config(cfg)
-    shapes = _leaves(jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0)))
+    shapes = _leaves(param_shapes(cfg))
     axes = _leaves(param_logical_axes(cfg))
     total = 0
     for name, shape in shapes.items():

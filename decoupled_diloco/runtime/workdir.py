@@ -141,12 +141,11 @@ def check_resume(workdir: str, cfg: RunConfig, finished: bool, force: bool) -> l
 def _reshaped(workdir: str, cfg: RunConfig) -> list[str]:
     """Parameters whose shape differs between the workdir's run's model and `cfg`'s (or
     that only one of them has)."""
-    import jax
 
     from decoupled_diloco import models
 
     def shapes(model_cfg) -> dict:
-        tree = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+        tree = models.param_shapes(model_cfg)
         return {k: v.shape for k, v in models.flatten_params(tree).items()}
 
     then, now = shapes(run_files.read_config(workdir).model), shapes(cfg.model)

@@ -25,7 +25,7 @@ class Evaluator:
             it = make_iterator(data_cfg, "eval", batch_size=batch_size)
             batches = [next(it) for _ in range(num_batches)]
         self.batches, self.weights = batches, weights
-        abstract = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+        abstract = models.param_shapes(model_cfg)
         self.param_shardings = sharding.param_shardings(
             abstract, models.param_logical_axes(model_cfg), mesh
         )

@@ -37,7 +37,7 @@ class Replica:
         self.model_cfg, self.mesh = model_cfg, mesh
         self.optimizer = optim.make_inner_optimizer(train_cfg)
         learning_rate = optim.state_learning_rate(train_cfg)
-        abstract = jax.eval_shape(lambda: models.init_params(model_cfg, jax.random.key(0)))
+        abstract = models.param_shapes(model_cfg)
         self.param_shardings = sharding.param_shardings(
             abstract, models.param_logical_axes(model_cfg), mesh
         )
@@ -108,7 +108,7 @@ class Replica:
     def abstract_state(self) -> TrainState:
         """The TrainState's shapes, dtypes and shardings (what a checkpoint restores onto),
         without allocating it."""
-        params = jax.eval_shape(lambda: models.init_params(self.model_cfg, jax.random.key(0)))
+        params = models.param_shapes(self.model_cfg)
         state = TrainState(
             jax.ShapeDtypeStruct((), np.int32), params, jax.eval_shape(self.optimizer.init, params)
         )
