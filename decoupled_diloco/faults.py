@@ -1,6 +1,7 @@
 """Seeded fault schedule: one description of failures shared by real runs and the simulator.
 
-A `FaultSpec` (part of the run config) says *what* can go wrong; `FaultSchedule` turns it
+A `FaultSpec` (part of the run config; `fault_spec.py`, with its validation) says *what*
+can go wrong; `FaultSchedule` turns it
 into a deterministic timeline for M learners over a horizon, reproducible from
 `spec.seed`. The runtime consumes the events (crash a learner, restart it, slow it down,
 drop the syncer); the goodput simulator (`decoupled_diloco.simulator`) consumes the same
@@ -29,15 +30,34 @@ whatever the host), straggler episodes and the chip-MTBF crash process.
 """
 
 import bisect
-import dataclasses
 import math
 import threading
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from decoupled_diloco import fault_random, fault_steps
+from decoupled_diloco.fault_spec import (
+    HORIZON_S,
+    UNITS,
+    FaultSpec,
+    fault_spec_from_dict,
+    timed_in_seconds,
+    validate_fault_spec,
+)
+
+# The spec's names belong to this module's API too (`faults.FaultSpec`, ...).
+__all__ = [
+    "HORIZON_S",
+    "UNITS",
+    "FaultEvent",
+    "FaultSchedule",
+    "FaultSpec",
+    "fault_spec_from_dict",
+    "merge_intervals",
+    "timed_in_seconds",
+    "validate_fault_spec",
+]
 
 # Ties at equal times resolve in this order, so a zero-delay crash precedes its restart.
 _KIND_ORDER = (
@@ -51,35 +71,6 @@ _KIND_ORDER = (
     "join",
 )
 _STREAM_CRASH, _STREAM_STRAGGLE = 1, 2
-UNITS = ("seconds", "steps")
-
-
-@dataclasses.dataclass(frozen=True)
-class FaultSpec:
-    """What can go wrong in a run; times in seconds of wall (or simulated) time, except the
-    explicit schedule (crashes, membership, syncer_crashes) with `unit = "steps"`."""
-
-    seed: int = 0  # draws of the random faults (chip failures, stragglers, speed noise)
-    # "seconds" | "steps": unit of the times in crashes, membership and syncer_crashes
-    # (steps: a learner's own completed steps for its crashes, the run's lead step for the
-    # others; see fault_steps.py). Delays and durations stay in seconds.
-    unit: str = "seconds"
-    crashes: tuple[tuple[int, float], ...] = ()  # explicit (learner, time) crashes
-    chip_mtbf_hours: float = 0.0  # 0 = no random crashes; else exponential per chip
-    chips_per_learner: int = 1  # a learner crashes when any of its chips fails
-    restart_delay_s: float = 5.0  # seconds, in either unit: crash -> learner back (rejoins)
-    straggler_rate_per_hour: float = 0.0  # Poisson rate of slowdown episodes per learner
-    straggler_duration_s: float = 10.0  # seconds each slowdown episode lasts
-    straggler_slowdown: float = 2.0  # step-time multiplier during an episode
-    speed_factors: tuple[float, ...] = ()  # per-learner step-time multiplier; () = all 1
-    slow_fraction: float = 0.0  # alternative to speed_factors: the last this-fraction...
-    slow_factor: float = 1.0  # ...of learners get this step-time multiplier (1.18 = 18% slower)
-    speed_noise: float = 0.0  # std of the multiplicative per-step log-normal noise (0.10)
-    link_latency_s: tuple[float, ...] = ()  # per-learner one-way latency to the syncer; () = 0
-    link_bandwidth_bps: tuple[float, ...] = ()  # per-learner bits/s; () or 0 = unlimited
-    membership: tuple[tuple[int, float, float], ...] = ()  # (learner, join, leave) times
-    syncer_crashes: tuple[float, ...] = ()  # times the syncer crashes
-    syncer_restart_delay_s: float = 5.0  # seconds, in either unit
 
 
 class FaultEvent(NamedTuple):
@@ -96,193 +87,6 @@ _ORDER = {k: i for i, k in enumerate(_KIND_ORDER)}
 
 def _event_key(e: FaultEvent) -> tuple:
     return (e.time, _ORDER[e.kind], e.learner)
-
-
-def _fail(field: str, msg: str):
-    raise ValueError(f"faults.{field} {msg}")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
-
-
-def _check_shapes(spec: FaultSpec) -> None:
-    """Every field has the form its docs give (a flat list where pairs are due, a string
-    among numbers): named here, before any arithmetic on it could fail unnamed."""
-    forms = {"crashes": ("learner", spec.unit), "membership": ("learner", "join", "leave")}
-    for field, names in forms.items():
-        entries = getattr(spec, field)
-        if isinstance(entries, str):  # a command-line value that is no Python literal
-            _fail(field, f"must be a Python literal: a list of ({', '.join(names)}) entries, "
-                  f"got the text {entries!r} (an infinite leave is written 1e400)")  # fmt: skip
-        if not isinstance(entries, tuple | list):
-            _fail(field, f"must be a list of ({', '.join(names)}) entries, got {entries!r}")
-        for entry in entries:
-            if not isinstance(entry, tuple | list) or len(entry) != len(names):
-                _fail(field, f"entries must be ({', '.join(names)}), got {entry!r}")
-            if not all(_is_number(x) for x in entry):
-                _fail(field, f"entries must hold numbers, got {entry!r}")
-    for field in ("speed_factors", "link_latency_s", "link_bandwidth_bps", "syncer_crashes"):
-        values = getattr(spec, field)
-        if not isinstance(values, tuple | list) or not all(_is_number(x) for x in values):
-            _fail(field, f"must be a list of numbers, got {values!r}")
-    for f in dataclasses.fields(FaultSpec):
-        v = getattr(spec, f.name)
-        if _is_number(f.default) and not _is_number(v):
-            _fail(f.name, f"must be a number, got {v!r}")
-        values = _numbers(v) if f.name != "membership" else [x for e in v for x in e[:2]]
-        bad = [x for x in values if _is_number(x) and not math.isfinite(x)]  # (leave: inf = stays)
-        if bad:  # would reach sleeps and rates as hangs or silent no-ops
-            _fail(f.name, f"must be finite, got {bad[0]}{_FINITE_HINTS.get(f.name, '')}")
-
-
-# What an infinite value may have meant, and how a schedule says it.
-_FINITE_HINTS = {
-    "link_bandwidth_bps": " (0 is unlimited)",
-    "chip_mtbf_hours": " (0: no random crashes)",
-    "restart_delay_s": " (a learner gone for good: end its faults.membership window)",
-    "syncer_restart_delay_s": " (a syncer that never returns stops every merge)",
-}
-
-
-def _numbers(value) -> list:
-    """The numbers in a field's value: a number, a list of them or a list of entries."""
-    if not isinstance(value, tuple | list):
-        return [value]
-    return [x for e in value for x in (e if isinstance(e, tuple | list) else (e,))]
-
-
-HORIZON_S = 7 * 24 * 3600.0  # fault timelines of a run are drawn this far ahead
-MAX_RANDOM_EVENTS = 1_000_000  # expected draws of one random process over a timeline
-# Larger finite values are refused at start-up: a learner this much slower, a delay this
-# long, a link this slow is no schedule a run lives through (the sleeps and waits they
-# reach overflowed, killing a learner or link thread mid-run).
-MAX_SLOWDOWN = 1e4  # step-time multipliers (speed_factors, slow_factor, straggler_slowdown)
-MAX_SPEED_NOISE = 2.0  # std of the per-step log-normal noise (the paper's is 0.10)
-MIN_BANDWIDTH_BPS = 1e3  # a limited link's bits/s (0 = unlimited)
-
-
-def _check_rates(spec: FaultSpec, m: int, horizon_s: float) -> None:
-    """Refuses random processes that would draw more than MAX_RANDOM_EVENTS events over the
-    timeline (a crash every few milliseconds: memory and start-up time, never a run)."""
-    expected = {"straggler_rate_per_hour": m * spec.straggler_rate_per_hour / 3600 * horizon_s}
-    if spec.chip_mtbf_hours > 0:
-        chips = m * spec.chips_per_learner
-        expected["chip_mtbf_hours"] = chips / (spec.chip_mtbf_hours * 3600) * horizon_s
-    for field, n in expected.items():
-        if n > MAX_RANDOM_EVENTS:
-            _fail(field, f"({getattr(spec, field)}) draws ~{n:.3g} events over the "
-                  f"{horizon_s / 3600:g} h fault timeline of {m} learners (at most "
-                  f"{MAX_RANDOM_EVENTS:.0e}); an event every "
-                  f"{horizon_s / n * 1e3:.3g} ms cannot be a schedule")  # fmt: skip
-
-
-def validate_fault_spec(
-    spec: FaultSpec, num_learners: int, max_step: int | None = None, horizon_s: float = HORIZON_S
-) -> None:
-    """Raises ValueError naming the offending `faults.<field>` (or `num_learners`).
-    `max_step`: the run's last step; a step schedule's faults must fall inside it.
-    `horizon_s`: the timeline the random processes are drawn over (a run's: HORIZON_S)."""
-    if num_learners < 1:
-        raise ValueError(f"num_learners must be >= 1, got {num_learners}")
-    m = num_learners
-
-    def learner_ok(i, field):
-        if not isinstance(i, int | np.integer) or isinstance(i, bool) or not 0 <= i < m:
-            _fail(field, f"names learner {i!r}, but learners are the integers 0..{m - 1}")
-
-    if spec.unit not in UNITS:
-        _fail("unit", f"must be one of {UNITS}, got {spec.unit!r}")
-    _check_shapes(spec)
-    steps = spec.unit == "steps"
-    for entry in spec.crashes:
-        learner_ok(entry[0], "crashes")
-        if not entry[1] >= 0:
-            _fail("crashes", f"times must be >= 0, got {entry!r}")
-    for field in ("chip_mtbf_hours", "straggler_rate_per_hour", "speed_noise"):
-        if not getattr(spec, field) >= 0:
-            _fail(field, f"must be >= 0, got {getattr(spec, field)}")
-    for field in ("restart_delay_s", "syncer_restart_delay_s"):  # a restart that never comes
-        if not 0 <= getattr(spec, field) < math.inf:  # is a removal: faults.membership
-            _fail(field, f"must be finite and >= 0, got {getattr(spec, field)}")
-    if int(spec.chips_per_learner) != spec.chips_per_learner or spec.chips_per_learner < 1:
-        _fail("chips_per_learner", f"must be an integer >= 1, got {spec.chips_per_learner}")
-    if not spec.straggler_duration_s > 0:
-        _fail("straggler_duration_s", f"must be > 0, got {spec.straggler_duration_s}")
-    if not spec.straggler_slowdown >= 1:
-        _fail("straggler_slowdown", f"must be >= 1 (a slowdown), got {spec.straggler_slowdown}")
-    if not 0 <= spec.slow_fraction <= 1:
-        _fail("slow_fraction", f"must be in [0, 1], got {spec.slow_fraction}")
-    if not spec.slow_factor > 0:
-        _fail("slow_factor", f"must be > 0, got {spec.slow_factor}")
-    if spec.speed_factors and spec.slow_fraction > 0:
-        _fail("speed_factors", "and faults.slow_fraction are alternatives; set only one")
-    for field in ("speed_factors", "link_latency_s", "link_bandwidth_bps"):
-        values = getattr(spec, field)
-        if values and len(values) != m:
-            _fail(field, f"needs one value per learner ({m}) or none, got {len(values)}")
-    if any(not f > 0 for f in spec.speed_factors):
-        _fail("speed_factors", f"must all be > 0, got {spec.speed_factors}")
-    if any(not x >= 0 for x in spec.link_latency_s + spec.link_bandwidth_bps):
-        _fail("link_latency_s", "and faults.link_bandwidth_bps values must be >= 0")
-    for entry in spec.membership:
-        learner_ok(entry[0], "membership")
-        if not 0 <= entry[1] < entry[2]:
-            _fail("membership", f"needs 0 <= join < leave, got {entry!r}")
-    if any(not t >= 0 for t in spec.syncer_crashes):
-        _fail("syncer_crashes", f"times must be >= 0, got {spec.syncer_crashes}")
-    _check_bounds(spec)
-    if steps:
-        fault_steps.validate(spec, max_step, m)
-    _check_rates(spec, m, horizon_s)
-
-
-def _check_bounds(spec: FaultSpec) -> None:
-    """Finite values past what any run could live through (`MAX_SLOWDOWN` and the rest)."""
-    gone = " (a learner that slow is gone: end its faults.membership window)"
-    for field in ("speed_factors", "slow_factor", "straggler_slowdown"):
-        big = [x for x in _numbers(getattr(spec, field)) if x > MAX_SLOWDOWN]
-        if big:
-            _fail(field, f"must be at most {MAX_SLOWDOWN:g}, got {big[0]:g}{gone}")
-    if spec.speed_noise > MAX_SPEED_NOISE:
-        _fail("speed_noise", f"must be at most {MAX_SPEED_NOISE:g} (a log-normal std; the "
-              f"paper's is 0.10), got {spec.speed_noise:g}")  # fmt: skip
-    for field in ("restart_delay_s", "syncer_restart_delay_s", "straggler_duration_s",
-                  "link_latency_s"):  # fmt: skip
-        long = [x for x in _numbers(getattr(spec, field)) if x > HORIZON_S]
-        if long:
-            _fail(field, f"must be at most {HORIZON_S:g} s (the {HORIZON_S / 86400:g}-day "
-                  f"fault timeline), got {long[0]:g}")  # fmt: skip
-    slow = [x for x in spec.link_bandwidth_bps if 0 < x < MIN_BANDWIDTH_BPS]
-    if slow:
-        _fail("link_bandwidth_bps", f"must be 0 (unlimited) or at least {MIN_BANDWIDTH_BPS:g} "
-              f"bits/s, got {slow[0]:g}")  # fmt: skip
-
-
-def timed_in_seconds(spec: FaultSpec) -> list[str]:
-    """The `faults.*` fields that place events on the run's clock in seconds (which a
-    resumed attempt continues: `FaultSchedule`'s offset), [] if none."""
-    fields = [] if spec.unit == "steps" else [
-        f for f in ("crashes", "membership", "syncer_crashes") if getattr(spec, f)
-    ]  # fmt: skip
-    if spec.chip_mtbf_hours > 0:
-        fields.append("chip_mtbf_hours")
-    if spec.straggler_rate_per_hour > 0:
-        fields.append("straggler_rate_per_hour")
-    return fields
-
-
-def fault_spec_from_dict(d: Mapping) -> FaultSpec:
-    """Builds a FaultSpec from JSON-like data (lists become tuples); unknown keys raise."""
-    known = {f.name for f in dataclasses.fields(FaultSpec)}
-    for k in d:
-        if k not in known:
-            raise ValueError(f"faults.{k} is not a known key (known: {sorted(known)})")
-
-    def tup(v):
-        return tuple(tup(x) for x in v) if isinstance(v, (list, tuple)) else v
-
-    return FaultSpec(**{k: tup(v) for k, v in d.items()})
 
 
 def merge_intervals(pairs) -> list[tuple[float, float]]:
