@@ -1,12 +1,11 @@
 """Seeded fault schedule: one description of failures shared by real runs and the simulator.
 
 A `FaultSpec` (part of the run config; `fault_spec.py`, with its validation) says *what*
-can go wrong; `FaultSchedule` turns it
-into a deterministic timeline for M learners over a horizon, reproducible from
-`spec.seed`. The runtime consumes the events (crash a learner, restart it, slow it down,
-drop the syncer); the goodput simulator (`decoupled_diloco.simulator`) consumes the same
-schedule, so a real CPU run's measured goodput can be set beside the simulator's
-prediction for the very same timeline.
+can go wrong; `FaultSchedule` turns it into a deterministic timeline for M learners over a
+horizon, reproducible from `spec.seed`. The runtime consumes the events (crash a learner,
+restart it, slow it down, drop the syncer); the goodput simulator
+(`decoupled_diloco.simulator`) consumes the same schedule, so a real CPU run's measured
+goodput can be set beside the simulator's prediction for the very same timeline.
 
 Random learner crashes: each of a learner's `chips_per_learner` chips fails after an
 independent exponential time with mean `chip_mtbf_hours`. The superposition of n such
