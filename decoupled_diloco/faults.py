@@ -70,6 +70,7 @@ _KIND_ORDER = (
     "join",
 )
 _STREAM_CRASH, _STREAM_STRAGGLE = 1, 2
+_BEGINS = ("crash", "syncer_crash")  # events a `freeze` holds back
 
 
 class FaultEvent(NamedTuple):
@@ -122,6 +123,11 @@ class FaultSchedule:
     times (run time - offset_s), so a resumed attempt neither replays what happened before
     its start nor skips what is due after it. The attributes (`events`, `down`,
     `member_windows`, `syncer_down`, `straggles`) hold run times.
+
+    `freeze(t)`: the attempt stopped training at t (Ctrl-C, a failure). No crash or outage
+    begins after it, those under way run to their end, and `run_time` stays at t: the next
+    attempt takes the timeline up from there, so what was due while this one drained (final
+    offers, the last checkpoint) is neither lost nor applied twice.
     """
 
     def __init__(self, spec: FaultSpec, num_learners: int, horizon_s: float, offset_s: float = 0.0):
@@ -141,6 +147,7 @@ class FaultSchedule:
             self.speed[m - n_slow :] = spec.slow_factor
         # Step-scheduled events are added while the run goes, from every learner's thread.
         self._lock = threading.RLock()
+        self._frozen = math.inf  # run time of `freeze`
         self.steps = fault_steps.StepTriggers(spec, m) if spec.unit == "steps" else None
         windows: dict[int, list] = {}
         for learner, join, leave in spec.membership if self.steps is None else ():
@@ -224,13 +231,37 @@ class FaultSchedule:
         return out
 
     def events_between(self, t0: float, t1: float) -> list[FaultEvent]:
-        """Events with t0 <= time < t1, in timeline order (attempt times)."""
+        """Events with t0 <= time < t1, in timeline order (attempt times); after a
+        `freeze`, no crash begins."""
         off = self.offset
         with self._lock:
             lo = bisect.bisect_left(self._keys, (t0 + off,))
             hi = bisect.bisect_left(self._keys, (t1 + off,))
             found = self.events[lo:hi]
+            frozen = self._frozen
+        if frozen < t1 + off:
+            found = [e for e in found if e.time <= frozen or e.kind not in _BEGINS]
         return [e._replace(time=e.time - off) for e in found] if off else found
+
+    def freeze(self, t: float) -> None:
+        """This attempt stopped training at t (see the class doc); the first call wins."""
+        with self._lock:
+            self._frozen = min(self._frozen, t + self.offset)
+
+    @property
+    def frozen_at(self) -> float | None:
+        """The attempt time of `freeze` (None: not frozen)."""
+        return None if self._frozen == math.inf else self._frozen - self.offset
+
+    def run_time(self, t: float) -> float:
+        """Where this attempt's time t lies on the run's timeline (at most the freeze's)."""
+        return min(t + self.offset, self._frozen)
+
+    def _down_at(self, intervals: list[tuple[float, float]], t: float) -> float | None:
+        """The run-time start of the outage among `intervals` holding run time t, unless it
+        began after a `freeze` (None: up)."""
+        since = _since(intervals, t)
+        return since if since is not None and since <= self._frozen else None
 
     # --- step schedules (fault_steps.py): placed on the timeline as the run reaches them ----
     def learner_reached(self, learner: int, step: int, t: float) -> bool:
@@ -306,7 +337,13 @@ class FaultSchedule:
 
     def is_up(self, learner: int, t: float) -> bool:
         """Alive (not between a crash and its restart) and a member at time t."""
-        return self.is_member(learner, t) and not _inside(self.down[learner], t + self.offset)
+        return self.is_member(learner, t) and self.down_since(learner, t) is None
+
+    def down_since(self, learner: int, t: float) -> float | None:
+        """When the learner's crash outage holding t began (None: not down; negative:
+        before this attempt started, which then found it down)."""
+        since = self._down_at(self.down[learner], t + self.offset)
+        return None if since is None else since - self.offset
 
     def straggle_factor(self, learner: int, t: float) -> float:
         """The episode slowdown if a straggler episode is active at t, else 1."""
@@ -352,11 +389,12 @@ class FaultSchedule:
         return latency + (0.0 if math.isinf(bw) else num_bytes * 8.0 / bw)
 
     def syncer_up(self, t: float) -> bool:
-        return not _inside(self.syncer_down, t + self.offset)
+        return self.syncer_down_since(t) is None
 
     def syncer_down_since(self, t: float) -> float | None:
-        """When the syncer outage holding t began (None if the syncer is up at t)."""
-        since = _since(self.syncer_down, t + self.offset)
+        """When the syncer outage holding t began (None if the syncer is up at t; negative:
+        before this attempt started)."""
+        since = self._down_at(self.syncer_down, t + self.offset)
         return None if since is None else since - self.offset
 
     def to_json(self) -> list[dict]:

@@ -380,6 +380,34 @@ def test_a_resume_continues_a_schedule_in_seconds_instead_of_replaying_it(small_
     assert len(crashes) == 1, crashes
 
 
+@pytest.mark.parametrize("who", ["learner", "syncer"])
+def test_an_outage_an_earlier_attempt_began_goes_on_and_is_counted_once(
+    small_config, tmp_path, who
+):
+    """A killed attempt left the run at 5 s of its fault clock, with the crash at 0 s (back
+    at 8 s) counted: the resumed attempt finds the learner (the syncer) down, keeps it down
+    for the 3 s left and restarts it, without a second failure (it counted one more)."""
+    faults = (
+        {"faults.crashes": [[1, 0.0]], "faults.restart_delay_s": 8.0}
+        if who == "learner"
+        else {"faults.syncer_crashes": [0.0], "faults.syncer_restart_delay_s": 8.0}
+    )
+    cfg = small_config(**{"train.steps": 12, **DECOUPLED, **faults})  # fmt: skip
+    killed = {"attempt": 0, "finished": False, "fault_clock": 5.0,
+              "own": {"wall_seconds": 9.0, "failures": 1, "restarts": 0}}  # fmt: skip
+    (tmp_path / "attempts.jsonl").write_text(json.dumps(killed) + "\n")
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    resumed = _read(tmp_path / "attempts.jsonl")[1]
+    assert resumed["own"]["failures"] == 0 and resumed["own"]["restarts"] == 1, resumed
+    assert summary["failures"] == 2  # the crash, and the killed attempt
+    kind = "learner_down" if who == "learner" else "syncer_crash"
+    down = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == kind]
+    assert len(down) == 1 and down[0]["earlier_attempt"], down
+    back = "rejoin" if who == "learner" else "syncer_restore"
+    up = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == back]
+    assert len(up) == 1 and 2.5 <= up[0]["time"] < 6.0, up  # at 8 s of the run's clock
+
+
 def test_a_non_finite_model_is_a_failed_run(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 6, "train.learning_rate": 1e9, "train.grad_clip": 0.0,
                           "train.warmup_steps": 0})  # fmt: skip
@@ -747,3 +775,20 @@ def test_a_run_whose_checkpoints_are_gone_starts_over_without_doubling_its_rows(
     assert "no learner checkpoint to resume from: the run starts over at step 0" in caplog.text
     steps = [r["step"] for r in _read(tmp_path / "metrics.jsonl") if r.get("learner") == 0]
     assert steps == sorted(set(steps)) and steps[-1] == 8
+
+
+def test_a_ctrl_c_stops_the_fault_clock_where_training_stopped(small_config, tmp_path):
+    """What the run does after a Ctrl-C (final offers, checkpoints: minutes for a large
+    model) is not on the fault timeline: the attempt records the moment training stopped,
+    and the resumed attempt applies the faults due after it (they were skipped)."""
+    import time
+
+    run = config_lib.validate(small_config(**{"faults.crashes": [[0, 50.0]]}))
+    rt = LocalRuntime(run, str(tmp_path), verbose=False, fault_offset_s=30.0)
+    rt.loops, rt.t0 = [], time.monotonic() - 4.0  # 4 s into training
+    rt._interrupt(learner_threads=[])
+    stopped = rt.fault_clock()
+    time.sleep(0.05)
+    assert 34.0 <= stopped < 35.0 and rt.fault_clock() == stopped
+    assert rt.schedule.is_up(0, 22.0)  # in the crash at 50 s of the run clock, which is held back
+    rt.log.close()

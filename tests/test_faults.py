@@ -317,3 +317,24 @@ def test_an_offset_step_schedule_places_its_faults_at_the_run_time_they_happen()
         (8.0, "syncer_crash"), (10.0, "crash"), (12.0, "restart"), (13.0, "syncer_restart"),
         (20.0, "join"),
     ]  # fmt: skip
+
+
+def test_a_frozen_schedule_begins_no_fault_and_lets_outages_under_way_end():
+    """After `freeze(t)` (an attempt that stopped training) no crash or syncer outage begins,
+    those under way end as scheduled, and the run's clock stays at t for the next attempt."""
+    spec = FaultSpec(crashes=((0, 10.0), (1, 30.0)), restart_delay_s=15.0,
+                     syncer_crashes=(12.0, 40.0), syncer_restart_delay_s=5.0)  # fmt: skip
+    sched = FaultSchedule(spec, 2, 3600.0, offset_s=100.0)  # attempt time = run time - 100
+    crashes = FaultSchedule(spec, 2, 3600.0)  # the same, never frozen
+    sched.freeze(-80.0)  # run time 20: learner 0 down since 10, the syncer back at 17
+    assert sched.frozen_at == -80.0 and sched.run_time(-50.0) == 20.0 == sched.run_time(5.0)
+    assert not sched.is_up(0, -78.0) and sched.down_since(0, -78.0) == -90.0
+    assert sched.is_up(0, -74.0)  # back at 25, as scheduled
+    assert sched.is_up(1, -65.0) and not crashes.is_up(1, 35.0)  # its crash at 30: held back
+    assert sched.syncer_up(-60.0) and not crashes.syncer_up(41.0)  # the outage at 40 too
+    kinds = [(e.time, e.kind) for e in sched.events_between(-100.0, 0.0)]
+    assert (-70.0, "crash") not in kinds and (-60.0, "syncer_crash") not in kinds
+    assert (-90.0, "crash") in kinds and (-75.0, "restart") in kinds
+    sched.freeze(-40.0)  # the first freeze holds
+    assert sched.frozen_at == -80.0
+    assert FaultSchedule(spec, 2, 3600.0).frozen_at is None

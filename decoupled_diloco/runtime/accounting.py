@@ -229,12 +229,13 @@ class Ledger:
         with self._lock:
             return sorted(w for w in self._down if not isinstance(w, tuple))
 
-    def failure(self, who, now: float) -> None:
-        """`who`: a learner index or ("syncer", shard)."""
+    def failure(self, who, now: float, counted: bool = True) -> None:
+        """`who`: a learner index or ("syncer", shard), down from `now`; `counted`: False for
+        an outage an earlier attempt of the run began and counted."""
         with self._lock:
-            if isinstance(who, tuple):
-                self.syncer_failures += 1
-            self.failures += 1
+            if counted:
+                self.syncer_failures += isinstance(who, tuple)
+                self.failures += 1
             self._down.setdefault(who, now)
 
     def restart(self, who, now: float) -> None:

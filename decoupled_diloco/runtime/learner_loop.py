@@ -431,10 +431,13 @@ class LearnerLoop:
         crash event of this step or inside it. False once this learner will never be a
         member again."""
         member = self.schedule.is_member(self.m, t)
-        if self._crashed_before_starting(t, member, crash):
+        since = self._crashed_before_starting(t, member, crash)
+        if since is not None:
             # A failure like any later one (it was only a late start), and its start, after
-            # the restart delay, a rejoin.
-            self.sink.event({**self._event("learner_down"), "time": t})
+            # the restart delay, a rejoin. An outage an earlier attempt of the run began
+            # (and counted) goes on: down, not a new failure.
+            earlier = {"earlier_attempt": True} if since < 0 else {}
+            self.sink.event({**self._event("learner_down"), "time": t, **earlier})
             self.away = "crash"
         if self.replica.state is not None and (self.emulate_crashes or not member):
             if member:  # down since t (the event carries when it happened, not when seen)
@@ -455,15 +458,16 @@ class LearnerLoop:
         time.sleep(POLL_S)
         return True
 
-    def _crashed_before_starting(self, t: float, member: bool, crash: bool) -> bool:
-        """Whether this learner, a member since the run began that has not started yet,
-        crashed (an emulated crash at time 0; Ray's driver records the crashes of the
-        processes it kills)."""
+    def _crashed_before_starting(self, t: float, member: bool, crash: bool) -> float | None:
+        """When the outage of this learner, a member since the attempt began that has not
+        started yet, began (an emulated crash at time 0, or, negative, in an earlier attempt
+        of the run); None: not crashed (Ray's driver records the crashes of the processes it
+        kills)."""
         if not (self.emulate_crashes and member and self.away == "start"):
-            return False
+            return None
         if self.replica.state is not None or self.schedule.joins_late(self.m):
-            return False  # started, or a later joiner (its start is a member_join)
-        return crash or not self.schedule.is_up(self.m, t)
+            return None  # started, or a later joiner (its start is a member_join)
+        return t if crash else self.schedule.down_since(self.m, t)
 
     def _crash(self, why: str) -> None:
         """Everything the failed slice held is lost: device state, unsent messages and the

@@ -111,8 +111,9 @@ class LocalRuntime:
 
     def fault_clock(self) -> float:
         """Where the run stands on its fault timeline: the earlier attempts' seconds plus
-        this one's since it started training (its start-up is not on the timeline)."""
-        return self.schedule.offset + (self.now() if self.t0 else 0.0)
+        this one's since it started training, until it stopped (its start-up and its
+        drain after a Ctrl-C or a failure are not on the timeline)."""
+        return self.schedule.run_time(self.now()) if self.t0 else self.schedule.offset
 
     # --- construction ---------------------------------------------------------------
     def _build(self) -> None:
@@ -306,6 +307,7 @@ class LocalRuntime:
             # The main thread failed (an evaluation of Θ): the run stops as at a learner's
             # failure, and its threads end before the error is raised (else they would
             # train on, and hold their state, for the life of the process).
+            self.schedule.freeze(self.now())
             self.failed.set()
             self.stop.set()
             self._syncers_stop.set()
@@ -339,6 +341,7 @@ class LocalRuntime:
         save; the syncer merges it and saves (a second Ctrl-C stops at once, losing what
         the last checkpoints do not hold)."""
         print(INTERRUPT_NOTICE, file=sys.stderr, flush=True)
+        self.schedule.freeze(self.now())  # no fault begins while the run drains
         self.interrupted = True
         for loop in self.loops:
             loop.interrupted = True
@@ -363,6 +366,7 @@ class LocalRuntime:
                 # Logged here (every failure, in the order they happen); `run` raises the
                 # first. Not re-raised: the thread's exception hook would print it twice.
                 logging.error("thread %s failed", name, exc_info=e)
+                self.schedule.freeze(self.now())
                 self.errors.append(e)
                 self.failed.set()
                 self.stop.set()

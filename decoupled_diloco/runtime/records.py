@@ -59,14 +59,15 @@ class RunLog:
         self.events.write(rec)
         kind, t = rec["event"], rec.get("time", 0.0)
         ledger = self.ledger
+        counted = not rec.get("earlier_attempt")  # an outage an earlier attempt counted
         if kind in ("learner_down", "nan_restart"):
-            ledger.failure(rec["learner"], t)
+            ledger.failure(rec["learner"], t, counted)
         elif kind == "rejoin":
             if not ledger.is_down(rec["learner"]):  # a process that died by itself
                 ledger.failure(rec["learner"], t)
             ledger.restart(rec["learner"], t)
         elif kind == "syncer_crash":
-            ledger.failure(("syncer", rec["shard"]), t)
+            ledger.failure(("syncer", rec["shard"]), t, counted)
         elif kind == "syncer_restore":
             ledger.rollback(rec["versions"])  # (a resumed run's ledger holds none past them)
             if rec.get("after_failure"):

@@ -134,8 +134,11 @@ class SyncerLoop:
         if self.syncer is not None:  # the syncer process dies: its memory is gone
             now = self.clock()  # when this loop saw it; `down_since`: when it happened
             since = self.schedule.syncer_down_since(now)
+            since = now if since is None else since
+            # Negative: an outage an earlier attempt of the run began (and counted) goes on.
+            earlier = {"earlier_attempt": True} if since < 0 else {}
             self.record({"event": "syncer_crash", "shard": self.shard, "time": now,
-                         "down_since": now if since is None else since})  # fmt: skip
+                         "down_since": since, **earlier})  # fmt: skip
             self._set(None)
         time.sleep(POLL_S)  # learners keep training; their messages queue up
 

@@ -65,6 +65,7 @@ class SyncerProcess:
     def __init__(self, shard: int, run, plan, link, ckpt_dir: str, record, schedule):
         self.shard, self.link, self.record, self.schedule = shard, link, record, schedule
         self._outages_sent = 0
+        self._freeze_sent = False
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
@@ -123,11 +124,15 @@ class SyncerProcess:
     def _send_outages(self) -> None:
         """A step schedule's syncer outages are placed on the timeline as the learners reach
         their steps, in this process's schedule: the child's copy learns them from here (a
-        seconds schedule is the same in both from the start)."""
+        seconds schedule is the same in both from the start), and its freeze (a Ctrl-C)."""
         down = list(self.schedule.syncer_down)
         if len(down) != self._outages_sent:
             self.wire.send("outages", down)
             self._outages_sent = len(down)
+        frozen = self.schedule.frozen_at
+        if frozen is not None and not self._freeze_sent:
+            self.wire.send("freeze", None, t=frozen)
+            self._freeze_sent = True
 
     def _read(self) -> None:
         """The replies thread: replies to learners, records, answers, last words."""
@@ -266,6 +271,8 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
                             link.inbox.put(msg)
                     elif kind == "outages":  # the parent's timeline (a step schedule's)
                         schedule.syncer_down = obj
+                    elif kind == "freeze":  # the run stopped training (a Ctrl-C)
+                        schedule.freeze(meta["t"])
                     elif kind == "params":
                         wire.send("answer", loop.global_params(), id=meta["id"])
                     elif kind == "stop":

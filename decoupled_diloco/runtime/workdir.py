@@ -219,9 +219,11 @@ class Attempt:
 
     def _write(self) -> None:
         with self._lock:
+            # The clock first: a fault between the two reads is then replayed by a resume
+            # after a kill, where the other order would leave it uncounted.
+            self.record["fault_clock"] = self.fault_clock()
             own = {k: v for k, v in self.counters().items() if k in ACCUMULATED}
             self.record["own"] = {"wall_seconds": time.time() - self.t0, **own}
-            self.record["fault_clock"] = self.fault_clock()
             lines = [json.dumps(r) for r in [*self.records, self.record]]
             paths.write_atomic(epath.Path(self.workdir) / ATTEMPTS, "\n".join(lines) + "\n")
 

@@ -95,8 +95,8 @@ class RayRuntime:
 
     def fault_clock(self) -> float:
         """Where the run stands on its fault timeline: the earlier attempts' seconds plus
-        this one's since its actors launched."""
-        return self.schedule.offset + (self.now() if self.run_id is not None else 0.0)
+        this one's since its actors launched, until a Ctrl-C stopped its training."""
+        return self.schedule.run_time(self.now()) if self.run_id else self.schedule.offset
 
     # --- launch -----------------------------------------------------------------------
     def run(self) -> dict:
@@ -211,6 +211,7 @@ class RayRuntime:
         (no summary): the same command resumes. A second Ctrl-C stops at once, losing what
         the last checkpoints do not hold."""
         print(INTERRUPT_NOTICE, file=sys.stderr, flush=True)
+        self.schedule.freeze(self.now())  # the driver applies no fault while the run drains
         asked: dict[int, tuple] = {}  # m -> (the call, the process it was made to)
         while not all(s["done"] or m in self.lost for m, s in enumerate(self.status)):
             for m in range(self.run_cfg.num_learners):
