@@ -461,13 +461,14 @@ class LearnerLoop:
     def _crashed_before_starting(self, t: float, member: bool, crash: bool) -> float | None:
         """When the outage of this learner, a member since the attempt began that has not
         started yet, began (an emulated crash at time 0, or, negative, in an earlier attempt
-        of the run); None: not crashed (Ray's driver records the crashes of the processes it
-        kills)."""
-        if not (self.emulate_crashes and member and self.away == "start"):
+        of the run); None: not crashed. (Ray's driver records the crashes of the processes
+        it kills, not those of an earlier attempt.)"""
+        if not (member and self.away == "start"):
             return None
         if self.replica.state is not None or self.schedule.joins_late(self.m):
             return None  # started, or a later joiner (its start is a member_join)
-        return t if crash else self.schedule.down_since(self.m, t)
+        since = t if crash else self.schedule.down_since(self.m, t)
+        return since if self.emulate_crashes or (since is not None and since < 0) else None
 
     def _crash(self, why: str) -> None:
         """Everything the failed slice held is lost: device state, unsent messages and the
