@@ -53,6 +53,8 @@ CONFIG_DOCS = (
 def one_line(e: BaseException) -> str:
     """A flag or config-file error as one readable line."""
     text = str(e).strip().strip("'\"").replace("\\n", "\n").replace("\\'", "'")
+    if isinstance(e, AttributeError) and "has no attribute 'get_config" in text:
+        return "the config file defines no get_config() (configs/*.py show the form)"
     if isinstance(e, AttributeError | KeyError):  # ml_collections: an unknown key
         key, _, hint = text.partition("\n")
         return f"unknown config key {key.strip(chr(39))}" + (f" ({hint.strip()})" if hint else "")
@@ -62,7 +64,16 @@ def one_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-_CONFIG_ERRORS = (AttributeError, KeyError, OSError, TypeError, ValueError)
+_CONFIG_ERRORS = (
+    AttributeError,
+    ImportError,
+    KeyError,
+    NameError,
+    OSError,
+    SyntaxError,
+    TypeError,
+    ValueError,
+)  # a config file that does not run, a key or value it does not take
 
 
 def _config_error(e: BaseException, argv: list[str]) -> str:

@@ -287,8 +287,9 @@ def _check_train(t: TrainConfig) -> None:
     def whole(x, low: int) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
-    def real(x) -> bool:
-        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    def real(x) -> bool:  # (within float32: a larger value becomes inf on the device)
+        number = isinstance(x, int | float) and not isinstance(x, bool)
+        return number and math.isfinite(x) and abs(x) <= models.FLOAT32_MAX
 
     checks = [
         (whole(t.steps, 1), "steps", "an integer >= 1"),
@@ -316,7 +317,10 @@ def _check_train(t: TrainConfig) -> None:
     ]  # fmt: skip
     for ok, key, want in checks:
         if not ok:
-            raise ValueError(f"train.{key} must be {want}, got {getattr(t, key)!r}")
+            value = getattr(t, key)
+            big = isinstance(value, float) and math.isfinite(value) and not real(value)
+            note = " (past float32's range, 3.4e38)" if big else ""
+            raise ValueError(f"train.{key} must be {want}, got {value!r}{note}")
 
 
 def data_config(c: ml_collections.ConfigDict) -> DataConfig:
@@ -356,8 +360,8 @@ def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> Run
 
     if c.runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {RUNTIMES}, got {c.runtime!r}")
-    if not isinstance(c.seed, int) or isinstance(c.seed, bool) or c.seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {c.seed!r}")
+    if not isinstance(c.seed, int) or isinstance(c.seed, bool) or not 0 <= c.seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {c.seed!r}")  # (jax: int64)
     gil_ms = c.get("gil_switch_ms", GIL_SWITCH_MS)
     # Python keeps whole microseconds of it: a positive value below 1 µs would become 0.
     number = isinstance(gil_ms, (int, float)) and not isinstance(gil_ms, bool)

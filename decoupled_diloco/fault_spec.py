@@ -61,8 +61,9 @@ def _check_shapes(spec: FaultSpec) -> None:
     for field, names in forms.items():
         entries = getattr(spec, field)
         if isinstance(entries, str):  # a command-line value that is no Python literal
+            hint = " (an infinite leave is written 1e400)" if field == "membership" else ""
             _fail(field, f"must be a Python literal: a list of ({', '.join(names)}) entries, "
-                  f"got the text {entries!r} (an infinite leave is written 1e400)")  # fmt: skip
+                  f"got the text {entries!r}{hint}")  # fmt: skip
         if not isinstance(entries, tuple | list):
             _fail(field, f"must be a list of ({', '.join(names)}) entries, got {entries!r}")
         for entry in entries:
@@ -139,6 +140,8 @@ def validate_fault_spec(
         if not isinstance(i, int | np.integer) or isinstance(i, bool) or not 0 <= i < m:
             _fail(field, f"names learner {i!r}, but learners are the integers 0..{m - 1}")
 
+    if not isinstance(spec.seed, int | np.integer) or not 0 <= spec.seed < 2**63:
+        _fail("seed", f"must be an int in [0, 2**63), got {spec.seed!r}")
     if spec.unit not in UNITS:
         _fail("unit", f"must be one of {UNITS}, got {spec.unit!r}")
     _check_shapes(spec)

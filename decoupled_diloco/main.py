@@ -13,6 +13,7 @@ cli.xla_flags()
 import os  # noqa: E402
 import sys  # noqa: E402
 
+import ml_collections  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -45,13 +46,17 @@ _PROFILE = flags.DEFINE_string(
 
 
 def main(argv) -> None:
-    del argv
+    if len(argv) > 1:  # a flag without its dashes (config.train.steps=5) would be ignored
+        sys.exit(f"error: unexpected arguments {argv[1:]} (flags start with --)")
     if not flags.FLAGS["config"].present or not (_WORKDIR.value or _CHECK.value):
         sys.exit("usage: python -m decoupled_diloco.main --config=configs/<file>.py --workdir=DIR")
     path = config_flags.get_config_filename(flags.FLAGS["config"])
     if not os.path.isfile(path.split(":")[0]):
         sys.exit(f"error: config file {path} not found (see configs/ for the shipped ones)")
     config = _CONFIG.value
+    if not isinstance(config, ml_collections.ConfigDict):
+        sys.exit(f"error: {path}'s get_config() returned {type(config).__name__}, not an "
+                 "ml_collections.ConfigDict (configs/*.py show the form)")  # fmt: skip
     cli.start(flags.FLAGS["verbosity"].present)
     if _CHECK.value:
         check_config(config)
@@ -116,14 +121,16 @@ def main(argv) -> None:
 def check_config(config) -> None:
     """`--check_config`: validation without running; exits 1 with the error."""
     from decoupled_diloco import config as config_lib
+    from decoupled_diloco.preflight import FatalRunError, check_fragments, warn_of_placement
 
     try:
         run = config_lib.validate(config, require_packages=False)
-    except ValueError as e:
+        check_fragments(run)  # the plan needs no data: a run's start-up would refuse it
+        if _PROFILE.value:
+            profiling.parse_steps(_PROFILE.value)
+    except (ValueError, FatalRunError) as e:
         sys.exit(f"config error: {e}")
     print(f"config ok: {shape(run, config.model.preset)}", flush=True)
-    from decoupled_diloco.preflight import warn_of_placement
-
     warn_of_placement(run)  # (logged)
 
 
@@ -174,12 +181,17 @@ def join_world(config) -> None:
     jax_world.initialize(dist.world(), dist.initialization_timeout)
 
 
+# How XLA says it ran out of device memory (accelerators), or of host memory (XLA:CPU).
+_OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory")
+
+
 def _out_of_memory(e: BaseException | None) -> str | None:
     """The first line of an XLA out-of-memory error `e` was raised from, if any."""
-    oom = _cause(e, lambda x: "RESOURCE_EXHAUSTED" in str(x))
+    oom = _cause(e, lambda x: any(mark in str(x) for mark in _OOM_MARKS))
     if oom is None:
         return None
-    return next(ln for ln in str(oom).splitlines() if "RESOURCE_EXHAUSTED" in ln).strip()[:300]
+    lines = str(oom).splitlines()
+    return next(ln for ln in lines if any(m in ln for m in _OOM_MARKS)).strip()[:300]
 
 
 def _cause(e: BaseException | None, match) -> BaseException | None:

@@ -260,6 +260,8 @@ def main(argv) -> None:
     if not (paths.resolve(FLAGS.workdir) / "metrics.jsonl").exists():
         sys.exit(f"error: {FLAGS.workdir} holds no run (no metrics.jsonl)")
     out = str(paths.resolve(FLAGS.out or f"{FLAGS.workdir}/report.png"))
+    if not paths.resolve(out).parent.exists():
+        sys.exit(f"error: --out={FLAGS.out}: its folder does not exist")
     plot(FLAGS.workdir, out)
     text = table(FLAGS.workdir)
     md = paths.resolve(out).with_suffix(".md")  # beside the PNG, named after it

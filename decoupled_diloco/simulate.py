@@ -103,6 +103,7 @@ def main(argv):
         if FLAGS.fault_spec:
             check_fault_spec_flags([n for n in CHIP_MTBF_ONLY if FLAGS[n].present])
             spec = load_fault_spec(FLAGS.fault_spec)
+            faults.validate_fault_spec(spec, FLAGS.learners)  # before any arithmetic on it
         result = simulate(FLAGS.method, FLAGS.chips, FLAGS.learners, params, spec)
     except ValueError as e:
         sys.exit(f"error: {e}")  # (a UsageError would print every flag's help above it)

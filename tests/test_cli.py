@@ -94,3 +94,43 @@ def test_a_ctrl_c_signalled_twice_at_once_interrupts_once():
         assert interrupts([cli.REPEAT_INTERRUPT_S]) == 1  # a press a second later is one
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert interrupts([0.0, 0.0]) == 2  # outside: Python's own handler
+
+
+@pytest.mark.parametrize(
+    "config_text, extra, expected",
+    [
+        ("def get_config(:\n", [], "error: invalid syntax"),
+        ("def get_config():\n    return undefined\n", [], "error: name 'undefined' is not"),
+        ("def get_config():\n    return {}\n", [], "get_config() returned dict, not an"),
+        ("x = 1\n", [], "the config file defines no get_config()"),
+        (None, ["config.train.steps=5"], "unexpected arguments ['config.train.steps=5']"),
+        # the fragment plan needs no data: --check_config refuses what the run's start would
+        (None, ["--config.diloco.fragment_strategy=layer", "--config.diloco.fragments=12"],
+         "config error: diloco.fragments=12 would leave an empty fragment"),
+    ],
+)  # fmt: skip
+def test_a_bad_config_file_or_argument_is_one_line(tmp_path, config_text, extra, expected):
+    """A config file that does not run or does not return a config, and an argument that
+    would be ignored, stop `main --check_config` with one line (they were tracebacks or,
+    for the argument, silently dropped)."""
+    path = "configs/tiny_decoupled.py"
+    if config_text is not None:
+        path = str(tmp_path / "bad.py")
+        with open(path, "w") as f:
+            f.write(config_text)
+    out = subprocess.run(
+        [sys.executable, "-m", "decoupled_diloco.main", f"--config={path}", "--check_config",
+         *extra], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0 and expected in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_the_simulator_names_a_malformed_fault_spec_field():
+    out = subprocess.run(
+        [sys.executable, "-m", "decoupled_diloco.simulate", "--chips=4", "--learners=4",
+         '--fault_spec={"chip_mtbf_hours": "x"}'], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "faults.chip_mtbf_hours must be a number" in out.stderr, out.stderr[-2000:]

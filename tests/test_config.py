@@ -76,7 +76,24 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"train.eps": 0.0}, "train.eps must be > 0"),
         ({"train.grad_clip": -1.0}, "train.grad_clip"),
         ({"train.metrics_lag": 0}, "train.metrics_lag"),
-        ({"diloco.outer_lr": float("inf")}, "diloco.outer_lr must be > 0 and finite"),
+        ({"diloco.outer_lr": float("inf")}, "diloco.outer_lr must be > 0 and at most"),
+        # finite but beyond what a run lives through (a review's fuzzing, 2026-11-29): an int
+        # past JAX's int64 seed or XLA's int32 sizes, a float past float32 (eps 1e300 trained
+        # nothing), a wait past threading's limit (final_wait inf failed after the last
+        # step), a model so deep its shape took minutes to trace
+        ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*63\)"),
+        ({"faults.seed": -1}, "faults.seed must be an int in"),
+        ({"train.eps": 1e300}, r"train.eps must be > 0, got 1e\+300 \(past float32's range"),
+        ({"train.learning_rate": 1e300}, "train.learning_rate must be > 0 and finite"),
+        ({"model.rope_base": 1e300}, r"model.rope_base \(1e\+300\) must be within float32"),
+        ({"model.sliding_window": 2**31}, r"model.sliding_window \(2147483648\) must be < 2"),
+        ({"model.num_layers": 100_000}, r"model.num_layers \(100000\) must be at most 1024"),
+        ({"model.head_dim": 2**17}, r"model.head_dim \(131072\) must be at most 65536"),
+        ({"diloco.outer_lr": 1e300}, "diloco.outer_lr must be > 0 and at most 1e6"),
+        ({"diloco.final_wait": float("inf")}, r"diloco.final_wait must be at most 604800 s"),
+        ({"diloco.join_timeout": 1e300}, "diloco.join_timeout must be at most"),
+        ({"diloco.max_wait": 1e12}, "diloco.max_wait must be at most"),
+        ({"diloco.grace_gamma": float("inf")}, "diloco.grace_gamma must be finite"),
         ({"devices_per_learner": 9}, "devices_per_learner"),
         ({"devices_per_learner": -1}, "devices_per_learner"),
         # faults this run could not live through: a data-parallel job that leaves; a

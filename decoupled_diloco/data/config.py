@@ -92,5 +92,5 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise _fail("eval_fraction", cfg.eval_fraction, "must be in the open interval (0, 1)")
     if not _is_int(cfg.seq_len) or cfg.seq_len < 1:
         raise _fail("seq_len", cfg.seq_len, "must be an int >= 1")
-    if not _is_int(cfg.seed) or cfg.seed < 0:
-        raise _fail("seed", cfg.seed, "must be an int >= 0")
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**63:
+        raise _fail("seed", cfg.seed, "must be an int in [0, 2**63)")

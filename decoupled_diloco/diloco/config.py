@@ -15,6 +15,21 @@ APPLY_MODES = ("rebase", "land", "overwrite")
 ROUNDS = ("scheduled", "eager")
 
 
+# Seconds-valued keys and their bound: a wait or period longer than a week is no setting a
+# run lives through (max_wait = -1 is "forever" and stays allowed).
+SECONDS_KEYS = (
+    "max_wait",
+    "max_grace",
+    "heartbeat_timeout",
+    "heartbeat_every",
+    "confirm_timeout",
+    "join_timeout",
+    "syncer_checkpoint_seconds",
+    "final_wait",
+)
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
 @dataclasses.dataclass(frozen=True)
 class DilocoConfig:
     """Learners, fragments, rounds, merge and outer step. Units in the comments."""
@@ -164,7 +179,7 @@ class DilocoConfig:
             (1 <= self.quorum <= M, "quorum", "in [1, diloco.learners]"),
             (self.grace_gamma >= 0, "grace_gamma", ">= 0"),
             (self.max_grace >= 0, "max_grace", ">= 0"),
-            (0 < self.outer_lr < float("inf"), "outer_lr", "> 0 and finite"),
+            (0 < self.outer_lr <= 1e6, "outer_lr", "> 0 and at most 1e6"),
             (0 <= self.outer_momentum < 1, "outer_momentum", "in [0, 1)"),
             (self.max_staleness >= 0, "max_staleness", ">= 0"),
             (self.max_offer_norm_ratio == 0 or self.max_offer_norm_ratio >= 1,
@@ -185,6 +200,13 @@ class DilocoConfig:
         for ok, key, want in checks:
             if not ok:
                 raise ValueError(f"diloco.{key} must be {want}, got {getattr(self, key)!r}")
+        for key in SECONDS_KEYS:  # (waits past threading's limit, ~9e9 s, killed a thread)
+            value = getattr(self, key)
+            if value > MAX_SECONDS and not (key == "max_wait" and value == -1):
+                raise ValueError(f"diloco.{key} must be at most {MAX_SECONDS:g} s (7 days), "
+                                 f"got {value!r}")  # fmt: skip
+        if not self.grace_gamma < MAX_SECONDS:
+            raise ValueError(f"diloco.grace_gamma must be finite, got {self.grace_gamma!r}")
         if H == 0 and M > 1:
             raise ValueError(
                 f"diloco.sync_every=0 (no syncer) needs diloco.learners=1, got {M}: independent "

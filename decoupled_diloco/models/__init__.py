@@ -1,6 +1,7 @@
 """Gemma-style dense and MoE decoders behind a functional API over plain nested param dicts."""
 
 from decoupled_diloco.models.config import (
+    FLOAT32_MAX,
     PRESETS,
     ModelConfig,
     get_model_config,
@@ -18,6 +19,7 @@ from decoupled_diloco.models.transformer import (
 )
 
 __all__ = [
+    "FLOAT32_MAX",
     "PRESETS",
     "ModelConfig",
     "count_params",

@@ -10,6 +10,14 @@ import math
 ATTENTION_KINDS = ("global", "local")
 MOE_LAYER_CHOICES = ("none", "all", "every_other")
 DTYPES = ("float32", "bfloat16")
+# Config floats a device computes with must be finite in float32 (a larger one becomes inf,
+# silently: an eps of 1e300 trained nothing).
+FLOAT32_MAX = 3.4028234663852886e38
+# Sizes past these are no model a host builds: sizes index with int32, and tracing a model
+# of more layers than this took minutes before any error.
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 1024
+MAX_HEAD_DIM = 2**16
 MOE_GATES = ("chosen_softmax", "full_softmax")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("xla", "dot_product_attention")
@@ -205,9 +213,17 @@ def validate_model_config(cfg: ModelConfig) -> None:
         value = getattr(cfg, f.name)
         if isinstance(value, float):
             _require(math.isfinite(value), f"model.{f.name} ({value}) must be finite")
+            in_range = abs(value) <= FLOAT32_MAX
+            _require(in_range, f"model.{f.name} ({value}) must be within float32's (3.4e38)")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _require(value <= MAX_SIZE, f"model.{f.name} ({value}) must be < 2**31")
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         value = getattr(cfg, name)
         _require(value > 0, f"model.{name} ({value}) must be > 0")
+    _require(cfg.num_layers <= MAX_LAYERS,
+             f"model.num_layers ({cfg.num_layers}) must be at most {MAX_LAYERS}")  # fmt: skip
+    _require(cfg.head_dim <= MAX_HEAD_DIM,
+             f"model.head_dim ({cfg.head_dim}) must be at most {MAX_HEAD_DIM}")  # fmt: skip
     _require(
         cfg.num_heads % cfg.num_kv_heads == 0,
         f"model.num_heads ({cfg.num_heads}) must be divisible by "
