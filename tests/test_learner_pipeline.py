@@ -714,7 +714,12 @@ def test_learner_checkpoints_take_at_most_their_duty_of_the_time(
         # saving and >= 60 ms of steps (at least 10 ms each) between starts.
         gaps = np.diff([t for _, t in periodic])[1:]
         assert len(periodic) >= 4 and gaps.min() >= 0.07, gaps
-        assert len(periodic) < steps // 2  # most due saves were folded into later ones
+        # Most due saves were folded into later ones, where steps are shorter than the gap
+        # (a host whose steps take 60 ms or more owes a save at every one).
+        (s0, t0), (s1, t1) = periodic[0], periodic[-1]
+        per_step = (t1 - t0 - 0.02 * (len(periodic) - 1)) / (s1 - s0)
+        if per_step < 0.03:
+            assert len(periodic) < steps // 2, (len(periodic), per_step)
         assert [s for s, _ in periodic] == sorted({s for s, _ in periodic})
     else:
         assert [s for s, _ in periodic] == list(range(every, steps, every))
