@@ -216,6 +216,10 @@ class Attempt:
             self._thread.join()
             self._thread = None
         self._write()
+        # Its last reading, not the runtime's clock: holding that would keep the run's
+        # learners (and their device memory) alive after the run.
+        last = self.record["fault_clock"]
+        self.fault_clock = lambda: last
 
     def _write(self) -> None:
         with self._lock:
