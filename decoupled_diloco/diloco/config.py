@@ -205,7 +205,7 @@ class DilocoConfig:
             if value > MAX_SECONDS and not (key == "max_wait" and value == -1):
                 raise ValueError(f"diloco.{key} must be at most {MAX_SECONDS:g} s (7 days), "
                                  f"got {value!r}")  # fmt: skip
-        if not self.grace_gamma < MAX_SECONDS:
+        if not math.isfinite(self.grace_gamma):  # (a multiplier: no seconds bound)
             raise ValueError(f"diloco.grace_gamma must be finite, got {self.grace_gamma!r}")
         if H == 0 and M > 1:
             raise ValueError(
