@@ -193,27 +193,21 @@ def check_data(run: RunConfig) -> None:
 
 def warn_of_repeats(run: RunConfig, splits: dict) -> None:
     """Logs a warning when the run would read its train split more than once (every
-    learner's steps together), or one evaluation more windows than the eval split holds
-    (the same windows then count several times). In-memory splits only (`splits`: the
-    corpus's; a TFDS split is opened, not counted)."""
+    learner's steps together). In-memory splits only (`splits`: the corpus's; a TFDS split
+    is opened, not counted). An evaluation reads at most the eval split once
+    (train/evaluate.py says so when train.eval_batches asks for more)."""
     from absl import logging
 
-    seq_len, batch = run.data.seq_len, run.train.batch_size
-    reads = {
-        "train": (run.train.steps * batch * run.num_learners, "the run's steps read"),
-        "eval": (run.train.eval_batches * batch, "each evaluation reads"),
-    }
-    for split, (windows_read, who) in reads.items():
-        data = splits[split]
-        if not hasattr(data, "dtype"):  # a TFDS record range
-            continue
-        windows = max((len(data) - 1) // seq_len, 1)
-        if windows_read > windows:
-            logging.warning(
-                "the %s split holds %d windows of data.seq_len=%d tokens and %s %d of them "
-                "(%.1fx): windows repeat", split, windows, seq_len, who, windows_read,
-                windows_read / windows,
-            )  # fmt: skip
+    data, seq_len = splits["train"], run.data.seq_len
+    if not hasattr(data, "dtype"):  # a TFDS record range
+        return
+    windows = max((len(data) - 1) // seq_len, 1)
+    read = run.train.steps * run.train.batch_size * run.num_learners
+    if read > windows:
+        logging.warning(
+            "the train split holds %d windows of data.seq_len=%d tokens and the run's steps "
+            "read %d of them (%.1fx): windows repeat", windows, seq_len, read, read / windows,
+        )  # fmt: skip
 
 
 def check_fragments(run: RunConfig) -> None:

@@ -103,26 +103,47 @@ def test_a_single_binary_file_is_refused_as_a_corpus(small_config, tmp_path):
     assert "weights.bin" not in names.document_names["train"] + names.document_names["eval"]
 
 
-def test_reading_a_split_more_than_once_is_warned_of(small_config, tmp_path, caplog):
-    """A run that loops its train split, or evaluates on more windows than the eval split
-    holds, trains and evaluates (windows repeat) but says so at start-up."""
+def test_reading_the_train_split_more_than_once_is_warned_of(small_config, tmp_path, caplog):
+    """A run that loops its train split trains (windows repeat) but says so at start-up."""
     (tmp_path / "c.txt").write_text("".join(f"line {i} of a small corpus\n" for i in range(400)))
     common = {"data.path": str(tmp_path / "c.txt"), "data.seq_len": 16}
-    windows = {}
-    for split in ("train", "eval"):
-        data = load_corpus(config_lib.validate(small_config(**common)).data).splits[split]
-        windows[split] = (len(data) - 1) // 16
-    fits = {"train.steps": windows["train"] // 8, "train.eval_batches": windows["eval"] // 8}
+    data = load_corpus(config_lib.validate(small_config(**common)).data).splits["train"]
+    windows = (len(data) - 1) // 16
     with caplog.at_level(logging.WARNING):
-        preflight.check_data(config_lib.validate(small_config(**common, **fits)))
+        preflight.check_data(
+            config_lib.validate(small_config(**common, **{"train.steps": windows // 8}))
+        )
         assert "windows repeat" not in caplog.text
-        over = {
-            "train.steps": fits["train.steps"] + 1,
-            "train.eval_batches": 1 + fits["train.eval_batches"],
-        }
+        over = {"train.steps": windows // 8 + 1}
         preflight.check_data(config_lib.validate(small_config(**common, **over)))
-    assert f"the train split holds {windows['train']} windows" in caplog.text
-    assert f"the eval split holds {windows['eval']} windows" in caplog.text
+    assert f"the train split holds {windows} windows" in caplog.text
+
+
+def test_an_evaluation_reads_the_eval_split_at_most_once(small_config, tmp_path, caplog):
+    """train.eval_batches beyond the eval split's windows would read the same windows again
+    and hold them all on the host (1e12 never finished): an evaluation reads each once."""
+    import jax
+
+    from decoupled_diloco import sharding
+    from decoupled_diloco.train.evaluate import Evaluator
+
+    (tmp_path / "c.txt").write_text("".join(f"line {i} of a small corpus\n" for i in range(400)))
+    run = config_lib.validate(
+        small_config(**{"data.path": str(tmp_path / "c.txt"), "data.seq_len": 16})
+    )
+    data = load_corpus(run.data).splits["eval"]
+    whole = -(-((len(data) - 1) // 16) // 8)  # batches of 8 that hold every window
+    mesh = sharding.make_mesh(jax.devices()[:1])
+    with caplog.at_level(logging.WARNING):
+        fits = Evaluator(run.model, run.data, mesh, 8, whole)
+        assert "reads the eval split" not in caplog.text
+        over = Evaluator(run.model, run.data, mesh, 8, whole + 5)
+    assert len(fits.batches) == len(over.batches) == whole
+    assert (
+        f"reads the eval split's {whole} batches of 8 windows once, not the {whole + 5}"
+        in caplog.text
+    )
+    assert np.array_equal(np.concatenate(fits.batches), np.concatenate(over.batches))
 
 
 def test_devices_per_learner_must_divide_the_devices(small_config):

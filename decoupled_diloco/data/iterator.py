@@ -9,6 +9,7 @@ from absl import logging
 class WindowStream(Protocol):
     kind: str  # names the stream type in the saved state
     seq_len: int
+    windows_per_epoch: int | None  # None: not known before reading (windows cut from records)
 
     def take(self, count: int) -> np.ndarray: ...  # int32 [count, seq_len + 1]
 
@@ -57,6 +58,13 @@ class TokenBatchIterator:
 
     def __next__(self) -> np.ndarray:
         return self._stream.take(self.batch_size)
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        """Batches that read every window of this shard at least once (the last one partly
+        from the next epoch), or None when the stream's windows are not known in advance."""
+        windows = self._stream.windows_per_epoch
+        return None if windows is None else -(-windows // self.batch_size)
 
     def get_state(self) -> dict:
         return {**self._identity, **self._stream.get_state()}

@@ -39,6 +39,7 @@ class PackedWindows:
         self._tokens = tokens
         self.seq_len = seq_len
         self.order = ShardedOrder(num_windows, shard_index, num_shards, seed)
+        self.windows_per_epoch = self.order.size  # this shard's windows
         self._epoch, self._position = 0, 0
 
     def take(self, count: int) -> np.ndarray:
@@ -71,6 +72,7 @@ class RecordWindows:
 
     kind = "records"
     MAX_GROUP = 4096  # documents per read, at most
+    windows_per_epoch = None  # documents are cut into windows as they are read
 
     def __init__(
         self,

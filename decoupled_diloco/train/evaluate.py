@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+from absl import logging
 
 from decoupled_diloco import models, sharding, transfer
 from decoupled_diloco.data import make_iterator
@@ -16,13 +17,22 @@ IN_FLIGHT = 8
 
 
 class Evaluator:
-    """Mean eval cross-entropy over the first `num_batches` held-out batches (fixed set), or
+    """Mean eval cross-entropy over the first `num_batches` held-out batches (fixed set; at
+    most as many as read the eval split once, where its windows are known in advance), or
     over `batches` given with their `weights` (how many distinct windows each stands for)."""
 
     def __init__(self, model_cfg, data_cfg, mesh, batch_size: int, num_batches: int,
                  batches: list | None = None, weights: list | None = None):  # fmt: skip
         if batches is None:
             it = make_iterator(data_cfg, "eval", batch_size=batch_size)
+            whole = it.batches_per_epoch
+            if whole is not None and num_batches > whole:
+                # More would read the same windows again (and hold them all on the host).
+                logging.warning(
+                    "evaluation reads the eval split's %d batches of %d windows once, not the "
+                    "%d of train.eval_batches", whole, batch_size, num_batches,
+                )  # fmt: skip
+                num_batches = whole
             batches = [next(it) for _ in range(num_batches)]
         self.batches, self.weights = batches, weights
         abstract = models.param_shapes(model_cfg)
