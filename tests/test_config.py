@@ -94,6 +94,11 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"diloco.join_timeout": 1e300}, "diloco.join_timeout must be at most"),
         ({"diloco.max_wait": 1e12}, "diloco.max_wait must be at most"),
         ({"diloco.grace_gamma": float("inf")}, "diloco.grace_gamma must be finite"),
+        # below the staleness every K < M merge schedule makes routinely: most offers refused
+        (
+            {"diloco.learners": 4, "diloco.sync_every": 4, "diloco.max_staleness": 2},
+            r"diloco.max_staleness must be >= diloco.learners - 1 = 3, got 2",
+        ),
         ({"devices_per_learner": 9}, "devices_per_learner"),
         ({"devices_per_learner": -1}, "devices_per_learner"),
         # faults this run could not live through: a data-parallel job that leaves; a

@@ -79,7 +79,8 @@ class DilocoConfig:
     reply_compression: str = "none"
     # Offers whose base is more than this many versions old are rejected: outer gradients
     # are anchored on their own base version, so staleness is safe for the math and the
-    # bound only guards against zombies.
+    # bound only guards against zombies. At least learners - 1 (one merge of each other
+    # learner's offer of the fragment between two of one's own is routine).
     max_staleness: int = 64
     # Offers whose outer gradient (RMS per parameter and step of work) is more than this
     # many times the median of the fragment's recent accepted offers are rejected: finite
@@ -207,6 +208,14 @@ class DilocoConfig:
                                  f"got {value!r}")  # fmt: skip
         if not math.isfinite(self.grace_gamma):  # (a multiplier: no seconds bound)
             raise ValueError(f"diloco.grace_gamma must be finite, got {self.grace_gamma!r}")
+        if self.max_staleness < M - 1:
+            raise ValueError(
+                f"diloco.max_staleness must be >= diloco.learners - 1 = {M - 1}, got "
+                f"{self.max_staleness}: between two of a learner's offers of a fragment each "
+                "other learner's offer of it may merge, so honest offers routinely arrive that "
+                "many versions behind (more when merges come back late), and the bound is "
+                "only meant to stop zombies"
+            )
         if H == 0 and M > 1:
             raise ValueError(
                 f"diloco.sync_every=0 (no syncer) needs diloco.learners=1, got {M}: independent "
