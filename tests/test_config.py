@@ -99,6 +99,9 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
             {"diloco.learners": 4, "diloco.sync_every": 4, "diloco.max_staleness": 2},
             r"diloco.max_staleness must be >= diloco.learners - 1 = 3, got 2",
         ),
+        # mixture-of-experts keys on a dense model: nothing reads them
+        ({"model.num_experts": 4}, r"model.num_experts is set, but the model is dense"),
+        ({"model.capacity_factor": 0.0}, r"model.capacity_factor is set, but the model is"),
         ({"devices_per_learner": 9}, "devices_per_learner"),
         ({"devices_per_learner": -1}, "devices_per_learner"),
         # faults this run could not live through: a data-parallel job that leaves; a
@@ -146,3 +149,13 @@ def test_unknown_section_key_is_rejected(small_config):
     c.train.stepz = 3
     with pytest.raises(ValueError, match=r"train\.stepz is not a known key"):
         config_lib.validate(c)
+
+
+def test_an_moe_preset_made_dense_keeps_its_presets_moe_keys_quietly(small_config):
+    """Only keys a config sets are refused on a dense model, not those its preset holds."""
+    run = config_lib.validate(
+        small_config(**{"model.preset": "tiny_moe", "model.moe_layers": "none"})
+    )
+    assert run.model.moe_layers == "none" and run.model.num_experts == 4
+    with pytest.raises(ValueError, match="model.moe_layers='none'\\), so nothing reads it"):
+        config_lib.validate(small_config(**{"model.moe_layers": "none", "model.num_experts": 2}))

@@ -150,7 +150,8 @@ def test_an_export_of_an_earlier_step_records_the_step_it_holds(runs, tmp_path):
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
 def test_greedy_decoding_with_a_cache_equals_argmax_without_one(preset):
     """Prompts of different lengths in one batch, past the local window (64 tokens)."""
-    cfg = models.get_model_config(preset, capacity_factor=0.0)
+    dropless = {"capacity_factor": 0.0} if preset == "tiny_moe" else {}
+    cfg = models.get_model_config(preset, **dropless)
     params = models.init_params(cfg, jax.random.key(1))
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
     out = generate(cfg, params, prompts, max_new_tokens=70, temperature=0.0)

@@ -19,6 +19,9 @@ MAX_SIZE = 2**31 - 1
 MAX_LAYERS = 1024
 MAX_HEAD_DIM = 2**16
 MOE_GATES = ("chosen_softmax", "full_softmax")
+# The mixture-of-experts keys, which only an MoE model (moe_layers != "none") reads.
+MOE_KEYS = ("num_experts", "experts_per_token", "expert_hidden", "capacity_factor",
+            "shared_expert", "moe_gate", "load_balance_weight", "router_z_weight")  # fmt: skip
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("xla", "dot_product_attention")
 
@@ -187,7 +190,8 @@ PRESETS: dict[str, dict] = {
 
 
 def get_model_config(preset: str, **overrides) -> ModelConfig:
-    """The preset's config with `overrides` (field=value) applied, validated."""
+    """The preset's config with `overrides` (field=value) applied, validated. Mixture-of-
+    experts keys among `overrides` need an MoE model: on a dense one nothing would read them."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; known presets: {sorted(PRESETS)}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -199,6 +203,14 @@ def get_model_config(preset: str, **overrides) -> ModelConfig:
         values["attention_pattern"] = tuple(values["attention_pattern"])
     cfg = ModelConfig(**values)
     validate_model_config(cfg)
+    ignored = [k for k in MOE_KEYS if k in overrides]
+    if cfg.moe_layers == "none" and ignored:
+        whose = "" if "moe_layers" in overrides else f", as preset {preset!r} has it"
+        raise ValueError(
+            f"model.{ignored[0]} is set, but the model is dense (model.moe_layers='none'"
+            f"{whose}), so nothing reads it: set model.moe_layers to 'all' or 'every_other' "
+            f"for mixture-of-experts layers, or drop model.{ignored[0]}"
+        )
     return cfg
 
 
