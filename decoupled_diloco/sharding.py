@@ -84,9 +84,11 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if free:
         if num_devices % fixed:
+            others = [f"mesh.{a}={s}" for a, s in sizes.items() if s > 1]
+            product = " * ".join(others) + (f" = {fixed}" if len(others) > 1 else "")
             raise ValueError(
-                f"mesh.{free[0]}=-1: {num_devices} devices per learner are not divisible by the "
-                f"product of the other mesh axes ({fixed})"
+                f"mesh.{free[0]}=-1: {num_devices} devices per learner are not divisible by "
+                f"the other mesh axes ({product})"
             )
         sizes[free[0]] = num_devices // fixed
     elif fixed != num_devices:

@@ -53,7 +53,7 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"diloco.syncer_checkpoint_duty": 0.0}, "diloco.syncer_checkpoint_duty"),
         ({"diloco.syncer_checkpoint_duty": 1.5}, "diloco.syncer_checkpoint_duty"),
         ({"diloco.reply_spares": -1}, "diloco.reply_spares"),
-        ({"mesh.tensor": 3}, "mesh"),
+        ({"mesh.tensor": 3}, r"not divisible by the other mesh axes \(mesh.tensor=3\)"),
         ({"runtime": "slurm"}, "runtime"),
         # inf / nan passed the model's range checks (inf crashed in the parameter count)
         ({"model.rope_base": float("inf")}, r"model.rope_base \(inf\) must be finite"),
