@@ -43,9 +43,10 @@ def sample(
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     if not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {num_samples}")
-    if max_new_tokens < 0 or top_k < 0:
-        raise ValueError(f"--max_new_tokens and --top_k must be >= 0, got {max_new_tokens}, "
-                         f"{top_k}")  # fmt: skip
+    if max_new_tokens < 1:
+        raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    if top_k < 0:
+        raise ValueError(f"--top_k must be >= 0 (0 = the whole vocabulary), got {top_k}")
     model = load(path, step)
     if top_k > model.config.model.vocab_size:
         vocab = model.config.model.vocab_size

@@ -177,9 +177,13 @@ def test_sampling_is_deterministic_per_seed(runs):
     for kwargs, why in [({"temperature": -1.0}, "--temperature must be >= 0"),
                         ({"temperature": float("nan")}, "--temperature must be >= 0"),
                         ({"num_samples": 0}, "--num_samples must be >= 1"),
-                        ({"top_k": 1000}, "--top_k=1000 is more than the model's")]:  # fmt: skip
+                        ({"top_k": 1000}, "--top_k=1000 is more than the model's"),
+                        ({"top_k": -1}, "--top_k must be >= 0"),
+                        ({"max_new_tokens": 0}, "--max_new_tokens must be >= 1, got 0"),
+                        # a KV cache past the device's memory (the OOM killer took it)
+                        ({"max_new_tokens": 10**10}, "GiB KV cache, more than")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
-            sample(str(workdir), ["def "], 4, **kwargs)
+            sample(str(workdir), ["def "], **{"max_new_tokens": 4, **kwargs})
 
 
 def test_an_empty_prompt_starts_a_document_and_long_samples_are_warned_of(runs, caplog):

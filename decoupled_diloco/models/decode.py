@@ -12,6 +12,7 @@ taking its own prompt token while it has one and its sample after that.
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,26 @@ import numpy as np
 
 from decoupled_diloco.models.config import ModelConfig
 from decoupled_diloco.models.transformer import Transformer
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+    """Bytes of the caches `init_cache` makes."""
+    per_layer = 2 * batch * length * cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * per_layer * jnp.dtype(cfg.dtype).itemsize
+
+
+def memory_bytes(device: jax.Device) -> int | None:
+    """Memory the device can hold: its allocator's limit, or the host's memory for a CPU
+    device (None where neither is known)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> list[dict]:
@@ -75,6 +96,13 @@ def generate(
     rng = jax.random.key(0) if rng is None else rng
     lengths = np.array([len(p) for p in prompts])
     total = int(lengths.max()) + max_new_tokens
+    need, have = cache_bytes(cfg, len(prompts), total), memory_bytes(jax.devices()[0])
+    if have is not None and need > have:
+        raise ValueError(
+            f"{len(prompts)} sequence(s) of up to {total} tokens need a {need / 2**30:.1f} GiB "
+            f"KV cache, more than the device's {have / 2**30:.1f} GiB: fewer new tokens, or "
+            "fewer prompts or samples"
+        )
     forced = np.zeros((len(prompts), total), np.int32)
     for b, p in enumerate(prompts):
         forced[b, : len(p)] = p
