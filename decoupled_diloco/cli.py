@@ -118,10 +118,30 @@ def parse_flags(argv: list[str]) -> list[str]:
         print(flags.FLAGS.main_module_help() if argv[1:] != ["--helpfull"] else flags.FLAGS)
         print(f"\n{CONFIG_DOCS}")
         sys.exit(0)
+    from absl import flags
+
     try:
-        return app.parse_flags_with_usage(argv)
+        return flags.FLAGS(argv)
+    except flags.Error as e:  # absl's own report, but for a value a config file could not set
+        file_error = _config_file_error(str(e))
+        if file_error:
+            sys.exit(f"error: {file_error}\n{CONFIG_DOCS}")
+        sys.exit(f"FATAL Flags parsing error: {e}\n"
+                 "Pass --helpshort or --helpfull to see help on flags.")  # fmt: skip
     except _CONFIG_ERRORS as e:
         sys.exit(f"error: {_config_error(e, argv)}\n{CONFIG_DOCS}")
+
+
+def _config_file_error(text: str) -> str | None:
+    """The exception line of the traceback ml_collections puts into a flag error when a
+    config file's get_config raised a TypeError or ValueError (e.g. a str assigned to an int
+    key), naming the file; None for any other flag error."""
+    head, marker, trace = text.partition("Error whilst parsing config file:")
+    if not marker:
+        return None
+    last = next((ln.strip() for ln in reversed(trace.splitlines()) if ln.strip()), "")
+    where = head.strip().removeprefix("flag ").rstrip(":")  # "--config=path"
+    return f"{where}: {last}" if where else last
 
 
 # A Ctrl-C's signal may reach the process twice within moments (`timeout -s INT` signals the

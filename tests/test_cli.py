@@ -103,6 +103,10 @@ def test_a_ctrl_c_signalled_twice_at_once_interrupts_once():
         ("def get_config():\n    return undefined\n", [], "error: name 'undefined' is not"),
         ("def get_config():\n    return {}\n", [], "get_config() returned dict, not an"),
         ("x = 1\n", [], "the config file defines no get_config()"),
+        # a value of the wrong type set inside get_config (absl's FATAL with a traceback)
+        ("from decoupled_diloco import config as c\ndef get_config():\n    d = "
+         "c.tiny_cpu_config('x')\n    d.train.steps = 'many'\n    return d\n", [],
+         "bad.py: TypeError: Could not override field 'steps'"),
         (None, ["config.train.steps=5"], "unexpected arguments ['config.train.steps=5']"),
         # the fragment plan needs no data: --check_config refuses what the run's start would
         (None, ["--config.diloco.fragment_strategy=layer", "--config.diloco.fragments=12"],
