@@ -31,7 +31,7 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
 def memory_bytes(device: jax.Device) -> int | None:
     """Memory the device can hold: its allocator's limit, or the host's memory for a CPU
     device (None where neither is known)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    stats = device.memory_stats()  # None on CPU
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     if device.platform == "cpu":
