@@ -90,6 +90,17 @@ def _config_error(e: BaseException, argv: list[str]) -> str:
     return line
 
 
+def refuse_stray_arguments(argv: list[str]) -> None:
+    """Exits with one line when the command line holds words that are not flags: absl
+    hands them to `main` in `argv`, where they would be silently ignored (a flag written
+    without its dashes, a prompt's second word left unquoted)."""
+    import sys
+
+    if len(argv) > 1:
+        sys.exit(f"error: unexpected arguments {argv[1:]} (flags start with --; quote a value "
+                 "that holds spaces)")  # fmt: skip
+
+
 def run(main, define_flags) -> None:
     """absl's app.run for an entry point whose flags `define_flags` defines (a config
     flag reads its --config.* overrides as it is defined: a typo is one line there too)."""

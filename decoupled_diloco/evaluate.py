@@ -133,7 +133,7 @@ def evaluate_text(
 
 
 def main(argv) -> None:
-    del argv
+    cli.refuse_stray_arguments(argv)
     FLAGS = flags.FLAGS
     if not FLAGS.workdir:
         sys.exit(

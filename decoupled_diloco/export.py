@@ -53,7 +53,7 @@ def export(workdir: str, out: str, step: int | None = None) -> str:
 
 
 def main(argv) -> None:
-    del argv
+    cli.refuse_stray_arguments(argv)
     FLAGS = flags.FLAGS
     if not FLAGS.workdir or not FLAGS.out:
         sys.exit("usage: python -m decoupled_diloco.export --workdir=DIR --out=PATH [--step=N]")

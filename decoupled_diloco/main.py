@@ -46,8 +46,7 @@ _PROFILE = flags.DEFINE_string(
 
 
 def main(argv) -> None:
-    if len(argv) > 1:  # a flag without its dashes (config.train.steps=5) would be ignored
-        sys.exit(f"error: unexpected arguments {argv[1:]} (flags start with --)")
+    cli.refuse_stray_arguments(argv)  # e.g. config.train.steps=5, without its dashes
     if not flags.FLAGS["config"].present or not (_WORKDIR.value or _CHECK.value):
         sys.exit("usage: python -m decoupled_diloco.main --config=configs/<file>.py --workdir=DIR")
     path = config_flags.get_config_filename(flags.FLAGS["config"])

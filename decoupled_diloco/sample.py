@@ -78,7 +78,7 @@ def sample(
 
 
 def main(argv) -> None:
-    del argv
+    cli.refuse_stray_arguments(argv)
     FLAGS = flags.FLAGS
     if not FLAGS.workdir:
         sys.exit('usage: python -m decoupled_diloco.sample --workdir=DIR --prompt="TEXT"')
