@@ -74,7 +74,12 @@ def sample(
         top_k,
         jax.random.key(seed),
     )
-    return [(p, tok.decode(row[len(x) :])) for p, x, row in zip(batch, ids, out, strict=True)]
+    # A batch advances every row to the longest prompt + max_new_tokens: a shorter prompt's
+    # row runs on past its own max_new_tokens, which are all it keeps.
+    return [
+        (p, tok.decode(row[len(x) : len(x) + max_new_tokens]))
+        for p, x, row in zip(batch, ids, out, strict=True)
+    ]
 
 
 def main(argv) -> None:

@@ -186,6 +186,18 @@ def test_sampling_is_deterministic_per_seed(runs):
             sample(str(workdir), ["def "], **{"max_new_tokens": 4, **kwargs})
 
 
+def test_every_sample_has_max_new_tokens_whatever_its_prompts_length(runs, monkeypatch):
+    """Prompts of different lengths share a batch that runs to the longest one plus
+    max_new_tokens; a shorter prompt's sample still ends after max_new_tokens (it got the
+    difference in extra tokens)."""
+    from decoupled_diloco.data.tokenizer import ByteTokenizer
+
+    workdir, _ = runs["dp"]
+    monkeypatch.setattr(ByteTokenizer, "decode", lambda self, ids: f"<{len(ids)} ids>")
+    out = sample(str(workdir), ["a", "a much longer prompt"], 5, temperature=0.0)
+    assert [text for _, text in out] == ["<5 ids>", "<5 ids>"]
+
+
 def test_an_empty_prompt_starts_a_document_and_long_samples_are_warned_of(runs, caplog):
     workdir, _ = runs["dp"]
     ((prompt, text),) = sample(str(workdir), [""], 8, temperature=0.0)
