@@ -23,12 +23,13 @@ from absl import flags  # noqa: E402
 def export(workdir: str, out: str, step: int | None = None) -> str:
     """Writes the model of `workdir` into `out`; returns where the parameters came from."""
     import orbax.checkpoint as ocp
-    from etils import epath
 
-    from decoupled_diloco import integrity, run_files
+    from decoupled_diloco import integrity, paths, run_files
     from decoupled_diloco.loading import EXPORT_MARKER, PARAMS, load
 
-    root = epath.Path(out)
+    root = paths.resolve(out)  # absolute: orbax refuses a relative checkpoint path
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"--out={out} is a file: choose a new folder")
     if root.exists() and any(root.iterdir()):  # a run's workdir, an export, anything else
         held = sorted(p.name for p in root.iterdir())[:4]
         raise ValueError(f"{out} is not empty (it holds {', '.join(held)}): choose a new --out")

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from decoupled_diloco import integrity, models, run_files
+from decoupled_diloco import integrity, models, paths, run_files
 from decoupled_diloco.checkpoint import CorruptCheckpointError
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import Tokenizer
@@ -69,12 +69,12 @@ _forward = jax.jit(models.forward, static_argnums=0)
 def load(path: str, step: int | None = None) -> Model:
     """The global model of the run (or export) at `path`; `step`: the newest checkpoint saved
     at or before that learner step instead of the newest one."""
-    root = epath.Path(path)
+    root = paths.resolve(path)  # absolute: orbax refuses a relative checkpoint path
     if (root / EXPORT_MARKER).exists():
         return _load_export(root, step)
     config = run_files.read_config(path)
     tokenizer = run_files.read_tokenizer(path, config.data)
-    ckpt_dir = epath.Path(config.ray.checkpoint_dir or root / "checkpoints")
+    ckpt_dir = paths.resolve(config.ray.checkpoint_dir or root / "checkpoints")
     if config.uses_syncer:
         params, source, reached = _syncer_theta(ckpt_dir, config, step)
     else:

@@ -140,6 +140,22 @@ def test_export_round_trips_bit_exactly(runs, tmp_path):
         assert sorted(p.name for p in taken.iterdir()) == before
 
 
+def test_relative_paths_load_export_and_evaluate(runs, tmp_path, monkeypatch):
+    """A data-parallel run's learner checkpoint and an export's parameters are orbax
+    checkpoints, which orbax refuses by a relative path (it read as an untrusted checkpoint,
+    and an export died half-written)."""
+    workdir, _ = runs["dp"]
+    expected = decoupled_diloco.load(str(workdir))
+    monkeypatch.chdir(workdir.parent)
+    model = decoupled_diloco.load(workdir.name)
+    np.testing.assert_array_equal(*(next(iter(m.params.values())) for m in (model, expected)))
+    monkeypatch.chdir(tmp_path)
+    export(str(workdir), "exported")
+    assert decoupled_diloco.load("exported").step == expected.step
+    with pytest.raises(ValueError, match="--out=.* is a file: choose a new folder"):
+        export(str(workdir), "exported/export.json")
+
+
 def test_an_export_of_an_earlier_step_records_the_step_it_holds(runs, tmp_path):
     workdir, summary = runs["dp"]  # learner checkpoints at steps 4 and 8
     export(str(workdir), str(tmp_path / "m"), step=6)
