@@ -64,6 +64,8 @@ def evaluate(
     data = dataclasses.replace(run.data, **overrides)
     validate_data_config(data)
     mesh = _learner0_mesh(run)
+    if eval_batches is not None and (not isinstance(eval_batches, int) or eval_batches < 1):
+        raise ValueError(f"train.eval_batches must be an integer >= 1, got {eval_batches!r}")
     batches = eval_batches or run.train.eval_batches
     evaluator = Evaluator(run.model, data, mesh, run.train.batch_size, batches)
     return evaluator(model.params), model.source

@@ -82,6 +82,10 @@ def load(path: str, step: int | None = None) -> Model:
     return Model(config, tokenizer, params, source, reached)
 
 
+def _at_or_before(step: int | None) -> str:
+    return "" if step is None else f" at or before step {step}"
+
+
 def _manager(directory: epath.Path) -> ocp.CheckpointManager:
     if not directory.exists():
         raise FileNotFoundError(f"no checkpoints at {directory}")
@@ -142,7 +146,7 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
         else:
             ckpt.close()
             raise CorruptCheckpointError(
-                f"syncer shard {shard}: no checkpoint at or before step {step} can be trusted: "
+                f"syncer shard {shard}: no checkpoint{_at_or_before(step)} can be trusted: "
                 + "; ".join(refused)
             )
         ckpt.close()
@@ -202,7 +206,7 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
         return {k: np.asarray(v, np.float32) for k, v in flat.items()}, source, n
     manager.close()
     raise CorruptCheckpointError(
-        f"no learner checkpoint at or before step {step} can be trusted: " + "; ".join(refused)
+        f"no learner checkpoint{_at_or_before(step)} can be trusted: " + "; ".join(refused)
     )
 
 

@@ -69,6 +69,13 @@ def test_load_then_evaluate_gives_the_runs_own_final_eval_loss(runs, name):
     assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-6, abs=1e-6)
 
 
+def test_evaluate_refuses_a_count_of_eval_batches_below_one(runs):
+    workdir, _ = runs["dp"]
+    for bad in (0, -1):  # -1 gave a loss of nan, 0 the run's own count
+        with pytest.raises(ValueError, match=f"eval_batches must be an integer >= 1, got {bad}"):
+            evaluate(str(workdir), eval_batches=bad)
+
+
 def test_evaluate_on_another_corpus_differs(runs):
     workdir, summary = runs["dp"]
     other, _ = evaluate(str(workdir), data_overrides={"max_corpus_bytes": 200_000, "seed": 3,
@@ -347,8 +354,9 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_then_named(runs, name, kind,
     assert all(np.isfinite(v).all() for v in model.params.values())
     for n in steps[:-1]:
         _flip_arrays(ckpt / str(n))
-    with pytest.raises(decoupled_diloco.checkpoint.CorruptCheckpointError, match="trusted"):
+    with pytest.raises(decoupled_diloco.checkpoint.CorruptCheckpointError, match="trusted") as e:
         decoupled_diloco.load(str(workdir))
+    assert "step None" not in str(e.value)  # no --step: no step to name
     for tool, *args in (("evaluate",), ("sample", "--prompt=a"), ("export", f"--out={tmp_path}/x")):
         out = _cli(f"decoupled_diloco.{tool}", f"--workdir={workdir}", *args)
         assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
