@@ -90,6 +90,36 @@ def _config_error(e: BaseException, argv: list[str]) -> str:
     return line
 
 
+# How XLA says it ran out of device memory (accelerators), or of host memory (XLA:CPU).
+_OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory")
+
+
+def out_of_memory(e: BaseException | None) -> str | None:
+    """The first line of an XLA out-of-memory error `e` was raised from, if any."""
+    oom = cause(e, lambda x: any(mark in str(x) for mark in _OOM_MARKS))
+    if oom is None:
+        return None
+    lines = str(oom).splitlines()
+    return next(ln for ln in lines if any(m in ln for m in _OOM_MARKS)).strip()[:300]
+
+
+def cause(e: BaseException | None, match) -> BaseException | None:
+    """`e` or the first exception it was raised from for which `match` is true."""
+    while e is not None and not match(e):
+        e = e.__cause__
+    return e
+
+
+def exit_if_out_of_memory(e: BaseException, advice: str) -> None:
+    """Exits with one line (what XLA said, then `advice`) when `e` is an out-of-memory
+    error; returns otherwise."""
+    import sys
+
+    oom = out_of_memory(e)
+    if oom is not None:
+        sys.exit(f"error: out of memory ({oom}): {advice}")
+
+
 def refuse_stray_arguments(argv: list[str]) -> None:
     """Exits with one line when the command line holds words that are not flags: absl
     hands them to `main` in `argv`, where they would be silently ignored (a flag written

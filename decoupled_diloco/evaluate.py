@@ -167,6 +167,10 @@ def main(argv) -> None:
             )
     except (FileNotFoundError, ValueError, CorruptCheckpointError) as e:
         sys.exit(f"error: {e}")
+    except RuntimeError as e:
+        cli.exit_if_out_of_memory(e, "a shorter --config.data.seq_len, or the evaluation "
+                                  "on a device with more memory")  # fmt: skip
+        raise
     if FLAGS.text:
         print(
             f"eval_loss={loss:.6f} over {FLAGS.text}: {counts['windows']} windows, "

@@ -95,10 +95,10 @@ def main(argv) -> None:
         sys.stdout.flush()
         os._exit(130)
     except RuntimeError as e:
-        corrupt = _cause(e, lambda x: isinstance(x, CorruptCheckpointError))
+        corrupt = cli.cause(e, lambda x: isinstance(x, CorruptCheckpointError))
         if corrupt is not None:
             sys.exit(f"error: {corrupt}")
-        oom = _out_of_memory(e)
+        oom = cli.out_of_memory(e)
         if oom is None:
             raise
         sys.exit(f"error: a learner ran out of device memory ({oom}). Lower train.batch_size, "
@@ -178,26 +178,6 @@ def join_world(config) -> None:
 
     dist = config_lib.distributed_config(config)
     jax_world.initialize(dist.world(), dist.initialization_timeout)
-
-
-# How XLA says it ran out of device memory (accelerators), or of host memory (XLA:CPU).
-_OOM_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory")
-
-
-def _out_of_memory(e: BaseException | None) -> str | None:
-    """The first line of an XLA out-of-memory error `e` was raised from, if any."""
-    oom = _cause(e, lambda x: any(mark in str(x) for mark in _OOM_MARKS))
-    if oom is None:
-        return None
-    lines = str(oom).splitlines()
-    return next(ln for ln in lines if any(m in ln for m in _OOM_MARKS)).strip()[:300]
-
-
-def _cause(e: BaseException | None, match) -> BaseException | None:
-    """`e` or the first exception it was raised from for which `match` is true."""
-    while e is not None and not match(e):
-        e = e.__cause__
-    return e
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ def sample(
         raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     if top_k < 0:
         raise ValueError(f"--top_k must be >= 0 (0 = the whole vocabulary), got {top_k}")
+    if not 0 <= seed < 2**63:  # (as the run's seeds: JAX's key takes a 64-bit int)
+        raise ValueError(f"--seed must be an int in [0, 2**63), got {seed}")
     model = load(path, step)
     if top_k > model.config.model.vocab_size:
         vocab = model.config.model.vocab_size
@@ -103,6 +105,9 @@ def main(argv) -> None:
         )
     except (FileNotFoundError, ValueError, CorruptCheckpointError) as e:
         sys.exit(f"error: {e}")
+    except RuntimeError as e:
+        cli.exit_if_out_of_memory(e, "shorter prompts, fewer of them, or fewer --num_samples")
+        raise
     for i, (prompt, completion) in enumerate(results):
         print(f"--- sample {i} ---\n{prompt}{completion}", flush=True)
 

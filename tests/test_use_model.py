@@ -202,6 +202,7 @@ def test_sampling_is_deterministic_per_seed(runs):
                         ({"num_samples": 0}, "--num_samples must be >= 1"),
                         ({"top_k": 1000}, "--top_k=1000 is more than the model's"),
                         ({"top_k": -1}, "--top_k must be >= 0"),
+                        ({"seed": 10**20}, r"--seed must be an int in \[0, 2\*\*63\)"),
                         ({"max_new_tokens": 0}, "--max_new_tokens must be >= 1, got 0"),
                         # a KV cache past the device's memory (the OOM killer took it)
                         ({"max_new_tokens": 10**10}, "GiB KV cache, more than")]:  # fmt: skip
@@ -398,6 +399,26 @@ def test_out_of_device_memory_is_one_line_with_what_to_change(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: a learner ran out of device memory (RESOURCE_EXHAUSTED")
     assert "train.microbatches" in last and "model.remat" in last and "logits_chunk" in last
+
+
+def test_the_model_tools_say_out_of_memory_in_one_line(runs, tmp_path):
+    """evaluate --text in windows of 200k tokens, and sample with a prompt of 120k (the
+    longest argument Linux passes is 128 KiB): their attention scores need 0.6 TB and
+    230 GB (a traceback of XLA's before)."""
+    workdir, _ = runs["dp"]
+    text = tmp_path / "long.txt"
+    text.write_text("abcdefgh " * 25_000)  # 225k bytes: one window of 200k tokens
+    cases = [
+        ("decoupled_diloco.evaluate", f"--text={text}", "--config.data.seq_len=200000",
+         "a shorter --config.data.seq_len"),
+        ("decoupled_diloco.sample", f"--prompt={'x' * 120_000}", "--max_new_tokens=1",
+         "shorter prompts"),
+    ]  # fmt: skip
+    for tool, *args, advice in cases:
+        out = _cli(tool, f"--workdir={workdir}", *args)
+        assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: out of memory (") and advice in last, last
 
 
 def test_a_resumed_runs_records_are_drawn_on_one_clock():
