@@ -57,10 +57,19 @@ class Model:
                 f"{sorted(lengths)}; pad them, or run one prompt at a time (decoupled_diloco."
                 "sample handles prompts of different lengths)"
             )
-        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
-        if tokens_BT.ndim != 2:
-            raise ValueError(f"tokens must be [batch, length], got shape {tokens_BT.shape}")
-        return _forward(self.config.model, self.nested(), tokens_BT)
+        ids = np.asarray(tokens_BT)
+        if ids.ndim != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {ids.shape}")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"tokens must be integer ids, got dtype {ids.dtype}")
+        vocab = self.config.model.vocab_size
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            # (an id past the table reads NaN on device, a negative one wraps around)
+            raise ValueError(
+                f"token ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                f"{ids.min()}..{ids.max()}"
+            )
+        return _forward(self.config.model, self.nested(), jnp.asarray(ids, jnp.int32))
 
 
 _forward = jax.jit(models.forward, static_argnums=0)

@@ -65,6 +65,12 @@ def test_load_then_evaluate_gives_the_runs_own_final_eval_loss(runs, name):
     assert logits.shape == (1, len(ids), model.config.model.vocab_size)
     with pytest.raises(ValueError, match=r"rows of one length, got lengths \[1, 4\]"):
         model.forward([ids, ids[:1]])  # ragged prompts: named, not numpy's error
+    # ids outside the vocabulary (NaN logits past it, a wrap-around below 0) or not ints
+    for bad, why in (([[1, 256]], r"must lie in \[0, 256\).*got 1..256"),
+                     ([[-1, 3]], r"must lie in \[0, 256\).*got -1..3"),
+                     ([[1.5, 2.0]], "must be integer ids, got dtype float64")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            model.forward(bad)
     loss, _ = evaluate(str(workdir))
     assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-6, abs=1e-6)
 
