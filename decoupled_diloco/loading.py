@@ -206,7 +206,9 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
         try:
             state, _ = _restore(manager, n, abstract)
         except Exception as e:  # unreadable files are refused like bad bytes
-            why = str(e) if isinstance(e, CorruptCheckpointError) else f"{directory}/{n}: {e}"
+            # (orbax's errors carry TensorStore's whole state, ~60 lines: its first line)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            why = str(e) if isinstance(e, CorruptCheckpointError) else f"{directory}/{n}: {first}"
             refused.append(why)
             continue
         manager.close()

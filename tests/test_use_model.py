@@ -342,6 +342,21 @@ def _flip_arrays(step_dir) -> None:
                 f.write(b"\xff" * 64)
 
 
+def test_an_unreadable_learner_checkpoint_is_named_in_one_line(runs, tmp_path):
+    """A truncated array file fails in orbax's read, whose error holds TensorStore's whole
+    state (~60 lines, printed in every warning and in the model's source): its first line."""
+    import shutil
+
+    workdir = tmp_path / "dp"
+    shutil.copytree(runs["dp"][0], workdir)
+    ckpt = workdir / "checkpoints" / "learner_0"
+    newest = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    data = max((ckpt / str(newest)).rglob("d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    source = decoupled_diloco.load(str(workdir)).source
+    assert f"learner_0/{newest}: " in source and "\n" not in source and len(source) < 600, source
+
+
 @pytest.mark.parametrize("name,kind", [("dp", "learner_0"), ("dec", "syncer_0")])
 def test_a_corrupt_newest_checkpoint_is_passed_over_then_named(runs, name, kind, tmp_path):
     """Reading the model, a checkpoint that does not verify is never used: the newest good
@@ -357,6 +372,7 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_then_named(runs, name, kind,
     _flip_arrays(ckpt / str(steps[-1]))
     model = decoupled_diloco.load(str(workdir))
     assert "1 newer refused" in model.source and f"/{steps[-1]}" in model.source, model.source
+    assert "\n" not in model.source and len(model.source) < 1000, model.source  # one line
     assert str(steps[-2]) in model.source.split("[")[0]
     assert all(np.isfinite(v).all() for v in model.params.values())
     for n in steps[:-1]:
