@@ -209,10 +209,19 @@ def read_config(path: str) -> RunConfig:
             "write it when they start)"
         )
     try:
-        text = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        record = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file} is not valid JSON ({e}): a damaged run record") from e
-    return config_from_json(text)
+    if not isinstance(record, dict):
+        raise ValueError(f"{file} holds a JSON {type(record).__name__}, not a run's config: a "
+                         "damaged run record")  # fmt: skip
+    try:
+        config = config_from_json(record)
+        models.validate_model_config(config.model)  # (what building the model reads)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"{file} does not hold a config this version reads ({e}): a "
+                         "damaged run record, or one of another version") from e  # fmt: skip
+    return config
 
 
 def read_tokenizer(path: str, data: DataConfig) -> Tokenizer:

@@ -342,6 +342,29 @@ def _flip_arrays(step_dir) -> None:
                 f.write(b"\xff" * 64)
 
 
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (b"[]", "holds a JSON list, not a run's config"),
+        (b"\xff\xfe", "is not valid JSON \\('utf-8' codec"),
+        (None, "does not hold a config this version reads"),  # model.d_model = "abc"
+    ],
+)
+def test_a_damaged_run_config_is_named_by_the_model_tools(runs, tmp_path, damage, why):
+    import shutil
+
+    workdir = tmp_path / "dp"
+    shutil.copytree(runs["dp"][0], workdir)
+    file = workdir / "run_config.json"
+    if damage is None:
+        record = json.loads(file.read_text())
+        record["model"]["d_model"] = "abc"
+        damage = json.dumps(record).encode()
+    file.write_bytes(damage)
+    with pytest.raises(ValueError, match=f"run_config.json {why}"):
+        decoupled_diloco.load(str(workdir))
+
+
 def test_an_unreadable_learner_checkpoint_is_named_in_one_line(runs, tmp_path):
     """A truncated array file fails in orbax's read, whose error holds TensorStore's whole
     state (~60 lines, printed in every warning and in the model's source): its first line."""
