@@ -30,8 +30,62 @@ FAULT_MARKS = {  # event -> (colour, label) on the time axes
 }
 
 
+def _numbers(name: str, r: dict) -> tuple[str, ...]:
+    """The keys of a record of run file `name` that the panels and the table read as numbers
+    (other keys, and other records, are free)."""
+    if name == "metrics.jsonl" and "loss" in r:  # a learner's training row
+        return ("step", "tokens", "time", "loss", "tokens_per_second")
+    if name == "metrics.jsonl" and "eval_loss" in r:
+        return ("tokens", "time", "eval_loss")
+    if name == "merges.jsonl":
+        return ("time", "quorum_wait", "grace")
+    if name == "events.jsonl" and r.get("event") in FAULT_MARKS:
+        return ("time",)
+    return ()
+
+
+# metrics.jsonl writes a non-finite float as its str (metrics._clean)
+_NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _number(x):
+    """`x` as a float or int when it is one (or a non-finite float's str), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int | float):
+        return x
+    return _NON_FINITE.get(x) if isinstance(x, str) else None
+
+
 def _rows(workdir: str, name: str) -> list[dict]:
-    return read_jsonl(paths.resolve(workdir) / name)
+    """The records of the run file `name`; a damaged one is a ValueError naming it (a last
+    line cut short, a run still writing it, is left out)."""
+    path = paths.resolve(workdir) / name
+    try:
+        records = read_jsonl(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not text ({e.reason} at byte {e.start})") from e
+    out = []
+    for i, r in enumerate(records, 1):
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}: record {i} is a JSON {type(r).__name__}, not an object")
+        if name == "metrics.jsonl" and "learner" not in r:
+            raise ValueError(f"{path}: record {i} names no learner")
+        for key in _numbers(name, r):
+            value = _number(r.get(key))
+            if value is None:
+                how = f": {key} is {r[key]!r}, not a number" if key in r else f" has no {key}"
+                raise ValueError(f"{path}: record {i}{how}")
+            r = {**r, key: value}
+        if name == "merges.jsonl" and not (
+            isinstance(r.get("learners"), list)
+            and isinstance(r.get("staleness"), list)
+            and r["staleness"]
+            and all(_number(x) is not None for x in r["staleness"])
+        ):
+            raise ValueError(f"{path}: record {i} lacks its learners or staleness list")
+        out.append(r)
+    return out
 
 
 def run_time(rows: list[dict], attempt_seconds: list[float] | None = None) -> list[dict]:
@@ -56,7 +110,8 @@ def run_time(rows: list[dict], attempt_seconds: list[float] | None = None) -> li
 
 def _attempt_seconds(workdir: str) -> list[float] | None:
     records = _rows(workdir, "attempts.jsonl")
-    seconds = [r.get("own", {}).get("wall_seconds") for r in records]
+    seconds = [(r.get("own") if isinstance(r.get("own"), dict) else {}).get("wall_seconds")
+               for r in records]  # fmt: skip
     return seconds if records and all(isinstance(x, int | float) for x in seconds) else None
 
 
@@ -154,9 +209,10 @@ def plot(workdir: str, out: str) -> list[str]:
     if moe:
         _expert_load(fig, axes[-1], moe)
     summary = _summary(workdir)
+    loss = _number(summary.get("final_eval_loss"))
     fig.suptitle(
         f"{summary.get('name', paths.resolve(workdir).name)}: final eval loss "
-        f"{summary.get('final_eval_loss', float('nan')):.4f}"
+        f"{float('nan') if loss is None else loss:.4f}"
     )
     fig.tight_layout()
     with paths.resolve(out).open("wb") as f:  # local or gs://
@@ -166,10 +222,18 @@ def plot(workdir: str, out: str) -> list[str]:
 
 
 def _summary(workdir: str) -> dict:
+    """summary.json's object; {} when there is none (a run not finished); a damaged one is a
+    ValueError naming it."""
     path = paths.resolve(workdir) / "summary.json"
     if not path.exists():
         return {}
-    return json.loads(path.read_text())
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not a JSON object, empty or cut short ({e})") from e
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path}: holds a JSON {type(summary).__name__}, not an object")
+    return summary
 
 
 def mean_merge_delay(rows: list[dict]) -> float | None:
@@ -252,21 +316,45 @@ def _median_of(rows: list[dict], key: str) -> str:
     return f"{statistics.median(values):.2f}" if values else "-"
 
 
+def outputs(workdir: str, out: str | None) -> tuple[str, str]:
+    """(PNG, table) paths of the report `out` names (None: <workdir>/report): a .png or .md
+    suffix is taken off it and each added, so the two are never one file. A ValueError
+    naming --out when one could not be written there (a folder, a missing one)."""
+    base = out or f"{workdir}/report"
+    if base.lower().endswith((".png", ".md")):
+        base = base[: base.rfind(".")]
+    if out and (base.endswith("/") or paths.resolve(out).is_dir()):
+        raise ValueError(f"--out={out} is a folder: give the report's name in it, e.g. "
+                         f"--out={out.rstrip('/')}/report.png")  # fmt: skip
+    png, md = paths.resolve(base + ".png"), paths.resolve(base + ".md")
+    folder = png.parent
+    if not folder.exists():
+        raise ValueError(f"--out={out}: its folder {folder} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"--out={out}: {folder} is a file, not a folder")
+    for path in (png, md):
+        if path.is_dir():
+            raise ValueError(f"--out={out}: {path} is a folder")
+    return str(png), str(md)
+
+
 def main(argv) -> None:
-    del argv
+    cli.refuse_stray_arguments(argv)
     FLAGS = flags.FLAGS
     if not FLAGS.workdir:
-        sys.exit("usage: python -m decoupled_diloco.report --workdir=DIR [--out=PNG]")
+        sys.exit("usage: python -m decoupled_diloco.report --workdir=DIR [--out=PATH.png]")
     if not (paths.resolve(FLAGS.workdir) / "metrics.jsonl").exists():
         sys.exit(f"error: {FLAGS.workdir} holds no run (no metrics.jsonl)")
-    out = str(paths.resolve(FLAGS.out or f"{FLAGS.workdir}/report.png"))
-    if not paths.resolve(out).parent.exists():
-        sys.exit(f"error: --out={FLAGS.out}: its folder does not exist")
-    plot(FLAGS.workdir, out)
-    text = table(FLAGS.workdir)
-    md = paths.resolve(out).with_suffix(".md")  # beside the PNG, named after it
-    md.write_text(text)
-    print(text + f"\nwrote {out} and {md}", flush=True)
+    try:
+        png, md = outputs(FLAGS.workdir, FLAGS.out)
+        text = table(FLAGS.workdir)  # first: a damaged run file leaves no PNG behind
+        plot(FLAGS.workdir, png)
+        paths.resolve(md).write_text(text)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    except OSError as e:  # no permission, a full disk
+        sys.exit(f"error: --out={FLAGS.out}: cannot write {e.filename or ''} ({e.strerror or e})")
+    print(text + f"\nwrote {png} and {md}", flush=True)
 
 
 def _define_flags() -> None:
@@ -274,8 +362,8 @@ def _define_flags() -> None:
     flags.DEFINE_string(
         "out",
         None,
-        "The PNG to write, and its table beside it as .md (default: "
-        "<workdir>/report.png and report.md).",
+        "Where to write the report: PATH.png (the plots) and PATH.md (the table); a .png or "
+        ".md ending of --out is taken off first (default: <workdir>/report.png and report.md).",
     )
 
 

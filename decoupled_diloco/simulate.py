@@ -33,7 +33,7 @@ import sys
 
 from absl import app, flags
 
-from decoupled_diloco import faults
+from decoupled_diloco import cli, faults
 from decoupled_diloco.simulator import METHODS, SimParams, simulate
 
 flags.DEFINE_enum("method", "decoupled", METHODS, "dp | elastic_dp | decoupled.")
@@ -83,26 +83,76 @@ def check_fault_spec_flags(given: list[str]) -> None:
 
 
 def load_fault_spec(text: str) -> faults.FaultSpec:
-    """A FaultSpec from an inline JSON object or a JSON file path."""
+    """A FaultSpec from an inline JSON object or a JSON file path; a ValueError naming
+    --fault_spec (and the file) when it cannot be read."""
     if text.lstrip().startswith("{"):
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--fault_spec: the inline JSON object does not parse ({e})") from e
+    elif os.path.isdir(text):
+        raise ValueError(f"--fault_spec={text} is a folder, not a JSON file")
     elif os.path.exists(text):
-        with open(text) as f:
-            data = json.load(f)
+        try:
+            with open(text, encoding="utf-8") as f:
+                data = json.load(f)
+        except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, no access
+            raise ValueError(f"--fault_spec={text}: not a JSON object ({e})") from e
     else:
         raise ValueError(f"fault_spec is neither a JSON object nor an existing file: {text!r}")
+    if not isinstance(data, dict):
+        raise ValueError(f"--fault_spec={text}: holds a JSON {type(data).__name__}, not an object")
     return faults.fault_spec_from_dict(data)
 
 
+# Decoupled DiLoCo's simulation builds each learner's timeline from the whole trace, so its
+# time grows as learners x (units + events / 20): units are slices (learners with
+# --fault_spec), walked in Python, events each failure and return, compared in numpy;
+# STEPS_PER_S of these a second on one slow core (40,000 learners of 30 chips: 1.8e9, 2 min;
+# 1.2M learners of one chip would take a day). Beyond MAX_LEARNER_UNITS (~2 h) the
+# command refuses (most likely learners and chips mixed up); beyond NOTE_LEARNER_UNITS (half
+# a minute) it says how long it will take.
+STEPS_PER_S = 1.5e7
+MAX_LEARNER_UNITS = 1e11
+NOTE_LEARNER_UNITS = 5e8
+
+
+def check_size(method: str, chips: int, learners: int, p: SimParams, spec) -> None:
+    """A ValueError naming --learners when the simulation would run for more than ~2 hours;
+    a note on stderr when for half a minute or more. Other limits (memory, divisibility):
+    `simulate`'s."""
+    if method != "decoupled" or learners < 1 or chips < learners or p.slice_chips < 1:
+        return  # one timeline for every chip (or simulate's own error)
+    if spec is None:
+        units = learners * -(-(chips // learners) // p.slice_chips)
+        events = 2 * chips * p.horizon_s / p.chip_mtbf_s if p.chip_mtbf_s > 0 else 0
+        what = f"slices of at most --slice_chips={p.slice_chips}"
+    else:
+        units, events, what = learners, 0, "learners"
+    work = learners * (units + events / 20)
+    size = (f"--learners={learners:,} of --chips={chips:,}: each learner's timeline walks the "
+            f"whole trace, {units:,} units ({what}), {work:.2g} steps in all")  # fmt: skip
+    seconds = work / STEPS_PER_S
+    took = f"~{seconds / 3600:.0f} h" if seconds > 7200 else f"~{seconds / 60:.0f} min"
+    if work > MAX_LEARNER_UNITS:
+        raise ValueError(
+            f"{size}, {took} (at most {MAX_LEARNER_UNITS:.0e}, ~2 h): simulate fewer "
+            "learners (M learners of N/M chips: --chips is the whole job's)"
+        )
+    if work > NOTE_LEARNER_UNITS:
+        print(f"{size}: {took}", file=sys.stderr, flush=True)
+
+
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.refuse_stray_arguments(argv)
     params = SimParams(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(SimParams)})
     try:
         spec = None
         if FLAGS.fault_spec:
             check_fault_spec_flags([n for n in CHIP_MTBF_ONLY if FLAGS[n].present])
             spec = load_fault_spec(FLAGS.fault_spec)
+        check_size(FLAGS.method, FLAGS.chips, FLAGS.learners, params, spec)
+        if spec is not None:
             faults.validate_fault_spec(spec, FLAGS.learners)  # before any arithmetic on it
         result = simulate(FLAGS.method, FLAGS.chips, FLAGS.learners, params, spec)
     except ValueError as e:

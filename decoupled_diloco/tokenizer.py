@@ -9,6 +9,7 @@ is the one a run of that config would train (`data.spm_vocab_size` pieces on the
 16 MiB of its training split, decoupled_diloco/data/corpus.py); `--out` may be local or gs://.
 """
 
+import os
 import sys
 
 from absl import flags
@@ -33,18 +34,40 @@ def train_and_save(data_cfg, out: str) -> int:
     return tokenizer.vocab_size
 
 
+def check_out(out: str) -> None:
+    """A ValueError naming --out when the model could not be written there, before the
+    training it would end: a folder, or a local path under a file. Missing folders are
+    created (a bucket has none to make)."""
+    from decoupled_diloco import paths
+
+    paths.check_reachable(out, "--out")
+    if out.endswith("/") or paths.resolve(out).is_dir():
+        raise ValueError(f"--out={out} is a folder: give the .model file's path, e.g. "
+                         f"--out={out.rstrip('/')}/spm.model")  # fmt: skip
+    if paths.is_remote(out):
+        return
+    parent = paths.resolve(out).parent
+    while not parent.exists():  # the nearest folder that is there
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out={out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out={out}: {parent} is not writable")
+
+
 def main(argv) -> None:
-    del argv
-    if not flags.FLAGS.out:
+    cli.refuse_stray_arguments(argv)
+    if not flags.FLAGS.config or not flags.FLAGS.out:
         sys.exit("usage: python -m decoupled_diloco.tokenizer --config=FILE --out=PATH.model")
     from decoupled_diloco import config as config_lib
 
     try:
+        check_out(flags.FLAGS.out)
         data = config_lib.data_config(flags.FLAGS.config)
         if data.spm_model_path:
             raise ValueError("data.spm_model_path is set: that model exists already")
         vocab = train_and_save(data, flags.FLAGS.out)
-    except (ValueError, ImportError, FileNotFoundError) as e:
+    except (ValueError, ImportError, OSError) as e:
         sys.exit(f"error: {e}")
     print(f"wrote {flags.FLAGS.out} ({vocab} pieces)", flush=True)
 
