@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from damage import flip_values
 
 from decoupled_diloco import integrity
 from decoupled_diloco.checkpoint import Checkpointer, CorruptCheckpointError
@@ -69,25 +70,12 @@ def _save(directory, step, arrays, meta=None, seal=True):
     ckpt.close()
 
 
-def _flip_bytes(step_dir, count=64):
-    """Flips `count` bytes in the middle of the largest data file of a step (like a bad disk)."""
-    files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs]
-    data = max((f for f in files if "arrays" in f), key=os.path.getsize)
-    with open(data, "r+b") as f:
-        raw = bytearray(f.read())
-        start = len(raw) // 2 - count // 2
-        for i in range(start, start + count):
-            raw[i] ^= 0xFF
-        f.seek(0)
-        f.write(raw)
-
-
 def test_a_corrupted_newest_step_falls_back_to_the_previous_kept_step(tmp_path):
     d = tmp_path / "learner_0"
     big = {"w": np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)}
     _save(d, 1, big)
     _save(d, 2, {"w": big["w"] + 1})
-    _flip_bytes(d / "2")
+    flip_values(d / "2")
     ckpt = Checkpointer(str(d))
     arrays, meta = ckpt.restore({"w": np.zeros((256, 256), np.float32)})
     assert meta["step"] == 1
@@ -149,8 +137,8 @@ def test_no_good_step_stops_with_every_file_named(tmp_path):
     w = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
     _save(d, 1, {"w": w})
     _save(d, 2, {"w": w})
-    _flip_bytes(d / "1")
-    _flip_bytes(d / "2")
+    flip_values(d / "1")
+    flip_values(d / "2")
     ckpt = Checkpointer(str(d))
     for _ in range(2):  # both stay where they are: a retry fails alike, never starts afresh
         with pytest.raises(CorruptCheckpointError) as e:

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from damage import flip_values
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import preflight, run_files
@@ -51,17 +52,6 @@ def _halted(cfg, wd, after):
         attempt.stop()  # what its last heartbeat would have written
 
 
-def _flip(step_dir):
-    files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs]
-    data = max((f for f in files if "arrays" in f), key=os.path.getsize)
-    with open(data, "r+b") as f:
-        raw = bytearray(f.read())
-        for i in range(len(raw) // 2, len(raw) // 2 + 64):
-            raw[i] ^= 0xFF
-        f.seek(0)
-        f.write(raw)
-
-
 def _steps(ckpt_dir):
     return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
 
@@ -71,7 +61,7 @@ def test_a_corrupt_learner_checkpoint_falls_back_and_the_run_finishes(small_conf
     _halted(cfg, tmp_path, after=10)
     ckpt = tmp_path / "checkpoints" / "learner_0"
     assert _steps(ckpt) == [4, 8]
-    _flip(ckpt / "8")
+    flip_values(ckpt / "8")
     summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
     refused = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "checkpoint_refused"]
     assert [e["checkpoint_step"] for e in refused] == [8]
@@ -91,7 +81,7 @@ def test_a_corrupt_syncer_checkpoint_falls_back_to_the_previous_one(small_config
     ckpt = tmp_path / "checkpoints" / "syncer_0"
     kept = _steps(ckpt)
     assert len(kept) == 2
-    _flip(ckpt / str(kept[-1]))
+    flip_values(ckpt / str(kept[-1]))
     summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
     refused = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "checkpoint_refused"]
     assert [(e.get("shard"), e["checkpoint_step"]) for e in refused] == [(0, kept[-1])]
@@ -103,7 +93,7 @@ def test_no_good_checkpoint_stops_the_run_naming_the_files(small_config, tmp_pat
     _halted(cfg, tmp_path, after=10)
     ckpt = tmp_path / "checkpoints" / "learner_0"
     for step in _steps(ckpt):
-        _flip(ckpt / str(step))
+        flip_values(ckpt / str(step))
     with pytest.raises(CorruptCheckpointError) as e:
         launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
     assert f"{ckpt}/8:" in str(e.value) and f"{ckpt}/4:" in str(e.value)
