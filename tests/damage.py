@@ -24,11 +24,15 @@ def _items(step_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _read(item: pathlib.Path):
-    """The item's leaves as numpy arrays, or the error a plain orbax read raises."""
+    """The item's leaves as host arrays (whatever devices it was saved from), or the error
+    a plain orbax read raises."""
+    reader = ocp.PyTreeCheckpointer()
     try:
-        with warnings.catch_warnings():  # "Sharding info not provided": read as saved
-            warnings.simplefilter("ignore", UserWarning)
-            tree = ocp.PyTreeCheckpointer().restore(item)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = reader.metadata(item).item_metadata.tree
+            as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            tree = reader.restore(item, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
     except Exception as e:  # damage that makes the item unreadable shows too
         return repr(e)
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
