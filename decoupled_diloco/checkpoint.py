@@ -19,6 +19,7 @@ the previous kept step is tried; when no kept step is good the restore raises
 
 import json
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -39,6 +40,26 @@ from decoupled_diloco import integrity, paths
 
 class CorruptCheckpointError(RuntimeError):
     """No kept step of a checkpoint directory could be verified."""
+
+
+def quiet_failed_read_leftovers() -> None:
+    """Drops the "Event loop is closed" errors a failed orbax read leaves behind, and only
+    those: orbax closes its event loop when the first array cannot be read while TensorStore
+    still holds callbacks for the others, which later land as unraisable RuntimeErrors
+    (70-1500 tracebacks on stderr after the refusal was reported, measured with
+    orbax-checkpoint 0.12.8). Installed on the first failed read; anything else goes to the
+    hook that was there before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_errors", False):
+        return
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_closed_loop_errors = True
+    sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -115,6 +136,7 @@ class Checkpointer:
                 try:
                     out, reason = read(s)
                 except Exception as e:  # unreadable files are a refused step, like bad bytes
+                    quiet_failed_read_leftovers()
                     out, reason = None, f"unreadable ({type(e).__name__}: {str(e)[:200]})"
                 if not reason:
                     for bad, why in refused:  # newer than the one used: out of the way

@@ -32,7 +32,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from decoupled_diloco import integrity, paths
-from decoupled_diloco.checkpoint import CorruptCheckpointError, set_aside
+from decoupled_diloco.checkpoint import (
+    CorruptCheckpointError,
+    quiet_failed_read_leftovers,
+    set_aside,
+)
 
 MANIFEST = "manifest.json"
 
@@ -143,6 +147,7 @@ class FragmentCheckpointer:
                           for part in parts}  # fmt: skip
                 reason = integrity.check(arrays, entry, partial=not momentum)
             except Exception as e:
+                quiet_failed_read_leftovers()
                 reason = f"unreadable ({type(e).__name__}: {str(e)[:200]})"
             if reason:
                 raise CorruptCheckpointError(f"{step}: fragment {p}: {reason}")

@@ -23,7 +23,7 @@ from absl import logging
 from etils import epath
 
 from decoupled_diloco import integrity, models, paths, run_files
-from decoupled_diloco.checkpoint import CorruptCheckpointError
+from decoupled_diloco.checkpoint import CorruptCheckpointError, quiet_failed_read_leftovers
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import Tokenizer
 from decoupled_diloco.diloco.fragment_members import join_members
@@ -206,6 +206,7 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
         try:
             state, _ = _restore(manager, n, abstract)
         except Exception as e:  # unreadable files are refused like bad bytes
+            quiet_failed_read_leftovers()
             # (orbax's errors carry TensorStore's whole state, ~60 lines: its first line)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             why = str(e) if isinstance(e, CorruptCheckpointError) else f"{directory}/{n}: {first}"
