@@ -448,13 +448,14 @@ def test_evaluate_elsewhere_keeps_the_runs_tokenizer_and_drops_its_path(small_co
 
 def test_out_of_device_memory_is_one_line_with_what_to_change(tmp_path):
     """A window of 100k tokens does not fit: a one-line error naming the knobs, after the
-    thread's own log of the failure."""
+    thread's own one-line log of the failure (no traceback)."""
     out = _cli("decoupled_diloco.main", "--config=configs/tiny_dense.py", f"--workdir={tmp_path}",
                "--config.data.seq_len=100000", "--config.train.steps=2")  # fmt: skip
     assert out.returncode != 0, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: a learner ran out of device memory (RESOURCE_EXHAUSTED")
     assert "train.microbatches" in last and "model.remat" in last and "logits_chunk" in last
+    assert "Traceback" not in out.stderr and "ran out of memory: RESOURCE_EXHAUSTED" in out.stderr
 
 
 def test_the_model_tools_say_out_of_memory_in_one_line(runs, tmp_path):

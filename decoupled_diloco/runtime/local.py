@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from decoupled_diloco import faults, paths, run_files, sharding
+from decoupled_diloco import cli, faults, paths, run_files, sharding
 from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
@@ -365,7 +365,12 @@ class LocalRuntime:
             except BaseException as e:  # surface the failure to the main thread
                 # Logged here (every failure, in the order they happen); `run` raises the
                 # first. Not re-raised: the thread's exception hook would print it twice.
-                logging.error("thread %s failed", name, exc_info=e)
+                # Out of memory is one line: the entry point says what to change.
+                oom = cli.out_of_memory(e)
+                if oom is not None:
+                    logging.error("thread %s ran out of memory: %s", name, oom)
+                else:
+                    logging.error("thread %s failed", name, exc_info=e)
                 self.schedule.freeze(self.now())
                 self.errors.append(e)
                 self.failed.set()
