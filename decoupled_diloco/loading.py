@@ -78,6 +78,10 @@ _forward = jax.jit(models.forward, static_argnums=0)
 def load(path: str, step: int | None = None) -> Model:
     """The global model of the run (or export) at `path`; `step`: the newest checkpoint saved
     at or before that learner step instead of the newest one."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+        raise TypeError(f"step must be a learner step (an int) or None, not {step!r}")
+    if step is not None and step < 0:
+        raise ValueError(f"step must be >= 0, not {step}")
     root = paths.resolve(path)  # absolute: orbax refuses a relative checkpoint path
     if (root / EXPORT_MARKER).exists():
         return _load_export(root, step)

@@ -145,6 +145,10 @@ def test_export_round_trips_bit_exactly(runs, tmp_path):
     assert decoupled_diloco.load(str(tmp_path / "model"), step=a.step + 5).step == a.step
     with pytest.raises(ValueError, match=f"export of step {a.step}, after step {a.step - 1}"):
         decoupled_diloco.load(str(tmp_path / "model"), step=a.step - 1)
+    with pytest.raises(TypeError, match="step must be a learner step .an int. or None, not '30'"):
+        decoupled_diloco.load(str(workdir), step="30")
+    with pytest.raises(ValueError, match="step must be >= 0, not -1"):
+        decoupled_diloco.load(str(workdir), step=-1)
     # Never into a directory that holds something: an export, or a run's workdir.
     for taken in (tmp_path / "model", workdir):
         before = sorted(p.name for p in taken.iterdir())
