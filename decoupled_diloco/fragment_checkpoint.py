@@ -141,13 +141,13 @@ class FragmentCheckpointer:
         if reason:
             raise CorruptCheckpointError(f"{step}: manifest {reason}")
         out, parts = {}, ("theta", "momentum") if momentum else ("theta",)
+        quiet_failed_read_leftovers()
         for p, entry in sorted(body["fragments"].items(), key=lambda kv: int(kv[0])):
             try:
                 arrays = {part: self._orbax.restore(step / "arrays" / f"fragment_{p}" / part)
                           for part in parts}  # fmt: skip
                 reason = integrity.check(arrays, entry, partial=not momentum)
             except Exception as e:
-                quiet_failed_read_leftovers()
                 reason = f"unreadable ({type(e).__name__}: {str(e)[:200]})"
             if reason:
                 raise CorruptCheckpointError(f"{step}: fragment {p}: {reason}")

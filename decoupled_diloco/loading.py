@@ -112,6 +112,7 @@ def _manager(directory: epath.Path) -> ocp.CheckpointManager:
 
 
 def _restore(manager, n: int, arrays=None) -> tuple[dict, dict]:
+    quiet_failed_read_leftovers()
     restore = ocp.args.StandardRestore(arrays) if arrays is not None else ocp.args.StandardRestore()
     out = manager.restore(n, args=ocp.args.Composite(arrays=restore, meta=ocp.args.JsonRestore()))
     reason = integrity.check(out["arrays"], out["meta"])
@@ -210,7 +211,6 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
         try:
             state, _ = _restore(manager, n, abstract)
         except Exception as e:  # unreadable files are refused like bad bytes
-            quiet_failed_read_leftovers()
             # (orbax's errors carry TensorStore's whole state, ~60 lines: its first line)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             why = str(e) if isinstance(e, CorruptCheckpointError) else f"{directory}/{n}: {first}"

@@ -145,3 +145,27 @@ def test_no_good_step_stops_with_every_file_named(tmp_path):
             ckpt.restore({"w": np.zeros_like(w)})
         assert f"{d}/2:" in str(e.value) and f"{d}/1:" in str(e.value)
         assert ckpt.latest_step() == 2 and not ckpt.refused
+
+
+def test_a_failed_reads_leftovers_are_dropped_and_nothing_else(monkeypatch, caplog):
+    """What a failed orbax read leaves behind (a closed loop's callbacks, abandoned tasks)
+    does not reach stderr; other unraisable errors and asyncio errors still do."""
+    import logging
+    import sys
+    import types
+
+    from decoupled_diloco import checkpoint
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(str(u.exc_value)))
+    monkeypatch.setattr(checkpoint, "_QUIET", False)
+    checkpoint.quiet_failed_read_leftovers()
+    for e in (RuntimeError("Event loop is closed"), RuntimeError("something else")):
+        sys.unraisablehook(types.SimpleNamespace(exc_value=e, object=None))
+    assert seen == ["something else"]
+    task = "Task exception was never retrieved\nfuture: <Task finished coro=<{}() defined at {}>>"
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        log = logging.getLogger("asyncio")
+        log.error(task.format("async_deserialize", "/x/orbax/checkpoint/serialization.py:394"))
+        log.error(task.format("mine", "/x/mine.py:3"))
+    assert [r.getMessage().split("coro=<")[1][:4] for r in caplog.records] == ["mine"]
