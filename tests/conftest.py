@@ -59,7 +59,9 @@ def pytest_configure(config):
         "markers", "ray: starts a local Ray cluster (tests/test_ray_runtime.py); -m 'not ray' skips"
     )
     config.addinivalue_line(
-        "markers", "slow: minutes of CPU (tests/test_experiments.py); -m 'not slow' skips"
+        "markers",
+        "slow: whole runs of 5 s or more on 2 cores, and the experiments' smoke "
+        "tests (minutes); -m 'not slow' skips",
     )
 
 

@@ -22,6 +22,9 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.runtime.local import LocalRuntime
 from decoupled_diloco.train.optimizer import TrainConfig
 
+# Minutes of CPU in all: the default suite skips them, CI runs them (-m "slow or ray").
+pytestmark = pytest.mark.slow
+
 STEPS = 80  # every run's step budget
 CRASH_STEP, RESTART_DELAY = 20, 3.0  # learner 0 crashes after its step 20, is back 3 s later
 JOIN_STEP, LEAVE_STEP = 10, 50  # learner 2's membership window, in the run's lead step

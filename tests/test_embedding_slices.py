@@ -100,6 +100,7 @@ def test_replica_lands_on_row_slices_and_whole_leaves_and_offers_what_it_set_asi
     assert replica.held == {}
 
 
+@pytest.mark.slow
 def test_a_run_with_the_embedding_in_slices_trains_and_merges_every_slice(small_config, tmp_path):
     run = config_lib.validate(small_config(**SLICED))
     plan = model_plan(run.model, run.diloco)

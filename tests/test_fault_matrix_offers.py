@@ -291,6 +291,7 @@ def test_refusal_counts_survive_a_restore_and_reach_the_summary():
     assert counts["dropped_messages"] == 4
 
 
+@pytest.mark.slow
 def test_an_honest_run_with_a_straggler_refuses_nothing(small_config, tmp_path):
     """The bounds are generous: late offers holding many steps, final offers of one or two
     steps and the learning-rate warmup stay within them in a real run, and summary.json

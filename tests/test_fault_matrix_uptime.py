@@ -262,6 +262,7 @@ def test_ray_refuses_step_membership_before_starting_anything(small_config, tmp_
         config_lib.validate(cfg)  # at start-up, before any workdir
 
 
+@pytest.mark.slow
 def test_local_run_crashes_a_fast_and_a_slow_learner_at_their_scheduled_steps(
     small_config, tmp_path
 ):
@@ -285,6 +286,7 @@ def test_local_run_crashes_a_fast_and_a_slow_learner_at_their_scheduled_steps(
     assert summary["steps"] == 10 and summary["downtime_gap_steps"] == 2 * 2
 
 
+@pytest.mark.slow
 def test_a_crash_before_the_first_step_is_a_failure_and_a_rejoin(small_config, tmp_path):
     """A crash at time 0 comes before the learner's state exists: it was only a late start,
     counted nowhere (2 crashes scheduled, 1 failure reported). (A step schedule refuses
@@ -360,6 +362,7 @@ def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path):
     log.close()
 
 
+@pytest.mark.slow
 def test_a_finished_learners_last_save_does_not_hold_up_the_others_merges(
     small_config, tmp_path, monkeypatch
 ):
@@ -399,6 +402,7 @@ def test_a_finished_learners_last_save_does_not_hold_up_the_others_merges(
     assert end - start < limit, (window, slowest_merges(0.0))
 
 
+@pytest.mark.slow
 def test_a_crashed_learner_leaves_at_once_and_the_others_final_sync_does_not_wait_for_it(
     small_config, tmp_path
 ):

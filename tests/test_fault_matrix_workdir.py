@@ -56,6 +56,7 @@ def _steps(ckpt_dir):
     return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
 
 
+@pytest.mark.slow
 def test_a_corrupt_learner_checkpoint_falls_back_and_the_run_finishes(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 12, "train.checkpoint_every": 4})
     _halted(cfg, tmp_path, after=10)
@@ -73,6 +74,7 @@ def test_a_corrupt_learner_checkpoint_falls_back_and_the_run_finishes(small_conf
     assert [r["step"] for r in rows] == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_a_corrupt_syncer_checkpoint_falls_back_to_the_previous_one(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 16, "train.checkpoint_every": 4, **DECOUPLED,
                           "diloco.syncer_checkpoint_seconds": 0.05,
@@ -100,6 +102,7 @@ def test_no_good_checkpoint_stops_the_run_naming_the_files(small_config, tmp_pat
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_a_decoupled_resume_meets_the_syncer_at_one_cut(small_config, tmp_path):
     """Learners checkpoint at step 8, the syncer's last save holds their work up to ~step 11:
     the resumed learners skip what Θ holds instead of merging those steps a second time."""
@@ -127,6 +130,7 @@ def test_a_decoupled_resume_meets_the_syncer_at_one_cut(small_config, tmp_path):
     assert merged and max(merged.values()) <= 20, merged
 
 
+@pytest.mark.slow
 def test_a_resume_on_a_syncer_without_the_learners_work_says_what_is_lost(small_config, tmp_path):
     """Learners checkpoint at step 8, the syncer's checkpoints are gone (its disk was lost):
     resumed, they take Θ_0 and their 8 steps are gone from the global model. That is
@@ -170,6 +174,7 @@ def _try_lock(path) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_resume_refuses_changed_config_unless_forced(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4})
     _halted(cfg, tmp_path, after=6)
@@ -200,6 +205,7 @@ def test_a_resume_refuses_changed_config_unless_forced(small_config, tmp_path):
     assert attempts[-1]["forced"] and "train.seed" in attempts[-1]["changed"]
 
 
+@pytest.mark.slow
 def test_a_resume_may_change_where_the_learner_is_placed(small_config, tmp_path):
     """The mesh (an OOM run resumed FSDP-sharded) changes no math: resumed without
     --force_resume, its checkpoint restored onto the new shardings."""
@@ -236,6 +242,7 @@ def fresh_corpora():
     corpus._CACHE.clear()
 
 
+@pytest.mark.slow
 def test_a_resume_on_a_changed_corpus_is_refused_unless_forced(
     small_config, tmp_path, fresh_corpora, monkeypatch
 ):
@@ -319,6 +326,7 @@ def test_a_resume_never_trains_with_another_sentencepiece_model(tmp_path, fresh_
     assert get_tokenizer(kept).model_proto == first
 
 
+@pytest.mark.slow
 def test_summary_adds_up_every_attempt(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4})
     _halted(cfg, tmp_path, after=6)
@@ -335,6 +343,7 @@ def test_summary_adds_up_every_attempt(small_config, tmp_path):
     assert again["attempts"] == 2
 
 
+@pytest.mark.slow
 def test_a_killed_attempts_lost_steps_count_in_the_summary(small_config, tmp_path):
     """A learner crash loses the steps Θ lacks of it (`resume_cut`); in an attempt that is
     then killed, its heartbeat record keeps them, and the finished run's summary counts
@@ -352,6 +361,7 @@ def test_a_killed_attempts_lost_steps_count_in_the_summary(small_config, tmp_pat
     assert summary["resume_lost_steps"] == every >= lost
 
 
+@pytest.mark.slow
 def test_a_resume_continues_a_schedule_in_seconds_instead_of_replaying_it(small_config, tmp_path):
     """The fault clock is the run's: attempts.jsonl records where each attempt left it, and
     the resumed attempt starts there, so the crash at 0 s that hit the first attempt does not
@@ -371,6 +381,7 @@ def test_a_resume_continues_a_schedule_in_seconds_instead_of_replaying_it(small_
 
 
 @pytest.mark.parametrize("who", ["learner", "syncer"])
+@pytest.mark.slow
 def test_an_outage_an_earlier_attempt_began_goes_on_and_is_counted_once(
     small_config, tmp_path, who
 ):
@@ -408,6 +419,7 @@ def test_a_non_finite_model_is_a_failed_run(small_config, tmp_path):
         launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
 
 
+@pytest.mark.slow
 def test_a_syncer_run_that_merged_nothing_is_a_failed_run(small_config, tmp_path):
     """Diverging learners whose every offer is refused leave Θ at its initial draw: finite,
     and no result."""
@@ -428,6 +440,7 @@ def test_a_syncer_run_that_merged_nothing_is_a_failed_run(small_config, tmp_path
         pytest.param("ray", 1, marks=pytest.mark.ray),
     ],
 )
+@pytest.mark.slow
 def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path, runtime, signals):
     """SIGINT to the run's process group, as a terminal's Ctrl-C sends it (a syncer process
     and Ray's own services get it too; Ray's actors run in process groups of their own):
@@ -495,6 +508,7 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path,
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_learners_killed_in_their_final_sync_rejoin_when_resumed(
     small_config, tmp_path, monkeypatch
 ):
@@ -527,6 +541,7 @@ def test_learners_killed_in_their_final_sync_rejoin_when_resumed(
     assert summary["rolled_back_merges"] == first and summary["merges"] == 0
 
 
+@pytest.mark.slow
 def test_a_learner_killed_in_its_final_sync_before_its_last_save_resumes_to_its_last_step(
     small_config, tmp_path, monkeypatch
 ):
@@ -599,6 +614,7 @@ def test_a_stop_request_reaches_a_learner_out_of_the_membership(small_config, tm
     assert not thread.is_alive()
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_kill_takes_a_life_the_syncer_has_not_seen(small_config, tmp_path):
     """Learner 1 crashes and rejoins (incarnation 1, in the syncer's checkpoint but in no
     checkpoint of its own), then the process is killed: resumed, it must not come back as
@@ -627,6 +643,7 @@ def test_a_learner_that_leaves_for_good_is_not_allocated_after_it(small_config, 
     assert summary["goodput"] > 0.9, summary["goodput"]
 
 
+@pytest.mark.slow
 def test_a_final_sync_that_runs_out_of_time_says_what_it_did_not_see_merged(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 12, **DECOUPLED, "diloco.final_wait": 0.0,
                           "faults.link_latency_s": [0.3, 0.3]})  # fmt: skip
@@ -649,6 +666,7 @@ def test_a_final_sync_that_runs_out_of_time_says_what_it_did_not_see_merged(smal
         )
 
 
+@pytest.mark.slow
 def test_a_record_cut_short_by_a_kill_does_not_block_the_resume(small_config, tmp_path):
     """A process killed while writing a metrics line leaves it without its end: the resume
     stopped on it ("Unterminated string", no file named) and `report` raised. The torn line
@@ -685,6 +703,7 @@ def test_a_record_cut_short_by_a_kill_does_not_block_the_resume(small_config, tm
     assert parse_jsonl(torn.read_text(), "f") == [{"a": 1}, {"a": 2}, {"a": 3}]
 
 
+@pytest.mark.slow
 def test_a_run_without_its_run_config_is_not_resumed_on_trust(small_config, tmp_path):
     """run_config.json removed from a run that trained: the resume compared nothing and took
     any config ("changed": []). Refused unless forced; a forced resume writes it anew."""
@@ -747,6 +766,7 @@ def test_a_swapped_or_damaged_tokenizer_model_is_named(small_config, tmp_path, f
         run_files.read_tokenizer(str(wd), data)  # ...but garbage is named, not a traceback
 
 
+@pytest.mark.slow
 def test_a_run_whose_checkpoints_are_gone_starts_over_without_doubling_its_rows(
     small_config, tmp_path, caplog
 ):

@@ -449,6 +449,7 @@ def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
     assert np.isfinite(summary["final_eval_loss"])
 
 
+@pytest.mark.slow
 def test_evaluations_and_the_last_save_are_neither_step_time_nor_allocation(
     small_config, tmp_path, monkeypatch
 ):
@@ -495,6 +496,7 @@ def test_evaluations_and_the_last_save_are_neither_step_time_nor_allocation(
     assert summary["goodput"] >= 0.9
 
 
+@pytest.mark.slow
 def test_the_last_steps_device_time_is_step_time(small_config, tmp_path, monkeypatch):
     """A learner with a syncer (saved by its final sync, not by its last step) still reads
     its last step's metrics inside that step: the device finishing the steps still queued
@@ -529,6 +531,7 @@ def test_the_last_steps_device_time_is_step_time(small_config, tmp_path, monkeyp
     assert summary["goodput"] >= 0.9
 
 
+@pytest.mark.slow
 def test_an_emulated_slow_chip_is_slow_despite_the_pipeline(small_config, tmp_path, monkeypatch):
     """faults.speed_factors stretches a learner's steps by sleeping: with metrics read a
     step late the device still computes the queued step while the host sleeps, so the

@@ -7,9 +7,13 @@ learners, syncer, fragments, metrics) with router and expert weights as ordinary
 import json
 
 import numpy as np
+import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.runtime.local import LocalRuntime
+
+# Whole runs (~20 s in all): the default suite skips them, CI runs them (-m "slow or ray").
+pytestmark = pytest.mark.slow
 
 MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
 

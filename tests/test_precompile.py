@@ -123,6 +123,7 @@ MESHES = {
                           # (the other two pairings: slow, ~7 s each; CI runs them)
                           pytest.param(True, "data", 40, marks=pytest.mark.slow),
                           pytest.param(False, "sharded", 80, marks=pytest.mark.slow)])  # fmt: skip
+@pytest.mark.slow
 def test_precompiled_fragments_compile_nothing_at_a_boundary(small_config, compiles, background,
                                                              mesh, d_model):  # fmt: skip
     devices, overrides = MESHES[mesh]
@@ -136,6 +137,7 @@ def test_precompiled_fragments_compile_nothing_at_a_boundary(small_config, compi
     assert set(replica.held) == {k for names in plan.names for k in names}  # landed
 
 
+@pytest.mark.slow
 def test_without_precompiling_each_fragment_compiles_at_its_first_boundary(small_config,
                                                                           compiles):  # fmt: skip
     """The control: the listener sees the compilations `precompile` moves."""
@@ -202,6 +204,7 @@ def test_update_kinds_are_the_kinds_learners_apply(small_config, apply, method, 
 
 
 @pytest.mark.parametrize("apply", ["rebase", "land"])
+@pytest.mark.slow
 def test_a_decoupled_run_compiles_no_protocol_op_on_a_learner_thread(small_config, compiles,
                                                                      tmp_path, apply,
                                                                      monkeypatch):  # fmt: skip
@@ -247,6 +250,7 @@ raise RuntimeError("the first train step failed")
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_fails_while_precompiling_exits_with_its_error():
     """The precompile thread is joined at exit: torn down mid-compilation, XLA would abort
     the process (exit 134, the error's traceback lost among its own)."""
@@ -293,6 +297,7 @@ def _slow_compiles(monkeypatch, seconds: float) -> _SlowLocks:
     return locks
 
 
+@pytest.mark.slow
 def test_fragments_compile_side_by_side_and_waits_for_them_are_counted(small_config,
                                                                        monkeypatch):  # fmt: skip
     """On a host with cores to spare the background precompile compiles fragments at once,
@@ -327,6 +332,7 @@ def test_fragments_compile_side_by_side_and_waits_for_them_are_counted(small_con
     assert replica.compile_waited() == before
 
 
+@pytest.mark.slow
 def test_learner_rows_report_the_wait_for_compiles(small_config, tmp_path, monkeypatch):
     """A learner whose first offers wait for their fragments' compile says so in its rows
     (the bench's window must not hold it: scripts/bench_accelerator.py --warmup). One

@@ -37,6 +37,7 @@ def test_the_stand_in_refuses_appends_like_gcs(gcs):
         epath.Path("gs://bkt/x.txt").open("a")
 
 
+@pytest.mark.slow
 def test_a_run_with_its_workdir_on_gcs_keeps_everything_there(gcs, small_config, tmp_path):
     cfg = small_config(
         **{

@@ -49,6 +49,7 @@ def test_data_parallel_run_learns_on_the_real_corpus(small_config, tmp_path):
     assert summary["steps"] == 40 and summary["tokens"] == 40 * 8 * 64
 
 
+@pytest.mark.slow
 def test_kill_and_resume_matches_an_uninterrupted_run(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 10, "train.checkpoint_every": 4})
     _run(cfg, tmp_path / "straight")
@@ -120,6 +121,7 @@ def _decoupled(small_config, **over):
     return small_config(**base)
 
 
+@pytest.mark.slow
 def test_k1_merges_keep_flowing_past_a_stalled_learner(small_config, tmp_path):
     cfg = _decoupled(small_config, **{"faults.speed_factors": [1.0, 1.0, 1.0, 8.0]})
     summary = _run(cfg, tmp_path)
@@ -143,6 +145,7 @@ def test_k1_merges_keep_flowing_past_a_stalled_learner(small_config, tmp_path):
     assert merged == {(lr, p): 16 for lr in range(4) for p in range(2)}
 
 
+@pytest.mark.slow
 def test_quorum_m_waits_for_every_learner(small_config, tmp_path):
     cfg = _decoupled(
         small_config,
@@ -159,6 +162,7 @@ def test_quorum_m_waits_for_every_learner(small_config, tmp_path):
     assert all(sorted(m["learners"]) == [0, 1, 2, 3] for m in merges)
 
 
+@pytest.mark.slow
 def test_learners_run_concurrently_on_disjoint_devices(small_config, tmp_path, monkeypatch):
     from decoupled_diloco.train.replica import Replica
 
@@ -240,6 +244,7 @@ def test_one_learner_h1_with_outer_momentum_matches_a_reference_loop(small_confi
 
 
 @pytest.mark.parametrize("shards", [2])
+@pytest.mark.slow
 def test_sharded_syncer_merges_every_fragment(small_config, tmp_path, shards):
     cfg = _decoupled(small_config, **{"diloco.fragments": 4, "diloco.syncer_shards": shards})
     summary = _run(cfg, tmp_path)
@@ -258,6 +263,7 @@ def _learners_alive() -> int:
 
 
 @pytest.mark.parametrize("halt_after", [None, 5], ids=["finished", "killed"])
+@pytest.mark.slow
 def test_a_run_leaves_no_thread_and_no_learner_behind(small_config, tmp_path, halt_after):
     """Every thread a run starts (data readers, outboxes, links and the time on their wire,
     stagers) ends with it, and with them the learners and their device state: a sweep of
@@ -276,6 +282,7 @@ def test_a_run_leaves_no_thread_and_no_learner_behind(small_config, tmp_path, ha
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux: /proc/self/maps")
+@pytest.mark.slow
 def test_runs_in_one_process_do_not_pile_up_memory_mappings(small_config, tmp_path):
     """What a run compiled and allocated goes with it. A process has at most
     vm.max_map_count (65530) mappings: when every run kept ~1100 (2 learners; a 16-learner
@@ -298,6 +305,7 @@ def test_runs_in_one_process_do_not_pile_up_memory_mappings(small_config, tmp_pa
     assert counts[2] - counts[1] < 200, counts
 
 
+@pytest.mark.slow
 def test_launch_hands_a_finished_runs_learners_back_at_once(small_config, tmp_path):
     """The run's learners sit in reference cycles; `launch.run` collects them before it
     returns, so their device memory is free for the caller's next run (not whenever the
@@ -321,6 +329,7 @@ def test_launch_hands_a_finished_runs_learners_back_at_once(small_config, tmp_pa
     assert left == before
 
 
+@pytest.mark.slow
 def test_a_run_whose_evaluation_fails_stops_its_threads_before_it_raises(
     small_config, tmp_path, monkeypatch
 ):
@@ -383,6 +392,7 @@ print("loss", ev(params))
 """
 
 
+@pytest.mark.slow
 def test_an_evaluation_of_many_batches_on_a_mesh_completes():
     """100 batches of 32 x 128 tokens on 8 CPU devices: launched all at once, XLA:CPU (at
     most 32 programs per device in flight) aborted the process after 60 s ("Termination

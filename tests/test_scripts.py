@@ -28,6 +28,7 @@ def test_script_starts_and_lists_its_flags(name):
     assert proc.returncode in (0, 1) and f"{name}:" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
     """--emulate_step_ms: every arm's learner steps on an emulated device that takes that
     long per step, so no arm outruns it (the real tiny step at 1 x 16 tokens is ~1 ms),
@@ -88,6 +89,7 @@ def test_learner_overhead_keeps_compile_waits_out_of_its_window(tmp_path):
     assert "warm-up" not in cold.stdout and not (tmp_path / "decoupled_warmup").exists()
 
 
+@pytest.mark.slow
 def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
     """--part=fleet: four decoupled learners enqueue on one emulated device, so together they
     step no faster than one plain loop on it (each alone would be ~4x that), and their offers
@@ -125,6 +127,7 @@ def test_fleet_of_learners_shares_one_emulated_accelerator(tmp_path):
     assert merges and int(merges.group(1)) > 0 and 1 <= float(merges.group(2)) <= 4, out
 
 
+@pytest.mark.slow
 def test_merge_beside_busy_threads_compares_switch_intervals_and_chunks():
     """--part=gil: the syncer's merge alone and beside busy Python threads, one row per
     switch interval and chunk size, and the ratio of the first setting to the last."""

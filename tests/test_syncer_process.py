@@ -152,6 +152,7 @@ def _synchronous(small_config, **over):
     return config_lib.validate(small_config(**base))
 
 
+@pytest.mark.slow
 def test_a_syncer_process_gives_the_run_a_syncer_thread_gives(small_config, tmp_path):
     out = {}
     for mode in ("thread", "process"):
@@ -209,6 +210,7 @@ def test_a_learner_at_its_boundary_when_the_run_fails_elsewhere_keeps_its_work(
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_a_syncer_process_that_dies_fails_the_run_instead_of_hanging(small_config, tmp_path):
     cfg = _synchronous(small_config, local_syncer="process", **{"train.steps": 400,
                        "train.eval_every": 0})  # fmt: skip

@@ -58,6 +58,7 @@ def _events(workdir, run: str) -> dict[tuple[int, str], float]:
     return out
 
 
+@pytest.mark.slow
 def test_a_run_writes_per_learner_and_global_scalars_equal_to_its_jsonl(small_config, tmp_path):
     cfg = small_config(
         **{

@@ -513,6 +513,7 @@ LAUNCH_V5E = [
 DP_V5E = ["dp", *COMMON, "--accelerator=v5litepod-16", "--slices=1", "--workdir=gs://b/dp"]
 
 
+@pytest.mark.slow
 def test_launch_checks_the_runs_config_here_before_printing_or_running(tmp_path, capsys):
     """`launch` and `dp` run the entry point's `--check_config` on the command they would
     start (config file, the launcher's keys, the overrides; as many CPU devices as the slice
@@ -654,6 +655,7 @@ def test_moe_config_needs_a_slice_of_at_least_8_chips():
         config_lib.validate(c)
 
 
+@pytest.mark.slow
 def test_memory_table_counts_each_devices_shards(small_config):
     """memory_table.py on this backend: params and AdamW moments are the per-device shards
     of the model (fp32; moments 2x params), XLA's scratch is positive, the total holds all."""

@@ -300,6 +300,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_entry_points_fail_in_one_clear_line(tmp_path):
     typo = _cli("decoupled_diloco.main", "--config=configs/tiny_dense.py",
                 f"--workdir={tmp_path}", "--config.diloco.learnrs=8")  # fmt: skip
@@ -371,6 +372,7 @@ def test_a_damaged_run_config_is_named_by_the_model_tools(runs, tmp_path, damage
 
 # orbax leaves the failed read's coroutines behind; collected, they warn of a closed loop
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.slow
 def test_an_unreadable_learner_checkpoint_is_named_in_one_line(runs, tmp_path):
     """A truncated array file fails in orbax's read, whose error holds TensorStore's whole
     state (~60 lines, printed in every warning and in the model's source): its first line."""
@@ -397,6 +399,7 @@ def test_an_unreadable_learner_checkpoint_is_named_in_one_line(runs, tmp_path):
 
 
 @pytest.mark.parametrize("name,kind", [("dp", "learner_0"), ("dec", "syncer_0")])
+@pytest.mark.slow
 def test_a_corrupt_newest_checkpoint_is_passed_over_then_named(runs, name, kind, tmp_path):
     """Reading the model, a checkpoint that does not verify is never used: the newest good
     one is, and the model's `source` says which was refused; with none good the entry points
@@ -429,6 +432,7 @@ def test_a_corrupt_newest_checkpoint_is_passed_over_then_named(runs, name, kind,
     assert "run_config.json is not valid JSON" in out.stderr
 
 
+@pytest.mark.slow
 def test_evaluate_elsewhere_keeps_the_runs_tokenizer_and_drops_its_path(small_config, tmp_path):
     """A sentencepiece run trained on a text file, scored on the stdlib corpus: with the
     run's own tokenizer.model (no tokenizer trained for the other corpus), the run's path
@@ -451,6 +455,7 @@ def test_evaluate_elsewhere_keeps_the_runs_tokenizer_and_drops_its_path(small_co
             evaluate(str(tmp_path / "run"), data_overrides={key: value})
 
 
+@pytest.mark.slow
 def test_out_of_device_memory_is_one_line_with_what_to_change(tmp_path):
     """A window of 100k tokens does not fit: a one-line error naming the knobs, after the
     thread's own one-line log of the failure (no traceback)."""
@@ -463,6 +468,7 @@ def test_out_of_device_memory_is_one_line_with_what_to_change(tmp_path):
     assert "Traceback" not in out.stderr and "ran out of memory: RESOURCE_EXHAUSTED" in out.stderr
 
 
+@pytest.mark.slow
 def test_the_model_tools_say_out_of_memory_in_one_line(runs, tmp_path):
     """evaluate --text in windows of 200k tokens, and sample with a prompt of 120k (the
     longest argument Linux passes is 128 KiB): their attention scores need 0.6 TB and
