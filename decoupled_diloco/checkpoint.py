@@ -42,6 +42,9 @@ class CorruptCheckpointError(RuntimeError):
     """No kept step of a checkpoint directory could be verified."""
 
 
+_QUIET = False  # quiet_failed_read_leftovers has run
+
+
 def quiet_failed_read_leftovers() -> None:
     """Keeps a failed orbax read to the one line its caller reports (installed before reads,
     once per process). When one array cannot be read orbax closes its event loop while
@@ -63,9 +66,6 @@ def quiet_failed_read_leftovers() -> None:
 
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_abandoned_orbax_tasks)
-
-
-_QUIET = False
 
 
 def _abandoned_orbax_tasks(record: logging.LogRecord) -> bool:
