@@ -104,8 +104,9 @@ def main(argv) -> None:
         sys.exit(f"error: a learner ran out of device memory ({oom}). Lower train.batch_size, "
                  "raise train.microbatches, set model.remat=dots or full, compute a large "
                  "vocabulary's logits in chunks (model.logits_chunk=256), or give each learner "
-                 "more devices (devices_per_learner), then run in a new --workdir (or resume "
-                 "this one with --force_resume)")  # fmt: skip
+                 "more devices (devices_per_learner), then run again (a run that took no "
+                 "step starts over in its --workdir, one that did resumes with "
+                 "--force_resume)")  # fmt: skip
     finally:
         profiling.close()
     print(

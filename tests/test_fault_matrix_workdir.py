@@ -174,6 +174,45 @@ def _try_lock(path) -> bool:
         return True
 
 
+def test_a_run_that_took_no_step_starts_over_with_a_changed_config(small_config, tmp_path):
+    """What a start that failed before its first step leaves (its config, an empty metrics
+    file, incarnation counters, an empty checkpoint folder) binds nothing; one metrics row
+    or one saved step does."""
+    from decoupled_diloco import run_files
+
+    run_files.write(str(tmp_path), config_lib.validate(small_config(**{"data.seq_len": 4096})))
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "checkpoints" / "learner_0").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "lives").mkdir()
+    (tmp_path / "checkpoints" / "lives" / "learner_0_0").write_text("1")
+    smaller = config_lib.validate(small_config(**{"data.seq_len": 64, "model.d_model": 32}))
+    assert not workdir.trained(str(tmp_path), smaller)
+    assert workdir.check_resume(str(tmp_path), smaller, False, False) == [
+        "data.seq_len",
+        "model.d_model",
+    ]
+    (tmp_path / "checkpoints" / "learner_0" / "4").mkdir()
+    with pytest.raises(ValueError, match="another config .differs in data.seq_len, model.d"):
+        workdir.check_resume(str(tmp_path), smaller, False, False)
+    (tmp_path / "checkpoints" / "learner_0" / "4").rmdir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert workdir.trained(str(tmp_path), smaller)
+
+
+@pytest.mark.slow
+def test_a_run_out_of_memory_at_its_first_step_is_rerun_in_its_workdir(small_config, tmp_path):
+    whole = {"data.max_corpus_bytes": 0, "train.steps": 2}  # an eval split of 100k tokens
+    too_long = config_lib.validate(small_config(**whole, **{"data.seq_len": 100_000}))
+    with pytest.raises(RuntimeError, match="thread failed") as e:
+        launch.run(too_long, str(tmp_path), verbose=False)
+    assert "RESOURCE_EXHAUSTED" in str(e.value.__cause__)
+    # Another corpus too (the first 400 kB of it): nothing trained on the first one.
+    fits = config_lib.validate(small_config(**{"train.steps": 2}))
+    assert launch.run(fits, str(tmp_path), verbose=False)["steps"] == 2
+    changed = ["data.max_corpus_bytes", "data.seq_len", "corpus"]
+    assert _read(tmp_path / "attempts.jsonl")[-1]["changed"] == changed
+
+
 @pytest.mark.slow
 def test_a_resume_refuses_changed_config_unless_forced(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 8, "train.checkpoint_every": 4})
@@ -285,6 +324,7 @@ def test_the_same_corpus_elsewhere_resumes_and_a_bad_corpus_record_is_named(
     cfg = config_lib.validate(small_config(**{"data.source": "path", "data.path": str(folder)}))
     run_files.write(wd, cfg)  # a run started here...
     assert run_files.check_corpus(wd, cfg.data, force=False) == []  # ...and recorded its corpus
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')  # ...and trained
     moved = shutil.copytree(folder, tmp_path / "mounted" / "elsewhere")
     there = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(moved) + "/"))
     assert workdir.check_resume(wd, there, False, False) == ["data.path"]  # free: recorded

@@ -42,18 +42,21 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
     workdir = str(paths.resolve(workdir))  # local: absolute; gs://...: as it is
     finished = paths.resolve(workdir) / SUMMARY
     finished.parent.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = str(paths.resolve(shared) / "checkpoints")
     with workdir_lib.lock(workdir):
         done = finished.exists()
-        changed = workdir_lib.check_resume(workdir, cfg, done, force)
-        if not done:
-            changed += run_files.check_corpus(workdir, cfg.data, force)
+        fresh = not done and not workdir_lib.trained(workdir, cfg, ckpt_dir)
+        changed = workdir_lib.check_resume(workdir, cfg, done, force, ckpt_dir)
+        if not done:  # a corpus that nothing trained on binds nothing either
+            changed += run_files.check_corpus(workdir, cfg.data, force or fresh)
         if done:
             if verbose:
                 print(f"{workdir} holds a finished run; its records are left as they were "
                       "(use another --workdir for a new run)", flush=True)  # fmt: skip
             return _checked(json.loads(finished.read_text()))
         if changed and verbose:
-            print(f"resuming with changed {', '.join(changed)}", flush=True)
+            how = "nothing was trained here yet: starting over" if fresh else "resuming"
+            print(f"{how} with changed {', '.join(changed)}", flush=True)
         attempt = workdir_lib.Attempt(workdir, changed, forced=force)
         timed = faults.timed_in_seconds(cfg.faults) if attempt.number else []
         if timed and verbose:
@@ -61,7 +64,6 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
                   f"{attempt.fault_offset:.1f} s, where the earlier attempts left it",
                   flush=True)  # fmt: skip
         try:
-            ckpt_dir = str(paths.resolve(shared) / "checkpoints")
             runtime = _runtime(cfg, workdir, verbose, ckpt_dir, attempt.fault_offset)
             attempt.watch(workdir_lib.counters_of(runtime.log.ledger), runtime.fault_clock)
             summary = attempt.finish(runtime.run())

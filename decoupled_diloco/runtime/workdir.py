@@ -96,13 +96,35 @@ def config_changes(workdir: str, cfg: RunConfig) -> list[str]:
     return changed
 
 
-def check_resume(workdir: str, cfg: RunConfig, finished: bool, force: bool) -> list[str]:
-    """Refuses a config the workdir's run cannot continue with; returns the changes that are
-    accepted (free ones, or any with `force`)."""
+def trained(workdir: str, cfg: RunConfig, checkpoints: str | None = None) -> bool:
+    """Whether the workdir's run has taken a step: a metrics row, or anything saved in its
+    checkpoint directories (`checkpoints`, default `<workdir>/checkpoints`, and the
+    `ray.checkpoint_dir` of `cfg` and of the run's own config) besides the learners'
+    incarnation counters. A run that failed before its first step (out of memory at
+    compilation, a typo found by the first batch) has not."""
     root = epath.Path(workdir)
-    trained = (root / "metrics.jsonl").exists() and (root / "metrics.jsonl").stat().length > 0
-    trained = trained or ((root / "checkpoints").exists() and any((root / "checkpoints").iterdir()))
-    if trained and not (root / run_files.RUN_CONFIG).exists() and not force:
+    metrics = root / "metrics.jsonl"
+    if metrics.exists() and metrics.stat().length > 0:
+        return True
+    dirs = {checkpoints or str(root / "checkpoints"), cfg.ray.checkpoint_dir}
+    if (root / run_files.RUN_CONFIG).exists():
+        dirs.add(run_files.read_config(workdir).ray.checkpoint_dir)
+    for d in (paths.resolve(d) for d in dirs if d):
+        saved = [c for c in d.iterdir() if c.name != "lives"] if d.exists() else []
+        if any(not c.is_dir() or any(c.iterdir()) for c in saved):
+            return True
+    return False
+
+
+def check_resume(
+    workdir: str, cfg: RunConfig, finished: bool, force: bool, checkpoints: str | None = None
+) -> list[str]:
+    """Refuses a config the workdir's run cannot continue with; returns the changes that are
+    accepted (free ones, or any with `force`, or any when the run has not `trained`: it
+    starts over with them)."""
+    root = epath.Path(workdir)
+    stepped = trained(workdir, cfg, checkpoints)
+    if stepped and not (root / run_files.RUN_CONFIG).exists() and not force:
         # Without it a resume would take any config on trust.
         raise ValueError(
             f"{workdir} holds a run that trained (metrics, checkpoints) but no "
@@ -111,6 +133,8 @@ def check_resume(workdir: str, cfg: RunConfig, finished: bool, force: bool) -> l
             "this config"
         )
     changed = config_changes(workdir, cfg)
+    if not stepped and not finished:  # nothing to continue: the new values start it over
+        return changed
     free = FREE_TO_CHANGE
     if (epath.Path(workdir) / run_files.CORPUS).exists():
         free |= FREE_WITH_CORPUS_RECORD
