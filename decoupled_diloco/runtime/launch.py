@@ -45,8 +45,9 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
     ckpt_dir = str(paths.resolve(shared) / "checkpoints")
     with workdir_lib.lock(workdir):
         done = finished.exists()
-        fresh = not done and not workdir_lib.trained(workdir, cfg, ckpt_dir)
-        changed = workdir_lib.check_resume(workdir, cfg, done, force, ckpt_dir)
+        stepped = workdir_lib.trained(workdir, cfg, ckpt_dir)
+        fresh = not done and not stepped
+        changed = workdir_lib.check_resume(workdir, cfg, done, force, stepped)
         if not done:  # a corpus that nothing trained on binds nothing either
             changed += run_files.check_corpus(workdir, cfg.data, force or fresh)
         if done:

@@ -117,13 +117,14 @@ def trained(workdir: str, cfg: RunConfig, checkpoints: str | None = None) -> boo
 
 
 def check_resume(
-    workdir: str, cfg: RunConfig, finished: bool, force: bool, checkpoints: str | None = None
+    workdir: str, cfg: RunConfig, finished: bool, force: bool, stepped: bool | None = None
 ) -> list[str]:
     """Refuses a config the workdir's run cannot continue with; returns the changes that are
     accepted (free ones, or any with `force`, or any when the run has not `trained`: it
-    starts over with them)."""
+    starts over with them). `stepped`: `trained(...)` when the caller has it."""
     root = epath.Path(workdir)
-    stepped = trained(workdir, cfg, checkpoints)
+    if stepped is None:
+        stepped = trained(workdir, cfg)
     if stepped and not (root / run_files.RUN_CONFIG).exists() and not force:
         # Without it a resume would take any config on trust.
         raise ValueError(
