@@ -18,8 +18,8 @@ from decoupled_diloco.diloco import learner as learner_mod
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner, materialize
-from decoupled_diloco.diloco.messages import Dropped, Merged, Snapshot
-from decoupled_diloco.runtime.boundary import HANDOVER_S, apply_updates, finish
+from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Merged, Snapshot
+from decoupled_diloco.runtime.boundary import HANDOVER_S, apply_updates, finish, step_boundary
 
 H = 2
 
@@ -409,6 +409,44 @@ def test_final_wait_also_bounds_the_wait_for_a_slow_link_to_deliver(final_wait):
     s.clock["t"] = t0
     finish(s.proto, s.replica, link, link.receive, clock, finished=False, bounded=False)
     assert link.flushes[-1] is None
+
+
+class _SilentSyncer(_RefusingSyncer):
+    """A syncer whose round never closes: no reply comes; records what the learner sends."""
+
+    def __init__(self, s: Scripted):
+        super().__init__(s, refusals=0)
+        self.sent = []
+
+    def offer(self, ticket, copies) -> None:
+        self.offers.append(materialize(ticket, copies))
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def receive(self, timeout: float) -> list:
+        assert self.s.clock["t"] < 100.0, "the wait never ended"
+        self.s.clock["t"] += timeout
+        return []
+
+
+def test_a_learner_waiting_for_a_round_heartbeats_and_a_stop_ends_the_wait():
+    """A synchronous learner (max_wait -1) whose merge does not come keeps heartbeating (it
+    went silent, and after heartbeat_timeout the syncer dropped its offers as a dead
+    learner's though it was waiting for them), and a stop (Ctrl-C) ends the wait with its
+    offer still in flight (the first Ctrl-C could not stop a learner waiting forever)."""
+    s = Scripted(max_wait=-1.0, heartbeat_every=1.0)
+    syncer = _SilentSyncer(s)
+    clock = lambda: s.clock["t"]  # noqa: E731
+    for _ in range(2):
+        s.replica.step()
+        s.proto.stepped()
+    waited = step_boundary(s.proto, s.replica, syncer, syncer.receive, clock,
+                           stopping=lambda: clock() >= 10.0)  # fmt: skip
+    assert len(syncer.offers) == 1 and s.proto.unresolved() == [0]
+    assert waited == pytest.approx(10.0)
+    beats = [msg.time for msg in syncer.sent if isinstance(msg, Heartbeat)]
+    assert len(beats) >= 10 and max(np.diff(beats)) <= 1.0, beats
 
 
 class _RestoredSyncer(_RefusingSyncer):

@@ -125,6 +125,38 @@ def test_a_lockstep_runs_final_offers_merge_as_one_round():
     assert m.learners == (0, 1, 2) and s.version[0] == 2
 
 
+def test_a_round_does_not_wait_for_a_life_that_began_at_its_slots_due_step():
+    """K = M, learners waiting for every merge. Learner 0 crashes at step 8, where slot 2
+    was due, with its slot-2 offer lost, and rejoins there: its first offer of the new life
+    is slot 3's. The others' slot-2 offers merge without it (they waited for it, and it for
+    them at its next due step: a synchronous run held forever). A life that began before
+    the due step offers that slot: the round waits for it."""
+    s = syncer(learners=3, quorum=3)
+    for m in range(3):
+        s.handle(offer(m, step=4), 1.0)
+    assert s.version[0] == 1
+    s.handle(Leave(0, 0, 2.0), 2.0)  # its runtime saw it fail
+    s.handle(Join(0, 1, 2.5, 8), 2.5)
+    assert not merged(s.handle(offer(1, step=8, base=1), 3.0))  # learner 2 is still to come
+    (m,) = merged(s.handle(offer(2, step=8, base=1), 3.1))
+    assert m.learners == (1, 2) and s.version[0] == 2
+    # A life that began at step 7 offers slot 2 at step 8: its round waits for it.
+    s = syncer(learners=3, quorum=3)
+    for m in range(3):
+        s.handle(offer(m, step=4), 1.0)
+    s.handle(Leave(0, 0, 2.0), 2.0)
+    s.handle(Join(0, 1, 2.5, 7), 2.5)
+    for m in (1, 2):
+        assert not merged(s.handle(offer(m, step=8, base=1), 3.0 + m))
+    assert s.waits_for(0, set(s.live(4.0))) == {0}
+    # A life admitted from a heartbeat (its Join missed) may have begun before the slot.
+    s = syncer(learners=3, quorum=3)
+    s.handle(Leave(0, 0, 1.0), 1.0)
+    s.handle(Heartbeat(0, 1, 8, 0.1, 2.0), 2.0)
+    info = s.registry.learners[0]
+    assert (info.incarnation, info.joined, info.joined_at) == (1, True, -1)
+
+
 def test_a_round_covers_the_slot_the_kth_fastest_reached():
     """With K = 2 a learner two slots ahead must not make the others' next offers stale."""
     s = syncer(learners=3, quorum=2)

@@ -8,11 +8,13 @@ clock, programmable delays). With `linear_update` an inner step adds a fixed vec
 
 import copy
 import dataclasses
+import heapq
 
 import numpy as np
 import pytest
 from protocol_sim import (
     SHAPES,
+    TOKENS_PER_STEP,
     NumpyReplica,
     Sim,
     _rng,
@@ -24,6 +26,7 @@ from protocol_sim import (
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner, materialize
+from decoupled_diloco.diloco.messages import Leave, Offer
 from decoupled_diloco.diloco.syncer import Syncer
 from decoupled_diloco.runtime.boundary import apply_and_beat, finish, offer_and_receive
 
@@ -148,6 +151,48 @@ def test_rounds_with_1_lt_k_lt_m_go_at_the_pace_of_the_kth_fastest():
     sim.run()
     rounds = [r for r in sim.merges() if r["time"] <= steps * 2.0]
     assert len(rounds) >= slots_of_second - 1, len(rounds)
+
+
+def test_a_synchronous_run_goes_on_when_a_learner_restarts_at_a_due_step():
+    """Synchronous Streaming DiLoCo (K = M, learners wait for every merge). Learner 0
+    crashes right after offering fragment 1 at its due step 8, the offer lost with it, and
+    rejoins at step 8: its new life offers fragment 1 first at step 14. The others' step-8
+    offers must merge without it; waiting for it held them at step 9 and it at its next
+    offer (fragment 2, step 10), whose round waited for them: every learner waited and
+    nothing was on its way. Every step of the others, and of learner 0's new life, merges
+    once."""
+    steps = 24
+    c = cfg(learners=3, fragments=3, sync_every=6, quorum=3, max_wait=-1.0)
+    sim = Sim(c, steps)
+    assert 1 in sim.plan.due(8)
+    crashed = []
+
+    def crash_at_8(sim):
+        lr = sim.learners[0]
+        if crashed or lr.proto.step != 8:
+            return
+        crashed.append(True)
+        lost = [e for e in sim._events if e[2] == "up" and e[3] == 0 and isinstance(e[4], Offer)]
+        assert [e[4].fragment for e in lost] == [1]
+        sim._events = [e for e in sim._events if e not in lost]
+        heapq.heapify(sim._events)
+        sim._deliver(sim.syncer.handle(Leave(0, 0, sim.t), sim.t))  # its runtime saw it fail
+        lr.link.reset()
+        lr.proto = Learner(0, c, sim.plan, TOKENS_PER_STEP, lambda: sim.t, incarnation=1, step=8)
+        snaps = [msg for _, msg in sim.syncer.handle(lr.proto.join(), sim.t)]
+        lr.replica.init_from_host(lr.proto.start(snaps), 8)
+        lr.blocked = False
+
+    sim.run(on_step=crash_at_8)
+    assert crashed
+    merged: dict = {}
+    for r in sim.merges():
+        for m, inc, n in zip(r["learners"], r["incarnations"], r["c_steps"], strict=True):
+            merged[(m, inc, r["fragment"])] = merged.get((m, inc, r["fragment"]), 0) + n
+    for p in range(3):
+        assert merged[(1, 0, p)] == merged[(2, 0, p)] == steps, merged
+        assert merged[(0, 1, p)] == steps - 8, merged
+    assert merged[(0, 0, 1)] == 2  # its fragment-1 steps 3-8 were lost with the offer
 
 
 def test_k1_rounds_go_on_when_the_fastest_learner_stops():

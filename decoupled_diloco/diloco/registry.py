@@ -47,6 +47,9 @@ class LearnerInfo:
     confirmed: bool = True
     # In the roster: an offer of this life was accepted, or it joined before the first merge
     counted: bool = True
+    # The step this life joined at (its Join's), -1 unknown: a life that joined at a
+    # fragment's due step or after it never offers that slot (Syncer.waits_for)
+    joined_at: int = -1
 
 
 class Registry:
@@ -60,12 +63,12 @@ class Registry:
         return self.learners.get(int(m)) if ok else None
 
     def register(self, m: int, incarnation: int, joined: bool, now: float, step: int = 0,
-                 tokens_per_step: int = 0, finished: bool = False,
-                 counted: bool = True) -> None:  # fmt: skip
+                 tokens_per_step: int = 0, finished: bool = False, counted: bool = True,
+                 joined_at: int = -1) -> None:  # fmt: skip
         """Restores an entry (after the syncer itself was restored): unconfirmed."""
         self.learners[m] = LearnerInfo(
             int(incarnation), now, bool(joined), int(step), int(tokens_per_step), bool(finished),
-            confirmed=False, counted=bool(counted),
+            confirmed=False, counted=bool(counted), joined_at=int(joined_at),
         )  # fmt: skip
 
     def touch(self, m: int, now: float) -> LearnerInfo:
@@ -82,10 +85,12 @@ class Registry:
         return None
 
     def join(self, m: int, incarnation: int, step: int, tokens_per_step: int, now: float,
-             counted: bool):  # fmt: skip
+             counted: bool, joined_at: int = -1):  # fmt: skip
         """Admits a (re)joining learner (fields validated: message_checks.py); returns why
         not (None if admitted). `counted`: in the roster at once (it joined before the
-        run's first merge), else from its first accepted offer (the syncer sets it)."""
+        run's first merge), else from its first accepted offer (the syncer sets it).
+        `joined_at`: the step the life began at (-1: unknown, a life admitted from a
+        heartbeat, which may have begun steps earlier)."""
         known = self.learners.get(m)
         if known is not None and incarnation < known.incarnation:
             # A delayed Join of an earlier life must not roll the registry back.
@@ -95,7 +100,7 @@ class Registry:
             return reason
         info = self.touch(m, now)
         info.incarnation, info.joined, info.finished = incarnation, True, False
-        info.confirmed, info.counted = True, bool(counted)
+        info.confirmed, info.counted, info.joined_at = True, bool(counted), int(joined_at)
         info.step = max(info.step, int(step))
         info.tokens_per_step = int(tokens_per_step) or info.tokens_per_step
         return None

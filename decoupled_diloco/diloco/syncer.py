@@ -143,7 +143,7 @@ class Syncer:
             # A learner in a life this syncer may have missed the Join of (its registry comes
             # from a checkpoint older than the learner's (re)join): treat it as that join.
             join = Join(msg.learner, msg.incarnation, msg.time, msg.step)
-            return self._join(join, now) + self._sent()
+            return self._join(join, now, announced=False) + self._sent()
         if isinstance(seen, Reason):
             self.refusals.drop_message(msg, seen, now)
             return []
@@ -164,12 +164,15 @@ class Syncer:
             out += self.handle(msg, clock(), tick=False)
         return out + self.tick(clock())
 
-    def _join(self, msg: Join, now: float) -> list[tuple[int, object]]:
+    def _join(self, msg: Join, now: float, announced: bool = True) -> list[tuple[int, object]]:
+        """`announced`: a real Join, made at the step its life began (else a heartbeat of a
+        life whose Join this syncer may have missed, which began at some earlier step)."""
         # Before the run's first merge every learner is a founding one (registry.py); a
         # syncer shard knows its own fragments' merges only.
         founding = not any(self.version.values())
         reason = self.registry.join(
-            msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now, founding
+            msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now, founding,
+            joined_at=msg.step if announced else -1,
         )
         if reason:
             self.refusals.drop_message(msg, reason, now)
@@ -283,7 +286,7 @@ class Syncer:
         out = []
         for p in self.owned:
             pending = self.pending[p]
-            everyone = bool(pending) and live <= set(pending)
+            everyone = bool(pending) and not self.waits_for(p, live)
             paced = self.paced_slot(p, live)
             fresh = self.fresh_offers(p, paced)
             if fresh >= self.cfg.quorum:
@@ -300,6 +303,22 @@ class Syncer:
                 # Below quorum, but nobody else is going to offer; or a catch-up round.
                 out += self._merge(p, now)
         return out + self._sent()
+
+    def waits_for(self, p: int, live: set[int]) -> set[int]:
+        """The live learners fragment p's pending offers still wait for: those with none
+        pending, except a life that joined at or after the due step of the lowest slot
+        pending (a learner restarted there, whose offer of that slot was lost with it:
+        its first offer of p stands for a later slot). Waiting for one of those held a
+        synchronous round, and so every learner, forever."""
+        pending = self.pending[p]
+        if not pending:
+            return set(live)
+        lowest = min(self.slot(o) for o, _, _ in pending.values())
+        due = self.plan.offsets[p] + lowest * self.plan.sync_every
+        return {
+            m for m in live - set(pending)
+            if not (m in self.learners and self.learners[m].joined_at >= due)
+        }  # fmt: skip
 
     def next_deadline(self) -> float | None:
         times = [q + self.grace_window() for q in self.quorum_at.values() if q is not None]

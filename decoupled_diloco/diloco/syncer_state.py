@@ -76,7 +76,8 @@ def shared_meta(syncer) -> dict:
     return {
         "plan": syncer.plan.to_json(),
         "learners": {
-            str(m): [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished, i.counted]
+            str(m): [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished, i.counted,
+                     i.joined_at]
             for m, i in syncer.learners.items()
         },
         "stats": dict(syncer.stats),

@@ -260,9 +260,13 @@ def beat(proto: Learner, outbox: Outbox) -> None:
 
 
 def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock, stager=None,
-                  defer: bool = True) -> float:  # fmt: skip
+                  defer: bool = True, stopping=None) -> float:  # fmt: skip
     """A step boundary; waits up to `diloco.max_wait` for merges of offers past s + τ
-    (`defer`: see `apply_and_beat`). Returns the seconds spent waiting."""
+    (`defer`: see `apply_and_beat`), heartbeating meanwhile (a learner waiting longer
+    than `diloco.heartbeat_timeout` for a round is alive, and its offers stay valid);
+    `stopping()` true ends the wait (the run is interrupted: the learner goes on to its
+    final offers and leaves, so no round waits for it). Returns the seconds spent
+    waiting."""
     offer_and_receive(proto, replica, outbox, receive, stager)
     waited, limit = 0.0, proto.cfg.wait_seconds
     if limit > 0 and proto.unresolved():
@@ -271,7 +275,10 @@ def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock, stage
         replica.ready()
         start = clock()
         while proto.unresolved() and clock() - start < limit:
+            if stopping is not None and stopping():
+                break
             handle(proto, replica, receive(min(limit - (clock() - start), 1.0)), stager)
+            beat(proto, outbox)
         waited = clock() - start
     apply_and_beat(proto, replica, outbox, stager, defer)
     return waited

@@ -115,6 +115,8 @@ class LearnerLoop:
         # finishing) so a resume rejoins.
         self.interrupted = False
         self._stop_requested = False  # a StopRequest arrived: stop before the next step
+        self._stop = None  # the runtime's stop event, while `run` trains
+        self._crash_lost = 0  # steps of work the last emulated crash lost (`_cut`)
         self.away = "start"  # why the learner is about to (re)start
         self.times = StepTimes()  # where its steps' time goes (rows' host_share)
         self.saves = SaveSchedule(run.train.checkpoint_every, run.train.checkpoint_duty)
@@ -172,6 +174,7 @@ class LearnerLoop:
 
     def _train(self, stop) -> None:
         run, m = self.run_cfg, self.m
+        self._stop = stop
         # Faults up to `seen` have been applied; a fresh start has applied none (a crash at
         # time 0 that ended while the learner was starting up is still seen, as missed).
         seen = 0.0 if self.away == "start" else self.clock()
@@ -291,6 +294,9 @@ class LearnerLoop:
             event = "member_join" if late or self.away == "leave" else "rejoin"
         restarted = self.away == "process_restart"
         fields = dict(incarnation=self.incarnation, process_restart=restarted, pid=os.getpid())
+        if self._crash_lost:
+            fields["lost_steps"] = self._crash_lost
+            self._crash_lost = 0
         if event == "member_join":  # when its window opened (the join comes a little later)
             fields["window_opened"] = self.schedule.member_since(self.m, self.clock())
         self.sink.event(self._event(event, **fields))
@@ -350,7 +356,10 @@ class LearnerLoop:
         newest such step, so no step's work reaches Θ twice; steps after the oldest one
         that some fragment lacks are lost with the state that held them (a fragment whose
         clock has no entry for us holds none of our steps). Both are recorded
-        (`resume_cut`), and a loss is logged."""
+        (`resume_cut`), and a loss is logged, when the learner's step came from a
+        checkpoint (a resumed run, a restarted process). The unmerged work an emulated
+        crash loses (its device state) is the crash's expected cost: its `rejoin` event
+        carries it as `lost_steps`, unlogged."""
         held = []
         for snap in snapshots:
             for clock in snap.merged.values():
@@ -364,6 +373,9 @@ class LearnerLoop:
             for _ in range(skipped):  # the data Θ already holds is not read again
                 next(self.data)
             self.step = self.proto.step = self.step + skipped
+        if not skipped and self.away not in ("start", "process_restart"):
+            self._crash_lost = lost  # reported with its rejoin (`_start`)
+            return
         if skipped or lost:
             self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost))
         if lost:
@@ -378,8 +390,13 @@ class LearnerLoop:
         # all of its hosts: it does not defer one its own stager has not placed yet.
         self.times.merge_wait += step_boundary(
             self.proto, self.replica, self.outbox, self._receive, self.clock, self.stager,
-            defer=not self.outbox.inline,
+            defer=not self.outbox.inline, stopping=self._stopping,
         )  # fmt: skip
+
+    def _stopping(self) -> bool:
+        """The run is interrupted (Ctrl-C here, or a StopRequest that came with the
+        syncer's replies): a learner waiting for a merge stops waiting."""
+        return self._stop_requested or (self._stop is not None and self._stop.is_set())
 
     def _finish(self, finished: bool = True, offer_work: bool = True, bounded: bool = True) -> None:
         if self.proto is None:
