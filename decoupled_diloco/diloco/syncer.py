@@ -170,9 +170,9 @@ class Syncer:
         # Before the run's first merge every learner is a founding one (registry.py); a
         # syncer shard knows its own fragments' merges only.
         founding = not any(self.version.values())
+        joined_at = msg.step if announced else -1
         reason = self.registry.join(
-            msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now, founding,
-            joined_at=msg.step if announced else -1,
+            msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now, founding, joined_at
         )
         if reason:
             self.refusals.drop_message(msg, reason, now)

@@ -71,15 +71,16 @@ def join_parts(parts: dict[int, tuple[dict, dict]], meta: dict) -> tuple[dict, d
     return state, {**meta, "merged_into": clocks, "merged_slot": slots}
 
 
+def _entry(i) -> list:
+    """A registry entry, in the order `load` hands it back to `Syncer.register`."""
+    return [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished, i.counted, i.joined_at]
+
+
 def shared_meta(syncer) -> dict:
     """The JSON part of a checkpoint that belongs to no one fragment."""
     return {
         "plan": syncer.plan.to_json(),
-        "learners": {
-            str(m): [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished, i.counted,
-                     i.joined_at]
-            for m, i in syncer.learners.items()
-        },
+        "learners": {str(m): _entry(i) for m, i in syncer.learners.items()},
         "stats": dict(syncer.stats),
         "offer_scale": syncer.scale.to_json(),
         # Records (merges.jsonl / events.jsonl lines) this shard had emitted: those after
