@@ -109,6 +109,13 @@ def main(argv) -> None:
                  "--force_resume)")  # fmt: skip
     finally:
         profiling.close()
+    if not summary.get("tokens"):
+        print(
+            "warning: no learner took a step: the global model is the initial one (the fault "
+            "schedule (faults.*) had every learner out of the membership or down until the "
+            "run ended); the same --workdir starts over with any config",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     print(
         f"done: final_eval_loss={summary['final_eval_loss']:.4f} steps={summary['steps']} "
         f"tokens={summary['tokens']} wall={summary['wall_seconds']:.1f}s "

@@ -385,20 +385,24 @@ def test_summary_adds_up_every_attempt(small_config, tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_attempts_lost_steps_count_in_the_summary(small_config, tmp_path):
-    """A learner crash loses the steps Θ lacks of it (`resume_cut`); in an attempt that is
-    then killed, its heartbeat record keeps them, and the finished run's summary counts
-    them with the next attempt's (it left them out: 51 of 62 lost steps reported)."""
+    """A learner crash loses the steps Θ lacks of it (its `rejoin` event's `lost_steps`,
+    not a resume's `resume_cut`); in an attempt that is then killed, its heartbeat record
+    keeps them, and the finished run's summary counts them with the next attempt's (it
+    left them out: 51 of 62 lost steps reported); the resume's own losses apart."""
     cfg = small_config(**{"train.steps": 16, **DECOUPLED, "faults.unit": "steps",
                           "faults.crashes": [[1, 6]], "faults.restart_delay_s": 0.2})  # fmt: skip
     _halted(cfg, tmp_path, after=12)
-    lost = sum(e.get("lost_steps", 0) for e in _read(tmp_path / "events.jsonl")
-               if e["event"] == "resume_cut")  # fmt: skip
-    assert lost > 0
-    assert _read(tmp_path / "attempts.jsonl")[0]["own"]["resume_lost_steps"] == lost
+    events = _read(tmp_path / "events.jsonl")
+    lost = sum(e.get("lost_steps", 0) for e in events if e["event"] == "rejoin")
+    assert lost > 0 and not [e for e in events if e["event"] == "resume_cut"]
+    own = _read(tmp_path / "attempts.jsonl")[0]["own"]
+    assert own["crash_lost_steps"] == lost and own["resume_lost_steps"] == 0
     summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
-    every = sum(e.get("lost_steps", 0) for e in _read(tmp_path / "events.jsonl")
-                if e["event"] == "resume_cut")  # fmt: skip
-    assert summary["resume_lost_steps"] == every >= lost
+    events = _read(tmp_path / "events.jsonl")
+    crashes = sum(e.get("lost_steps", 0) for e in events if e["event"] == "rejoin")
+    resumes = sum(e.get("lost_steps", 0) for e in events if e["event"] == "resume_cut")
+    assert summary["crash_lost_steps"] == crashes >= lost
+    assert summary["resume_lost_steps"] == resumes
 
 
 @pytest.mark.slow

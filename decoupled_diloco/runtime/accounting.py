@@ -135,6 +135,9 @@ class Ledger:
         # Steps a resume found the syncer's Θ to lack (a kill after its last checkpoint),
         # summed over learners: trained, then lost (`resume_cut` events).
         self.resume_lost_steps = 0
+        # Steps of unmerged work emulated crashes lost with the learners' device state,
+        # summed over learners (`rejoin` events' `lost_steps`).
+        self.crash_lost_steps = 0
         self.failures = 0
         self.restarts = 0
         self.syncer_failures = 0
@@ -308,6 +311,7 @@ class Ledger:
             "failures": self.failures,
             "restarts": self.restarts,
             "resume_lost_steps": self.resume_lost_steps,
+            "crash_lost_steps": self.crash_lost_steps,
             "rejected_offers": self.rejected,
             "dropped_offers": self.dropped,
         }

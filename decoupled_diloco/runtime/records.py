@@ -66,6 +66,7 @@ class RunLog:
             if not ledger.is_down(rec["learner"]):  # a process that died by itself
                 ledger.failure(rec["learner"], t)
             ledger.restart(rec["learner"], t)
+            ledger.crash_lost_steps += rec.get("lost_steps", 0)
         elif kind == "syncer_crash":
             ledger.failure(("syncer", rec["shard"]), t, counted)
         elif kind == "syncer_restore":
