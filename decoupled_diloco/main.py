@@ -113,7 +113,7 @@ def main(argv) -> None:
         print(
             "warning: no learner took a step: the global model is the initial one (the fault "
             "schedule (faults.*) had every learner out of the membership or down until the "
-            "run ended); the same --workdir starts over with any config",
+            "run ended)",
             file=sys.stderr, flush=True,
         )  # fmt: skip
     print(

@@ -846,3 +846,24 @@ def test_a_ctrl_c_stops_the_fault_clock_where_training_stopped(small_config, tmp
     assert 34.0 <= stopped < 35.0 and rt.fault_clock() == stopped
     assert rt.schedule.is_up(0, 22.0)  # in the crash at 50 s of the run clock, which is held back
     rt.log.close()
+
+
+@pytest.mark.slow
+def test_a_run_in_which_no_learner_took_a_step_says_so(tmp_path):
+    """Every learner's membership window closes before its first step (in seconds, which
+    start-up cannot check): the run ends with the initial model and says why, instead of
+    a plain `done: ... steps=0`."""
+    import subprocess
+    import sys
+
+    windows = "[[0,0,0.01],[1,0,0.01]]"
+    args = [sys.executable, "-m", "decoupled_diloco.main", "--config=configs/tiny_decoupled.py",
+            f"--workdir={tmp_path}", "--config.diloco.learners=2", "--config.train.steps=20",
+            "--config.train.batch_size=8", "--config.data.seq_len=64",
+            "--config.data.max_corpus_bytes=400000", "--config.train.eval_batches=2",
+            f"--config.faults.membership={windows}"]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(args, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "warning: no learner took a step" in done.stderr, done.stderr[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["tokens"] == 0
