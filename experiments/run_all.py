@@ -1,7 +1,7 @@
 r"""Every ablation of the paper, one after the other, with progress and a summary at the end.
 
     python experiments/run_all.py --quick     # all 12, 1 seed each: ~40 min on an idle 2-core box
-    python experiments/run_all.py             # full mode, 2 seeds each: ~4.4 h idle
+    python experiments/run_all.py             # full mode, 2 seeds each: ~4.5 h idle
     python experiments/run_all.py --only=heterogeneous,merge_rule --out=/tmp/dd_results
     python experiments/run_all.py --dry_run   # print the commands only
 
@@ -19,7 +19,7 @@ each script's docstring says what its modes run):
 
     experiment              --quick   full (2 seeds)
     quality_ladder              8      50
-    quality_targets             5      22
+    quality_targets             5      31
     quality_equal_tokens        4      35
     learners_sweep            2.5      18
     quorum_grace                2      20
@@ -30,7 +30,7 @@ each script's docstring says what its modes run):
     scavenging                2.5      11
     cross_region              1.5      12
     goodput_failures            5      14
-    all                        40     261 (~4.4 h)
+    all                        40     270 (~4.5 h)
 """
 
 import pathlib
@@ -46,7 +46,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 # in the docstring above repeats these numbers.
 EXPERIMENTS = (
     ("quality_ladder", 8, 50),
-    ("quality_targets", 5, 22),
+    ("quality_targets", 5, 31),
     ("quality_equal_tokens", 4, 35),
     ("learners_sweep", 2.5, 18),
     ("quorum_grace", 2, 20),
@@ -65,7 +65,7 @@ flags.DEFINE_bool("smoke", False, "Every experiment in --smoke mode (plumbing on
 flags.DEFINE_list("only", [], "Run only these experiments (default: all).")
 flags.DEFINE_list("skip", [], "Skip these experiments.")
 flags.DEFINE_list("seeds", None, "Passed through: seeds of every experiment.")
-flags.DEFINE_enum("scale", "cpu", ["cpu", "tpu"], "Passed through: cpu | tpu.")
+flags.DEFINE_enum("scale", "cpu", ["cpu", "mid", "tpu"], "Passed through: cpu | mid | tpu.")
 flags.DEFINE_bool("fresh", False, "Passed through: rerun finished runs.")
 flags.DEFINE_bool("reuse_other_code", False, "Passed through: keep runs made by other code.")
 flags.DEFINE_bool("dry_run", False, "Print the commands, run nothing.")

@@ -7,6 +7,7 @@ Each script runs in its own process (absl flags are process-global).
 - `slow`: `--smoke` runs (~6 steps, first and last arm, every arm validated), minutes in all.
 """
 
+import ast
 import json
 import os
 import pathlib
@@ -194,6 +195,14 @@ def test_run_all_lists_every_experiment():
         assert f"experiments/{name}.py" in proc.stdout and "--quick" in proc.stdout
         # Quick runs never write over the published full-mode results.
         assert f"--out=experiments/results_quick/{name} " in proc.stdout
+    # Every scale the scripts take is passed through (run_all refused --scale=mid).
+    harness = (ROOT / "experiments" / "harness.py").read_text()
+    scales = re.search(r'"scale", "cpu", (\[[^]]*\])', harness).group(1)
+    for scale in ast.literal_eval(scales):
+        proc = subprocess.run([*cmd, f"--scale={scale}", "--only=merge_rule"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (f"--scale={scale}" in proc.stdout) == (scale != "cpu"), proc.stdout
 
 
 def test_only_full_mode_writes_the_published_results(monkeypatch):
