@@ -50,6 +50,25 @@ CONFIG_DOCS = (
 )
 
 
+# After an error in a config file that does not exist, or does not run (not one of its keys).
+MISSING_CONFIG = (
+    "the shipped configs are in the repository's configs/; a relative --config path is read "
+    "from the current directory"
+)
+
+
+def config_hint(e: BaseException) -> str:
+    """What to read after config error `e`: where the keys are documented, or, for a
+    missing file, where the shipped ones are (a file that does not run says so itself)."""
+    if isinstance(e, OSError) and "Attempted" in str(e):
+        return MISSING_CONFIG
+    if isinstance(e, AttributeError) and "has no attribute 'get_config" in str(e):
+        return ""
+    if isinstance(e, ImportError | NameError | SyntaxError):
+        return ""
+    return CONFIG_DOCS
+
+
 def one_line(e: BaseException) -> str:
     """A flag or config-file error as one readable line."""
     text = str(e).strip().strip("'\"").replace("\\n", "\n").replace("\\'", "'")
@@ -141,7 +160,7 @@ def run(main, define_flags) -> None:
     try:
         define_flags()
     except _CONFIG_ERRORS as e:
-        sys.exit(f"error: {_config_error(e, sys.argv)}\n{CONFIG_DOCS}")
+        sys.exit(_config_exit(e, sys.argv))
     app.run(main, flags_parser=parse_flags)
 
 
@@ -170,7 +189,12 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(f"FATAL Flags parsing error: {e}\n"
                  "Pass --helpshort or --helpfull to see help on flags.")  # fmt: skip
     except _CONFIG_ERRORS as e:
-        sys.exit(f"error: {_config_error(e, argv)}\n{CONFIG_DOCS}")
+        sys.exit(_config_exit(e, argv))
+
+
+def _config_exit(e: BaseException, argv: list[str]) -> str:
+    hint = config_hint(e)
+    return f"error: {_config_error(e, argv)}" + (f"\n{hint}" if hint else "")
 
 
 def _config_file_error(text: str) -> str | None:

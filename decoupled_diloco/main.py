@@ -51,7 +51,7 @@ def main(argv) -> None:
         sys.exit("usage: python -m decoupled_diloco.main --config=configs/<file>.py --workdir=DIR")
     path = config_flags.get_config_filename(flags.FLAGS["config"])
     if not os.path.isfile(path.split(":")[0]):
-        sys.exit(f"error: config file {path} not found (see configs/ for the shipped ones)")
+        sys.exit(f"error: config file {path} not found ({cli.MISSING_CONFIG})")
     config = _CONFIG.value
     if not isinstance(config, ml_collections.ConfigDict):
         sys.exit(f"error: {path}'s get_config() returned {type(config).__name__}, not an "

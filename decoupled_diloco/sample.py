@@ -88,7 +88,7 @@ def main(argv) -> None:
     cli.refuse_stray_arguments(argv)
     FLAGS = flags.FLAGS
     if not FLAGS.workdir:
-        sys.exit('usage: python -m decoupled_diloco.sample --workdir=DIR --prompt="TEXT"')
+        sys.exit('usage: python -m decoupled_diloco.sample --workdir=DIR [--prompt="TEXT" ...]')
     cli.start(flags.FLAGS["verbosity"].present)
     from decoupled_diloco.checkpoint import CorruptCheckpointError
 

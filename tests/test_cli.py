@@ -138,3 +138,28 @@ def test_the_simulator_names_a_malformed_fault_spec_field():
     )  # fmt: skip
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "faults.chip_mtbf_hours must be a number" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("extra", [[], ["--config.train.steps=5"]])
+def test_a_missing_config_file_points_at_the_shipped_ones(tmp_path, extra):
+    """Run from another directory, `--config=configs/...` is not found: with or without a
+    --config.* override the error says where the shipped configs are (with one it pointed
+    at where the keys are documented, which does not help), and an unknown key still does."""
+    out = subprocess.run(
+        [sys.executable, "-m", "decoupled_diloco.main", "--config=configs/tiny_dense.py",
+         "--check_config", *extra], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert "config file configs/tiny_dense.py not found" in lines[0], out.stderr[-2000:]
+    assert "shipped configs are in the repository's configs/" in out.stderr
+    assert "config keys, defaults" not in out.stderr and len(lines) <= 2
+    assert cli.config_hint(KeyError("stepz")) == cli.CONFIG_DOCS
+
+
+def test_the_ctrl_c_notice_of_a_data_parallel_run_names_no_syncer():
+    from decoupled_diloco.runtime.learner_loop import interrupt_notice
+
+    assert "syncer" not in interrupt_notice(False) and "the learner saves" in interrupt_notice(False)
+    assert "then the syncer" in interrupt_notice(True)
+    assert all("the same command resumes" in interrupt_notice(s) for s in (False, True))

@@ -45,11 +45,11 @@ class RunInterruptedError(KeyboardInterrupt):
     saved, the syncer merged it and saved; no summary is written, the same command resumes."""
 
 
-# What a run prints on its first Ctrl-C (both runtimes).
-INTERRUPT_NOTICE = (
-    "\ninterrupted: the learners offer their unmerged work and save, then the syncer "
-    "(Ctrl-C again stops at once); the same command resumes"
-)
+def interrupt_notice(uses_syncer: bool) -> str:
+    """What a run prints on its first Ctrl-C (both runtimes)."""
+    what = ("the learners offer their unmerged work and save, then the syncer"
+            if uses_syncer else "the learner saves")  # fmt: skip
+    return f"\ninterrupted: {what} (Ctrl-C again stops at once); the same command resumes"
 
 
 class StopRequest:

@@ -26,10 +26,10 @@ from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.runtime import accounting, gil
 from decoupled_diloco.runtime.learner_loop import (
-    INTERRUPT_NOTICE,
     LearnerLoop,
     RunAbortedError,
     RunInterruptedError,
+    interrupt_notice,
 )
 from decoupled_diloco.runtime.links import LocalLearnerLink, LocalSyncerLink
 from decoupled_diloco.runtime.records import RunLog
@@ -340,7 +340,7 @@ class LocalRuntime:
         """Ctrl-C: learners stop at their next step, offer what Θ lacks of their work and
         save; the syncer merges it and saves (a second Ctrl-C stops at once, losing what
         the last checkpoints do not hold)."""
-        print(INTERRUPT_NOTICE, file=sys.stderr, flush=True)
+        print(interrupt_notice(self.run_cfg.uses_syncer), file=sys.stderr, flush=True)
         self.schedule.freeze(self.now())  # no fault begins while the run drains
         self.interrupted = True
         for loop in self.loops:

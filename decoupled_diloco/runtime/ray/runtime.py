@@ -48,7 +48,7 @@ from decoupled_diloco.diloco.messages import Leave
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.preflight import FatalRunError
 from decoupled_diloco.runtime import accounting
-from decoupled_diloco.runtime.learner_loop import INTERRUPT_NOTICE, RunInterruptedError
+from decoupled_diloco.runtime.learner_loop import RunInterruptedError, interrupt_notice
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
 from decoupled_diloco.runtime.ray import failures
@@ -210,7 +210,7 @@ class RayRuntime:
         work, leaves and saves; the syncer shards merge it and save. Then RunInterruptedError
         (no summary): the same command resumes. A second Ctrl-C stops at once, losing what
         the last checkpoints do not hold."""
-        print(INTERRUPT_NOTICE, file=sys.stderr, flush=True)
+        print(interrupt_notice(self.run_cfg.uses_syncer), file=sys.stderr, flush=True)
         self.schedule.freeze(self.now())  # the driver applies no fault while the run drains
         asked: dict[int, tuple] = {}  # m -> (the call, the process it was made to)
         while not all(s["done"] or m in self.lost for m, s in enumerate(self.status)):
