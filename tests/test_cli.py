@@ -160,6 +160,7 @@ def test_a_missing_config_file_points_at_the_shipped_ones(tmp_path, extra):
 def test_the_ctrl_c_notice_of_a_data_parallel_run_names_no_syncer():
     from decoupled_diloco.runtime.learner_loop import interrupt_notice
 
-    assert "syncer" not in interrupt_notice(False) and "the learner saves" in interrupt_notice(False)
+    alone = interrupt_notice(False)
+    assert "syncer" not in alone and "the learner saves" in alone
     assert "then the syncer" in interrupt_notice(True)
     assert all("the same command resumes" in interrupt_notice(s) for s in (False, True))
