@@ -383,7 +383,8 @@ def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> Run
     if model_cfg.vocab_size < _vocab(data_cfg):
         raise ValueError(
             f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's "
-            f"vocabulary ({_vocab(data_cfg)})"
+            f"vocabulary ({_vocab(data_cfg)}): set --config.model.vocab_size={_vocab(data_cfg)}"
+            " (or more)"
         )
 
     train_cfg = _dataclass_from(TrainConfig, c.train, "train", seed=c.seed)

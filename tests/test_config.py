@@ -159,3 +159,9 @@ def test_an_moe_preset_made_dense_keeps_its_presets_moe_keys_quietly(small_confi
     assert run.model.moe_layers == "none" and run.model.num_experts == 4
     with pytest.raises(ValueError, match="model.moe_layers='none'\\), so nothing reads it"):
         config_lib.validate(small_config(**{"model.moe_layers": "none", "model.num_experts": 2}))
+
+
+def test_a_vocabulary_larger_than_the_embedding_names_the_value_to_set(small_config):
+    c = small_config(**{"data.tokenizer": "sentencepiece", "data.spm_vocab_size": 1024})
+    with pytest.raises(ValueError, match=r"set --config\.model\.vocab_size=1024 \(or more\)"):
+        config_lib.validate(c, require_packages=False)
