@@ -7,14 +7,18 @@ host; one in steps does not. Two clocks, both counted in completed steps:
   step boundary after step s, before step s + 1). Its own clock: a slow learner crashes
   at the same point of its training as a fast one. It fires once: a learner that redoes
   steps after a restore (data-parallel restarts from its last checkpoint) does not crash
-  again, and a run resumed at or past s does not replay it (it fired when the learner
-  first got there);
+  again, and a resumed run does not replay it: the earlier attempts record how far each
+  learner checked its schedule (`progress`, kept in attempts.jsonl), so an entry fires on
+  a resume only if no attempt checked its step, even at the very step a Ctrl-C stopped
+  the learner at (it stops before checking it); without a record (an older workdir), a
+  learner resumed at or past s takes it as fired;
 * the syncer's crashes and the membership windows `(learner, join, leave)` follow the
   run's lead step: the highest step any learner has completed so far. It never goes back
   (a restore rolls one learner back, not the run), it advances while some learners are
   down, and it exists before a scavenged learner's first step (which it must trigger). A
-  resumed run does not replay the syncer crashes at or before the first step reported to
-  it; its membership windows are replayed, as the state they set.
+  resumed run does not replay the syncer crashes the earlier attempts' lead passed (or,
+  without their record, those at or before the first step reported to it); its membership
+  windows are replayed, as the state they set.
 
 A fired entry becomes a wall-clock event at the time it fired (`FaultSchedule.
 learner_reached` / `run_reached`): the crash's restart comes `restart_delay_s` seconds
@@ -99,6 +103,18 @@ def in_seconds(spec, step_s: float):
     )
 
 
+def merge_progress(records) -> dict | None:
+    """The earlier attempts' `StepTriggers.progress()` records as one (the highest step per
+    learner and lead); None if none holds one."""
+    records = [r for r in records if isinstance(r, dict)]
+    if not records:
+        return None
+    width = max(len(r.get("learners", [])) for r in records)
+    learners = [max((int(r["learners"][m]) for r in records if m < len(r.get("learners", []))),
+                    default=-1) for m in range(width)]  # fmt: skip
+    return {"learners": learners, "lead": max(int(r.get("lead", -1)) for r in records)}
+
+
 def merge_windows(pairs) -> list[tuple[int, int]]:
     """Sorted, disjoint (join, leave) step windows (overlapping or touching ones merged)."""
     out: list[tuple[int, int]] = []
@@ -112,9 +128,11 @@ def merge_windows(pairs) -> list[tuple[int, int]]:
 
 class StepTriggers:
     """The entries of a step schedule that have not fired yet. Thread-safe: the local
-    runtime's learner threads report their steps concurrently."""
+    runtime's learner threads report their steps concurrently.
 
-    def __init__(self, spec, num_learners: int):
+    `checked`: the earlier attempts' `progress()` (merged: `merge_progress`), or None."""
+
+    def __init__(self, spec, num_learners: int, checked: dict | None = None):
         self._lock = threading.Lock()
         self._crashes = [
             sorted(int(s) for i, s in spec.crashes if int(i) == m) for m in range(num_learners)
@@ -122,6 +140,13 @@ class StepTriggers:
         self._first_seen: list[int | None] = [None] * num_learners
         self._syncer = sorted(int(s) for s in spec.syncer_crashes)
         self._resumed_lead: int | None = None  # the first step reported to `run_reached`
+        # The highest step each learner checked its crashes at, and the run's lead, over
+        # every attempt (-1: none); None without a record of the earlier attempts.
+        self._recorded = checked is not None
+        checked = checked or {}
+        learners = [int(s) for s in checked.get("learners", [])][:num_learners]
+        self._checked = learners + [-1] * (num_learners - len(learners))
+        self._checked_lead = int(checked.get("lead", -1))
         self.windows = {}  # learner -> merged (join, leave) step windows
         for i, a, b in spec.membership:
             self.windows.setdefault(int(i), []).append((a, b))
@@ -142,13 +167,23 @@ class StepTriggers:
             pending = self._crashes[m]
             if self._first_seen[m] is None:  # a resumed run does not replay passed crashes
                 self._first_seen[m] = step  # (a fresh run's first step is 0: none dropped)
-                while step > 0 and pending and pending[0] <= step:
+                # Every step below the first was checked by some attempt; the record says
+                # whether this one was (and which ones a resume's skip-ahead jumps over).
+                passed = max(self._checked[m], step - 1) if self._recorded else step
+                while pending and pending[0] <= passed:
                     pending.pop(0)
+            self._checked[m] = max(self._checked[m], step)
             fired = False
             while pending and pending[0] <= step:
                 pending.pop(0)
                 fired = True
             return fired
+
+    def progress(self) -> dict:
+        """How far the schedule was checked, over this attempt and the earlier ones it was
+        given: {"learners": [step per learner], "lead": the run's lead step}."""
+        with self._lock:
+            return {"learners": list(self._checked), "lead": max(self.lead, self._checked_lead)}
 
     def run_reached(self, step: int) -> list[tuple[str, int]]:
         """Some learner has completed `step` steps: the (kind, learner) entries that fire now,
@@ -156,7 +191,8 @@ class StepTriggers:
         with self._lock:
             if self._resumed_lead is None:  # a resumed run does not replay passed crashes
                 self._resumed_lead = int(step)
-                while step > 0 and self._syncer and self._syncer[0] <= step:
+                passed = max(self._checked_lead, step - 1) if self._recorded else step
+                while passed > 0 and self._syncer and self._syncer[0] <= passed:
                     self._syncer.pop(0)
             self.lead = max(self.lead, int(step))
             out = []

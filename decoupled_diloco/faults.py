@@ -124,13 +124,17 @@ class FaultSchedule:
     its start nor skips what is due after it. The attributes (`events`, `down`,
     `member_windows`, `syncer_down`, `straggles`) hold run times.
 
+    `steps_checked`: how far the earlier attempts checked a schedule in steps
+    (`workdir.Attempt.fault_steps`; fault_steps.py), whose entries do not fire again.
+
     `freeze(t)`: the attempt stopped training at t (Ctrl-C, a failure). No crash or outage
     begins after it, those under way run to their end, and `run_time` stays at t: the next
     attempt takes the timeline up from there, so what was due while this one drained (final
     offers, the last checkpoint) is neither lost nor applied twice.
     """
 
-    def __init__(self, spec: FaultSpec, num_learners: int, horizon_s: float, offset_s: float = 0.0):
+    def __init__(self, spec: FaultSpec, num_learners: int, horizon_s: float, offset_s: float = 0.0,
+                 steps_checked: dict | None = None):  # fmt: skip
         if not horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
         if not 0 <= offset_s < math.inf:
@@ -148,7 +152,9 @@ class FaultSchedule:
         # Step-scheduled events are added while the run goes, from every learner's thread.
         self._lock = threading.RLock()
         self._frozen = math.inf  # run time of `freeze`
-        self.steps = fault_steps.StepTriggers(spec, m) if spec.unit == "steps" else None
+        self.steps = (
+            fault_steps.StepTriggers(spec, m, steps_checked) if spec.unit == "steps" else None
+        )
         windows: dict[int, list] = {}
         for learner, join, leave in spec.membership if self.steps is None else ():
             windows.setdefault(int(learner), []).append((float(join), float(leave)))

@@ -163,6 +163,59 @@ def test_a_resumed_run_does_not_replay_the_syncer_crashes_its_lead_passed():
     assert resumed.syncer_down == [(50.0, 51.0)]
 
 
+def test_a_resume_fires_exactly_the_step_faults_no_attempt_checked():
+    """attempts.jsonl records how far each learner checked its step schedule (and the lead,
+    the syncer's): a resume replays nothing that fired and drops nothing that did not.
+    Without the record, a learner resumed at a crash's own step took it as fired, so a
+    Ctrl-C there (which stops the learner before it checks the step) lost the crash."""
+    spec = FaultSpec(unit="steps", crashes=((0, 30), (0, 25), (1, 40)), syncer_crashes=(30,),
+                     syncer_restart_delay_s=1.0)  # fmt: skip
+
+    def attempt(first: int, last: int, checked=None) -> tuple[list, list, dict]:
+        """Learner 0 checks steps first..last, learner 1 reaches the same; returns what
+        fired (learner 0's crashes, syncer crashes) and the attempt's record."""
+        s = FaultSchedule(spec, 2, 1e6, steps_checked=checked)
+        fired = [t for t in range(first, last + 1) if s.learner_reached(0, t, float(t))]
+        for t in range(first, last + 1):
+            s.run_reached(t, float(t))
+        return fired, [a for a, _ in s.syncer_down], s.steps.progress()
+
+    # Ctrl-C at step 30: learner 0 stopped before checking 30, the lead too.
+    fired, syncer, record = attempt(0, 29)
+    assert fired == [25] and syncer == [] and record == {"learners": [29, -1], "lead": 29}
+    fired, syncer, _ = attempt(30, 35, fault_steps.merge_progress([record]))
+    assert fired == [30] and syncer == [30.0]
+    # Checked (and fired) at 30 before the kill: resumed at 30, not again.
+    _, _, record = attempt(0, 30)
+    fired, syncer, _ = attempt(30, 35, fault_steps.merge_progress([record]))
+    assert fired == [] and syncer == []
+    # Resumed from an older checkpoint (step 20) than the attempt reached (28), then cut
+    # ahead to Θ's clock: the crash at 25 fired then, and does not again.
+    _, _, record = attempt(0, 28)
+    s = FaultSchedule(spec, 2, 1e6, steps_checked=fault_steps.merge_progress([record]))
+    assert not s.learner_reached(0, 20, 0.0) and not s.learner_reached(0, 29, 1.0)
+    assert s.learner_reached(0, 30, 2.0)
+    # The record of several attempts: the furthest each got; none recorded: None.
+    merged = fault_steps.merge_progress([{"learners": [3, 9], "lead": 9}, None,
+                                         {"learners": [7], "lead": 7}])  # fmt: skip
+    assert merged == {"learners": [7, 9], "lead": 9}
+    assert fault_steps.merge_progress([None, None]) is None
+
+
+def test_attempts_record_how_far_the_step_schedule_was_checked(tmp_path):
+    from decoupled_diloco.runtime.workdir import ATTEMPTS, Attempt
+
+    first = Attempt(str(tmp_path), [], forced=False)
+    progress = {"learners": [12, 9], "lead": 12}
+    first.watch(lambda: {}, lambda: 0.0, lambda: progress)
+    first.stop()
+    assert json.loads((tmp_path / ATTEMPTS).read_text())["fault_steps"] == progress
+    second = Attempt(str(tmp_path), [], forced=False)
+    assert second.fault_steps_checked == progress
+    second.stop()  # one that checked nothing carries the record on
+    assert Attempt(str(tmp_path), [], forced=False).fault_steps_checked == progress
+
+
 def test_syncer_crash_and_membership_follow_the_runs_lead_step():
     spec = FaultSpec(
         unit="steps",

@@ -46,8 +46,9 @@ def _halted(cfg, wd, after):
         run_files.check_corpus(str(wd), run.data, force=False)
         attempt = workdir.Attempt(str(wd), [], forced=False)
         rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after,
-                          fault_offset_s=attempt.fault_offset)  # fmt: skip
-        attempt.watch(workdir.counters_of(rt.log.ledger), rt.fault_clock)
+                          fault_offset_s=attempt.fault_offset,
+                          fault_steps=attempt.fault_steps_checked)  # fmt: skip
+        attempt.watch(workdir.counters_of(rt.log.ledger), rt.fault_clock, rt.fault_steps)
         assert rt.run() is None
         attempt.stop()  # what its last heartbeat would have written
 
@@ -867,3 +868,21 @@ def test_a_run_in_which_no_learner_took_a_step_says_so(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warning: no learner took a step" in done.stderr, done.stderr[-3000:]
     assert json.loads((tmp_path / "summary.json").read_text())["tokens"] == 0
+
+
+@pytest.mark.slow
+def test_a_resume_from_an_older_checkpoint_does_not_replay_a_step_crash(small_config, tmp_path):
+    """Learner 1 crashes at step 10 (after its checkpoint at 8) and the process dies at
+    step 14; the resume restores step 8 and skips ahead to the steps Θ holds of it. The
+    crash at 10 fired once: attempts.jsonl says learner 1 checked its schedule past 10 (the
+    rule "a crash at or before the first step resumed at has fired" replayed it)."""
+    cfg = small_config(**{"train.steps": 20, **DECOUPLED, "train.checkpoint_every": 8,
+                          "faults.unit": "steps", "faults.crashes": [[1, 10]],
+                          "faults.restart_delay_s": 0.2})  # fmt: skip
+    _halted(cfg, tmp_path, after=14)
+    assert _read(tmp_path / "attempts.jsonl")[0]["fault_steps"]["learners"][1] >= 10
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    downs = [e for e in _read(tmp_path / "events.jsonl")
+             if e["event"] == "learner_down" and e["learner"] == 1]  # fmt: skip
+    killed = summary["interrupted_attempts"]  # each counted as a failure too
+    assert len(downs) == 1 and summary["failures"] == 1 + killed == 2, (downs, summary)

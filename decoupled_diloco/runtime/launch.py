@@ -65,8 +65,9 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
                   f"{attempt.fault_offset:.1f} s, where the earlier attempts left it",
                   flush=True)  # fmt: skip
         try:
-            runtime = _runtime(cfg, workdir, verbose, ckpt_dir, attempt.fault_offset)
-            attempt.watch(workdir_lib.counters_of(runtime.log.ledger), runtime.fault_clock)
+            runtime = _runtime(cfg, workdir, verbose, ckpt_dir, attempt)
+            attempt.watch(workdir_lib.counters_of(runtime.log.ledger), runtime.fault_clock,
+                          runtime.fault_steps)  # fmt: skip
             summary = attempt.finish(runtime.run())
         finally:
             attempt.stop()  # a failed attempt's record says how far it got
@@ -95,16 +96,15 @@ def records_dir(cfg: RunConfig, workdir: str) -> str:
     return workdir if i == 0 else f"{workdir.rstrip('/')}/process_{i}"
 
 
-def _runtime(cfg: RunConfig, workdir: str, verbose: bool, ckpt_dir: str, fault_offset_s: float):
+def _runtime(cfg: RunConfig, workdir: str, verbose: bool, ckpt_dir: str, attempt):
+    where = dict(fault_offset_s=attempt.fault_offset, fault_steps=attempt.fault_steps_checked)
     if cfg.runtime == "ray":
         from decoupled_diloco.runtime.ray.runtime import RayRuntime
 
-        return RayRuntime(cfg, workdir, verbose=verbose, fault_offset_s=fault_offset_s)
+        return RayRuntime(cfg, workdir, verbose=verbose, **where)
     from decoupled_diloco.runtime.local import LocalRuntime
 
-    return LocalRuntime(
-        cfg, workdir, verbose=verbose, ckpt_dir=ckpt_dir, fault_offset_s=fault_offset_s
-    )
+    return LocalRuntime(cfg, workdir, verbose=verbose, ckpt_dir=ckpt_dir, **where)
 
 
 def _checked(summary: dict) -> dict:

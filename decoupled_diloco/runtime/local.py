@@ -81,20 +81,22 @@ class LocalRuntime:
         ckpt_dir: str | None = None,
         replica=Replica,
         fault_offset_s: float = 0.0,
+        fault_steps: dict | None = None,
     ):
         """`halt_after`: stop every learner abruptly after that many steps, with no final
         checkpoint or summary (tests use it to emulate a killed job). `ckpt_dir`: default
         <workdir>/checkpoints; every process of a multi-host world passes the same one.
         `replica`: what builds a learner's replica from (model, train, mesh) configs
         (benchmarks pass one that emulates an accelerator's step time). `fault_offset_s`:
-        where this attempt starts on the fault timeline (`workdir.Attempt.fault_offset`)."""
+        where this attempt starts on the fault timeline (`workdir.Attempt.fault_offset`),
+        `fault_steps` how far earlier attempts checked a schedule in steps (`.fault_steps`)."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         self._replica = replica
         self.halt_after = halt_after
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
         self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
         self.schedule = faults.FaultSchedule(
-            run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s
+            run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s, fault_steps
         )
         self.stop = threading.Event()  # learners stop (a budget, a test, a failure)
         self.failed = threading.Event()  # a thread failed: learners wait for no reply
@@ -114,6 +116,10 @@ class LocalRuntime:
         this one's since it started training, until it stopped (its start-up and its
         drain after a Ctrl-C or a failure are not on the timeline)."""
         return self.schedule.run_time(self.now()) if self.t0 else self.schedule.offset
+
+    def fault_steps(self) -> dict | None:
+        """How far a schedule in steps has been checked (fault_steps.StepTriggers)."""
+        return self.schedule.steps.progress() if self.schedule.steps is not None else None
 
     # --- construction ---------------------------------------------------------------
     def _build(self) -> None:

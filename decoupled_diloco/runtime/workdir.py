@@ -23,7 +23,7 @@ import time
 
 from etils import epath
 
-from decoupled_diloco import paths, run_files
+from decoupled_diloco import fault_steps, paths, run_files
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.metrics import read_jsonl
 from decoupled_diloco.runtime.workdir_lock import LOCK, WorkdirBusyError, lock
@@ -200,7 +200,10 @@ class Attempt:
     It also records where the run stands on its fault timeline (`fault_clock`: the seconds
     every attempt has trained so far); `fault_offset` is the last such reading of the earlier
     attempts, where this attempt's faults in seconds continue from instead of replaying
-    (a killed attempt's reading is its last heartbeat's, up to `every` seconds short)."""
+    (a killed attempt's reading is its last heartbeat's, up to `every` seconds short). A
+    schedule in steps is recorded the same way (`fault_steps`: the step up to which each
+    learner, and the run's lead, checked it); `fault_steps_checked` merges the earlier
+    attempts' (fault_steps.py)."""
 
     def __init__(self, workdir: str, changed: list[str], forced: bool, every: float = 5.0):
         self.workdir, self.every = workdir, every
@@ -208,6 +211,10 @@ class Attempt:
         self.number = len(self.records)
         self.fault_offset = max((r.get("fault_clock", 0.0) for r in self.records), default=0.0)
         self.fault_clock = lambda: self.fault_offset
+        self.fault_steps_checked = fault_steps.merge_progress(
+            [r.get("fault_steps") for r in self.records]
+        )
+        self.fault_steps = lambda: self.fault_steps_checked
         self.t0 = time.time()
         root = epath.Path(workdir)
         if forced and changed:  # keep the config this attempt replaces
@@ -221,11 +228,13 @@ class Attempt:
         self._thread: threading.Thread | None = None
         self._write()
 
-    def watch(self, counters, fault_clock=None) -> None:
+    def watch(self, counters, fault_clock=None, checked_steps=None) -> None:
         """Starts the heartbeat; `counters()` returns this process's failures etc. so far,
-        `fault_clock()` the run's place on its fault timeline (the runtime's)."""
+        `fault_clock()` the run's place on its fault timeline (the runtime's),
+        `checked_steps()` how far it checked a schedule in steps (None: not one)."""
         self.counters = counters
         self.fault_clock = fault_clock or self.fault_clock
+        self.fault_steps = checked_steps or self.fault_steps
         self._thread = threading.Thread(target=self._beat, name="attempt", daemon=True)
         self._thread.start()
 
@@ -243,14 +252,18 @@ class Attempt:
         self._write()
         # Its last reading, not the runtime's clock: holding that would keep the run's
         # learners (and their device memory) alive after the run.
-        last = self.record["fault_clock"]
+        last, checked = self.record["fault_clock"], self.record.get("fault_steps")
         self.fault_clock = lambda: last
+        self.fault_steps = lambda: checked
 
     def _write(self) -> None:
         with self._lock:
             # The clock first: a fault between the two reads is then replayed by a resume
             # after a kill, where the other order would leave it uncounted.
             self.record["fault_clock"] = self.fault_clock()
+            checked = self.fault_steps()
+            if checked is not None:
+                self.record["fault_steps"] = checked
             own = {k: v for k, v in self.counters().items() if k in ACCUMULATED}
             self.record["own"] = {"wall_seconds": time.time() - self.t0, **own}
             lines = [json.dumps(r) for r in [*self.records, self.record]]

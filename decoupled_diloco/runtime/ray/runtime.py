@@ -61,17 +61,18 @@ from decoupled_diloco.train.evaluate import Evaluator
 
 
 class RayRuntime:
-    def __init__(
-        self, run: RunConfig, workdir: str, verbose: bool = True, fault_offset_s: float = 0.0
-    ):
+    def __init__(self, run: RunConfig, workdir: str, verbose: bool = True,
+                 fault_offset_s: float = 0.0, fault_steps: dict | None = None):  # fmt: skip
         """`fault_offset_s`: where this attempt starts on the fault timeline
-        (`workdir.Attempt.fault_offset`; every actor draws the timeline from it)."""
+        (`workdir.Attempt.fault_offset`; every actor draws the timeline from it);
+        `fault_steps`: how far earlier attempts checked a schedule in steps, which the
+        driver applies (`workdir.Attempt.fault_steps`)."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
         self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
         self.ledger = self.log.ledger
         self.schedule = faults.FaultSchedule(
-            run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s
+            run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s, fault_steps
         )
         # Actors resolve paths from their own working directory: give them an absolute one.
         self.ckpt_dir = str(paths.resolve(run.ray.checkpoint_dir or f"{workdir}/checkpoints"))
@@ -97,6 +98,10 @@ class RayRuntime:
         """Where the run stands on its fault timeline: the earlier attempts' seconds plus
         this one's since its actors launched, until a Ctrl-C stopped its training."""
         return self.schedule.run_time(self.now()) if self.run_id else self.schedule.offset
+
+    def fault_steps(self) -> dict | None:
+        """How far a schedule in steps has been checked (fault_steps.StepTriggers)."""
+        return self.schedule.steps.progress() if self.schedule.steps is not None else None
 
     # --- launch -----------------------------------------------------------------------
     def run(self) -> dict:
