@@ -39,6 +39,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import threading
 import time
 
@@ -98,6 +99,9 @@ def define_flags(default_out: str, default_seeds: str) -> None:
     flags.DEFINE_multi_string("set", [], "key=value override for every arm, e.g. diloco.alpha=0.5")
     flags.DEFINE_float("budget_s", 0.0, "Wall-clock cap per run (s); 0 = the script's default.")
     flags.DEFINE_bool("check_configs", False, "Build + validate every arm's config; run nothing.")
+    # The script's own key flags too, so its --help lists them (absl lists the main module's).
+    for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 def mode() -> str:

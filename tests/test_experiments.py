@@ -352,3 +352,12 @@ def test_bad_seeds_and_budgets_fail_before_any_run(tmp_path, args, why):
     proc = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()
+
+
+def test_an_experiments_help_lists_the_flags_it_takes():
+    """The shared flags (harness.define_flags) are listed by each script's --help, not only
+    by --helpfull (where absl otherwise puts another module's flags)."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "merge_rule.py"), "--help"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    for flag in ("--[no]quick", "--seeds", "--out", "--scale", "--set"):
+        assert flag in proc.stdout + proc.stderr, proc.stdout[-2000:]
