@@ -8,6 +8,7 @@ timelines (pure, milliseconds); one tiny local run checks the crash steps end to
 """
 
 import json
+import logging
 import time
 
 import pytest
@@ -390,7 +391,7 @@ def test_the_progress_line_follows_the_leading_learner_and_names_those_down(tmp_
     log.close()
 
 
-def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path):
+def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path, caplog):
     """Learner 0's merges of fragment 0 at versions 1-3, of fragment 1 at 1-2; the syncer
     restores fragment 0 at version 1 and fragment 1 at 2: the merges at versions 2 and 3 of
     fragment 0 are gone from Θ, and their steps no longer count as useful."""
@@ -402,8 +403,10 @@ def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path):
         rec = {"fragment": p, "version": version, "offer_seconds": [0.1], "time": t + 1.5}
         log.record({"event": "merge", "learners": [0], "c_steps": [4], "share": 0.5, **rec})
     assert log.ledger.useful_steps == [10.0] and log.ledger.merges == 5
-    log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 1, "1": 2},
-               "after_failure": True, "time": 6.0})  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 1, "1": 2},
+                   "after_failure": True, "time": 6.0})  # fmt: skip
+    assert "2 merges made since are rolled back" in caplog.text  # and logged
     assert log.ledger.useful_steps == [6.0]
     s = log.ledger.summary(wall=7.0, uses_syncer=True, learner_steps=[5])
     assert (s["merges"], s["rolled_back_merges"], s["mean_offer_steps"]) == (3, 2, 4.0)

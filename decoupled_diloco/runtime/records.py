@@ -13,6 +13,8 @@ Syncer records (diloco/syncer.py, runtime/syncer_loop.py): merge, join, leave, r
 drop_offer, drop_message (diloco/refusals.py), syncer_crash, syncer_restore, syncer_start.
 """
 
+from absl import logging
+
 from decoupled_diloco import paths
 from decoupled_diloco.metrics import JsonlWriter
 from decoupled_diloco.runtime import accounting
@@ -70,7 +72,16 @@ class RunLog:
         elif kind == "syncer_crash":
             ledger.failure(("syncer", rec["shard"]), t, counted)
         elif kind == "syncer_restore":
+            before = ledger.rolled_back_merges
             ledger.rollback(rec["versions"])  # (a resumed run's ledger holds none past them)
+            lost = ledger.rolled_back_merges - before
+            if lost:
+                logging.warning(
+                    "syncer shard %s restored its last checkpoint: %d merges made since are "
+                    "rolled back, and the work they held is lost (checkpoints are taken every "
+                    "diloco.syncer_checkpoint_seconds, at most diloco.syncer_checkpoint_duty of "
+                    "the time: a slow save spaces them further)", rec.get("shard"), lost,
+                )  # fmt: skip
             if rec.get("after_failure"):
                 if not ledger.is_down(("syncer", rec["shard"])):
                     ledger.failure(("syncer", rec["shard"]), t)
