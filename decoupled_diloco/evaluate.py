@@ -68,6 +68,7 @@ def evaluate(
         raise ValueError(f"train.eval_batches must be an integer >= 1, got {eval_batches!r}")
     batches = eval_batches or run.train.eval_batches
     evaluator = Evaluator(run.model, data, mesh, run.train.batch_size, batches)
+    evaluator.check_host_memory(run.model)
     return evaluator(model.params), model.source
 
 
@@ -129,6 +130,7 @@ def evaluate_text(
         batches.append(np.repeat(left[:1], ways, axis=0))
         weights.append(-pad)
     evaluator = Evaluator(run.model, run.data, mesh, b, 0, batches, weights)
+    evaluator.check_host_memory(run.model)
     counts = {"files": len(docs), "tokens": len(ids), "windows": n,
               "unscored_tokens": len(ids) - 1 - n * t}  # fmt: skip
     return evaluator(model.params), model.source, counts

@@ -82,6 +82,20 @@ def test_evaluate_refuses_a_count_of_eval_batches_below_one(runs):
             evaluate(str(workdir), eval_batches=bad)
 
 
+def test_evaluate_refuses_a_batch_past_the_hosts_memory_before_running_it(runs, monkeypatch):
+    """On XLA:CPU the OS kills a process past the host's memory without a word (exit 137):
+    `evaluate --config.data.seq_len=5000` was. XLA's plan of one batch is held against the
+    memory available first."""
+    from decoupled_diloco.train import evaluate as evaluator
+
+    workdir, summary = runs["dp"]
+    monkeypatch.setattr(evaluator, "available_host_bytes", lambda: 2**20)
+    with pytest.raises(ValueError, match=r"needs at least [0-9.]+ GiB of host memory .* 0\.0 GiB"):
+        evaluate(str(workdir))
+    monkeypatch.setattr(evaluator, "available_host_bytes", lambda: 2**50)
+    assert evaluate(str(workdir))[0] == pytest.approx(summary["final_eval_loss"], abs=1e-6)
+
+
 def test_evaluate_on_another_corpus_differs(runs):
     workdir, summary = runs["dp"]
     other, _ = evaluate(str(workdir), data_overrides={"max_corpus_bytes": 200_000, "seed": 3,
