@@ -50,11 +50,12 @@ def sample(
     if not 0 <= seed < 2**63:  # (as the run's seeds: JAX's key takes a 64-bit int)
         raise ValueError(f"--seed must be an int in [0, 2**63), got {seed}")
     model = load(path, step)
-    if top_k > model.config.model.vocab_size:
-        vocab = model.config.model.vocab_size
+    tok = model.tokenizer
+    # The tokenizer's ids only: a model's embedding may be padded past them.
+    vocab = min(int(tok.vocab_size), model.config.model.vocab_size)
+    if top_k > vocab:
         raise ValueError(f"--top_k={top_k} is more than the model's vocabulary ({vocab}); "
                          "0 samples from all of it")  # fmt: skip
-    tok = model.tokenizer
     batch = [p for p in prompts for _ in range(num_samples)]
     # An empty prompt starts a document: the separator the corpus's documents follow.
     ids = [[int(i) for i in tok.encode(p)] or [int(tok.eos_id)] for p in batch]
@@ -75,6 +76,7 @@ def sample(
         temperature,
         top_k,
         jax.random.key(seed),
+        vocab,
     )
     # A batch advances every row to the longest prompt + max_new_tokens: a shorter prompt's
     # row runs on past its own max_new_tokens, which are all it keeps.

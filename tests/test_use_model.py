@@ -194,6 +194,20 @@ def test_an_export_of_an_earlier_step_records_the_step_it_holds(runs, tmp_path):
     assert info["step"] == 4 and decoupled_diloco.load(str(tmp_path / "m"), step=4).step == 4
 
 
+def test_sampling_keeps_to_the_tokenizers_ids_when_the_embedding_is_padded_past_them():
+    """model.vocab_size may exceed the tokenizer's vocabulary (a TPU config pads 32000
+    pieces to 32768): `sample` failed on the ids past it (sentencepiece's OUT_OF_RANGE, the
+    byte tokenizer's refusal). Greedy and sampled tokens keep below the tokenizer's size."""
+    from decoupled_diloco.models.decode import sample_token
+
+    logits = jnp.zeros((64, 512)).at[:, 300:].set(5.0)  # the padding rows look likeliest
+    greedy = sample_token(logits, jax.random.key(0), 0.0, 0, vocab=256)
+    drawn = sample_token(logits, jax.random.key(1), 1.0, 0, vocab=256)
+    top = sample_token(logits, jax.random.key(2), 1.0, 8, vocab=256)
+    assert max(int(greedy.max()), int(drawn.max()), int(top.max())) < 256
+    assert int(sample_token(logits, jax.random.key(0), 0.0, 0).min()) >= 300  # vocab 0: all
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
 def test_greedy_decoding_with_a_cache_equals_argmax_without_one(preset):
     """Prompts of different lengths in one batch, past the local window (64 tokens)."""

@@ -60,9 +60,13 @@ def _apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, cache: list, in
 decode_step = jax.jit(_apply, static_argnums=0, donate_argnums=3)
 
 
-def sample_token(logits_BV: jax.Array, rng, temperature: float, top_k: int) -> jax.Array:
+def sample_token(logits_BV: jax.Array, rng, temperature: float, top_k: int,
+                 vocab: int = 0) -> jax.Array:  # fmt: skip
     """Greedy (temperature 0) or a sample from softmax(logits / temperature) over the top k
-    (top_k 0: all); int32 [B]."""
+    (top_k 0: all); int32 [B]. `vocab` > 0: only ids below it (the tokenizer's; a model's
+    embedding may be padded past it, `model.vocab_size`, and its rows there are no token)."""
+    if 0 < vocab < logits_BV.shape[-1]:
+        logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab, logits_BV, -jnp.inf)
     if temperature <= 0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits_BV = logits_BV / temperature
@@ -72,10 +76,10 @@ def sample_token(logits_BV: jax.Array, rng, temperature: float, top_k: int) -> j
     return jax.random.categorical(rng, logits_BV).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=3)
-def _next(cfg, params, token_B, cache, temperature, top_k, index, rng):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 8), donate_argnums=3)
+def _next(cfg, params, token_B, cache, temperature, top_k, index, rng, vocab):
     logits_BTV, cache = _apply(cfg, params, token_B[:, None], cache, index)
-    return sample_token(logits_BTV[:, -1], rng, temperature, top_k), cache
+    return sample_token(logits_BTV[:, -1], rng, temperature, top_k, vocab), cache
 
 
 def generate(
@@ -86,9 +90,11 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     rng=None,
+    vocab: int = 0,
 ) -> np.ndarray:
     """Token ids [B, longest prompt + max_new_tokens]: every row its prompt, then samples
-    (a shorter prompt gets the more of them)."""
+    (a shorter prompt gets the more of them) among the ids below `vocab` (0: every id the
+    model has)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -111,7 +117,7 @@ def generate(
     logits_BTV, cache = decode_step(cfg, params, jnp.asarray(forced[:, :start]), cache, 0)
     out = forced.copy()
     rng, key = jax.random.split(rng)
-    token = np.asarray(sample_token(logits_BTV[:, -1], key, temperature, top_k))
+    token = np.asarray(sample_token(logits_BTV[:, -1], key, temperature, top_k, vocab))
     for t in range(start, total):
         # Position t: a prompt token while the prompt lasts, else the sample.
         token = np.where(t < lengths, forced[:, t], token).astype(np.int32)
@@ -119,6 +125,7 @@ def generate(
         if t == total - 1:
             break
         rng, key = jax.random.split(rng)
-        token, cache = _next(cfg, params, jnp.asarray(token), cache, temperature, top_k, t, key)
+        token, cache = _next(cfg, params, jnp.asarray(token), cache, temperature, top_k, t, key,
+                             vocab)  # fmt: skip
         token = np.asarray(token)
     return out
