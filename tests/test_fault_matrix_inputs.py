@@ -2,6 +2,7 @@
 config and data errors stop the run once, in the driver, before anything is written, and
 on Ray an error no restart can fix stops the run instead of a restart loop."""
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -60,6 +61,23 @@ def test_data_path_without_source_trains_on_that_path(small_config, tmp_path):
     assert sorted(names["train"] + names["eval"]) == [f"doc{i}.txt" for i in range(10)]
     # With the path unset the same config still trains on the stdlib.
     assert config_lib.validate(_shipped("tiny_decoupled")).data.source == "stdlib"
+
+
+def test_a_relative_corpus_path_is_recorded_absolute(small_config, tmp_path, monkeypatch):
+    """run_config.json holds a local data.path as an absolute path: `evaluate` and `load`
+    read the run's corpus from any directory (with the path as typed, only from the one
+    the run started in). A remote path is kept as it is."""
+    from decoupled_diloco import run_files
+
+    (tmp_path / "corp").mkdir()
+    monkeypatch.chdir(tmp_path)
+    run = config_lib.validate(small_config(**{"data.path": "corp", "data.source": "path"}))
+    run_files.write(str(tmp_path / "wd"), run)
+    monkeypatch.chdir("/")
+    assert run_files.read_config(str(tmp_path / "wd")).data.path == str(tmp_path / "corp")
+    remote = dataclasses.replace(run, data=dataclasses.replace(run.data, path="gs://b/c"))
+    run_files.write(str(tmp_path / "wd2"), remote)
+    assert run_files.read_config(str(tmp_path / "wd2")).data.path == "gs://b/c"
 
 
 def test_data_path_with_an_explicit_other_source_is_an_error(small_config, tmp_path):
