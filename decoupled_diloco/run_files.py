@@ -71,6 +71,15 @@ def config_from_json(d: dict) -> RunConfig:
     return RunConfig(**sections, **rest)
 
 
+def recorded(run: RunConfig) -> RunConfig:
+    """`run` as run_config.json records it: local corpus paths absolute, so `evaluate`,
+    `load` and a resume read them from wherever they start (a relative one was found only
+    from the directory the run started in)."""
+    where = {k: str(paths.resolve(getattr(run.data, k)))
+             for k in ("path", "tfds_data_dir") if getattr(run.data, k)}  # fmt: skip
+    return dataclasses.replace(run, data=dataclasses.replace(run.data, **where))
+
+
 def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> None:
     """Writes the run's config and, for sentencepiece runs, its tokenizer (`tokenizer`, or
     the one of the run's corpus) into its workdir."""
@@ -80,12 +89,7 @@ def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> N
         tokenizer = get_tokenizer(run.data)
     root = paths.resolve(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    # Local corpus paths absolute: `evaluate`, `load` and a resume read them from wherever
-    # they start (a relative one was found only from the directory the run started in).
-    where = {k: str(paths.resolve(getattr(run.data, k)))
-             for k in ("path", "tfds_data_dir") if getattr(run.data, k)}  # fmt: skip
-    run = dataclasses.replace(run, data=dataclasses.replace(run.data, **where))
-    config = json.dumps(config_to_json(run), indent=1, sort_keys=True)
+    config = json.dumps(config_to_json(recorded(run)), indent=1, sort_keys=True)
     paths.write_atomic(root / RUN_CONFIG, config)  # a resumed run rewrites it
     if isinstance(tokenizer, SentencePieceTokenizer):
         paths.write_atomic(root / TOKENIZER, tokenizer.model_proto)

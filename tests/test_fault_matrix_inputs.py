@@ -68,6 +68,7 @@ def test_a_relative_corpus_path_is_recorded_absolute(small_config, tmp_path, mon
     read the run's corpus from any directory (with the path as typed, only from the one
     the run started in). A remote path is kept as it is."""
     from decoupled_diloco import run_files
+    from decoupled_diloco.runtime import workdir
 
     (tmp_path / "corp").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -75,6 +76,8 @@ def test_a_relative_corpus_path_is_recorded_absolute(small_config, tmp_path, mon
     run_files.write(str(tmp_path / "wd"), run)
     monkeypatch.chdir("/")
     assert run_files.read_config(str(tmp_path / "wd")).data.path == str(tmp_path / "corp")
+    monkeypatch.chdir(tmp_path)  # the same path typed the same way is no change
+    assert workdir.config_changes(str(tmp_path / "wd"), run) == []
     remote = dataclasses.replace(run, data=dataclasses.replace(run.data, path="gs://b/c"))
     run_files.write(str(tmp_path / "wd2"), remote)
     assert run_files.read_config(str(tmp_path / "wd2")).data.path == "gs://b/c"

@@ -85,7 +85,7 @@ def config_changes(workdir: str, cfg: RunConfig) -> list[str]:
     if not (epath.Path(workdir) / run_files.RUN_CONFIG).exists():
         return []
     saved = run_files.config_to_json(run_files.read_config(workdir))
-    now = run_files.config_to_json(cfg)
+    now = run_files.config_to_json(run_files.recorded(cfg))
     changed = []
     for section in sorted(set(saved) | set(now)):
         a, b = saved.get(section), now.get(section)
