@@ -41,6 +41,7 @@ def evaluate(
 ) -> tuple[float, str]:
     """(mean held-out loss, where Θ came from) of the model at `path` on its eval split, or
     on the corpus `data_overrides` (DataConfig fields) describes."""
+    from absl import logging
     from etils import epath
 
     from decoupled_diloco import run_files
@@ -68,6 +69,13 @@ def evaluate(
         raise ValueError(f"train.eval_batches must be an integer >= 1, got {eval_batches!r}")
     batches = eval_batches or run.train.eval_batches
     evaluator = Evaluator(run.model, data, mesh, run.train.batch_size, batches)
+    if not overrides or set(overrides) == {"spm_model_path"}:  # the run's own eval split
+        changed = run_files.corpus_changed(path, data)
+        if changed:
+            logging.warning(
+                "the run's corpus changed since it trained (%s): its eval split may no longer "
+                "be the run's held-out text, nor free of text the model trained on", changed,
+            )  # fmt: skip
     evaluator.check_host_memory(run.model)
     return evaluator(model.params), model.source
 

@@ -163,6 +163,24 @@ def check_corpus(workdir: str, data: DataConfig, force: bool) -> list[str]:
     return [] if then is None else ["corpus"]
 
 
+def corpus_changed(workdir: str, data: DataConfig) -> str | None:
+    """What changed in the corpus `data` reads since the run in `workdir` recorded it (its
+    `CORPUS`), or None: unchanged, or no usable record (an export, an older workdir)."""
+    from decoupled_diloco.data import load_corpus
+
+    record = epath.Path(workdir) / CORPUS
+    if not record.exists():
+        return None
+    try:
+        then = json.loads(record.read_text())
+    except ValueError:
+        return None
+    if corpus_record_problem(then):
+        return None
+    now = load_corpus(data).fingerprint
+    return None if then == now else _corpus_change(then, now)
+
+
 def corpus_record_problem(record) -> str | None:
     """What is wrong with a `CORPUS` file's contents (None: a corpus record)."""
     if not isinstance(record, dict) or not record:

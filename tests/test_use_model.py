@@ -526,3 +526,26 @@ def test_a_resumed_runs_records_are_drawn_on_one_clock():
     shifted = [r.get("time") for r in run_time(rows, [31.0, 25.0])]
     assert shifted == [0.5, 10.0, 9.8, 30.0, 32.0, 36.0, 35.5, 51.0, None]
     assert [r["time"] for r in run_time(rows[:6])] == [0.5, 10.0, 9.8, 30.0, 31.0, 35.0]
+
+
+@pytest.mark.slow
+def test_evaluate_warns_when_the_runs_corpus_changed_since(small_config, tmp_path, caplog):
+    """`evaluate` on the run's own eval split reads its corpus again: a file added or edited
+    since may move text between the splits, which corpus.json tells (a resume is refused
+    there; an evaluation says so and scores what is there now)."""
+    from decoupled_diloco.data import corpus as corpus_cache
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"f{i}.txt").write_text("".join(f"line {j} of file {i}\n" for j in range(300)))
+    cfg = small_config(**{"train.steps": 2, "data.path": str(corpus), "data.seq_len": 32})
+    summary = _run(cfg, tmp_path / "wd")
+    with caplog.at_level(logging.WARNING):
+        assert evaluate(str(tmp_path / "wd"))[0] == pytest.approx(summary["final_eval_loss"])
+        assert "corpus changed" not in caplog.text
+        with open(corpus / "f0.txt", "a") as f:
+            f.write("a line added later\n")
+        corpus_cache._CACHE.clear()  # (read once per process; a new `evaluate` reads it anew)
+        evaluate(str(tmp_path / "wd"))
+    assert "the run's corpus changed since it trained (" in caplog.text
