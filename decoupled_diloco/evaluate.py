@@ -68,6 +68,7 @@ def evaluate(
     if eval_batches is not None and (not isinstance(eval_batches, int) or eval_batches < 1):
         raise ValueError(f"train.eval_batches must be an integer >= 1, got {eval_batches!r}")
     batches = eval_batches or run.train.eval_batches
+    _warn_past_trained(data.seq_len, run.data.seq_len)
     evaluator = Evaluator(run.model, data, mesh, run.train.batch_size, batches)
     if not overrides or set(overrides) == {"spm_model_path"}:  # the run's own eval split
         changed = run_files.corpus_changed(path, data)
@@ -78,6 +79,17 @@ def evaluate(
             )  # fmt: skip
     evaluator.check_host_memory(run.model)
     return evaluator(model.params), model.source
+
+
+def _warn_past_trained(seq_len: int, trained: int) -> None:
+    """Windows longer than the run's score positions the model never trained on."""
+    from absl import logging
+
+    if seq_len > trained:
+        logging.warning(
+            "windows of %d tokens take the model to positions past the %d it trained on "
+            "(data.seq_len): those were never trained", seq_len, trained,
+        )  # fmt: skip
 
 
 def _learner0_mesh(run):
@@ -137,6 +149,7 @@ def evaluate_text(
     if pad:
         batches.append(np.repeat(left[:1], ways, axis=0))
         weights.append(-pad)
+    _warn_past_trained(t, run.data.seq_len)
     evaluator = Evaluator(run.model, run.data, mesh, b, 0, batches, weights)
     evaluator.check_host_memory(run.model)
     counts = {"files": len(docs), "tokens": len(ids), "windows": n,

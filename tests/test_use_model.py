@@ -96,6 +96,16 @@ def test_evaluate_refuses_a_batch_past_the_hosts_memory_before_running_it(runs, 
     assert evaluate(str(workdir))[0] == pytest.approx(summary["final_eval_loss"], abs=1e-6)
 
 
+def test_evaluate_past_the_trained_length_is_warned_of(runs, caplog):
+    workdir, _ = runs["dp"]
+    trained = decoupled_diloco.load(str(workdir)).config.data.seq_len
+    with caplog.at_level(logging.WARNING):
+        evaluate(str(workdir), data_overrides={"seq_len": trained})
+        assert "positions past" not in caplog.text
+        evaluate(str(workdir), data_overrides={"seq_len": 2 * trained})
+    assert f"past the {trained} it trained on" in caplog.text
+
+
 def test_evaluate_on_another_corpus_differs(runs):
     workdir, summary = runs["dp"]
     other, _ = evaluate(str(workdir), data_overrides={"max_corpus_bytes": 200_000, "seed": 3,
