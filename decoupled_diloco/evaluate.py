@@ -70,7 +70,7 @@ def evaluate(
     batches = eval_batches or run.train.eval_batches
     _warn_past_trained(data.seq_len, run.data.seq_len)
     evaluator = Evaluator(run.model, data, mesh, run.train.batch_size, batches)
-    if not overrides or set(overrides) == {"spm_model_path"}:  # the run's own eval split
+    if set(overrides) <= {"spm_model_path", "seq_len"}:  # the run's own eval split
         changed = run_files.corpus_changed(path, data)
         if changed:
             logging.warning(

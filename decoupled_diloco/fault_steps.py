@@ -10,8 +10,10 @@ host; one in steps does not. Two clocks, both counted in completed steps:
   again, and a resumed run does not replay it: the earlier attempts record how far each
   learner checked its schedule (`progress`, kept in attempts.jsonl), so an entry fires on
   a resume only if no attempt checked its step, even at the very step a Ctrl-C stopped
-  the learner at (it stops before checking it); without a record (an older workdir), a
-  learner resumed at or past s takes it as fired;
+  the learner at (it stops before checking it); the steps below the first one an attempt
+  checks count as checked (the local runtime checks every step it takes; Ray's driver,
+  the steps its polls see); without a record (an older workdir), a learner resumed at or
+  past s takes it as fired;
 * the syncer's crashes and the membership windows `(learner, join, leave)` follow the
   run's lead step: the highest step any learner has completed so far. It never goes back
   (a restore rolls one learner back, not the run), it advances while some learners are

@@ -149,6 +149,29 @@ def test_a_round_does_not_wait_for_a_life_that_began_at_its_slots_due_step():
     for m in (1, 2):
         assert not merged(s.handle(offer(m, step=8, base=1), 3.0 + m))
     assert s.waits_for(0, set(s.live(4.0))) == {0}
+    # Offers of several slots pending: a life that began between their due steps offers
+    # the highest one, and is waited for. K = 2 of 4: B and C covered slot 1; A's slot-1
+    # offer is late (D has not offered: no catch-up); B restarts at step 6; C's slot-2 and
+    # D's late slot-1 offer are in: the round waits for B's slot-2 offer.
+    s = syncer(learners=4, quorum=2)
+    for m in (1, 2):
+        s.handle(offer(m, step=4), 1.0)
+    assert s.version[0] == 1
+    assert not merged(s.handle(offer(0, step=4), 1.5))
+    s.handle(Leave(1, 0, 2.0), 2.0)
+    s.handle(Join(1, 1, 2.5, 6), 2.5)
+    assert not merged(s.handle(offer(2, step=8, base=1), 3.0))
+    assert not merged(s.handle(offer(3, step=4), 3.1))
+    restarted = dataclasses.replace(offer(1, step=8, base=1, c_steps=2), incarnation=1)
+    (m,) = merged(s.handle(restarted, 3.2))
+    assert m.learners == (0, 1, 2, 3)
+    # Slot 0 of a fragment at offset 0 has no due step (only final offers stand for it,
+    # in a run shorter than H): every founding learner offers it, one round merges them.
+    s = syncer(learners=3, quorum=3)
+    for m, t in ((0, 1.0), (1, 1.1)):
+        assert not merged(s.handle(offer(m, step=3, c_steps=3), t))
+    (m,) = merged(s.handle(offer(2, step=3, c_steps=3), 1.2))
+    assert m.learners == (0, 1, 2)
     # A life admitted from a heartbeat (its Join missed) may have begun before the slot.
     s = syncer(learners=3, quorum=3)
     s.handle(Leave(0, 0, 1.0), 1.0)

@@ -306,18 +306,21 @@ class Syncer:
 
     def waits_for(self, p: int, live: set[int]) -> set[int]:
         """The live learners fragment p's pending offers still wait for: those with none
-        pending, except a life that joined at or after the due step of the lowest slot
-        pending (a learner restarted there, whose offer of that slot was lost with it:
-        its first offer of p stands for a later slot). Waiting for one of those held a
-        synchronous round, and so every learner, forever."""
+        pending, except a life that joined at or after the due step of the highest slot
+        pending (a learner restarted there, whose offer of that slot was lost with it: its
+        next offer of p at a due step stands for a later slot). Waiting for one of those held
+        a synchronous round, and so every learner, forever (there, every pending offer is
+        of one slot: a learner passes no due step of p before p's merge). A slot without a
+        due step (slot 0 of a fragment at offset 0: only final offers stand for it) exempts
+        no one."""
         pending = self.pending[p]
         if not pending:
             return set(live)
-        lowest = min(self.slot(o) for o, _, _ in pending.values())
-        due = self.plan.offsets[p] + lowest * self.plan.sync_every
+        highest = max(self.slot(o) for o, _, _ in pending.values())
+        due = self.plan.offsets[p] + highest * self.plan.sync_every
         return {
             m for m in live - set(pending)
-            if not (m in self.learners and self.learners[m].joined_at >= due)
+            if not (due >= 1 and m in self.learners and self.learners[m].joined_at >= due)
         }  # fmt: skip
 
     def next_deadline(self) -> float | None:

@@ -356,10 +356,10 @@ class LearnerLoop:
         newest such step, so no step's work reaches Θ twice; steps after the oldest one
         that some fragment lacks are lost with the state that held them (a fragment whose
         clock has no entry for us holds none of our steps). Both are recorded
-        (`resume_cut`), and a loss is logged, when the learner's step came from a
-        checkpoint (a resumed run, a restarted process). The unmerged work an emulated
-        crash loses (its device state) is the crash's expected cost: its `rejoin` event
-        carries it as `lost_steps`, unlogged."""
+        (`resume_cut`), and a loss is logged. Except the unmerged work an emulated crash or
+        NaN restart loses with its device state, when the learner goes on from its own step
+        (not from a checkpoint): the failure's expected cost, which its `rejoin` event
+        carries as `lost_steps`, unlogged."""
         held = []
         for snap in snapshots:
             for clock in snap.merged.values():
@@ -373,7 +373,8 @@ class LearnerLoop:
             for _ in range(skipped):  # the data Θ already holds is not read again
                 next(self.data)
             self.step = self.proto.step = self.step + skipped
-        if not skipped and self.away not in ("start", "process_restart"):
+        from_checkpoint = self.restored is not None or self.away in ("start", "process_restart")
+        if not skipped and self.away in ("crash", "nan") and not from_checkpoint:
             self._crash_lost = lost  # reported with its rejoin (`_start`)
             return
         if skipped or lost:
