@@ -49,10 +49,10 @@ def quiet_failed_read_leftovers() -> None:
     """Keeps a failed orbax read to the one line its caller reports (installed before reads,
     once per process). When one array cannot be read orbax closes its event loop while
     TensorStore still holds callbacks for the other arrays, and abandons their tasks: the
-    callbacks land as unraisable "Event loop is closed" RuntimeErrors and the tasks as
-    asyncio's "Task exception was never retrieved" errors, tens to ~1500 tracebacks on stderr
-    (measured with orbax-checkpoint 0.12.8). Those two, from orbax, are dropped; anything else
-    goes where it went before."""
+    callbacks land as unraisable "Event loop is closed" RuntimeErrors and the tasks (and the
+    futures gathering them) as asyncio's "... exception was never retrieved" errors, tens to
+    ~1500 tracebacks on stderr (measured with orbax-checkpoint 0.12.8). Those, from orbax,
+    are dropped; anything else goes where it went before."""
     global _QUIET
     if _QUIET:
         return
@@ -69,8 +69,25 @@ def quiet_failed_read_leftovers() -> None:
 
 
 def _abandoned_orbax_tasks(record: logging.LogRecord) -> bool:
+    """False for asyncio's report of an abandoned orbax task or future: the task's repr
+    names orbax's coroutine, a future's (a `gather` of reads) only its exception, whose
+    traceback runs through orbax."""
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
+    if "exception was never retrieved" not in message.split("\n", 1)[0]:
+        return True
+    return not ("/orbax/" in message or _raised_in_orbax(record.exc_info))
+
+
+def _raised_in_orbax(exc_info) -> bool:
+    e = exc_info[1] if exc_info else None
+    while e is not None:
+        tb = e.__traceback__
+        while tb is not None:
+            if "/orbax/" in tb.tb_frame.f_code.co_filename:
+                return True
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class Checkpointer:

@@ -169,3 +169,17 @@ def test_a_failed_reads_leftovers_are_dropped_and_nothing_else(monkeypatch, capl
         log.error(task.format("async_deserialize", "/x/orbax/checkpoint/serialization.py:394"))
         log.error(task.format("mine", "/x/mine.py:3"))
     assert [r.getMessage().split("coro=<")[1][:4] for r in caplog.records] == ["mine"]
+    # A future gathering orbax's reads names no coroutine: its exception's traceback does.
+    orbax_file = "/x/orbax/checkpoint/_src/serialization/serialization.py"
+    code = compile("raise Exception('Encountered error while reading array index')",
+                   orbax_file, "exec")  # fmt: skip
+    for where in (code, compile("raise Exception('mine')", "/x/mine.py", "exec")):
+        try:
+            exec(where)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            log.error("_GatheringFuture exception was never retrieved\nfuture: <...>",
+                      exc_info=(type(error), error, error.__traceback__))  # fmt: skip
+    gathering = [r for r in caplog.records if r.getMessage().startswith("_Gathering")]
+    assert [str(r.exc_info[1]) for r in gathering] == ["mine"]
