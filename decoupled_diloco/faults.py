@@ -270,6 +270,11 @@ class FaultSchedule:
         return since if since is not None and since <= self._frozen else None
 
     # --- step schedules (fault_steps.py): placed on the timeline as the run reaches them ----
+    def steps_checked(self) -> dict | None:
+        """How far a schedule in steps has been checked (`StepTriggers.progress`); None for
+        one in seconds."""
+        return self.steps.progress() if self.steps is not None else None
+
     def learner_reached(self, learner: int, step: int, t: float) -> bool:
         """Learner `learner` has completed `step` steps at time t. A crash scheduled for that
         step becomes a crash at t, back at t + restart_delay_s (ignored, as on the timeline,

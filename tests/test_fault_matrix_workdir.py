@@ -48,7 +48,7 @@ def _halted(cfg, wd, after):
         rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after,
                           fault_offset_s=attempt.fault_offset,
                           fault_steps=attempt.fault_steps_checked)  # fmt: skip
-        attempt.watch(workdir.counters_of(rt.log.ledger), rt.fault_clock, rt.fault_steps)
+        attempt.watch(workdir.counters_of(rt.log.ledger), rt.fault_clock, rt.schedule.steps_checked)
         assert rt.run() is None
         attempt.stop()  # what its last heartbeat would have written
 

@@ -67,7 +67,7 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
         try:
             runtime = _runtime(cfg, workdir, verbose, ckpt_dir, attempt)
             attempt.watch(workdir_lib.counters_of(runtime.log.ledger), runtime.fault_clock,
-                          runtime.fault_steps)  # fmt: skip
+                          runtime.schedule.steps_checked)  # fmt: skip
             summary = attempt.finish(runtime.run())
         finally:
             attempt.stop()  # a failed attempt's record says how far it got

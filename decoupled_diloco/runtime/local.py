@@ -117,10 +117,6 @@ class LocalRuntime:
         drain after a Ctrl-C or a failure are not on the timeline)."""
         return self.schedule.run_time(self.now()) if self.t0 else self.schedule.offset
 
-    def fault_steps(self) -> dict | None:
-        """How far a schedule in steps has been checked (fault_steps.StepTriggers)."""
-        return self.schedule.steps.progress() if self.schedule.steps is not None else None
-
     # --- construction ---------------------------------------------------------------
     def _build(self) -> None:
         run = self.run_cfg

@@ -99,10 +99,6 @@ class RayRuntime:
         this one's since its actors launched, until a Ctrl-C stopped its training."""
         return self.schedule.run_time(self.now()) if self.run_id else self.schedule.offset
 
-    def fault_steps(self) -> dict | None:
-        """How far a schedule in steps has been checked (fault_steps.StepTriggers)."""
-        return self.schedule.steps.progress() if self.schedule.steps is not None else None
-
     # --- launch -----------------------------------------------------------------------
     def run(self) -> dict:
         started = ray_cluster.connect(self.run_cfg.ray, self.verbose)
