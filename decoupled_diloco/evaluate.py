@@ -109,7 +109,6 @@ def evaluate_text(
     files `text` names (module docstring), in windows of `seq_len` (default: the run's)."""
     import numpy as np
 
-    from decoupled_diloco import sharding
     from decoupled_diloco.data import corpus, sources
     from decoupled_diloco.loading import load
     from decoupled_diloco.train.evaluate import Evaluator
@@ -133,24 +132,15 @@ def evaluate_text(
     windows = np.lib.stride_tricks.sliding_window_view(ids[: n * t + 1], t + 1)[::t]
     mesh = _learner0_mesh(run)
     b = run.train.batch_size  # (a multiple of the batch-parallel devices: validated)
-    whole = n - n % b
-    batches = [np.ascontiguousarray(windows[i : i + b]) for i in range(0, whole, b)]
-    weights = [b] * (whole // b)
-    # The windows left over go in batches as small as the mesh splits (`ways` rows), the
-    # last filled up with `pad` copies of the first leftover window, whose own loss a batch
-    # of nothing but copies of it gives and takes back out: rows never mix (attention is
-    # within a row, MoE routes each row on its own), so a batch's mean is its rows' mean.
-    ways = sharding.batch_axis_size(mesh)
-    left = windows[whole:n]
-    pad = -len(left) % ways
-    rows = np.concatenate([left, np.repeat(left[:1], pad, axis=0)])
-    batches += [rows[i : i + ways] for i in range(0, len(rows), ways)]
-    weights += [ways] * (len(rows) // ways)
-    if pad:
-        batches.append(np.repeat(left[:1], ways, axis=0))
-        weights.append(-pad)
+    # Batches of the run's size, the last filled up with copies of its last window that
+    # count 0: rows never mix (attention is within a row, MoE routes each row on its own).
+    pad = -n % b
+    rows = np.concatenate([windows, np.repeat(windows[-1:], pad, axis=0)])
+    weights = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
+    batches = [rows[i : i + b] for i in range(0, n + pad, b)]
+    row_weights = [weights[i : i + b] for i in range(0, n + pad, b)]
     _warn_past_trained(t, run.data.seq_len)
-    evaluator = Evaluator(run.model, run.data, mesh, b, 0, batches, weights)
+    evaluator = Evaluator(run.model, run.data, mesh, b, 0, batches, row_weights)
     evaluator.check_host_memory(run.model)
     counts = {"files": len(docs), "tokens": len(ids), "windows": n,
               "unscored_tokens": len(ids) - 1 - n * t}  # fmt: skip

@@ -60,6 +60,11 @@ class TokenBatchIterator:
         return self._stream.take(self.batch_size)
 
     @property
+    def windows_per_epoch(self) -> int | None:
+        """This shard's windows in one epoch, or None when not known in advance."""
+        return self._stream.windows_per_epoch
+
+    @property
     def batches_per_epoch(self) -> int | None:
         """Batches that read every window of this shard at least once (the last one partly
         from the next epoch), or None when the stream's windows are not known in advance."""

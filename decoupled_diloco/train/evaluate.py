@@ -34,12 +34,14 @@ def available_host_bytes() -> int | None:
 
 
 class Evaluator:
-    """Mean eval cross-entropy over the first `num_batches` held-out batches (fixed set; at
-    most as many as read the eval split once, where its windows are known in advance), or
-    over `batches` given with their `weights` (how many distinct windows each stands for)."""
+    """Mean eval cross-entropy per token over the first `num_batches` held-out batches
+    (fixed set; at most as many as read the eval split once, where its windows are known in
+    advance: rows of the last batch that wrap around to windows already read count 0), or
+    over `batches` given with their `row_weights` (per batch, float [B]: how many times each
+    row's window counts; default 1)."""
 
     def __init__(self, model_cfg, data_cfg, mesh, batch_size: int, num_batches: int,
-                 batches: list | None = None, weights: list | None = None):  # fmt: skip
+                 batches: list | None = None, row_weights: list | None = None):  # fmt: skip
         if batches is None:
             it = make_iterator(data_cfg, "eval", batch_size=batch_size)
             whole = it.batches_per_epoch
@@ -51,16 +53,25 @@ class Evaluator:
                 )  # fmt: skip
                 num_batches = whole
             batches = [next(it) for _ in range(num_batches)]
-        self.batches, self.weights = batches, weights
+            row_weights = first_reads(batches, it.windows_per_epoch)
+        if row_weights is None:
+            row_weights = [np.ones(len(b), np.float32) for b in batches]
+        if [len(w) for w in row_weights] != [len(b) for b in batches]:
+            raise ValueError("row_weights must hold one weight per row of each batch")
+        self.batches = batches
+        self.row_weights = [np.asarray(w, np.float32) for w in row_weights]
         abstract = models.param_shapes(model_cfg)
         self.param_shardings = sharding.param_shardings(
             abstract, models.param_logical_axes(model_cfg), mesh
         )
         self.flat_shardings = flatten_params(self.param_shardings)
         self.batch_sharding = sharding.batch_sharding(mesh)
+        self.row_sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(self.batch_sharding.spec[0])
+        )
         self._eval = jax.jit(
             make_eval_step(model_cfg, mesh),
-            in_shardings=(self.param_shardings, self.batch_sharding),
+            in_shardings=(self.param_shardings, self.batch_sharding, self.row_sharding),
         )
 
     def check_host_memory(self, model_cfg) -> None:
@@ -75,7 +86,8 @@ class Evaluator:
                               abstract, self.param_shardings)  # fmt: skip
         widest = max(self.batches, key=lambda b: b.size)
         batch = jax.ShapeDtypeStruct(widest.shape, widest.dtype, sharding=self.batch_sharding)
-        plan = self._eval.lower(params, batch).compile().memory_analysis()
+        rows = jax.ShapeDtypeStruct(widest.shape[:1], np.float32, sharding=self.row_sharding)
+        plan = self._eval.lower(params, batch, rows).compile().memory_analysis()
         if plan is None:
             return
         per_device = plan.argument_size_in_bytes + plan.output_size_in_bytes
@@ -95,14 +107,28 @@ class Evaluator:
         """`params`: nested device params, or a flat dict of host arrays (syncer's Θ)."""
         if isinstance(next(iter(params.values())), np.ndarray):
             params = unflatten_params(transfer.to_device(params, self.flat_shardings))
-        losses = []
-        for b in self.batches:
+        losses, counts = [], []
+        shardings = {"b": self.batch_sharding, "w": self.row_sharding}
+        for b, w in zip(self.batches, self.row_weights, strict=True):
+            if not w.any():  # (its weighted mean is 0 / 0)
+                continue
             if len(losses) >= IN_FLIGHT:
                 losses[-IN_FLIGHT].block_until_ready()
-            batch = transfer.to_device({"b": b}, {"b": self.batch_sharding})["b"]
-            losses.append(self._eval(params, batch))
+            placed = transfer.to_device({"b": b, "w": w}, shardings)
+            losses.append(self._eval(params, placed["b"], placed["w"]))
+            counts.append(float(w.sum()))
         host = transfer.to_host({str(i): x for i, x in enumerate(losses)})
         values = [float(host[str(i)]) for i in range(len(losses))]
-        if self.weights is None:
-            return float(np.mean(values))
-        return float(np.average(values, weights=self.weights))
+        return float(np.average(values, weights=counts))
+
+
+def first_reads(batches: list, windows: int | None) -> list:
+    """Row weights of batches read from the start of an epoch of `windows` windows: 1 for
+    each window's first read, 0 for rows past the epoch's end (windows read again); all 1
+    when the count is unknown (None)."""
+    limit = np.inf if windows is None else windows
+    weights, seen = [], 0
+    for b in batches:
+        weights.append((seen + np.arange(len(b)) < limit).astype(np.float32))
+        seen += len(b)
+    return weights

@@ -24,23 +24,33 @@ def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats."""
-    return token_nll(logits_BTV, targets_BT).mean()
+def cross_entropy(
+    logits_BTV: jax.Array, targets_BT: jax.Array, row_weights_B: jax.Array | None = None
+) -> jax.Array:
+    """Mean next-token cross-entropy in nats; with `row_weights_B`, each row's tokens count
+    with its weight (a row of weight 0 not at all)."""
+    nll_BT = token_nll(logits_BTV, targets_BT)
+    if row_weights_B is None:
+        return nll_BT.mean()
+    w_B = row_weights_B.astype(jnp.float32)
+    return jnp.sum(nll_BT * w_B[:, None]) / (nll_BT.shape[1] * jnp.sum(w_B))
 
 
 def chunked_cross_entropy(model_cfg: models.ModelConfig, embedding_VD: jax.Array,
-                          x_BTD: jax.Array, targets_BT: jax.Array) -> jax.Array:  # fmt: skip
+                          x_BTD: jax.Array, targets_BT: jax.Array,
+                          row_weights_B: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """`cross_entropy` of the output layer's logits (`models.output_logits` of x_BTD),
     computed `model_cfg.logits_chunk` positions at a time: a scan over chunks of positions
     (every row of the batch in each, so a batch-sharded x stays where it is), each chunk's
     logits recomputed in the backward pass (`jax.checkpoint`), so at most one chunk's
     float32 logits exist at a time. Positions past the sequence's end in its last chunk are
-    padding with weight 0."""
+    padding with weight 0; `row_weights_B` as in `cross_entropy`."""
     B, T, D = x_BTD.shape
     C = min(model_cfg.logits_chunk, T)
     pad = -T % C
     weights_BT = jnp.ones((B, T), jnp.float32)
+    if row_weights_B is not None:
+        weights_BT = weights_BT * row_weights_B.astype(jnp.float32)[:, None]
     if pad:
         x_BTD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0)))
         targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
@@ -60,21 +70,25 @@ def chunked_cross_entropy(model_cfg: models.ModelConfig, embedding_VD: jax.Array
 
     total, _ = jax.lax.scan(add_chunk, jnp.zeros((), jnp.float32),
                             (x_KBCD, targets_KBC, weights_KBC))  # fmt: skip
-    return total / (B * T)
+    if row_weights_B is None:
+        return total / (B * T)
+    return total / (T * jnp.sum(row_weights_B.astype(jnp.float32)))
 
 
-def loss_fn(model_cfg: models.ModelConfig, params, batch_BT1: jax.Array):
+def loss_fn(model_cfg: models.ModelConfig, params, batch_BT1: jax.Array,
+            row_weights_B: jax.Array | None = None):  # fmt: skip
     """Returns (training loss incl. MoE auxiliary losses, (cross-entropy, aux dict)); with
     `model.logits_chunk` the output layer and cross-entropy run chunk by chunk
-    (`chunked_cross_entropy`)."""
+    (`chunked_cross_entropy`). `row_weights_B` weighs the rows' cross-entropy (evaluation:
+    rows that repeat a window count 0)."""
     inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
     if model_cfg.logits_chunk:
         x_BTD, aux = models.forward_features(model_cfg, params, inputs_BT)
         embedding = params["embedder"]["embedding"]
-        ce = chunked_cross_entropy(model_cfg, embedding, x_BTD, targets_BT)
+        ce = chunked_cross_entropy(model_cfg, embedding, x_BTD, targets_BT, row_weights_B)
     else:
         logits_BTV, aux = models.forward(model_cfg, params, inputs_BT)
-        ce = cross_entropy(logits_BTV, targets_BT)
+        ce = cross_entropy(logits_BTV, targets_BT, row_weights_B)
     total = ce + aux.get("moe_aux_loss", 0.0)
     return total, (ce, aux)
 
@@ -165,10 +179,11 @@ def make_train_step(
 
 
 def make_eval_step(model_cfg, mesh: jax.sharding.Mesh | None = None):
-    """(params, batch [B, T+1]) -> mean cross-entropy of the batch. `mesh` as in train."""
+    """(params, batch [B, T+1], row weights [B]) -> the batch's cross-entropy, its rows
+    weighted (a mean over tokens, rows of weight 0 left out). `mesh` as in train."""
 
-    def eval_step(params, batch_BT1):
+    def eval_step(params, batch_BT1, row_weights_B):
         with constraint_mesh(mesh):
-            return loss_fn(model_cfg, params, batch_BT1)[1][0]
+            return loss_fn(model_cfg, params, batch_BT1, row_weights_B)[1][0]
 
     return eval_step
