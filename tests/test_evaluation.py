@@ -78,3 +78,49 @@ def test_row_weights_weigh_each_rows_tokens(chunk):
     else:
         got = cross_entropy(models.output_logits(cfg, embedding, x_BTD), targets_BT, w_B)
     np.testing.assert_allclose(float(got), expected, rtol=1e-6)
+
+
+def _fake_host(tmp_path, cgroup: str, files: dict) -> str:
+    """A root folder with /proc/meminfo (8 GiB available), /proc/self/cgroup and `files`."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text(f"MemTotal: 1 kB\nMemAvailable: {8 * 2**20} kB\n")
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return str(tmp_path) + "/"
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize(
+    "cgroup, files, expected",
+    [
+        # v2, a container's own group at the mount's root: 2 GiB limit, 1.5 used, 0.25 cache
+        ("0::/\n", {"sys/fs/cgroup/memory.max": f"{2 * GiB}\n",
+                    "sys/fs/cgroup/memory.current": f"{3 * GiB // 2}\n",
+                    "sys/fs/cgroup/memory.stat": f"anon 1\ninactive_file {GiB // 4}\n"},
+         GiB * 3 // 4),
+        # v2 seen from the host: the group's own folder; no limit: MemAvailable
+        ("0::/job\n", {"sys/fs/cgroup/job/memory.max": "max\n",
+                       "sys/fs/cgroup/job/memory.current": "5\n"}, 8 * GiB),
+        # v1 (this machine's layout), the group's folder, 4 GiB limit, 1 used
+        ("4:memory:/a/b\n1:cpu:/\n", {"sys/fs/cgroup/memory/a/b/memory.limit_in_bytes":
+                                      f"{4 * GiB}\n",
+                                      "sys/fs/cgroup/memory/a/b/memory.usage_in_bytes":
+                                      f"{GiB}\n"}, 3 * GiB),
+        # v1 inside a cgroup namespace: the mount's root is the group; unlimited
+        ("4:memory:/a/b\n", {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",
+                             "sys/fs/cgroup/memory/memory.usage_in_bytes": "1"}, 8 * GiB),
+        # a limit above MemAvailable: MemAvailable
+        ("0::/\n", {"sys/fs/cgroup/memory.max": f"{64 * GiB}\n",
+                    "sys/fs/cgroup/memory.current": "0\n"}, 8 * GiB),
+    ],
+)  # fmt: skip
+def test_available_host_memory_heeds_the_cgroup_limit(tmp_path, cgroup, files, expected):
+    """In a container started with a memory limit MemAvailable is the host's: the OS killed
+    an evaluation the check had let through."""
+    from decoupled_diloco.train.evaluate import available_host_bytes
+
+    assert available_host_bytes(_fake_host(tmp_path, cgroup, files)) == expected
