@@ -58,7 +58,8 @@ def sample(
                          "0 samples from all of it")  # fmt: skip
     batch = [p for p in prompts for _ in range(num_samples)]
     # An empty prompt starts a document: the separator the corpus's documents follow.
-    ids = [[int(i) for i in tok.encode(p)] or [int(tok.eos_id)] for p in batch]
+    encoded = {p: [int(i) for i in tok.encode(p)] or [int(tok.eos_id)] for p in prompts}
+    ids = [encoded[p] for p in batch]
     # The model reads every token of a sample but its last: seq_len positions were trained.
     trained = model.config.data.seq_len
     read = max(len(x) for x in ids) + max_new_tokens - 1

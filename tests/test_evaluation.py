@@ -121,6 +121,6 @@ GiB = 2**30
 def test_available_host_memory_heeds_the_cgroup_limit(tmp_path, cgroup, files, expected):
     """In a container started with a memory limit MemAvailable is the host's: the OS killed
     an evaluation the check had let through."""
-    from decoupled_diloco.train.evaluate import available_host_bytes
+    from decoupled_diloco.host_memory import available_host_bytes
 
     assert available_host_bytes(_fake_host(tmp_path, cgroup, files)) == expected

@@ -253,9 +253,24 @@ def test_sampling_is_deterministic_per_seed(runs):
                         ({"seed": 10**20}, r"--seed must be an int in \[0, 2\*\*63\)"),
                         ({"max_new_tokens": 0}, "--max_new_tokens must be >= 1, got 0"),
                         # a KV cache past the device's memory (the OOM killer took it)
-                        ({"max_new_tokens": 10**10}, "GiB KV cache, more than")]:  # fmt: skip
+                        ({"max_new_tokens": 10**10}, "GiB KV cache, the prompts' attention"),
+                        # a million samples (they ran for minutes before any check)
+                        ({"num_samples": 10**6}, r"1000000 sequence\(s\) of up to 8")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             sample(str(workdir), ["def "], **{"max_new_tokens": 4, **kwargs})
+
+
+def test_sample_refuses_what_the_free_memory_cannot_hold(runs, monkeypatch):
+    """XLA's plan of the prefill is held against the memory free now (on the CPU the host's
+    available memory, not its total: a process past it is killed without a word)."""
+    from decoupled_diloco.models import decode
+
+    workdir, _ = runs["dp"]
+    monkeypatch.setattr(decode, "available_host_bytes", lambda: 1000)
+    with pytest.raises(ValueError, match=r"need [0-9.]+ GiB .* more than the 0\.0 GiB free"):
+        sample(str(workdir), ["def "], 4)
+    monkeypatch.setattr(decode, "available_host_bytes", lambda: 2**40)
+    assert len(sample(str(workdir), ["def "], 4)[0][1]) == 4
 
 
 def test_every_sample_has_max_new_tokens_whatever_its_prompts_length(runs, monkeypatch):
@@ -510,8 +525,8 @@ def test_out_of_device_memory_is_one_line_with_what_to_change(tmp_path):
 def test_the_model_tools_say_out_of_memory_in_one_line(runs, tmp_path):
     """evaluate --text in windows of 200k tokens, and sample with a prompt of 120k (the
     longest argument Linux passes is 128 KiB): their attention scores need 0.6 TB and
-    230 GB (a traceback of XLA's before). On the CPU evaluate refuses the batch from XLA's
-    plan before it runs (`Evaluator.check_host_memory`); sample meets XLA's own error."""
+    230 GB (a traceback of XLA's before). On the CPU both refuse from XLA's plan before
+    running it (`Evaluator.check_host_memory`, `decode._checked_prefill`)."""
     workdir, _ = runs["dp"]
     text = tmp_path / "long.txt"
     text.write_text("abcdefgh " * 25_000)  # 225k bytes: one window of 200k tokens
@@ -519,7 +534,7 @@ def test_the_model_tools_say_out_of_memory_in_one_line(runs, tmp_path):
         ("decoupled_diloco.evaluate", f"--text={text}", "--config.data.seq_len=200000",
          "GiB of host memory (XLA's plan)", "a shorter --config.data.seq_len"),
         ("decoupled_diloco.sample", f"--prompt={'x' * 120_000}", "--max_new_tokens=1",
-         "error: out of memory (", "shorter prompts"),
+         "GiB free on the cpu", "shorter prompts"),
     ]  # fmt: skip
     for tool, *args, what, advice in cases:
         out = _cli(tool, f"--workdir={workdir}", *args)

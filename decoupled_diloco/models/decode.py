@@ -12,12 +12,12 @@ taking its own prompt token while it has one and its sample after that.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decoupled_diloco.host_memory import available_host_bytes
 from decoupled_diloco.models.config import ModelConfig
 from decoupled_diloco.models.transformer import Transformer
 
@@ -28,17 +28,14 @@ def cache_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
     return cfg.num_layers * per_layer * jnp.dtype(cfg.dtype).itemsize
 
 
-def memory_bytes(device: jax.Device) -> int | None:
-    """Memory the device can hold: its allocator's limit, or the host's memory for a CPU
-    device (None where neither is known)."""
-    stats = device.memory_stats()  # None on CPU
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
+def free_bytes(device: jax.Device) -> int | None:
+    """Memory still free for new buffers on the device: its allocator's limit less what is
+    in use, or the host's available memory for a CPU device (None where neither is known)."""
     if device.platform == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return None
+        return available_host_bytes()
+    stats = device.memory_stats()
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     return None
 
 
@@ -102,19 +99,13 @@ def generate(
     rng = jax.random.key(0) if rng is None else rng
     lengths = np.array([len(p) for p in prompts])
     total = int(lengths.max()) + max_new_tokens
-    need, have = cache_bytes(cfg, len(prompts), total), memory_bytes(jax.devices()[0])
-    if have is not None and need > have:
-        raise ValueError(
-            f"{len(prompts)} sequence(s) of up to {total} tokens need a {need / 2**30:.1f} GiB "
-            f"KV cache, more than the device's {have / 2**30:.1f} GiB: fewer new tokens, or "
-            "fewer prompts or samples"
-        )
+    start = int(lengths.min())
+    prefill = _checked_prefill(cfg, params, len(prompts), start, total)
     forced = np.zeros((len(prompts), total), np.int32)
     for b, p in enumerate(prompts):
         forced[b, : len(p)] = p
     cache = init_cache(cfg, len(prompts), total)
-    start = int(lengths.min())
-    logits_BTV, cache = decode_step(cfg, params, jnp.asarray(forced[:, :start]), cache, 0)
+    logits_BTV, cache = prefill(params, jnp.asarray(forced[:, :start]), cache, 0)
     out = forced.copy()
     rng, key = jax.random.split(rng)
     token = np.asarray(sample_token(logits_BTV[:, -1], key, temperature, top_k, vocab))
@@ -129,3 +120,29 @@ def generate(
                              vocab)  # fmt: skip
         token = np.asarray(token)
     return out
+
+
+def _checked_prefill(cfg: ModelConfig, params: dict, batch: int, start: int, total: int):
+    """`decode_step` compiled for the prefill of `start` positions of a cache of `total`,
+    after checking that XLA's plan of it (the KV cache, the prompts' attention scores and
+    logits; the parameters already in place left out) fits the memory free on the device:
+    ValueError naming both if not (on the CPU the OS would kill the process instead)."""
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, total))
+    tokens = jax.ShapeDtypeStruct((batch, start), jnp.int32)
+    compiled = decode_step.lower(cfg, params, tokens, cache, 0).compile()
+    plan = compiled.memory_analysis()
+    have = free_bytes(jax.devices()[0])
+    if plan is None or have is None:
+        return compiled
+    resident = sum(x.nbytes for x in jax.tree.leaves(params))
+    need = (plan.argument_size_in_bytes + plan.output_size_in_bytes + plan.temp_size_in_bytes
+            - plan.alias_size_in_bytes - resident)  # fmt: skip
+    if need > have:
+        raise ValueError(
+            f"{batch} sequence(s) of up to {total} tokens need {need / 2**30:.1f} GiB (XLA's "
+            f"plan: a {cache_bytes(cfg, batch, total) / 2**30:.1f} GiB KV cache, the prompts' "
+            f"attention and logits), more than the {have / 2**30:.1f} GiB free on the "
+            f"{jax.devices()[0].platform}: fewer new tokens, shorter prompts, or fewer "
+            "prompts or samples"
+        )
+    return compiled

@@ -6,6 +6,7 @@ from absl import logging
 
 from decoupled_diloco import models, sharding, transfer
 from decoupled_diloco.data import make_iterator
+from decoupled_diloco.host_memory import available_host_bytes
 from decoupled_diloco.models import flatten_params, unflatten_params
 from decoupled_diloco.train.step import make_eval_step
 
@@ -19,65 +20,6 @@ IN_FLIGHT = 8
 # (argument, output and temporaries, per device, times the devices): 1.9 for the tiny model
 # at 32 x 5000 tokens on 2 devices (plan 12.7 GiB, peak 24.4 GiB RSS, 2026-11-30).
 PEAK_OVER_PLAN = 2.0
-
-
-def available_host_bytes(root: str = "/") -> int | None:
-    """The host memory this process may still use, or None if unknown: Linux's MemAvailable,
-    or less where the process's memory cgroup (a container's `--memory`) leaves less."""
-    free = [int(n) * 1024 for n in _fields(root + "proc/meminfo", "MemAvailable:")]
-    headroom = cgroup_headroom(root)
-    if headroom is not None:
-        free.append(headroom)
-    return min(free, default=None)
-
-
-def cgroup_headroom(root: str = "/") -> int | None:
-    """Bytes left under the memory limit of this process's cgroup (v2 `memory.max`, v1
-    `memory.limit_in_bytes`) above its usage, counting inactive page cache (which the kernel
-    reclaims first) as free; None without a limit."""
-    try:
-        with open(root + "proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return None
-    for _, controllers, path in lines:
-        if controllers == "":  # v2: the unified hierarchy
-            folder, names = f"{root}sys/fs/cgroup{path}", ("memory.max", "memory.current")
-            cache = "inactive_file"
-        elif "memory" in controllers.split(","):
-            folder = f"{root}sys/fs/cgroup/memory{path}"
-            names, cache = ("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"
-        else:
-            continue
-        for where in (folder.rstrip("/"), folder[: len(folder) - len(path)].rstrip("/")):
-            # (In a container's cgroup namespace its own group is the mount's root.)
-            values = [_read_int(f"{where}/{name}") for name in names]
-            if None in values:
-                continue
-            limit, usage = values
-            if limit >= 2**60:  # "max", or v1's page-rounded 2**63
-                break
-            inactive = sum(int(n) for n in _fields(f"{where}/memory.stat", cache + " "))
-            return max(limit - usage + inactive, 0)
-    return None
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return 2**63 if text == "max" else int(text) if text.isdigit() else None
-
-
-def _fields(path: str, prefix: str) -> list[str]:
-    """The first value of each line of `path` starting with `prefix` ([] if unreadable)."""
-    try:
-        with open(path) as f:
-            return [line.split()[1] for line in f if line.startswith(prefix)]
-    except OSError:
-        return []
 
 
 class Evaluator:
