@@ -427,6 +427,26 @@ def test_a_round_whose_offers_are_void_starts_afresh():
     assert s.grace.quorum.value < 1.0 and s.grace_window() == pytest.approx(window)
 
 
+def test_a_round_that_loses_its_quorum_waits_its_grace_again_once_it_is_regained():
+    """K = 2 of 3: learners 0 and 1 offer (quorum), then learner 0's new life (restored at
+    step 2, before the slot's due step: the round still waits for it) voids its offer. The
+    round kept its quorum time: its deadline stayed in the past (the syncer's loop, which
+    waits on its inbox until the next deadline, spun) and, regained, it merged at once."""
+    s = syncer(learners=3, quorum=2, overlap=2, max_grace=5.0)
+    s.grace.gamma = 1.0
+    s.grace.step.update(1.0)  # 1 s steps: a grace window of τ·1 s = 2 s
+    assert not merged(s.handle_batch([offer(0, step=4), offer(1, step=4)], lambda: 1.0))
+    assert s.quorum_at[0] == 1.0 and s.next_deadline() == pytest.approx(3.0)
+    assert not merged(s.handle_batch([Join(0, 1, 2.0, 2)], lambda: 2.0))
+    assert s.quorum_at[0] is None and s.next_deadline() is None
+    assert not merged(s.tick(5.0)) and s.next_deadline() is None
+    assert not merged(s.handle(offer(2, step=4), 10.0))  # regained: grace until t = 12
+    assert s.next_deadline() == pytest.approx(12.0, abs=0.1)
+    assert not merged(s.tick(11.8))
+    (m,) = merged(s.tick(12.2))
+    assert m.learners == (1, 2)
+
+
 def test_what_theta_holds_of_a_learners_earlier_life_survives_its_rejoin_and_a_restore():
     """After learner 1's crash and rejoin, until its new life's first merge, Θ still holds
     its earlier life's steps: the fragment's clock (and so every snapshot and checkpoint)

@@ -9,6 +9,7 @@ clock, programmable delays). With `linear_update` an inner step adds a fixed vec
 import copy
 import dataclasses
 import heapq
+import math
 
 import numpy as np
 import pytest
@@ -558,3 +559,46 @@ def test_mixing_contracts_the_outer_step_towards_one_round_of_work(apply, alpha)
     S = lr / (1 - mu)
     want = S / (1 + alpha * (S - 1)) * H * 1e-3
     assert per_round == pytest.approx(want, rel=2e-3), (per_round, want)
+
+
+@pytest.mark.parametrize("apply", ["rebase", "land", "overwrite"])
+def test_a_restore_holding_the_offer_in_flight_merges_none_of_its_steps_twice(apply):
+    """The syncer merges the learner's step-4 offer (v1), checkpoints, and dies before v1
+    reaches the learner; its restored life's Snapshot (v1, whose clock holds the offer) does.
+    Each step Θ holds is held once, and the merges' step counts say which. With "overwrite"
+    the resync rebased (keeping the offer's steps in θ on top of Θ_restored) and the next
+    offer, counted from zero, brought them again: Θ held steps 1-4 twice."""
+    c = cfg(learners=1, fragments=1, sync_every=4, overlap=2, apply=apply, max_wait=0.0)
+    lost = {"epoch": None}
+
+    def down_delay(m, msg):  # the dead life's messages never arrive
+        return math.inf if getattr(msg, "epoch", None) == lost["epoch"] else 0.0
+
+    sim = Sim(c, 12, down_delay=down_delay)
+
+    def crash_after_the_first_merge(sim):
+        if sim.syncer.version[0] == 1 and lost["epoch"] is None:
+            lost["epoch"] = sim.syncer.epoch
+            state = copy.deepcopy(sim.syncer.state_dict())
+            meta = copy.deepcopy(sim.syncer.meta_dict())
+            syncer = type(sim.syncer)(c, sim.plan, sim.theta0, record=sim.records.append, epoch=7)
+            syncer.load_state_dict(state, meta, sim.t)
+            sim.syncer = syncer
+            sim._deliver([(0, syncer.snapshot(sim.t))])
+
+    sim.run(on_step=crash_after_the_first_merge)
+    assert lost["epoch"] is not None
+    # Θ − Θ_0 in the basis of the learner's 12 step vectors: each coefficient 0 or 1.
+    theta = sim.syncer.global_params()
+    names = sorted(theta)
+    zero = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    basis = np.stack([np.concatenate([sim.update(zero, 0, t)[k].ravel() for k in names])
+                      for t in range(12)], axis=1)  # fmt: skip
+    moved = np.concatenate([(theta[k] - sim.theta0[k]).ravel() for k in names])
+    coef = np.linalg.lstsq(basis, moved, rcond=None)[0]
+    held = np.round(coef)
+    np.testing.assert_allclose(coef, held, atol=1e-3)
+    assert set(held) <= {0.0, 1.0}, coef
+    assert sim.merged_steps()[(0, 0)] == held.sum()
+    if apply != "overwrite":
+        assert held.sum() == 12

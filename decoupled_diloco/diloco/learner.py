@@ -39,7 +39,8 @@ Applying version Θ_new (decided by the version's vector clock, see messages.py)
 `alpha` also mixes rebases: θ ← θ + (1 − α)·δ.
 
 A restored syncer announces its new life with a Snapshot. The learner rebases on it like on
-a merge: θ ← θ + (Θ_restored − G) (plus our offer if the restored clock holds it). The
+a merge: θ ← θ + (Θ_restored − G) (plus our offer if the restored clock holds it; with
+"overwrite", a Θ_restored that holds our offer is overwritten onto, as the merge was). The
 global progress the syncer lost leaves the learner too, and only its own unmerged work is
 offered again: nothing is replayed through the outer optimizer. A Snapshot of the life the
 learner already follows (a Join its link retried across a restore, answered late) is only
@@ -301,11 +302,19 @@ class Learner:
                                     merged=clock))  # fmt: skip
                 continue
             held = self._holds(snap.merged.get(p, {}), f.in_flight)
-            sent = f.in_flight.sent if held else None
-            delta = rebase_delta(resolve(f.anchor), theta, sent, self.cfg.merge_threads)
-            out.append(Update("add", delta))
-            if held:
-                self._consume(f)
+            if held and self.cfg.apply == "overwrite":
+                # Θ_restored holds our offer: overwrite onto it, as onto the merge the lost
+                # life sent (a rebase would keep the offer's steps in θ on top of it, and our
+                # next offer, counted from zero, would merge them a second time).
+                out.append(Update("mix", theta, self.cfg.alpha))
+                f.c_steps = f.c_tokens = 0
+                f.in_flight = None
+            else:
+                sent = f.in_flight.sent if held else None
+                delta = rebase_delta(resolve(f.anchor), theta, sent, self.cfg.merge_threads)
+                out.append(Update("add", delta))
+                if held:
+                    self._consume(f)
             # Offers in flight to the lost life die with it; their work is still in W.
             f.in_flight, f.wanted, f.arrived = None, f.wanted or f.in_flight is not None, None
             f.anchor, f.version, f.epoch = theta, int(version), snap.epoch

@@ -87,6 +87,7 @@ class Syncer:
         self.pending: dict[int, dict[int, tuple[Offer, dict, dict]]] = {p: {} for p in self.owned}
         self.round_open: dict[int, float | None] = {p: None for p in self.owned}
         self.quorum_at: dict[int, float | None] = {p: None for p in self.owned}
+        self.quorum_lost: set[int] = set()  # rounds that had their quorum and lost it since
         self.registry = Registry(cfg.learners, cfg.heartbeat_timeout, cfg.confirm_timeout)
         self.learners = self.registry.learners  # learner -> LearnerInfo
         self.grace = GraceWindow(cfg.grace_gamma, cfg.max_grace, cfg.overlap, cfg.ema_decay)
@@ -255,6 +256,7 @@ class Syncer:
         offer opens a new one, whose quorum wait and grace start then."""
         if not self.pending[p]:
             self.round_open[p] = self.quorum_at[p] = None
+            self.quorum_lost.discard(p)
 
     def slot(self, offer: Offer) -> int:
         """The schedule slot an offer stands for (diloco/rounds.py)."""
@@ -296,10 +298,18 @@ class Syncer:
                     if self.round_open[p] is None:
                         self.round_open[p] = now
                     self.quorum_at[p] = now
-                    self.grace.quorum.update(now - (self.round_open[p] or now))
+                    if p not in self.quorum_lost:  # (a regained quorum: sampled already)
+                        self.grace.quorum.update(now - (self.round_open[p] or now))
                 if everyone or now >= self.quorum_at[p] + self.grace_window():
                     out += self._merge(p, now)
-            elif everyone or (not fresh and self._catch_up(p, live, paced)):
+                continue
+            # Below quorum. One reached and lost since (offers void or dropped, the round's
+            # others still pending) is not: its grace starts again when it is regained, and
+            # its deadline, past, must not keep the syncer's loop from waiting.
+            if self.quorum_at[p] is not None:
+                self.quorum_at[p] = None
+                self.quorum_lost.add(p)
+            if everyone or (not fresh and self._catch_up(p, live, paced)):
                 # Below quorum, but nobody else is going to offer; or a catch-up round.
                 out += self._merge(p, now)
         return out + self._sent()
@@ -368,6 +378,7 @@ class Syncer:
         quorum_wait = (self.quorum_at[p] or now) - (self.round_open[p] or now)
         grace_used = now - (self.quorum_at[p] or now)
         self.round_open[p] = self.quorum_at[p] = None
+        self.quorum_lost.discard(p)
         if not kept:
             return []
         cfg, tokens, steps = self.cfg, [o.c_tokens for o in kept], [o.c_steps for o in kept]
