@@ -602,3 +602,22 @@ def test_a_restore_holding_the_offer_in_flight_merges_none_of_its_steps_twice(ap
     assert sim.merged_steps()[(0, 0)] == held.sum()
     if apply != "overwrite":
         assert held.sum() == 12
+
+
+def test_a_left_learners_final_offer_refused_as_stale_is_merged_after_all():
+    """Learner 0 (3 s links, 6 quick steps) leaves with its step-4 offer in flight and
+    offers steps 5-6 on the version holding it; learner 1's merges make that offer stale
+    (max_staleness 1). A learner that left gets no more versions, so its retries went on
+    the same base and were refused until its final wait ran out: 4 of its 6 steps reached
+    Θ. The syncer now sends it the fragment's version with the refusal."""
+    c = cfg(learners=2, fragments=1, sync_every=4, overlap=0, max_staleness=1, final_wait=60.0)
+
+    def delay(m, msg):
+        return 3.0 if m == 0 else 0.0
+
+    sim = Sim(c, 40, step_time=[0.1, 1.0], up_delay=delay, down_delay=delay)
+    sim.learners[0].steps_left = 6
+    sim.run()
+    stale = [r for r in sim.records if r.get("event") == "reject" and r["kind"] == "stale"]
+    assert stale and stale[0]["learner"] == 0  # the case this test is about
+    assert sim.merged_steps() == {(0, 0): 6, (1, 0): 40}

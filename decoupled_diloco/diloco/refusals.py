@@ -53,7 +53,7 @@ class Refusals:
 
     def __init__(self, stats: dict, record, num_learners: int):
         self.stats, self.record, self.num_learners = stats, record, num_learners
-        self._notices: list[tuple[int, Dropped]] = []
+        self._notices: list[tuple[int, object]] = []
 
     def reject(self, offer, reason: Reason, now: float) -> None:
         """A bad offer: never merged; its learner is told."""
@@ -72,7 +72,11 @@ class Refusals:
         self.record({"event": "drop_message", **rec, "kind": reason.kind,
                      "reason": reason.text, "time": now})  # fmt: skip
 
-    def sent(self) -> list[tuple[int, Dropped]]:
+    def queue(self, m: int, msg) -> None:
+        """Another message for learner m, sent after the notices queued before it."""
+        self._notices.append((m, msg))
+
+    def sent(self) -> list[tuple[int, object]]:
         """The notices queued since the last call."""
         out, self._notices = self._notices, []
         return out

@@ -222,6 +222,8 @@ class Syncer:
             return
         if reason:
             self.refusals.reject(offer, reason, now)
+            if reason.kind == "stale":
+                self._bring_up_to_date(offer, now)
             return
         self.scale.add(p, size)
         self.registry.touch(offer.learner, now)
@@ -236,6 +238,19 @@ class Syncer:
         # A newer offer of the same life holds the older one's work (both are anchored on
         # versions that hold neither), so it replaces it.
         self.pending[p][offer.learner] = (offer, *decoded)
+
+    def _bring_up_to_date(self, offer: Offer, now: float) -> None:
+        """After refusing an offer as stale, sends its learner the fragment's version if it
+        no longer gets every version (it left, and is in its final sync): it would offer the
+        work again on the same base, staler with each merge, and be refused until its final
+        wait ran out. A live learner gets each version anyway."""
+        m, p = offer.learner, offer.fragment
+        if m in self.live(now):
+            return
+        payload = compression.encode(self.theta[p], self.cfg.reply_compression)
+        self.stats["bytes_out"] += payload.nbytes()
+        self.refusals.queue(m, Merged(p, self.version[p], payload, (), now, payload.nbytes(),
+                                      epoch=self.epoch, merged=self.clock(p)))  # fmt: skip
 
     # --- rounds ----------------------------------------------------------------------
     def grace_window(self) -> float:
@@ -375,6 +390,7 @@ class Syncer:
             else:
                 why = f"stale at merge: base {o.base_version}, now {version}"
                 self.refusals.reject(o, Reason("stale", why), now)
+                self._bring_up_to_date(o, now)
         quorum_wait = (self.quorum_at[p] or now) - (self.round_open[p] or now)
         grace_used = now - (self.quorum_at[p] or now)
         self.round_open[p] = self.quorum_at[p] = None
