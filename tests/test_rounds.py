@@ -447,6 +447,18 @@ def test_a_round_that_loses_its_quorum_waits_its_grace_again_once_it_is_regained
     assert m.learners == (1, 2)
 
 
+def test_an_offer_arriving_after_the_newer_one_of_its_life_does_not_replace_it():
+    """A newer offer of a life holds the older one's work; delivered the other way round
+    (a retried call), the older one replaced it and the steps between were lost."""
+    s = syncer(quorum=2)
+    s.handle(offer(0, step=8, c_steps=8), 1.0)
+    out = s.handle(offer(0, step=4), 2.0)
+    assert s.pending[0][0][0].step == 8 and not [m for m in out if isinstance(m[1], Dropped)]
+    assert s.refusals.stats["drop_offer:duplicate"] == 1
+    (m,) = merged(s.handle(offer(1, step=8, c_steps=8), 3.0))
+    assert m.steps == (8, 8)
+
+
 def test_what_theta_holds_of_a_learners_earlier_life_survives_its_rejoin_and_a_restore():
     """After learner 1's crash and rejoin, until its new life's first merge, Θ still holds
     its earlier life's steps: the fragment's clock (and so every snapshot and checkpoint)

@@ -211,6 +211,12 @@ class Syncer:
         cfg, bounds = self.cfg, self.bounds
         version, H = self.version[p], self.plan.sync_every
         reason = checks.check_counters(offer, info, version, cfg.max_staleness, H, merged, bounds)
+        waiting = self.pending[p].get(offer.learner, (None,))[0]
+        if not reason and waiting is not None and waiting.incarnation == offer.incarnation \
+                and waiting.step >= offer.step:  # fmt: skip
+            # Delivered again, or after the newer offer that holds its work (links deliver
+            # in order; a retried call need not): replacing that would lose work.
+            reason = Reason("duplicate", f"its offer at step {waiting.step} is pending")
         decoded = size = None
         if not reason:
             reason, decoded = checks.check_payload(offer, self.theta[p])
