@@ -245,6 +245,30 @@ def test_a_resume_refuses_changed_config_unless_forced(small_config, tmp_path):
     assert attempts[-1]["forced"] and "train.seed" in attempts[-1]["changed"]
 
 
+@pytest.mark.parametrize(
+    "change",
+    [{"diloco.syncer_shards": 2}, {"diloco.fragments": 4}, {"diloco.sync_every": 8},
+     {"diloco.fragment_strategy": "layer"}],
+)  # fmt: skip
+def test_a_forced_resume_may_not_relay_the_syncer_checkpoints(small_config, tmp_path, change):
+    """Each syncer shard restores its own fragments from its own checkpoint: with more
+    shards the new one found none and started its fragments over from Θ_0 (half of Θ
+    untrained, silently); with fewer, a bare KeyError; another fragment plan failed on the
+    syncer's thread after run_config.json was replaced. Refused up front, even forced."""
+    base = {"train.steps": 8, **DECOUPLED, "diloco.fragments": 2}
+    run_files.write(str(tmp_path), config_lib.validate(small_config(**base)))
+    before = (tmp_path / "run_config.json").read_bytes()
+    new = config_lib.validate(small_config(**{**base, **change}))
+    with pytest.raises(ValueError, match=r"lay out otherwise .*even with --force_resume"):
+        workdir.check_resume(str(tmp_path), new, False, True, stepped=True)
+    assert (tmp_path / "run_config.json").read_bytes() == before
+    # A forced change that keeps the layout goes through.
+    lr = config_lib.validate(small_config(**{**base, "train.learning_rate": 1e-2}))
+    assert workdir.check_resume(str(tmp_path), lr, False, True, stepped=True) == [
+        "train.learning_rate"
+    ]
+
+
 @pytest.mark.slow
 def test_a_resume_may_change_where_the_learner_is_placed(small_config, tmp_path):
     """The mesh (an OOM run resumed FSDP-sharded) changes no math: resumed without

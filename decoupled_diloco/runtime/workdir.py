@@ -160,7 +160,36 @@ def check_resume(
             f"({_listed(reshaped)}): no checkpoint of it can be restored, even with "
             "--force_resume; use another --workdir for the new model"
         )
+    relaid = (
+        _syncer_relaid(workdir, cfg)
+        if any(k.startswith(("diloco.", "model.")) for k in binding)
+        else []
+    )
+    if relaid:
+        raise ValueError(
+            f"{workdir} holds a run whose syncer checkpoints the new values lay out otherwise "
+            f"({', '.join(relaid)}): each syncer shard restores its own fragments from its own "
+            "checkpoint, laid out for the run's values, even with --force_resume; resume "
+            "with the run's values or use another --workdir"
+        )
     return changed
+
+
+def _syncer_relaid(workdir: str, cfg: RunConfig) -> list[str]:
+    """How the syncer checkpoints of the workdir's run would not fit `cfg`'s syncer: another
+    fragment plan (fragments, strategy, sync_every, embedding split) or shard count."""
+    from decoupled_diloco.diloco.fragments import model_plan
+
+    then = run_files.read_config(workdir)
+    if not (then.uses_syncer and cfg.uses_syncer):
+        return []
+    out = []
+    if model_plan(then.model, then.diloco) != model_plan(cfg.model, cfg.diloco):
+        out.append("the fragment plan")
+    shards = (then.diloco.syncer_shards, cfg.diloco.syncer_shards)
+    if shards[0] != shards[1]:
+        out.append(f"diloco.syncer_shards {shards[0]} -> {shards[1]}")
+    return out
 
 
 def _reshaped(workdir: str, cfg: RunConfig) -> list[str]:
