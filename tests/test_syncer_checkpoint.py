@@ -131,6 +131,20 @@ def test_a_restored_syncer_announces_itself_to_learners_that_left(tmp_path):
     assert to == 0 and isinstance(snap, Snapshot) and snap.epoch == loop.syncer.epoch
 
 
+def test_a_finished_flag_that_comes_after_the_leave_is_saved(tmp_path):
+    """The runtime's Leave (finished=False) may overtake the learner's own (finished=True),
+    which then marks the life finished (it stays in the merge weights' roster). A save was
+    skipped while versions and (learner, incarnation, joined) were unchanged, so a restore
+    before the next merge lost the flag."""
+    run = Run(tmp_path)
+    run.merge(0, seed=0)
+    run.serve(Leave(0, 0, run.now, False))
+    assert run.loop.save()
+    run.serve(Leave(0, 0, run.now, True))
+    assert run.loop.syncer.learners[0].finished and run.loop.save()
+    assert _restored(tmp_path).learners[0].finished
+
+
 def test_peak_extra_memory_of_a_save_is_one_fragment(tmp_path):
     run = Run(tmp_path)
     for p in range(P):

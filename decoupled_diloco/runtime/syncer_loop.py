@@ -286,7 +286,9 @@ class SyncerLoop:
 
 
 def _registry_key(syncer: Syncer) -> tuple:
-    return tuple(sorted((m, i.incarnation, i.joined) for m, i in syncer.learners.items()))
+    return tuple(
+        sorted((m, i.incarnation, i.joined, i.finished) for m, i in syncer.learners.items())
+    )
 
 
 def _saved_key(syncer: Syncer) -> tuple:
