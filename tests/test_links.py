@@ -4,6 +4,7 @@ import queue
 import threading
 import time
 
+import pytest
 from conftest import threads_left
 
 from decoupled_diloco.diloco.messages import Heartbeat, Merged
@@ -122,3 +123,66 @@ def test_an_outbox_flush_waits_at_most_its_timeout_in_all():
     outbox.link = None  # the message is 30 s from arriving: close the link without waiting
     outbox.close(timeout=0.5)
     link.close(timeout=0.1)
+
+
+class _ListLink:
+    def __init__(self):
+        self.sent, self.resets = [], 0
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def reset(self):
+        self.resets += 1
+
+    def flush(self, timeout):
+        return True
+
+    def close(self):
+        pass
+
+
+def test_a_failure_on_the_outbox_thread_reaches_the_learner_at_once():
+    """A failed transfer or encoding ended the outbox thread with a printed traceback only:
+    every later offer, heartbeat and the Leave queued unsent, and the learner's last flush
+    waited its full timeout (600 s) before the run ended as if nothing had happened."""
+
+    def materialize(ticket, host, outer):
+        if ticket == "bad":
+            raise OSError("transfer failed")
+        return ticket
+
+    link = _ListLink()
+    outbox = Outbox(link, materialize, to_host=lambda copies: copies)
+    outbox.offer("bad", {})
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="outbox failed: OSError: transfer failed"):
+        outbox.flush(timeout=30.0)
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(RuntimeError, match="outbox failed"):
+        outbox.send("heartbeat")
+    outbox.close()
+    assert link.sent == []
+
+
+def test_an_offer_in_the_making_when_the_learner_crashes_never_leaves():
+    """`drop` (an emulated crash) emptied the queue but not the offer the thread was making
+    (waiting for its bytes): it went out after the crash, under the dead life, and a round
+    closing before the new life's Join merged it."""
+    entered, release = threading.Event(), threading.Event()
+
+    def to_host(copies):  # the device->host copy of the dead life's fragment
+        entered.set()
+        release.wait(10.0)
+        return copies
+
+    link = _ListLink()
+    outbox = Outbox(link, lambda ticket, host, outer: ticket, to_host)
+    outbox.offer("offer of life 0", {})
+    assert entered.wait(10.0)
+    outbox.drop()
+    release.set()
+    outbox.send("join of life 1")
+    assert outbox.flush(timeout=10.0)
+    assert link.sent == ["join of life 1"] and link.resets == 1
+    outbox.close()

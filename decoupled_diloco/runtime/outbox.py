@@ -33,6 +33,10 @@ class Outbox:
         self.link, self._materialize, self._to_host = link, materialize, to_host
         self.inline = inline
         self._queue: queue.Queue = queue.Queue()
+        # Messages are sent only by the life that queued them (`drop` starts a new one):
+        # the lock makes "still this life? then send" one step against `drop`.
+        self._life, self._lock = 0, threading.Lock()
+        self._error: BaseException | None = None  # what ended the thread's work
         self._thread = None
         if not inline:
             self._thread = threading.Thread(target=self._loop, daemon=True, name="outbox")
@@ -41,16 +45,18 @@ class Outbox:
     def offer(self, ticket, copies: dict, outer: bool = False) -> None:
         """Queues an offer: `ticket` from `Learner.due_offers`, `copies` of its leaves (or,
         `outer`, its outer gradient computed on the devices)."""
+        self._check()
         if self.inline:
             self._send(self._make(ticket, copies, outer))
         else:
-            self._queue.put((ticket, (copies, outer)))
+            self._queue.put((ticket, (copies, outer), self._life))
 
     def send(self, msg) -> None:
+        self._check()
         if self.inline:
             self._send(msg)
         else:
-            self._queue.put((msg, None))
+            self._queue.put((msg, None, self._life))
 
     def flush(self, timeout: float = 600.0, deliver_timeout: float | None = None) -> bool:
         """Blocks until everything queued is on the link (offers materialised: the
@@ -60,9 +66,10 @@ class Outbox:
         deadline = time.monotonic() + timeout
         if not self.inline:
             done = threading.Event()
-            self._queue.put((done, None))
+            self._queue.put((done, None, self._life))
             if not done.wait(timeout):
                 return False
+            self._check()
         if self.link is None:
             return True
         left = deadline - time.monotonic() if deliver_timeout is None else deliver_timeout
@@ -75,22 +82,32 @@ class Outbox:
         included, alive for the life of the process."""
         thread, self._thread = self._thread, None
         if thread is not None:
-            self._queue.put((_CLOSE, None))
+            self._queue.put((_CLOSE, None, None))
         join_thread(thread, timeout, "outbox")
         if self.link is not None:
             self.link.close()
 
     def drop(self) -> None:
-        """The learner's process died: nothing queued here leaves, nothing arrived counts."""
-        try:
-            while True:
-                item, _ = self._queue.get_nowait()
-                if isinstance(item, threading.Event):
-                    item.set()
-        except queue.Empty:
-            pass
-        if self.link is not None:
-            self.link.reset()
+        """The learner's process died: nothing queued here leaves (an offer the thread is
+        making included), nothing arrived counts."""
+        with self._lock:
+            self._life += 1
+            try:
+                while True:
+                    item, _, _ = self._queue.get_nowait()
+                    if isinstance(item, threading.Event):
+                        item.set()
+            except queue.Empty:
+                pass
+            if self.link is not None:
+                self.link.reset()
+
+    def _check(self) -> None:
+        """Raises, on the learner's thread, what ended the outbox thread's work: else the
+        learner's messages would queue behind it unsent for the rest of the run."""
+        if self._error is not None:
+            e = self._error
+            raise RuntimeError(f"the learner's outbox failed: {type(e).__name__}: {e}") from e
 
     def _make(self, ticket, copies: dict, outer: bool = False):
         return self._materialize(ticket, self._to_host(copies), outer)
@@ -101,12 +118,18 @@ class Outbox:
 
     def _loop(self) -> None:
         while True:
-            item, copies = self._queue.get()
+            item, copies, life = self._queue.get()
             if item is _CLOSE:
                 return
             if isinstance(item, threading.Event):
                 item.set()
-            elif copies is not None:
-                self._send(self._make(item, *copies))
-            else:
-                self._send(item)
+                continue
+            if self._error is not None:  # failed: nothing more leaves (`_check` tells)
+                continue
+            try:
+                msg = self._make(item, *copies) if copies is not None else item
+                with self._lock:
+                    if life == self._life:
+                        self._send(msg)
+            except Exception as e:  # (a failed transfer, encoding or link)
+                self._error = e
