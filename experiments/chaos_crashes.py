@@ -77,16 +77,26 @@ def _rows(workdir: pathlib.Path, name: str) -> list[dict]:
     return parse_jsonl(path.read_text(encoding="utf-8"), str(path))
 
 
-def run_with_budget(run, workdir: pathlib.Path, budget_s: float) -> dict:
-    """A local run that is stopped (learners finish as at their last step) at budget_s."""
+def run_with_budget(run, workdir: pathlib.Path, budget_s: float, label: str = "") -> dict:
+    """A local run that is stopped (learners finish as at their last step) at budget_s,
+    with a progress line every tenth of it (at most a minute apart)."""
     rt = LocalRuntime(run, str(workdir), verbose=False)
+    every = min(max(budget_s / 10, 5.0), 60.0)
 
     def stopper():
         while rt.t0 == 0.0:  # run() starts the clock once everything is built
             time.sleep(0.1)
+        shown = 0.0
         while not rt.stop.wait(0.2):
-            if rt.now() >= budget_s:
+            now = rt.now()
+            if now >= budget_s:
                 rt.stop.set()
+            elif now - shown >= every:
+                shown = now
+                steps = "/".join(str(loop.step) for loop in rt.loops)
+                merges = f", merges {rt.log.ledger.merges}" if run.uses_syncer else ""
+                print(f"    {label}: {now:.0f} of {budget_s:.0f} s, learner steps {steps}{merges}",
+                      flush=True)  # fmt: skip
 
     threading.Thread(target=stopper, daemon=True).start()
     return rt.run()
@@ -97,7 +107,7 @@ def run_arm(arm: str, quick: bool, workdir: pathlib.Path, budget_s: float) -> di
         shutil.rmtree(workdir)  # a stale run would be resumed from its checkpoints
     t0 = time.time()
     run = config_lib.validate(make_config(arm, quick))
-    summary = run_with_budget(run, workdir, budget_s)
+    summary = run_with_budget(run, workdir, budget_s, arm)
     # DP evaluates inside its learner (rows of learner 0); Decoupled evaluates the global
     # model (rows of learner "global"); both end with a "global" row.
     curve = sorted(

@@ -25,6 +25,7 @@ from absl import app, flags
 
 harness.define_flags("experiments/results/cross_region", "0,1")
 flags.DEFINE_float("step_s", 1.0, "Step time (s) at which the bandwidth table is computed.")
+flags.register_validator("step_s", lambda s: 0 < s < float("inf"), "--step_s: seconds, > 0")
 M = 4
 FAR_LATENCY_S, FAR_BPS = 0.15, 10e6  # configs/cross_region.py FAR
 PARAMS = {"tiny": (139_840, 12), "gemma_2b": (2_614_636_800, 24)}  # (N, H)

@@ -34,6 +34,8 @@ flags.DEFINE_string("out", "experiments/results/goodput_sensitivity", "Output di
 flags.DEFINE_bool("quick", False, "1 simulated day per cell instead of --horizon_days.")
 flags.DEFINE_float("horizon_days", 4.0, "Simulated days per cell (full mode).")
 flags.DEFINE_integer("seed", 0, "Seed of the failure traces (one per N, shared by all rows).")
+flags.register_validator("horizon_days", lambda d: 0 < d < float("inf"), "--horizon_days: > 0")
+flags.register_validator("seed", lambda s: 0 <= s < 2**63, "--seed: an integer in [0, 2**63)")
 FLAGS = flags.FLAGS
 
 CHIPS = (150_000, 1_200_000, 2_400_000)

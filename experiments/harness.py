@@ -50,7 +50,8 @@ cli.xla_flags()  # before JAX starts: 8 fake CPU devices, no CUDA graphs
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
-from absl import flags, logging  # noqa: E402
+import outputs  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 from arm_config import FULL, QUICK, SMOKE, Arm, build_config, for_cpu_validation  # noqa: E402
 from outputs import results_dir  # noqa: E402
 from tables import (  # noqa: E402
@@ -72,6 +73,7 @@ __all__ = ["FULL", "QUICK", "SMOKE", "Arm", "arm_colors", "by_arm", "eval_curve"
            "loss_ratio", "paired", "plot_bars", "plot_curves", "rows", "stat", "table"]  # fmt: skip
 PROGRESS_EVERY_S = 60.0  # a progress line at least this often, even when steps stall
 PROGRESS_MIN_S = 3.0  # ...and at most this often (a 10% tick of a short run is a blink)
+WARM_UP_WAIT_S = 5.0  # a warm-up learner's final sync waits at most this long
 
 
 def define_flags(default_out: str, default_seeds: str) -> None:
@@ -122,14 +124,11 @@ def seeds() -> list[int]:
 
 
 def parse_seeds(texts: list[str]) -> list[int]:
-    """--seeds as distinct integers >= 0 (ValueError naming the flag otherwise)."""
+    """--seeds as distinct integers >= 0 (a usage error naming the flag otherwise)."""
     try:
-        out = [int(s) for s in texts]
-    except ValueError:
-        raise ValueError(f"--seeds={','.join(texts)}: seeds are integers >= 0") from None
-    if not out or min(out) < 0 or len(set(out)) < len(out):
-        raise ValueError(f"--seeds={','.join(texts)}: give one or more distinct integers >= 0")
-    return out
+        return outputs.parse_seeds(texts)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
 
 
 def extra_overrides() -> dict:
@@ -138,7 +137,7 @@ def extra_overrides() -> dict:
     for item in flags.FLAGS.set:
         key, sep, text = item.partition("=")
         if not sep:
-            raise ValueError(f"--set={item!r}: expected key=value")
+            raise app.UsageError(f"--set={item!r}: expected key=value")
         try:
             out[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
@@ -153,7 +152,7 @@ def selected(arms: list[Arm]) -> list[Arm]:
     match = lambda a, n: a.name == n or a.name.startswith(n + "@")
     unknown = sorted(n for n in names if not any(match(a, n) for a in arms))
     if unknown:
-        raise ValueError(f"--arms: unknown {unknown}; choose from {[a.name for a in arms]}")
+        raise app.UsageError(f"--arms: unknown {unknown}; choose from {[a.name for a in arms]}")
     return [a for a in arms if any(match(a, n) for n in names)] if names else arms
 
 
@@ -185,7 +184,8 @@ def setup() -> pathlib.Path:
 
 
 def check_configs(arms_fn, out: pathlib.Path, quick: dict, full: dict) -> None:
-    """Builds and validates every arm's config in every mode and scale; <out>/configs.json.
+    """Builds and validates every arm's config in every mode and scale; with --out, writes
+    them to <out>/configs.json (never into the published results, the default folder).
 
     TPU-scale configs are validated with their mesh shrunk to this machine's devices
     (arm_config.for_cpu_validation): everything but the device layout is checked.
@@ -212,6 +212,9 @@ def check_configs(arms_fn, out: pathlib.Path, quick: dict, full: dict) -> None:
                 print(f"{scale} {m}: {len(arms)} arms x seeds {seeds()} valid", flush=True)
     finally:
         FLAGS.quick, FLAGS.smoke, FLAGS.scale = saved
+    if not FLAGS["out"].present:
+        print(f"{len(dump)} configs valid (--out=DIR writes them to DIR/configs.json)")
+        return
     out.mkdir(parents=True, exist_ok=True)
     (out / "configs.json").write_text(json.dumps(dump, indent=1, sort_keys=True))
     print(f"wrote {out}/configs.json ({len(dump)} configs)", flush=True)
@@ -269,11 +272,24 @@ def _warm_up(run, rundir: pathlib.Path) -> None:
     compilation cache is warm when the measured run starts. Without it the first seed of
     every arm starts its learners staggered by seconds of compilation, and in asynchronous
     arms that changes who merges with whom, i.e. the result."""
+    import dataclasses
+
     from decoupled_diloco.runtime.local import LocalRuntime
 
     scratch = rundir.with_name(rundir.name + ".warmup")
     shutil.rmtree(scratch, ignore_errors=True)
-    LocalRuntime(run, str(scratch), verbose=False, halt_after=2).run()
+    print("    warming up (compiling; 2 steps, not measured)", flush=True)
+    # A learner that joins late (membership schedules) may come in as the others halt:
+    # its final sync, with no merge coming, would wait the whole diloco.final_wait.
+    diloco = dataclasses.replace(run.diloco, final_wait=min(run.diloco.final_wait, WARM_UP_WAIT_S))
+    run = dataclasses.replace(run, diloco=diloco)
+    t0, verbosity = time.monotonic(), logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)  # (its warnings are the measured run's again)
+    try:
+        LocalRuntime(run, str(scratch), verbose=False, halt_after=2).run()
+    finally:
+        logging.set_verbosity(verbosity)
+    print(f"    warmed up in {time.monotonic() - t0:.0f} s", flush=True)
     gc.collect()  # the warm-up's learners (reference cycles) and their device memory
     shutil.rmtree(scratch, ignore_errors=True)
 
@@ -329,11 +345,14 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
         check_configs(arms_fn, out, quick, full)
         raise SystemExit(0)
     if FLAGS.budget_s < 0:
-        raise ValueError(f"--budget_s={FLAGS.budget_s:g}: a cap in seconds, >= 0 (0: none)")
+        raise app.UsageError(f"--budget_s={FLAGS.budget_s:g}: a cap in seconds, >= 0 (0: none)")
     parse_seeds(FLAGS.seeds)  # even where --smoke or --quick run seed 0 alone
     arms = selected(arms_fn())
     for arm in arms:  # fail fast: a typo in the last arm must not cost the first hour
-        config_lib.validate(config_for(arm, seeds()[0], quick, full))
+        try:
+            config_lib.validate(config_for(arm, seeds()[0], quick, full))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # (--set, --scale)
+            raise app.UsageError(f"arm {arm.name}: {e}") from e
     if FLAGS.smoke and not FLAGS.arms and len(arms) > 2:
         arms = [arms[0], arms[-1]]
     budget = FLAGS.budget_s or (budget_s or {}).get(mode(), 0.0)

@@ -1,7 +1,7 @@
 r"""Experiment 5 — merge rule: plain mean vs RDA (mean on the embedding fragment), M = 8 and 16.
 
-    python experiments/merge_rule.py            # 8 arms x seeds 0,1, 200 steps: ~25 min
-    python experiments/merge_rule.py --quick    # 8 arms, 48 steps, 1 seed: ~5 min
+    python experiments/merge_rule.py            # 8 arms x seeds 0,1, 200 steps: ~27 min
+    python experiments/merge_rule.py --quick    # 8 arms, 48 steps, 1 seed: ~3 min
     python experiments/merge_rule.py --scale=tpu   # TPU slices via Ray (not runnable here)
 
 Runtimes are for an idle 2-core machine (flags: experiments/harness.py).

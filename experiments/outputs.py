@@ -23,3 +23,14 @@ def results_dir(default: str, mode_name: str, given: bool) -> pathlib.Path:
     # (relative to the working directory, as short as that allows: "experiments/results/x"
     # from the checkout, "results/x" from experiments/)
     return pathlib.Path(os.path.relpath(ROOT / path))
+
+
+def parse_seeds(texts: list[str]) -> list[int]:
+    """--seeds as distinct integers >= 0 (ValueError naming the flag otherwise)."""
+    try:
+        out = [int(s) for s in texts]
+    except ValueError:
+        raise ValueError(f"--seeds={','.join(texts)}: seeds are integers >= 0") from None
+    if not out or min(out) < 0 or len(set(out)) < len(out):
+        raise ValueError(f"--seeds={','.join(texts)}: give one or more distinct integers >= 0")
+    return out

@@ -48,6 +48,16 @@ flags.DEFINE_list(
     "outer", [], "Outer lr and momentum of every DiLoCo rung (then without the `outer_lr` "
     "rung). Default: synchronous DiLoCo's (1.0, 0.0), then tiny_decoupled's lr on the last rung.",
 )  # fmt: skip
+
+
+def _outer_ok(values: list[str]) -> bool:
+    try:
+        return not values or (len(values) == 2 and all(float(x) >= 0 for x in values))
+    except ValueError:
+        return False
+
+
+flags.register_validator("outer", _outer_ok, "--outer takes lr,momentum (two numbers >= 0)")
 flags.DEFINE_float(
     "latency_s", 0.0, "One-way link latency of every learner of the DiLoCo rungs (seconds): "
     "replies then land steps late, as when a syncer or a network is slow.",
@@ -111,20 +121,22 @@ def spread(runs) -> str:
 def markdown(results) -> str:
     groups = harness.by_arm(results)
     dp = groups.get("dp", [])
-    body, below = [], None
+    # The rung each one climbs from (the ladder's order, whichever ran: --arms, --smoke).
+    ladder = [a.name for a in arms() if a.name != "dp"]
+    below_of = dict(zip(ladder[1:], ladder[:-1], strict=True))
+    body = []
     for name, runs in groups.items():
         s = [r.summary for r in runs]
-        is_dp = name == "dp"
+        is_dp, below = name == "dp", groups.get(below_of.get(name))
         body.append([
             runs[0].arm.label,
             harness.fmt([x["final_eval_loss"] for x in s]),
             harness.fmt(harness.loss_ratio(runs, dp), 4),
-            "-" if below is None or is_dp else harness.fmt(harness.loss_ratio(runs, below), 4),
+            "-" if below is None else harness.fmt(harness.loss_ratio(runs, below), 4),
             spread(runs),
             "-" if is_dp else harness.fmt([x["mean_learners_per_merge"] for x in s], 2),
             "-" if is_dp else harness.fmt([x.get("dropped_offers", 0) for x in s], 0),
         ])  # fmt: skip
-        below = None if is_dp else runs
     header = ["rung", "final eval loss", "÷ DP", "÷ rung below", "seed spread",
               "learners / merge", "dropped offers"]  # fmt: skip
     if flags.FLAGS.outer:

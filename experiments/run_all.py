@@ -59,6 +59,8 @@ EXPERIMENTS = (
     ("goodput_failures", 5, 14),
 )
 
+SMOKE_MIN = 1  # an experiment's --smoke run, about (plumbing only)
+
 flags.DEFINE_string("out", "experiments/results", "Root folder: <out>/<experiment>/.")
 flags.DEFINE_bool("quick", False, "Every experiment in --quick mode (minutes each).")
 flags.DEFINE_bool("smoke", False, "Every experiment in --smoke mode (plumbing only).")
@@ -77,6 +79,10 @@ def commands() -> list[tuple[str, float, list[str]]]:
     unknown = sorted(set(FLAGS.only + FLAGS.skip) - set(names))
     if unknown:
         raise app.UsageError(f"unknown experiments {unknown}; choose from {names}")
+    try:  # here, not in each experiment after the ones before it ran
+        outputs.parse_seeds(FLAGS.seeds or ["0"])
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     out, mode = [], "smoke" if FLAGS.smoke else "quick" if FLAGS.quick else "full"
     root = outputs.results_dir(FLAGS.out, mode, FLAGS["out"].present)
     for name, quick_min, full_min in EXPERIMENTS:
@@ -87,7 +93,8 @@ def commands() -> list[tuple[str, float, list[str]]]:
         cmd += ["--reuse_other_code"] * FLAGS.reuse_other_code
         cmd += [f"--seeds={','.join(FLAGS.seeds)}"] if FLAGS.seeds else []
         cmd += [f"--scale={FLAGS.scale}"] if FLAGS.scale != "cpu" else []
-        out.append((name, quick_min if FLAGS.quick or FLAGS.smoke else full_min, cmd))
+        minutes = SMOKE_MIN if FLAGS.smoke else quick_min if FLAGS.quick else full_min
+        out.append((name, minutes, cmd))
     return out
 
 
@@ -113,8 +120,9 @@ def main(argv):
         return
     print(f"\nSummary ({mode}, {(time.time() - t0) / 60:.1f} min in all):")
     for name, code, minutes, out in done:
+        wrote = f"{out}/{name}.md (+ .png, .json)" if code == 0 else "-"
         status = "ok" if code == 0 else f"FAILED (exit {code})"
-        print(f"  {name:<22} {status:<18} {minutes:6.1f} min  {out}/{name}.md (+ .png, .json)")
+        print(f"  {name:<22} {status:<18} {minutes:6.1f} min  {wrote}")
     if any(code for _, code, _, _ in done):
         sys.exit(1)
 

@@ -69,21 +69,25 @@ def reach_time(times: list[float]) -> str:
 
 def markdown(results) -> str:
     groups = harness.by_arm(results)
-    target = harness.stat([r.summary["final_eval_loss"] for r in groups["base"]])[0]
+    # The time to the base arm's loss, where the base arm ran (--arms may leave it out).
+    base = groups.get("base")
+    target = harness.stat([r.summary["final_eval_loss"] for r in base])[0] if base else None
     body = []
     for runs in groups.values():
         s = [r.summary for r in runs]
+        reach = [time_to(harness.eval_curve(r), target) for r in runs] if base else None
         body.append(
             [
                 runs[0].arm.label,
-                reach_time([time_to(harness.eval_curve(r), target) for r in runs]),
+                reach_time(reach) if base else "-",
                 harness.fmt([x["final_eval_loss"] for x in s]),
                 harness.fmt([x["tokens"] for x in s], 0),
                 harness.fmt([x["mean_learners_per_merge"] for x in s], 2),
                 harness.fmt([x["wall_seconds"] for x in s], 0),
             ]
         )
-    header = ["arm", f"wall s to loss {target:.3f}", "final eval loss", "tokens",
+    to = f"wall s to loss {target:.3f}" if base else "wall s to the base arm's loss"
+    header = ["arm", to, "final eval loss", "tokens",
               "learners / merge", "wall (s)"]  # fmt: skip
     return f"Scavenging ({harness.mode_note()}).\n\n" + harness.table(header, body)
 
@@ -120,9 +124,9 @@ def main(argv):
     fig, (t, ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     harness.plot_curves(t, results)
     harness.plot_curves(ax, results, x="time")
-    target = harness.stat([r.summary["final_eval_loss"] for r in results if r.arm.name == "base"])
-    for a in (t, ax):
-        a.axhline(target[0], color="k", ls=":", lw=1)
+    base = [r.summary["final_eval_loss"] for r in results if r.arm.name == "base"]
+    for a in (t, ax) if base else ():
+        a.axhline(harness.stat(base)[0], color="k", ls=":", lw=1)
     fig.suptitle("Scavenging: eval loss vs tokens and vs wall time (dotted: target)")
     harness.write(out, "scavenging", markdown(results), fig, results)
 

@@ -341,17 +341,40 @@ def test_inner_lr_sweep_compares_each_arm_at_its_best_lr(tmp_path):
         (["--seeds=0,0"], "--seeds=0,0: give one or more distinct integers >= 0"),
         (["--smoke", "--budget_s=-1"], "--budget_s=-1: a cap in seconds"),
         (["--arms=K4,no_such_arm"], "--arms: unknown ['no_such_arm']"),
+        (["--set=foo"], "--set='foo': expected key=value"),
+        (["--set=diloco.no_such_key=1"], ": diloco.no_such_key is not a known key"),
     ],
 )
 def test_bad_seeds_and_budgets_fail_before_any_run(tmp_path, args, why):
     """They ran: letters as a traceback, a repeated seed as a spread of 0, a negative budget
     stopping every run after one step, with tables written as if valid. Nor is the output
-    folder made for a run refused (an unknown arm left an empty one)."""
+    folder made for a run refused (an unknown arm left an empty one). A usage error, not a
+    traceback."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "experiments" / "quorum_grace.py"), f"--out={out}"]
     proc = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "script, args, why",
+    [
+        ("quality_ladder", ["--outer=0.7"], "--outer takes lr,momentum"),
+        ("cross_region", ["--step_s=0"], "--step_s: seconds, > 0"),
+        ("goodput_sensitivity", ["--horizon_days=0"], "--horizon_days: > 0"),
+        ("run_all", ["--seeds=a", "--quick"], "--seeds=a: seeds are integers >= 0"),
+    ],
+)
+def test_bad_script_flags_are_refused_before_anything_runs(tmp_path, script, args, why):
+    """--outer=0.7 unpacked into a traceback; --step_s=0 divided by zero after every run of
+    cross_region; run_all started each experiment to fail on the same --seeds."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "experiments" / f"{script}.py"), f"--out={out}", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not out.exists(), proc.stderr[-2000:]
 
 
 def test_an_experiments_help_lists_the_flags_it_takes():
@@ -361,3 +384,40 @@ def test_an_experiments_help_lists_the_flags_it_takes():
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     for flag in ("--[no]quick", "--seeds", "--out", "--scale", "--set"):
         assert flag in proc.stdout + proc.stderr, proc.stdout[-2000:]
+
+
+LADDER_TABLE = """
+import sys
+sys.path.insert(0, "experiments")
+sys.argv = ["quality_ladder.py", "--smoke"]
+import quality_ladder as q
+from absl import flags
+from tables import Result
+flags.FLAGS(sys.argv)
+arms = {a.name: a for a in q.arms()}
+loss = {"dp": 1.0, "diloco": 1.2, "streaming": 1.1, "rda": 1.5, "mixing": 1.8}
+summary = lambda v: {"final_eval_loss": v, "mean_learners_per_merge": 4.0,
+                     "dropped_offers": 0, "tokens": 1000}
+print(q.markdown([Result(arms[n], 0, summary(v), None, None) for n, v in loss.items()]))
+"""
+
+
+def test_the_ladders_rung_below_is_the_one_it_climbs_from_or_none():
+    """With rungs left out (--arms, --smoke) "÷ rung below" divided by whichever rung ran
+    before: `+ RDA` by DiLoCo, three rungs down. Only the rung directly below counts."""
+    proc = subprocess.run([sys.executable, "-c", LADDER_TABLE], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {
+        cells[0]: cells
+        for cells in (
+            [c.strip() for c in line.strip("|").split("|")]
+            for line in proc.stdout.splitlines()
+            if line.startswith("| ")
+        )
+    }
+    below = rows["rung"].index("÷ rung below")
+    assert rows["DiLoCo (P=1, K=M, wait)"][below] == "-"
+    assert rows["+ P=6 fragments"][below] == f"{1.1 / 1.2:.4f}"
+    assert rows["+ RDA"][below] == "-"  # its rung below (token weights) did not run
+    assert rows["+ mixing alpha 0.5"][below] == f"{1.8 / 1.5:.4f}"
