@@ -421,3 +421,27 @@ def test_the_ladders_rung_below_is_the_one_it_climbs_from_or_none():
     assert rows["+ P=6 fragments"][below] == f"{1.1 / 1.2:.4f}"
     assert rows["+ RDA"][below] == "-"  # its rung below (token weights) did not run
     assert rows["+ mixing alpha 0.5"][below] == f"{1.8 / 1.5:.4f}"
+
+
+SCAVENGING_TABLE = """
+import sys
+sys.path.insert(0, "experiments")
+sys.argv = ["scavenging.py", "--smoke"]
+import scavenging as s
+from absl import flags
+from tables import Result
+flags.FLAGS(sys.argv)
+arms = {a.name: a for a in s.arms()}
+summary = {"final_eval_loss": 2.0, "tokens": 10, "mean_learners_per_merge": 4.0,
+           "wall_seconds": 9.0}
+print(s.markdown([Result(arms["plus4"], 0, summary, "/nonexistent", None)]))
+"""
+
+
+def test_scavenging_without_its_base_arm_still_writes_its_table():
+    """--arms=plus4 (documented) trained, then failed on the missing base arm's loss."""
+    proc = subprocess.run([sys.executable, "-c", SCAVENGING_TABLE], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith("| M=4 + 4")]
+    assert row.split("|")[2].strip() == "-" and "2.0000" in row
