@@ -253,5 +253,13 @@ def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
         state, meta = None, ckpt.restore_meta()
     data, (host, hosts) = meta["data"], _process()
     if hosts > 1:
-        data = _restore_host_data(ckpt, int(meta["step"]), host)
+        try:
+            data = _restore_host_data(ckpt, int(meta["step"]), host)
+        except FileNotFoundError as e:  # each host's position is its own sub-shard's
+            saved = data.get("num_hosts", 1)
+            raise ValueError(
+                f"{e}: the learner checkpoint was written by {saved} host(s) and this learner "
+                f"spans {hosts}; its hosts' data positions cannot be carried over: resume it "
+                "on a slice of the same topology"
+            ) from None
     return int(meta["step"]), data, int(meta["incarnation"]) + 1, state

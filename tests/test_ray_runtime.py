@@ -111,6 +111,11 @@ def test_tpu_slices_are_found_from_node_resources():
         ray_cluster.learner_hosts(slices, 3, 8)
     with pytest.raises(ValueError, match="devices_per_learner is 16"):
         ray_cluster.learner_hosts(slices, 2, 16)
+    # Learners whose slices span other host counts would read overlapping windows (each
+    # host reads a sub-shard of its learner's shard).
+    mixed = {"dd-0": {"hosts": 2, "chips": 4}, "dd-1": {"hosts": 1, "chips": 8}}
+    with pytest.raises(ValueError, match="different numbers of hosts"):
+        ray_cluster.learner_hosts(mixed, 2, 8)
     assert ray_cluster.syncer_options({"syncer": 1.0}, 2, 3)["resources"] == {"syncer": 0.5}
     assert "resources" not in ray_cluster.syncer_options({"CPU": 2.0}, 1, 3)
     env = ray_cluster.learner_options("cpu", 2, 3)["runtime_env"]["env_vars"]

@@ -240,6 +240,14 @@ def learner_hosts(slices: dict[str, dict], num_learners: int, chips: int) -> lis
                 f"chips in the Ray cluster, devices_per_learner is {chips}: have all its "
                 "hosts joined?"
             )
+    hosts = {layout["slice"]: layout["hosts"] for layout in out}
+    if len(set(hosts.values())) > 1:
+        # Each host of a learner reads a sub-shard of its learner's shard (data/pipeline.py):
+        # learners with other host counts would cut the windows differently and overlap.
+        raise ValueError(
+            f"the learners' TPU slices span different numbers of hosts ({hosts}): every "
+            "learner's slice must have as many hosts (the same topology)"
+        )
     return out
 
 
