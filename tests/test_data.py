@@ -420,6 +420,17 @@ def test_links_pipes_and_odd_spellings_give_each_text_file_once(tmp_path, monkey
         assert any("2 file(s) (not a regular file)" in w for w in warned), warned
     with pytest.raises(ValueError, match="not a regular file"):
         sources.path_files(str(root / "fifo.txt"))
+    # A folder inside the corpus and a link to it that sorts first: named without the link
+    # whichever way the corpus is typed (the folder's walk named it through the link, the
+    # glob without, so the two spellings held out other files).
+    both = _write_corpus(tmp_path / "both", num_files=0)
+    _write_corpus(both / "z_real", num_files=2)
+    (both / "a_link").symlink_to(both / "z_real", target_is_directory=True)
+    for spelling in (str(both), str(both / "**" / "*.txt")):
+        warned.clear()
+        names = [n for n, _ in sources.path_files(spelling)]
+        assert names == ["z_real/doc00.txt", "z_real/doc01.txt"], spelling
+        assert any("reached twice" in w for w in warned), warned
     odd = _write_corpus(tmp_path / "data[1]", num_files=1)  # a name that reads as a glob
     assert [n for n, _ in sources.path_files(str(odd))] == ["doc00.txt"]
 

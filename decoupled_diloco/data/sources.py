@@ -167,17 +167,19 @@ def _once_each(files: list, twice: list[str]) -> list:
 
 def _files_below(root: epath.Path) -> list[tuple[str, epath.Path]]:
     """(path relative to `root`, path) of every file below the folder `root`, hidden files
-    and folders (".name") left out, symlinked folders followed once (a link loop is not
-    gone round); local or remote."""
+    and folders (".name") left out, symlinked folders followed (a link loop is not gone
+    round; a folder reached twice lists its files twice, which `_once_each` names once,
+    by the name without a link); local or remote."""
     out = []
     if not paths.is_remote(root):
-        visited = set()
+        chains: dict[str, frozenset] = {}  # folder -> the real folders from root down to it
         for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
             real = os.path.realpath(dirpath)
-            if real in visited:  # reached again through a link: already listed
+            above = chains.get(os.path.dirname(dirpath), frozenset())
+            if real in above:  # a link to a folder above it: a loop
                 dirnames[:] = []
                 continue
-            visited.add(real)
+            chains[dirpath] = above | {real}
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # (walk order)
             for name in filenames:
                 p = pathlib.Path(dirpath, name)
