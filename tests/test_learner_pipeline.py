@@ -85,6 +85,28 @@ def test_prefetch_raises_a_readers_error_at_the_batch_it_belongs_to():
     assert ahead.get_state() == {"i": 3}
 
 
+def test_prefetch_retries_a_batch_whose_placement_failed():
+    """A failed `put` (placing a batch on the devices) left the reader past that batch: the
+    retry the docstring promises read the next one, and the failed batch was lost."""
+    plain, calls = _iterator(), []
+
+    def put(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("transient device error")
+        return batch
+
+    ahead = Prefetch(_iterator(), depth=2, put=put)
+    want = [next(plain) for _ in range(5)]
+    got = [next(ahead), next(ahead)]
+    with pytest.raises(RuntimeError, match="transient"):
+        next(ahead)
+    got += [next(ahead), next(ahead), next(ahead)]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    ahead.close()
+
+
 def test_prefetch_rejects_a_depth_below_one():
     with pytest.raises(ValueError, match="depth"):
         Prefetch(_iterator(), depth=0)

@@ -56,7 +56,8 @@ class Prefetch:
             self.wait_seconds += time.perf_counter() - t0
         if isinstance(item, _Failure):
             self._thread.join()
-            self._thread = None  # a later next() retries from the failed position
+            self._thread = None  # a later next() retries from the failed position:
+            self._source.set_state(self._state)  # (the reader had gone past it)
             raise item.error
         batch, self._state = item
         return batch
