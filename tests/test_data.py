@@ -670,3 +670,22 @@ def test_bad_iterator_arguments(path_cfg):
         make_iterator(path_cfg, "train", 1, shard_index=2, num_shards=2)
     with pytest.raises(ValueError, match="data.seq_len"):
         make_iterator(dataclasses.replace(path_cfg, seq_len=10**6), "train", 1)
+
+
+def test_a_nul_inside_a_text_does_not_split_its_document(tmp_path, monkeypatch):
+    """NUL is the byte tokenizer's document separator; the binary sniff reads a file's first
+    8 KB only, and JSON may spell it "\\u0000": inside a text it ended its document early."""
+    warned = []
+    monkeypatch.setattr(sources.logging, "warning", lambda msg, *a: warned.append(msg % a))
+    (tmp_path / "late.txt").write_bytes(b"a" * 9000 + b"\0tail\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "x\\u0000y"}\n{"text": "z"}\n')
+    files = sources.path_files(str(tmp_path))
+    assert [n for n, _ in files] == ["b.jsonl", "late.txt"]  # late.txt reads as text
+    docs = sources.read_documents(files)
+    assert [d.text[-6:] for d in docs] == ["x\ufffdy", "z", "\ufffdtail\n"]
+    assert "2 corpus file(s) hold NUL characters (the document separator): 2 read" in warned[-1]
+    from decoupled_diloco.data.corpus import pack
+    from decoupled_diloco.data.tokenizer import ByteTokenizer
+
+    packed = pack(ByteTokenizer(), [d.text for d in docs])
+    assert int((packed == ByteTokenizer.eos_id).sum()) == len(docs)

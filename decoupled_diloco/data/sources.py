@@ -255,7 +255,7 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
     max_bytes > 0 stops after that many bytes, cutting the last document, so a truncated
     corpus is a prefix of the full one. A JSON Lines file (`.jsonl`, `.jsonl.gz`) holds one
     document per line, its "text" field, named `<file>:<line>`."""
-    docs, total, invalid = [], 0, []
+    docs, total, invalid, nul = [], 0, [], []
     for name, path in files:
         try:
             data = path.read_bytes()
@@ -267,6 +267,7 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
         if cut:
             data = data[: max_bytes - total]
         text, bad = _decode(data, cut)
+        first = len(docs)
         if name.removesuffix(".gz").endswith(".jsonl"):
             lines, lone = _json_lines(name, text, cut)
             docs += lines
@@ -275,6 +276,12 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
             docs.append(Document(name, text))
         if bad:
             invalid.append((name, bad))
+        # NUL separates documents in the byte tokenizer's stream: one inside a text (past
+        # the binary sniff's first 8 KB, or a JSON "\u0000") would end its document there.
+        held = sum(d.text.count("\0") for d in docs[first:])
+        if held:
+            docs[first:] = [Document(d.name, d.text.replace("\0", "\ufffd")) for d in docs[first:]]
+            nul.append((name, held))
         total += len(data)
         if max_bytes and total >= max_bytes:
             break
@@ -283,6 +290,11 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
             "%d corpus file(s) are not valid UTF-8: %d byte sequence(s) read as U+FFFD, e.g. "
             "in %s (the text is kept, the bad bytes are not)",
             len(invalid), sum(n for _, n in invalid), invalid[0][0],
+        )  # fmt: skip
+    if nul:
+        logging.warning(
+            "%d corpus file(s) hold NUL characters (the document separator): %d read as "
+            "U+FFFD, e.g. in %s", len(nul), sum(n for _, n in nul), nul[0][0],
         )  # fmt: skip
     return docs
 
