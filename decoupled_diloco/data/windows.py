@@ -1,8 +1,9 @@
 """Window streams: where the [seq_len + 1]-token training windows of one shard come from.
 
 Window k of a token stream holds tokens [k·L, k·L + L] (L = seq_len): consecutive windows
-share one token, so every token is a prediction target exactly once. Each stream's state is
-a few ints and resumes exactly.
+share one token, so every token after the first is a prediction target exactly once per
+epoch, up to the last whole window (the fewer than L tokens after it never are: the end of
+the stream's last document). Each stream's state is a few ints and resumes exactly.
 """
 
 from collections.abc import Callable
