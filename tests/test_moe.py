@@ -83,14 +83,34 @@ def test_dispatch_drops_assignments_beyond_capacity():
     np.testing.assert_array_equal(kept[0, :, 0], [True, True, False, True])
 
 
-def test_first_choices_claim_slots_before_second_choices():
-    # Token 0 prefers expert 0, token 1 prefers expert 1; one slot each: both second choices
-    # drop, although token 0's second choice comes earlier in token order.
+def test_slots_go_in_position_order_so_no_token_depends_on_later_ones():
+    # Token 0 prefers expert 0, token 1 prefers expert 1; one slot each: token 0 takes both
+    # its choices, token 1 finds both full. (First choices before second choices, GShard's
+    # order, gave token 1's first choice the slot token 0's second needed: whether token 0
+    # kept it depended on token 1.)
     experts_BTk = jnp.array([[[0, 1], [1, 0]]])
     gates_BTk = jnp.array([[[0.7, 0.3], [0.6, 0.4]]])
     dispatch, combine, kept = dispatch_and_combine(experts_BTk, gates_BTk, 2, capacity=1)
-    np.testing.assert_array_equal(kept, [[[True, False], [True, False]]])
-    np.testing.assert_allclose(combine[0, :, :, 0], [[0.7, 0.0], [0.0, 0.6]])
+    np.testing.assert_array_equal(kept, [[[True, True], [False, False]]])
+    np.testing.assert_allclose(combine[0, :, :, 0], [[0.7, 0.3], [0.0, 0.0]])
+
+
+def test_a_capacity_moe_models_logits_do_not_depend_on_later_tokens():
+    """tiny_moe with its default capacity (k = 2, 1.25): changing the second half of a row
+    moved the first half's logits by up to 0.2 (a causal LM loss that saw the future)."""
+    from decoupled_diloco import models
+
+    cfg = models.get_model_config("tiny_moe")
+    assert cfg.capacity_factor > 0 and cfg.experts_per_token == 2
+    params = models.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, cfg.vocab_size, (2, 32))
+    b = a.copy()
+    b[:, 16:] = rng.integers(0, cfg.vocab_size, (2, 16))
+    logits_a, aux = models.forward(cfg, params, jnp.asarray(a))
+    logits_b, _ = models.forward(cfg, params, jnp.asarray(b))
+    assert float(aux["dropped_fraction"]) > 0  # capacity binds: the case this is about
+    np.testing.assert_array_equal(logits_a[:, :16], logits_b[:, :16])
 
 
 def test_dispatch_slots_are_used_at_most_once_and_combine_carries_gates():

@@ -6,7 +6,10 @@
 Every layer keeps the keys and values of all positions so far ([B, S, K, G], S = the longest
 prompt + max_new_tokens); a step writes the new token's into slot t and attends to slots
 <= t (local layers: the last `sliding_window` of them), exactly the masks of training, with
-the same soft-caps and MoE routing. Prompts of different lengths share one batch: the
+the same soft-caps and MoE routing. (With expert capacity, `capacity_factor` > 0, each call
+routes its own tokens into fresh buffers sized for them: a step's token is never dropped,
+where the training forward, a whole sequence sharing the buffers, may drop it; dropless
+MoE decodes exactly.) Prompts of different lengths share one batch: the
 common prefix is prefilled in one pass, then every sequence advances one position per step,
 taking its own prompt token while it has one and its sample after that.
 """

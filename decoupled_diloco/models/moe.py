@@ -13,8 +13,12 @@ so validation rejects that pair); "full_softmax" (Switch) uses the full-softmax 
 each chosen expert, not renormalised.
 
 Capacity path (capacity_factor > 0), GShard/Switch style with one-hot masks and einsums.
-Within a group, assignments claim buffer slots in priority order: every token's first choice
-before any token's second choice, ties by position. Assignments beyond capacity are dropped;
+Within a group, assignments claim buffer slots in position order, each token's k choices
+(best first) before the next token's, so whether a token is dropped depends on the tokens
+before it only: the loss stays causal. (GShard's order, every token's first choice before
+any token's second, let a later token's first choice take the slot an earlier token's
+second choice needed, changing the earlier position's output: future tokens leaked into
+past logits.) Assignments beyond capacity are dropped;
 their gate weight is not renormalised, so a fully dropped token passes through the residual
 only. Under expert parallelism the dispatched [B, E, C, D] tensors are pinned to experts on
 the `expert` mesh axis and rows on the data axes (`sharding.constrain`), so XLA moves tokens
@@ -97,10 +101,10 @@ def dispatch_and_combine(
     """
     B, T, k = experts_BTk.shape
     choice_BTkE = jax.nn.one_hot(experts_BTk, num_experts, dtype=jnp.int32)
-    # Rank-major order so first choices claim slots before second choices.
-    choice_BXE = choice_BTkE.transpose(0, 2, 1, 3).reshape(B, k * T, num_experts)
+    # Position-major order (the module doc): a token's slots depend on earlier tokens only.
+    choice_BXE = choice_BTkE.reshape(B, T * k, num_experts)
     slot_BXE = jnp.cumsum(choice_BXE, axis=1) - 1
-    slot_BTkE = slot_BXE.reshape(B, k, T, num_experts).transpose(0, 2, 1, 3)
+    slot_BTkE = slot_BXE.reshape(B, T, k, num_experts)
     slot_BTk = jnp.sum(slot_BTkE * choice_BTkE, axis=-1)
     kept_BTk = slot_BTk < capacity
     slot_onehot_BTkC = jax.nn.one_hot(slot_BTk, capacity) * kept_BTk[..., None]
