@@ -386,7 +386,7 @@ cfg = models.get_model_config("tiny")
 mesh = sharding.make_mesh(jax.devices()[:8])
 rng = np.random.default_rng(0)
 batches = [rng.integers(0, 256, (32, 129), dtype=np.int32) for _ in range(100)]
-ev = Evaluator(cfg, DataConfig(), mesh, 32, 0, batches, [1.0] * 100)
+ev = Evaluator(cfg, DataConfig(), mesh, 32, 0, batches)
 params = models.init_params(cfg, jax.random.key(0))
 print("loss", ev(params))
 """

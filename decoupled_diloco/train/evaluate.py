@@ -45,7 +45,7 @@ class Evaluator:
             row_weights = first_reads(batches, it.windows_per_epoch)
         if row_weights is None:
             row_weights = [np.ones(len(b), np.float32) for b in batches]
-        if [len(w) for w in row_weights] != [len(b) for b in batches]:
+        if [np.size(w) for w in row_weights] != [len(b) for b in batches]:
             raise ValueError("row_weights must hold one weight per row of each batch")
         self.batches = batches
         self.row_weights = [np.asarray(w, np.float32) for w in row_weights]
