@@ -186,3 +186,25 @@ def test_an_offer_in_the_making_when_the_learner_crashes_never_leaves():
     assert outbox.flush(timeout=10.0)
     assert link.sent == ["join of life 1"] and link.resets == 1
     outbox.close()
+
+
+def test_a_dead_lifes_offer_failing_does_not_fail_the_next_life():
+    """An offer of a life that crashed (emulated) may fail as its device state goes: that
+    is not the next life's outbox failing."""
+    entered, release = threading.Event(), threading.Event()
+
+    def to_host(copies):
+        entered.set()
+        release.wait(10.0)
+        raise RuntimeError("buffer deleted")
+
+    link = _ListLink()
+    outbox = Outbox(link, lambda ticket, host, outer: ticket, to_host)
+    outbox.offer("offer of life 0", {})
+    assert entered.wait(10.0)
+    outbox.drop()
+    release.set()
+    outbox.send("join of life 1")
+    assert outbox.flush(timeout=10.0)
+    assert link.sent == ["join of life 1"]
+    outbox.close()

@@ -132,4 +132,5 @@ class Outbox:
                     if life == self._life:
                         self._send(msg)
             except Exception as e:  # (a failed transfer, encoding or link)
-                self._error = e
+                if life == self._life:  # (a dead life's offer may fail with its devices)
+                    self._error = e
