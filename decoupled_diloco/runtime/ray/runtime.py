@@ -87,6 +87,9 @@ class RayRuntime:
         self.fates = failures.LearnerFates(M, rc.max_same_failures, rc.max_restarts, self.log)
         self.lost = self.fates.out  # learners out of the run for good: lost or stopped
         self.pids: dict[tuple, tuple[int, str]] = {}  # (role, index, host) -> (pid, node)
+        # Learner processes this driver took down itself (a scheduled crash, or the rest of
+        # a slice one of whose hosts restarted): their next pid is expected, not a failure.
+        self._restarting: set[tuple] = set()
         self._pending: dict[tuple, object] = {}  # in-flight poll per actor
         self._fault_t = 0.0
         self.run_id: str | None = None  # set when the actors launch (and the clock starts)
@@ -322,10 +325,16 @@ class RayRuntime:
         old = self.pids.get(key)
         self.pids[key] = (pid, node)
         role, m, host = key
-        if role != "learner" or old is None or old[0] == pid or self.hosts[m] == 1:
+        if role != "learner" or old is None or old[0] == pid:
+            return
+        if key in self._restarting:
+            # Restarted because this driver took it down (with its slice): restarting its
+            # siblings again would take this one down once more, and so on without end.
+            self._restarting.discard(key)
             return
         for h in range(self.hosts[m]):
             if h != host:
+                self._restarting.add(("learner", m, h))
                 ray.kill(self.learners[(m, h)], no_restart=False)
 
     def _eval_learner(self) -> int | None:
@@ -368,6 +377,8 @@ class RayRuntime:
 
     def _kill(self, key: tuple, actor) -> None:
         """SIGKILL the actor's process: by pid on this node, through Ray elsewhere."""
+        if key[0] == "learner":
+            self._restarting.add(key)
         pid, node = self.pids.get(key, (None, None))
         if pid is not None and node == ray.get_runtime_context().get_node_id():
             try:
