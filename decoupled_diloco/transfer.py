@@ -53,16 +53,25 @@ def to_device(
     return out
 
 
-def batch_to_device(rows: np.ndarray, sharding: jax.sharding.NamedSharding) -> jax.Array:
+def batch_to_device(
+    rows: np.ndarray, sharding: jax.sharding.NamedSharding, global_rows: int | None = None
+) -> jax.Array:
     """A learner's global batch from this host's rows.
 
     Each host of a multi-host learner reads only its own rows (data/pipeline.py, one row
     block per host): `rows` is [B / hosts, ...] and the global array [B, ...] is assembled
-    from every host's rows without any host holding the others'. With one process (every
-    learner of the local runtime) `rows` is the whole batch.
+    from every host's rows without any host holding the others'. With one process `rows`
+    is the whole batch. `global_rows`: B, checked (ValueError: the hosts' rows would make
+    another batch, e.g. each host read all of it).
     """
     hosts = len({d.process_index for d in sharding.mesh.devices.flat})
     global_shape = (rows.shape[0] * hosts, *rows.shape[1:])
+    if global_rows is not None and global_shape[0] != global_rows:
+        raise ValueError(
+            f"{rows.shape[0]} rows on each of the learner's {hosts} hosts make a batch of "
+            f"{global_shape[0]} rows, not train.batch_size={global_rows}: each host must "
+            "read only its own rows (data.make_iterator's host_index and num_hosts)"
+        )
     if hosts > 1:
         _check_rows_split_by_process(sharding, global_shape)
     return jax.make_array_from_process_local_data(sharding, np.asarray(rows), global_shape)

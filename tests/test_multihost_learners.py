@@ -78,3 +78,20 @@ def test_a_scheduled_crash_of_a_slice_restarts_each_host_once(monkeypatch):
     for _ in range(4):
         _poll(driver)
     assert kills == []
+
+
+def test_the_hosts_rows_must_make_the_configured_batch():
+    """A host that read the whole batch where it should read its rows (the distributed
+    data-parallel baseline did: every process read all B rows, a batch of B x hosts
+    duplicated rows) fails its first step by name."""
+    import jax
+    import numpy as np
+
+    from decoupled_diloco import sharding, transfer
+
+    mesh = sharding.make_mesh(jax.devices()[:2], sharding.MeshConfig())
+    rows = np.zeros((8, 5), np.int32)
+    batch = transfer.batch_to_device(rows, sharding.batch_sharding(mesh), global_rows=8)
+    assert batch.shape == (8, 5)
+    with pytest.raises(ValueError, match="train.batch_size=16: each host must read only"):
+        transfer.batch_to_device(rows, sharding.batch_sharding(mesh), global_rows=16)

@@ -149,7 +149,10 @@ class LocalRuntime:
                     m,
                     run,
                     self._replica(run.model, run.train, self.meshes[m]),
-                    make_iterator(run.data, "train", run.train.batch_size, m, M),
+                    # One learner over every process of a `distributed.*` world (the
+                    # data-parallel baseline): each process reads its own rows of the batch.
+                    make_iterator(run.data, "train", run.train.batch_size, m, M,
+                                  jax.process_index(), jax.process_count()),  # fmt: skip
                     self.plan,
                     link,
                     self.schedule,

@@ -35,6 +35,7 @@ class Replica:
 
     def __init__(self, model_cfg: models.ModelConfig, train_cfg: optim.TrainConfig, mesh):
         self.model_cfg, self.mesh = model_cfg, mesh
+        self.batch_size = train_cfg.batch_size  # the global batch, over the learner's hosts
         self.optimizer = optim.make_inner_optimizer(train_cfg)
         learning_rate = optim.state_learning_rate(train_cfg)
         abstract = models.param_shapes(model_cfg)
@@ -131,7 +132,7 @@ class Replica:
     def put_batch(self, batch: np.ndarray) -> jax.Array:
         """This host's rows of a batch [B / hosts, T + 1] (all of it on one host) placed
         as the global batch with the step's batch sharding (transfer.batch_to_device)."""
-        return transfer.batch_to_device(batch, self.batch_sharding)
+        return transfer.batch_to_device(batch, self.batch_sharding, self.batch_size)
 
     def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host fragment members placed with their parameters' shardings (a merge staged
