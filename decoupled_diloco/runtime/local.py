@@ -134,6 +134,7 @@ class LocalRuntime:
         self.learner_inboxes: dict[int, queue.Queue] = {}
         sink = _Sink(self)
         self.loops: list[LearnerLoop] = []
+        process = (jax.process_index(), jax.process_count())
         for m in range(M):
             link = None
             if run.uses_syncer:
@@ -151,8 +152,7 @@ class LocalRuntime:
                     self._replica(run.model, run.train, self.meshes[m]),
                     # One learner over every process of a `distributed.*` world (the
                     # data-parallel baseline): each process reads its own rows of the batch.
-                    make_iterator(run.data, "train", run.train.batch_size, m, M,
-                                  jax.process_index(), jax.process_count()),  # fmt: skip
+                    make_iterator(run.data, "train", run.train.batch_size, m, M, *process),
                     self.plan,
                     link,
                     self.schedule,
