@@ -346,6 +346,13 @@ class FaultSchedule:
         since = _since(self.member_windows[learner], t + self.offset)
         return None if since is None else since - self.offset
 
+    def changes(self, learner: int) -> bool:
+        """Whether `is_up` of the learner may change in time: it has a membership window
+        other than the whole run, or a crash outage, scheduled or already placed."""
+        with self._lock:
+            always = self.member_windows[learner] == [(0.0, math.inf)]
+            return not always or bool(self.down[learner])
+
     def is_up(self, learner: int, t: float) -> bool:
         """Alive (not between a crash and its restart) and a member at time t."""
         return self.is_member(learner, t) and self.down_since(learner, t) is None

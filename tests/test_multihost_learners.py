@@ -4,6 +4,7 @@ every wall-clock decision (each decision is a collective they must all make), an
 global batch that their rows make."""
 
 import itertools
+import threading
 
 import pytest
 
@@ -95,3 +96,127 @@ def test_the_hosts_rows_must_make_the_configured_batch():
     assert batch.shape == (8, 5)
     with pytest.raises(ValueError, match="train.batch_size=16: each host must read only"):
         transfer.batch_to_device(rows, sharding.batch_sharding(mesh), global_rows=16)
+
+
+# --- the hosts of one learner: every wall-clock decision is host 0's ------------------
+class _Slice:
+    """The collectives of a 2-host learner, one thread per host: each host's receive and
+    agree is a broadcast of host 0's value that both must make, in the same order (a
+    host going round a loop once more than the other waits in vain: a hang on a slice)."""
+
+    def __init__(self):
+        self.barrier = threading.Barrier(2, timeout=10)
+        self.value, self.calls = None, [[], []]
+
+    def broadcast(self, host: int, kind: str, value):
+        self.calls[host].append(kind)
+        if host == 0:
+            self.value = (kind, value)
+        self.barrier.wait()
+        kind0, out = self.value
+        self.barrier.wait()  # both have read it before host 0 sets the next one
+        assert kind0 == kind, f"host {host} {kind} met host 0's {kind0}"
+        return out
+
+
+class _HostLink:
+    """One host's end of a learner whose syncer never answers (its offers stay in flight):
+    the outbox and link `finish` and `step_boundary` use, over the shared `_Slice`. Each
+    receive costs its timeout on this host's clock, plus `extra` (a slower host)."""
+
+    def __init__(self, host: int, group: _Slice, clock: dict, extra: float = 0.0):
+        self.host, self.group, self.clock, self.extra = host, group, clock, extra
+        self.link = self
+
+    def offer(self, ticket, copies) -> None:
+        pass
+
+    def send(self, msg) -> None:
+        pass
+
+    def flush(self, timeout: float = 600.0, deliver_timeout: float | None = None) -> bool:
+        return True
+
+    def receive(self, timeout: float) -> list:
+        assert self.clock["t"] < 100.0, "the wait never ended"
+        self.clock["t"] += timeout + self.extra
+        return self.group.broadcast(self.host, "receive", [])
+
+    def agree(self, decision: bool) -> bool:
+        return self.group.broadcast(self.host, "agree", bool(decision))
+
+
+def _on_two_hosts(body) -> _Slice:
+    """Runs body(host, group) on two threads; re-raises the first host's failure."""
+    group, errors = _Slice(), []
+
+    def run(host):
+        try:
+            body(host, group)
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(h,)) for h in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return group
+
+
+def test_the_hosts_of_a_learner_end_their_final_sync_together():
+    """The final sync waits up to final_wait from after the learner's last save, going
+    round a receive at a time; each host saves its share and receives in its own time: by
+    its own clock the faster one would go round more often."""
+    from test_learner_protocol import Scripted
+
+    from decoupled_diloco.runtime.boundary import finish
+
+    def body(host, group):
+        s = Scripted(final_sync=True, final_wait=3.0)
+        for _ in range(3):
+            s.step()
+        s.proto.frags[0].in_flight, s.proto.frags[0].wanted = None, True
+        link = _HostLink(host, group, s.clock, extra=0.1 * host)
+        save = lambda: s.clock.__setitem__("t", s.clock["t"] + 0.5 * host)  # noqa: E731
+        finish(s.proto, s.replica, link, link.receive, lambda: s.clock["t"], on_left=save,
+               agree=link.agree)  # fmt: skip
+
+    group = _on_two_hosts(body)
+    assert group.calls[0] == group.calls[1] and group.calls[0].count("receive") >= 10
+
+
+def test_the_hosts_of_a_learner_wait_for_a_merge_alike():
+    """A boundary waiting up to max_wait for its merge: the slower host's clock runs ahead."""
+    from test_learner_protocol import Scripted
+
+    from decoupled_diloco.runtime.boundary import step_boundary
+
+    def body(host, group):
+        s = Scripted(max_wait=2.0)
+        link = _HostLink(host, group, s.clock, extra=1.5 * host)
+        for _ in range(2):
+            s.replica.step()
+            s.proto.stepped()
+        step_boundary(s.proto, s.replica, link, link.receive, lambda: s.clock["t"],
+                      agree=link.agree)  # fmt: skip
+        assert s.proto.unresolved() == [0]
+
+    group = _on_two_hosts(body)
+    assert group.calls[0] == group.calls[1] and group.calls[0].count("receive") >= 2
+
+
+def test_a_learner_agrees_on_its_membership_only_where_the_schedule_moves_it():
+    """Each step of a multi-host learner asks its hosts to agree on whether it is up (a
+    broadcast) only when that can change in time: a crash or a membership window."""
+    from decoupled_diloco.fault_spec import FaultSpec
+    from decoupled_diloco.faults import FaultSchedule
+
+    quiet = FaultSchedule(FaultSpec(), 3, 3600.0)
+    assert not any(quiet.changes(m) for m in range(3))
+    busy = FaultSchedule(FaultSpec(crashes=((1, 50.0),), membership=((2, 10.0, 90.0),)), 3,
+                         3600.0)  # fmt: skip
+    assert [busy.changes(m) for m in range(3)] == [False, True, True]

@@ -37,6 +37,12 @@ class LearnerLink(abc.ABC):
         """The learner is done with the link: what was handed over is still delivered,
         then the link's threads end (idempotent; nothing is sent after)."""
 
+    def agree(self, decision: bool) -> bool:
+        """The learner's decision at a wall-clock check (a wait ran out, a deadline passed):
+        this host's own here; the hosts of a multi-host learner take host 0's, since each
+        branch issues collectives (receives, offers) every host must issue alike."""
+        return decision
+
 
 class SyncerLink(abc.ABC):
     """The syncer's end."""

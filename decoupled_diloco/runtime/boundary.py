@@ -260,13 +260,14 @@ def beat(proto: Learner, outbox: Outbox) -> None:
 
 
 def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock, stager=None,
-                  defer: bool = True, stopping=None) -> float:  # fmt: skip
+                  defer: bool = True, stopping=None, agree=bool) -> float:  # fmt: skip
     """A step boundary; waits up to `diloco.max_wait` for merges of offers past s + τ
     (`defer`: see `apply_and_beat`), heartbeating meanwhile (a learner waiting longer
     than `diloco.heartbeat_timeout` for a round is alive, and its offers stay valid);
     `stopping()` true ends the wait (the run is interrupted: the learner goes on to its
-    final offers and leaves, so no round waits for it). Returns the seconds spent
-    waiting."""
+    final offers and leaves, so no round waits for it). `agree`: the link's
+    (`LearnerLink.agree`; the hosts of a learner go round the wait alike). Returns the
+    seconds spent waiting."""
     offer_and_receive(proto, replica, outbox, receive, stager)
     waited, limit = 0.0, proto.cfg.wait_seconds
     if limit > 0 and proto.unresolved():
@@ -274,10 +275,13 @@ def step_boundary(proto: Learner, replica, outbox: Outbox, receive, clock, stage
         # below is time the device really idles, not this step's compute.
         replica.ready()
         start = clock()
-        while proto.unresolved() and clock() - start < limit:
-            if stopping is not None and stopping():
-                break
-            handle(proto, replica, receive(min(limit - (clock() - start), 1.0)), stager)
+        while agree(
+            proto.unresolved()
+            and clock() - start < limit
+            and not (stopping is not None and stopping())
+        ):
+            handle(proto, replica, receive(max(min(limit - (clock() - start), 1.0), 0.0)),
+                   stager)  # fmt: skip
             beat(proto, outbox)
         waited = clock() - start
     apply_and_beat(proto, replica, outbox, stager, defer)
@@ -291,7 +295,8 @@ def final_offers(proto: Learner, replica, outbox: Outbox) -> None:
 
 
 def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bool = True,
-           offer_work: bool = True, on_left=None, bounded: bool = True) -> bool:  # fmt: skip
+           offer_work: bool = True, on_left=None, bounded: bool = True,
+           agree=bool) -> bool:  # fmt: skip
     """Training is over (`finished`: the step budget is done; else the learner leaves the
     membership). With `diloco.final_sync` every step of its work reaches Θ: it offers all
     unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
@@ -306,7 +311,8 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     the wait for the link to deliver them once they are materialised (a link too slow for
     its offers held a run for minutes past final_wait); what is still on its way is left to
     the link. Not `bounded` (a learner leaving the membership, whose outbox is dropped
-    next): the outbox's own flush timeout."""
+    next): the outbox's own flush timeout. `agree`: as for `step_boundary` (each host's
+    save in `on_left` takes its own time, and so would its deadline)."""
     cfg = proto.cfg
     sync = cfg.final_sync and offer_work
     # A merge deferred at the last boundary (not yet placed) first: it resolves the offer it
@@ -319,7 +325,7 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
         on_left()
     lives = proto.resyncs
     deadline = clock() + cfg.final_wait
-    while sync and (proto.in_flight() or proto.retrying()) and clock() < deadline:
+    while agree(sync and (proto.in_flight() or proto.retrying()) and clock() < deadline):
         apply_updates(replica, proto.handle(receive(0.2)))
         if proto.resyncs != lives:
             # A restored syncer: its checkpoint may predate our Leave, and the offers we

@@ -193,7 +193,10 @@ class LearnerLoop:
                 e.kind == "crash" and e.learner == m for e in self.schedule.events_between(seen, t)
             )
             seen = t
-            if fired or missed or not self.schedule.is_up(m, t):
+            down = fired or missed or not self.schedule.is_up(m, t)
+            if self.link is not None and self.schedule.changes(m):
+                down = self.link.agree(down)  # a multi-host learner's hosts: host 0's clock
+            if down:
                 diverged = self._read(unread, keep=0)
                 if not self._down(t, diverged, crash=fired or missed):
                     self.sink.finished(m, t)  # left for good (scavenging): no longer allocated
@@ -330,7 +333,7 @@ class LearnerLoop:
         snapshots, early = [], []
         deadline = self.clock() + cfg.join_timeout
         while len(Learner.covered(snapshots)) < self.plan.num_fragments:
-            if self.clock() > deadline:
+            if self.link.agree(self.clock() > deadline):
                 raise TimeoutError(f"learner {self.m}: no snapshot from the syncer")
             for msg in self._receive(0.5):
                 (snapshots if isinstance(msg, Snapshot) else early).append(msg)
@@ -391,7 +394,7 @@ class LearnerLoop:
         # all of its hosts: it does not defer one its own stager has not placed yet.
         self.times.merge_wait += step_boundary(
             self.proto, self.replica, self.outbox, self._receive, self.clock, self.stager,
-            defer=not self.outbox.inline, stopping=self._stopping,
+            defer=not self.outbox.inline, stopping=self._stopping, agree=self.link.agree,
         )  # fmt: skip
 
     def _stopping(self) -> bool:
@@ -407,7 +410,7 @@ class LearnerLoop:
         last = offer_work and (finished or self.interrupted)
         delivered = finish(self.proto, self.replica, self.outbox, self._receive, self.clock,
                            finished, offer_work, on_left=self.save if last else None,
-                           bounded=bounded)  # fmt: skip
+                           bounded=bounded, agree=self.link.agree)  # fmt: skip
         left, cfg = self.proto.unmerged_steps(), self.run_cfg.diloco
         if not delivered:
             # Its link had not delivered them when diloco.final_wait ran out (a link too slow

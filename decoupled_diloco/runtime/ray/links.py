@@ -171,7 +171,9 @@ class SliceLink(LearnerLink):
     Host 0 owns the real link (`inner`); the others pass None and send nothing. Received
     messages are broadcast from host 0 inside the slice. (Offers are gathered to host
     memory on the learner thread, a collective every host must issue in the same order:
-    the learner's outbox materialises inline.) Untested here (needs a multi-host TPU slice).
+    the learner's outbox materialises inline.) Every decision a host takes by its own clock
+    (a wait's end, a deadline, membership) is host 0's (`agree`). Tested with threads for
+    hosts (tests/test_multihost_learners.py), not on a multi-host TPU slice.
     """
 
     def __init__(self, inner: RayLearnerLink | None):
@@ -191,6 +193,14 @@ class SliceLink(LearnerLink):
         padded[: min(size, blob.size)] = blob[:size]
         blob = np.asarray(multihost_utils.broadcast_one_to_all(padded))
         return pickle.loads(blob.tobytes())
+
+    def agree(self, decision: bool) -> bool:
+        """Host 0's decision, on every host (their clocks, and how long each took over its
+        part of a save, differ: a loop one host left while another went round once more
+        would leave that host's broadcast unmatched)."""
+        from jax.experimental import multihost_utils
+
+        return bool(multihost_utils.broadcast_one_to_all(np.bool_(decision)))
 
     def flush(self, timeout: float = 600.0) -> bool:
         return self.inner.flush(timeout) if self.inner is not None else True
