@@ -406,6 +406,13 @@ class FaultSchedule:
         latency, bw = self.link(learner)
         return latency + (0.0 if math.isinf(bw) else num_bytes * 8.0 / bw)
 
+    def syncer_crashes_by(self, t: float) -> tuple[int, float | None]:
+        """How many syncer outages have begun by t, and when the last one began (a restart
+        delay of 0 makes an empty outage, which `syncer_up` never sees: a crash still)."""
+        with self._lock:
+            n = bisect.bisect_right(self.syncer_down, (t + self.offset, math.inf))
+            return n, (self.syncer_down[n - 1][0] - self.offset if n else None)
+
     def syncer_up(self, t: float) -> bool:
         return self.syncer_down_since(t) is None
 

@@ -488,3 +488,38 @@ def test_a_crashed_learner_leaves_at_once_and_the_others_final_sync_does_not_wai
         assert first("learner_done", m)["time"] < back["time"], events
     assert not [e for e in events if e["event"] == "final_sync_unconfirmed"]
     assert summary["steps"] == 40 and summary["failures"] == 1
+
+
+def test_a_syncer_outage_of_no_length_is_still_counted_as_a_crash():
+    """A restart delay of 0 makes an empty outage, which `syncer_up` never sees; the count
+    of outages begun says that one happened (and when)."""
+    spec = FaultSpec(unit="steps", syncer_crashes=(4, 9), syncer_restart_delay_s=0.0)
+    schedule = FaultSchedule(spec, 2, 1e6)
+    assert schedule.syncer_crashes_by(100.0) == (0, None)
+    for step in range(5):  # the lead reaches step 4 at time 10
+        schedule.run_reached(step, 6.0 + step)
+    assert schedule.syncer_up(10.0) and schedule.syncer_crashes_by(10.5) == (1, 10.0)
+    for step in range(5, 10):
+        schedule.run_reached(step, 11.0 + 2 * (step - 5))
+    assert schedule.syncer_crashes_by(20.0) == (2, 19.0)
+    assert schedule.syncer_crashes_by(15.0) == (1, 10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 1.0])
+def test_a_local_syncer_crash_happens_whatever_its_restart_delay(small_config, tmp_path, delay):
+    """faults.syncer_restart_delay_s=0: the local syncer's loop, polling whether it was up,
+    never saw the empty outage: no crash, no restore (Ray's driver acts on the event)."""
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    cfg = small_config(**{"train.steps": 10, "diloco.learners": 2, "diloco.sync_every": 2,
+                          "faults.unit": "steps", "faults.syncer_crashes": [4],
+                          "faults.syncer_restart_delay_s": delay})  # fmt: skip
+    summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    with open(tmp_path / "events.jsonl", encoding="utf-8") as f:
+        events = [json.loads(line) for line in f]
+    (crash,) = [e for e in events if e["event"] == "syncer_crash"]
+    restores = [e for e in events if e["event"] == "syncer_restore" and e["time"] >= crash["time"]]
+    assert len(restores) == 1 and restores[0]["time"] >= crash["down_since"] + delay
+    assert crash["down_since"] <= crash["time"]
+    assert summary["steps"] == 10

@@ -90,10 +90,15 @@ class SyncerLoop:
                 time.sleep(POLL_S)
             self._announce()
         last_ckpt = self.clock()
+        crashes, _ = self.schedule.syncer_crashes_by(last_ckpt)  # (those before: handled)
         while not stop.is_set():
-            if self.emulate_outages and not self.schedule.syncer_up(self.clock()):
-                self._outage()
-                continue
+            now = self.clock()
+            if self.emulate_outages:
+                # A crash shows as an outage, or (one shorter than a turn) as a new count.
+                seen, (crashes, last) = crashes, self.schedule.syncer_crashes_by(now)
+                if crashes > seen or not self.schedule.syncer_up(now):
+                    self._outage(last)
+                    continue
             if self.syncer is None:  # back from an emulated outage
                 self._set(self._restore(after_failure=True))
                 self._announce()
@@ -130,11 +135,12 @@ class SyncerLoop:
         for m, msg in out:
             self.link.send(m, msg)
 
-    def _outage(self) -> None:
+    def _outage(self, began: float | None = None) -> None:
+        """`began`: when the last outage began (one already over still happened)."""
         if self.syncer is not None:  # the syncer process dies: its memory is gone
             now = self.clock()  # when this loop saw it; `down_since`: when it happened
             since = self.schedule.syncer_down_since(now)
-            since = now if since is None else since
+            since = next((x for x in (since, began) if x is not None), now)
             # Negative: an outage an earlier attempt of the run began (and counted) goes on.
             earlier = {"earlier_attempt": True} if since < 0 else {}
             self.record({"event": "syncer_crash", "shard": self.shard, "time": now,
