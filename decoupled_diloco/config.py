@@ -223,8 +223,10 @@ def tiny_cpu_config(
     # experiment 1) gave DP 2.04 / 1.88 / 1.79 / 1.74 and synchronous DiLoCo (M = 4)
     # 2.23 / 2.08 / 1.98 / 2.02 nats/byte at lr 0.003 / 0.006 / 0.012 / 0.024.
     c.train.learning_rate = 0.012
-    c.train.warmup_steps = max(steps // 10, 1)
-    c.train.eval_every = max(steps // 3, 1)
+    # A tenth of the steps, and three evaluations: references, so that an override of
+    # train.steps moves them too (a 4-step run warmed up over 30 steps, never at its peak).
+    c.train.warmup_steps = (c.train.get_ref("steps") + 9) // 10
+    c.train.eval_every = (c.train.get_ref("steps") + 2) // 3
     c.diloco.learners = learners
     if learners == 1:
         c.diloco.sync_every = 0  # no syncer: plain data-parallel training over all devices
@@ -342,6 +344,12 @@ def _check_faults_fit_the_run(spec: faults.FaultSpec, d: DilocoConfig) -> None:
         raise ValueError(
             "faults.syncer_crashes needs a DiLoCo-family run with a syncer (diloco.sync_every "
             "> 0): a data-parallel run has none to crash (they were ignored)"
+        )
+    links = [f for f in ("link_latency_s", "link_bandwidth_bps") if any(getattr(spec, f))]
+    if links and not d.uses_syncer:
+        raise ValueError(
+            f"faults.{links[0]} needs a DiLoCo-family run with a syncer (diloco.sync_every "
+            "> 0): a data-parallel run has no link to the syncer to delay (it was ignored)"
         )
     if d.uses_syncer and spec.syncer_crashes and spec.syncer_restart_delay_s >= d.join_timeout:
         raise ValueError(

@@ -185,6 +185,14 @@ def validate_fault_spec(
     _check_bounds(spec)
     if steps:
         fault_steps.validate(spec, max_step, m)
+    else:  # in seconds: an event past the timeline never happens
+        late = [("crashes", e[1]) for e in spec.crashes if e[1] >= horizon_s]
+        late += [("membership", e[1]) for e in spec.membership if e[1] >= horizon_s]
+        late += [("syncer_crashes", t) for t in spec.syncer_crashes if t >= horizon_s]
+        if late:
+            field, t = late[0]
+            _fail(field, f"time {t:g} s is past the {horizon_s:g} s fault timeline, where "
+                  "nothing happens (a membership leave may be inf)")  # fmt: skip
     _check_rates(spec, m, horizon_s)
 
 

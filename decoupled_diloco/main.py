@@ -134,7 +134,7 @@ def check_config(config) -> None:
         run = config_lib.validate(config, require_packages=False)
         check_fragments(run)  # the plan needs no data: a run's start-up would refuse it
         if _PROFILE.value:
-            profiling.parse_steps(_PROFILE.value)
+            profiling.check_steps(_PROFILE.value, run)
     except (ValueError, FatalRunError) as e:
         sys.exit(f"config error: {e}")
     print(f"config ok: {shape(run, config.model.preset)}", flush=True)
@@ -167,13 +167,9 @@ def _install_profiler(run) -> None:
     if not _PROFILE.value:
         return
     try:
-        start, stop = profiling.parse_steps(_PROFILE.value)
+        start, stop = profiling.check_steps(_PROFILE.value, run)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    if run.runtime != "local":
-        sys.exit("error: --profile traces this process's learners: runtime 'local' only")
-    if stop > run.train.steps:
-        sys.exit(f"error: --profile={_PROFILE.value} ends after train.steps ({run.train.steps})")
     directory = os.path.join(_WORKDIR.value, "profile")
     profiling.install(profiling.StepProfiler(directory, start, stop))
 

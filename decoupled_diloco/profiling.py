@@ -28,6 +28,17 @@ def parse_steps(text: str) -> tuple[int, int]:
     return start, stop
 
 
+def check_steps(text: str, run) -> tuple[int, int]:
+    """`parse_steps`, and the window fits the run: a local run's learners (this process's)
+    and at most train.steps; ValueError otherwise."""
+    start, stop = parse_steps(text)
+    if run.runtime != "local":
+        raise ValueError("--profile traces this process's learners: runtime 'local' only")
+    if stop > run.train.steps:
+        raise ValueError(f"--profile={text} ends after train.steps ({run.train.steps})")
+    return start, stop
+
+
 class StepProfiler:
     """Traces learner steps [start, stop) into `directory` (module doc)."""
 

@@ -109,6 +109,22 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"faults.membership": [[0, 0.0, 5.0]]}, "needs a DiLoCo-family run with a syncer"),
         ({"faults.syncer_crashes": [5.0]}, "faults.syncer_crashes needs a DiLoCo-family run"),
         ({"faults.chip_mtbf_hours": 1e-9}, "faults.chip_mtbf_hours"),  # 3.6 µs per chip
+        # ignored quietly until 2026-11-30: links of a run without a syncer, events past the
+        # fault timeline, a heartbeat timeout shorter than the heartbeats' spacing, the
+        # dense width of a model whose every layer is MoE
+        ({"faults.link_latency_s": [1.0]}, "faults.link_latency_s needs a DiLoCo-family run"),
+        ({"faults.link_bandwidth_bps": [1e4]}, "faults.link_bandwidth_bps needs a DiLoCo"),
+        ({"faults.crashes": [[0, 1e7]]}, r"faults.crashes time 1e\+07 s is past the 604800 s"),
+        (
+            {"diloco.learners": 2, "diloco.sync_every": 4, "faults.membership": [[1, 7e5, 8e5]]},
+            "faults.membership time 700000 s is past the",
+        ),
+        (
+            {"diloco.learners": 2, "diloco.sync_every": 4, "faults.syncer_crashes": [1e6]},
+            "faults.syncer_crashes time 1e\\+06 s is past",
+        ),
+        ({"diloco.heartbeat_timeout": 0.4}, "diloco.heartbeat_every must be > 0 and below"),
+        ({"model.preset": "tiny_moe", "model.ffw_hidden": 512}, "model.ffw_hidden is set, but"),
         (
             {
                 "diloco.learners": 2,
@@ -165,3 +181,16 @@ def test_a_vocabulary_larger_than_the_embedding_names_the_value_to_set(small_con
     c = small_config(**{"data.tokenizer": "sentencepiece", "data.spm_vocab_size": 1024})
     with pytest.raises(ValueError, match=r"set --config\.model\.vocab_size=1024 \(or more\)"):
         config_lib.validate(c, require_packages=False)
+
+
+def test_the_cpu_configs_warmup_and_evaluations_follow_an_override_of_their_steps():
+    """A tenth of the steps of warmup and three evaluations, whatever train.steps is set
+    to (they stayed those of 300 steps: a 4-step run trained at 4/30 of its peak lr); set
+    themselves, they stay as set."""
+    c = config_lib.tiny_cpu_config("t")
+    assert (c.train.warmup_steps, c.train.eval_every) == (30, 100)
+    c.update_from_flattened_dict({"train.steps": 4})
+    run = config_lib.validate(c)
+    assert (run.train.warmup_steps, run.train.eval_every) == (1, 2)
+    c.update_from_flattened_dict({"train.warmup_steps": 3, "train.steps": 50})
+    assert (c.train.warmup_steps, c.train.eval_every) == (3, 17)

@@ -1,5 +1,6 @@
 """--profile: a jax.profiler trace of learner steps START..STOP-1 (profiling.py)."""
 
+import dataclasses
 import glob
 import os
 
@@ -82,8 +83,9 @@ def _main(tmp_path, *flags):
     "flag, message",
     [("--profile=5:3", "needs 0 <= START < STOP"), ("--profile=2:9", "ends after train.steps")],
 )
-def test_main_refuses_a_bad_profile_window(tmp_path, flag, message):
-    out = _main(tmp_path, flag)
+@pytest.mark.parametrize("check", [False, True])
+def test_main_refuses_a_bad_profile_window(tmp_path, flag, message, check):
+    out = _main(tmp_path, flag, *(["--check_config"] if check else []))
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert message in out.stderr
     assert not (tmp_path / "run").exists()
@@ -95,3 +97,17 @@ def test_main_writes_a_trace_of_the_profiled_steps(tmp_path):
     out = _main(tmp_path, "--profile=2:4")
     assert out.returncode == 0, out.stderr
     assert _trace_files(str(tmp_path / "run" / "profile"))
+
+
+def test_the_profile_window_is_checked_against_the_run(small_config):
+    """`--check_config` and the run refuse the same windows (the check passed a window
+    past train.steps that the run then refused)."""
+    from decoupled_diloco import config as config_lib
+
+    run = config_lib.validate(small_config(**{"train.steps": 12}))
+    assert profiling.check_steps("3:12", run) == (3, 12)
+    with pytest.raises(ValueError, match="ends after train.steps"):
+        profiling.check_steps("3:13", run)
+    ray_run = dataclasses.replace(run, runtime="ray")
+    with pytest.raises(ValueError, match="runtime 'local' only"):
+        profiling.check_steps("3:12", ray_run)

@@ -211,6 +211,12 @@ def get_model_config(preset: str, **overrides) -> ModelConfig:
             f"{whose}), so nothing reads it: set model.moe_layers to 'all' or 'every_other' "
             f"for mixture-of-experts layers, or drop model.{ignored[0]}"
         )
+    if "ffw_hidden" in overrides and cfg.num_moe_layers == cfg.num_layers:
+        raise ValueError(
+            f"model.ffw_hidden is set, but every layer of the model is mixture-of-experts "
+            f"(model.moe_layers={cfg.moe_layers!r}), so nothing reads it: the experts' width "
+            "is model.expert_hidden"
+        )
     return cfg
 
 
