@@ -35,6 +35,7 @@ from absl import app, flags
 
 from decoupled_diloco import cli, faults
 from decoupled_diloco.simulator import METHODS, SimParams, simulate
+from decoupled_diloco.simulator.params import validate_sim_params
 
 flags.DEFINE_enum("method", "decoupled", METHODS, "dp | elastic_dp | decoupled.")
 flags.DEFINE_integer("chips", 1_200_000, "N: chips in the job (divisible by --learners).")
@@ -69,6 +70,23 @@ CHIP_MTBF_ONLY = (
     "slow_fraction",
     "slow_factor",
 )
+
+
+# SimParams fields a method does not read (its own failure handling has no use for them).
+UNREAD_BY = {
+    "dp": ("reconfig_s", "sync_period_s", "fragments", "quorum"),
+    "elastic_dp": ("sync_period_s", "fragments", "quorum"),
+    "decoupled": ("checkpoint_cost_s", "checkpoint_interval_s"),
+}
+
+
+def check_method_flags(method: str, given: list[str]) -> None:
+    """The explicitly `given` flags must all be read by `method` (ValueError naming them)."""
+    ignored = [name for name in UNREAD_BY.get(method, ()) if name in given]
+    if ignored:
+        flags_ = ", ".join(f"--{n}" for n in ignored)
+        raise ValueError(f"{flags_} would be ignored with --method={method}: it does not read "
+                         f"{'them' if len(ignored) > 1 else 'it'}")  # fmt: skip
 
 
 def check_fault_spec_flags(given: list[str]) -> None:
@@ -147,6 +165,8 @@ def main(argv):
     cli.refuse_stray_arguments(argv)
     params = SimParams(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(SimParams)})
     try:
+        validate_sim_params(params)  # (a bad horizon first: the size check divides by it)
+        check_method_flags(FLAGS.method, [n for n in UNREAD_BY[FLAGS.method] if FLAGS[n].present])
         spec = None
         if FLAGS.fault_spec:
             check_fault_spec_flags([n for n in CHIP_MTBF_ONLY if FLAGS[n].present])

@@ -126,8 +126,10 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 def main(argv):
     del argv
     seeds, days = (2, 3.0) if FLAGS.quick else (FLAGS.seeds, FLAGS.horizon_days)
-    if seeds < 1 or not days > 0:
-        raise app.UsageError(f"--seeds={seeds} and --horizon_days={days:g} must be >= 1 and > 0")
+    if seeds < 1 or not 0 < days < float("inf"):
+        raise app.UsageError(
+            f"--seeds={seeds} and --horizon_days={days:g} must be >= 1 and finite > 0"
+        )
     out = results_dir(FLAGS.out, "quick" if FLAGS.quick else "full", FLAGS["out"].present)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

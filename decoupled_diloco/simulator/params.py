@@ -24,9 +24,13 @@ paper's setting, sourced, or an assumption, and why; it is also the help of the
 
 import dataclasses
 
+from decoupled_diloco.fault_spec import MAX_SLOWDOWN, MAX_SPEED_NOISE
+
 METHODS = ("dp", "elastic_dp", "decoupled")
 
 YEAR_S = 365.0 * 24 * 3600
+# The bounds of the fault schedule's own log-normal noise and slowdowns (fault_spec.py).
+MAX_LOG_STD, MAX_SLOW_FACTOR = MAX_SPEED_NOISE, MAX_SLOWDOWN
 
 
 def _p(default, help_text: str, plausible: tuple | None = None):
@@ -182,6 +186,17 @@ def validate_sim_params(p: SimParams) -> None:
     for name in non_negative:
         if not getattr(p, name) >= 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(p, name)}")
+    # Every time and factor is finite, except the two that mean "never" when infinite
+    # (inf or a huge value made the goodput NaN, or left a knob without effect):
+    for f in dataclasses.fields(p):
+        value = getattr(p, f.name)
+        if f.name not in ("chip_mtbf_years", "replace_s") and not abs(value) < float("inf"):
+            raise ValueError(f"{f.name} must be finite, got {value}")
+    for name in ("chip_speed_std", "step_noise_std"):  # log-normal stds (the paper's: 0.10)
+        if getattr(p, name) > MAX_LOG_STD:
+            raise ValueError(f"{name} must be at most {MAX_LOG_STD:g}, got {getattr(p, name)}")
+    if p.slow_factor > MAX_SLOW_FACTOR:
+        raise ValueError(f"slow_factor must be at most {MAX_SLOW_FACTOR:g}, got {p.slow_factor}")
     for name in ("slice_chips", "fragments", "quorum"):
         if int(getattr(p, name)) != getattr(p, name) or getattr(p, name) < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {getattr(p, name)}")
