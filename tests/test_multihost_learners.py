@@ -1,11 +1,12 @@
 """Learners and baselines spanning several hosts, in the parts a CPU can check: the Ray
 driver restarting a slice's processes together, the hosts of one learner agreeing on
-every wall-clock decision (each decision is a collective they must all make), and the
-global batch that their rows make."""
+every wall-clock decision (each decision is a collective they must all make), the shapes
+of their broadcasts, and the global batch that their rows make."""
 
 import itertools
 import threading
 
+import numpy as np
 import pytest
 
 
@@ -220,3 +221,31 @@ def test_a_learner_agrees_on_its_membership_only_where_the_schedule_moves_it():
     busy = FaultSchedule(FaultSpec(crashes=((1, 50.0),), membership=((2, 10.0, 90.0),)), 3,
                          3600.0)  # fmt: skip
     assert [busy.changes(m) for m in range(3)] == [False, True, True]
+
+
+def test_a_slice_broadcasts_its_messages_in_a_few_shapes(monkeypatch):
+    """Host 0's messages reach every host through a broadcast, a program compiled per
+    shape: padded to powers of two, messages of many sizes make a handful of shapes (one
+    per size was dozens of XLA compiles on the learner's critical path)."""
+    from jax.experimental import multihost_utils
+
+    links = pytest.importorskip("decoupled_diloco.runtime.ray.links")
+    shapes = []
+
+    def broadcast(x):
+        shapes.append(np.shape(x))
+        return x
+
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+
+    class Inner:
+        def receive(self, timeout):
+            return self.msgs
+
+    inner = Inner()
+    link = links.SliceLink(inner)
+    for n in range(1, 400, 7):
+        inner.msgs = [("merged", n, b"x" * (n * n))]
+        assert link.receive(0.0) == inner.msgs
+    payloads = {s for s in shapes if s != ()}
+    assert len(payloads) <= 10 and all(s[0] & (s[0] - 1) == 0 for s in payloads)

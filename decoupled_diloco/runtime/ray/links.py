@@ -164,6 +164,9 @@ class _Box:
         self._boxes.deliver(self._m, msg)
 
 
+MIN_BROADCAST_BYTES = 256  # the smallest padded payload of a slice's broadcast
+
+
 class SliceLink(LearnerLink):
     """A learner spanning several hosts (multi-controller JAX): every host runs the same
     program, so every host must see the same messages at the same step boundaries.
@@ -189,9 +192,11 @@ class SliceLink(LearnerLink):
         msgs = self.inner.receive(timeout) if self.inner is not None else []
         blob = np.frombuffer(pickle.dumps(msgs), np.uint8)
         size = int(multihost_utils.broadcast_one_to_all(np.int64(blob.size)))
-        padded = np.zeros(size, np.uint8)
+        # Each shape broadcast is a program compiled for it: the payload travels padded to
+        # a power of two, so that a run compiles a few dozen, not one per message size.
+        padded = np.zeros(max(MIN_BROADCAST_BYTES, 1 << (size - 1).bit_length()), np.uint8)
         padded[: min(size, blob.size)] = blob[:size]
-        blob = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+        blob = np.asarray(multihost_utils.broadcast_one_to_all(padded))[:size]
         return pickle.loads(blob.tobytes())
 
     def agree(self, decision: bool) -> bool:
