@@ -33,6 +33,11 @@ TOKENIZER = "tokenizer.model"
 # used (runs from before 2026-11-29 have none, and are read unchecked).
 TOKENIZER_SHA256 = "tokenizer.model.sha256"
 CORPUS = "corpus.json"
+# run_config.json's own key holding a sha256 of the rest of it (canonical JSON): one byte
+# damaged in a key name would otherwise drop that key quietly, and a model read back with
+# the default (an attention pattern, a soft-cap) scores another architecture. Records from
+# before 2026-11-30 have none, and are read unchecked.
+DIGEST_KEY = "sha256"
 _SECTIONS = {
     "model": models.ModelConfig,
     "data": DataConfig,
@@ -47,6 +52,11 @@ _SECTIONS = {
 
 def config_to_json(run: RunConfig) -> dict:
     return dataclasses.asdict(run)
+
+
+def _digest(record: dict) -> str:
+    rest = {k: v for k, v in record.items() if k != DIGEST_KEY}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 def _tuples(value, hint):
@@ -65,9 +75,15 @@ def _section(dc, values: dict):
 
 
 def config_from_json(d: dict) -> RunConfig:
-    """The RunConfig `config_to_json` wrote (keys a newer version removed are ignored)."""
+    """The RunConfig `config_to_json` wrote (keys a newer version removed are ignored); a
+    record whose digest (`DIGEST_KEY`) does not match its content is refused."""
+    if DIGEST_KEY in d and d[DIGEST_KEY] != _digest(d):
+        raise ValueError(
+            f"its {DIGEST_KEY} does not match its content: the record was damaged or edited "
+            "since the run wrote it (override keys on the command line instead)"
+        )
     sections = {name: _section(dc, d[name]) for name, dc in _SECTIONS.items() if name in d}
-    rest = {k: v for k, v in d.items() if k not in _SECTIONS}
+    rest = {k: v for k, v in d.items() if k not in _SECTIONS and k != DIGEST_KEY}
     return RunConfig(**sections, **rest)
 
 
@@ -89,7 +105,8 @@ def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> N
         tokenizer = get_tokenizer(run.data)
     root = paths.resolve(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    config = json.dumps(config_to_json(recorded(run)), indent=1, sort_keys=True)
+    record = config_to_json(recorded(run))
+    config = json.dumps({**record, DIGEST_KEY: _digest(record)}, indent=1, sort_keys=True)
     paths.write_atomic(root / RUN_CONFIG, config)  # a resumed run rewrites it
     if isinstance(tokenizer, SentencePieceTokenizer):
         paths.write_atomic(root / TOKENIZER, tokenizer.model_proto)
@@ -242,6 +259,11 @@ def read_config(path: str) -> RunConfig:
     if not isinstance(record, dict):
         raise ValueError(f"{file} holds a JSON {type(record).__name__}, not a run's config: a "
                          "damaged run record")  # fmt: skip
+    if DIGEST_KEY in record and record[DIGEST_KEY] != _digest(record):
+        raise ValueError(
+            f"{file} does not match the {DIGEST_KEY} recorded in it: a damaged run record "
+            "(one byte of a key's name makes its value the default: another model)"
+        )
     try:
         config = config_from_json(record)
         models.validate_model_config(config.model)  # (what building the model reads)

@@ -400,12 +400,26 @@ def _flip_arrays(step_dir) -> None:
                 f.write(b"\xff" * 64)
 
 
+def _unsealed(record: dict) -> dict:  # (a record of before 2026-11-30: no digest)
+    record.pop("sha256")
+    record["model"]["d_model"] = "abc"
+    return record
+
+
+def _key_renamed(record: dict) -> dict:
+    """One damaged byte in a key's name: the model would read the default (all global
+    attention), silently another model (a review found it, 2026-11-30)."""
+    record["model"]["attention_patterm"] = record["model"].pop("attention_pattern")
+    return record
+
+
 @pytest.mark.parametrize(
     "damage, why",
     [
         (b"[]", "holds a JSON list, not a run's config"),
         (b"\xff\xfe", "is not valid JSON \\('utf-8' codec"),
-        (None, "does not hold a config this version reads"),  # model.d_model = "abc"
+        (_unsealed, "does not hold a config this version reads"),
+        (_key_renamed, "does not match the sha256 recorded in it"),
     ],
 )
 def test_a_damaged_run_config_is_named_by_the_model_tools(runs, tmp_path, damage, why):
@@ -414,10 +428,8 @@ def test_a_damaged_run_config_is_named_by_the_model_tools(runs, tmp_path, damage
     workdir = tmp_path / "dp"
     shutil.copytree(runs["dp"][0], workdir)
     file = workdir / "run_config.json"
-    if damage is None:
-        record = json.loads(file.read_text())
-        record["model"]["d_model"] = "abc"
-        damage = json.dumps(record).encode()
+    if callable(damage):
+        damage = json.dumps(damage(json.loads(file.read_text())), indent=1).encode()
     file.write_bytes(damage)
     with pytest.raises(ValueError, match=f"run_config.json {why}"):
         decoupled_diloco.load(str(workdir))
@@ -575,3 +587,21 @@ def test_evaluate_warns_when_the_runs_corpus_changed_since(small_config, tmp_pat
         corpus_cache._CACHE.clear()  # (read once per process; a new `evaluate` reads it anew)
         evaluate(str(tmp_path / "wd"))
     assert "the run's corpus changed since it trained (" in caplog.text
+
+
+def test_a_run_config_reads_back_however_it_is_laid_out(small_config, tmp_path):
+    """The digest covers the record's content, not its bytes: re-indented or re-ordered it
+    reads back the same; without the digest (an older run's) it is read unchecked."""
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco import run_files
+
+    run = config_lib.validate(small_config(**{"model.attention_pattern": ("local", "global")}))
+    run_files.write(str(tmp_path), run)
+    file = tmp_path / run_files.RUN_CONFIG
+    record = json.loads(file.read_text())
+    assert record["sha256"]
+    file.write_text(json.dumps(dict(reversed(record.items()))))
+    assert run_files.read_config(str(tmp_path)) == run_files.recorded(run)
+    del record["sha256"]
+    file.write_text(json.dumps(record))
+    assert run_files.read_config(str(tmp_path)).model == run.model
