@@ -218,6 +218,18 @@ def test_sampling_keeps_to_the_tokenizers_ids_when_the_embedding_is_padded_past_
     assert int(sample_token(logits, jax.random.key(0), 0.0, 0).min()) >= 300  # vocab 0: all
 
 
+@pytest.mark.parametrize("temperature", [1e-3, 1e-30, 1e-39, 1e-50])
+def test_a_tiny_temperature_samples_the_greedy_token(temperature):
+    """Logits over a temperature that float32 holds as a subnormal or 0 overflowed to +inf,
+    where every positive logit tied and id 0 won over the greedy id 1."""
+    from decoupled_diloco.models.decode import sample_token
+
+    logits = jnp.asarray([[0.5, 3.0, 1.0, -2.0]] * 16)
+    for seed in range(4):
+        assert sample_token(logits, jax.random.key(seed), temperature, 0).tolist() == [1] * 16
+        assert sample_token(logits, jax.random.key(seed), temperature, 2).tolist() == [1] * 16
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
 def test_greedy_decoding_with_a_cache_equals_argmax_without_one(preset):
     """Prompts of different lengths in one batch, past the local window (64 tokens)."""

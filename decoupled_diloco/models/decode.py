@@ -67,9 +67,11 @@ def sample_token(logits_BV: jax.Array, rng, temperature: float, top_k: int,
     embedding may be padded past it, `model.vocab_size`, and its rows there are no token)."""
     if 0 < vocab < logits_BV.shape[-1]:
         logits_BV = jnp.where(jnp.arange(logits_BV.shape[-1]) < vocab, logits_BV, -jnp.inf)
-    if temperature <= 0:
+    if temperature < np.finfo(np.float32).tiny:  # 0, or 0 once in float32: greedy
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = logits_BV / temperature
+    # From the maximum down: a tiny temperature takes the others to -inf, never the top
+    # ones to +inf (where they all tied, and the lowest id won over the greedy token).
+    logits_BV = (logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)) / temperature
     if top_k > 0:
         kth = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth, -jnp.inf, logits_BV)
