@@ -285,6 +285,8 @@ def table(workdir: str) -> str:
     lines += ["", head, "|---|---|---|---|---|---|"]
     for m in learners:
         rows = [r for r in metrics if r["learner"] == m and "loss" in r]
+        if not rows:  # evaluation rows only (no runtime writes such a learner)
+            continue
         rate = sum(r["tokens_per_second"] for r in rows) / max(len(rows), 1)
         delay = mean_merge_delay(rows)
         delay = "-" if delay is None else f"{delay:.2f}"

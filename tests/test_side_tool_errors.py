@@ -115,6 +115,16 @@ def test_report_reads_a_run_whose_last_line_is_cut_short(copy_of_run):
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
+def test_report_reads_a_learner_with_evaluation_rows_only(copy_of_run):
+    """A learner whose rows are evaluations only has no training row for the table (an
+    IndexError traceback); it is left out of it."""
+    with open(copy_of_run / "metrics.jsonl", "a") as f:
+        f.write('{"learner": 7, "step": 30, "eval_loss": 3.0, "tokens": 1, "time": 1.0}\n')
+    out = _tool("report", f"--workdir={copy_of_run}")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "| 7 |" not in (copy_of_run / "report.md").read_text()
+
+
 def test_report_refuses_a_stray_argument(run_dir):
     _refused(_tool("report", f"--workdir={run_dir}", "extra"), "unexpected arguments ['extra']")
 
