@@ -26,6 +26,8 @@ def inputs() -> dict[str, np.ndarray]:
         "single": np.asarray([3.0], np.float32),
         "empty": np.zeros((0, 4), np.float32),
         "constant": np.full(BLOCK + 3, -0.75, np.float32),
+        # a block whose absmax is subnormal: 1 / scale overflowed, every value to ±absmax
+        "subnormal": np.asarray([1e-39, 3e-40, -5e-40, 0.0, 2e-41], np.float32),
     }
 
 
@@ -146,3 +148,44 @@ def test_errors():
     enc.tensors["x"] = ((12,), payload, scales)  # corrupt: shape disagrees with the payload
     with pytest.raises(ValueError):
         decode(enc)
+
+
+def _tampered(method: str, change) -> compression.Encoded:
+    enc = encode({"x": np.linspace(-1, 1, 37, dtype=np.float32)}, method, 8)
+    shape, payload, scales = enc.tensors["x"]
+    enc.tensors["x"] = change(shape, payload.copy(), scales.copy())
+    return enc
+
+
+@pytest.mark.parametrize(
+    "method, change, why",
+    [
+        # bytes past the codes (they were cut off unread), or a byte short
+        ("int4", lambda s, p, c: (s, np.concatenate([p, np.zeros(1000, np.uint8)]), c), "need"),
+        ("int1", lambda s, p, c: (s, np.concatenate([p, np.zeros(8, np.uint8)]), c), "need"),
+        ("int8", lambda s, p, c: (s, p[:-1], c), "need"),
+        # one scale for every block (it was broadcast), scales of another dtype
+        ("int8", lambda s, p, c: (s, p, c[:1]), "scales of"),
+        ("int2", lambda s, p, c: (s, p, c.astype(np.float64)), "scales of float64"),
+        # codes no encoder writes: int8 -128, int4 15 (+8 scales), int2 3 (+2 absmax)
+        ("int8", lambda s, p, c: (s, np.full_like(p, 128), c), "int8 code -128"),
+        ("int4", lambda s, p, c: (s, np.full_like(p, 0xFF), c), "int4 code 15 above 14"),
+        ("int2", lambda s, p, c: (s, np.full_like(p, 0xFF), c), "int2 code 3 above 2"),
+    ],
+)
+def test_payloads_no_encoder_makes_are_refused(method, change, why):
+    """Each of these decoded to values and merged (a review's fuzzing, 2026-11-30)."""
+    with pytest.raises(ValueError, match=why):
+        decode(_tampered(method, change))
+
+
+def test_a_huge_block_costs_no_memory():
+    """block_size is the sender's: a block far larger than the tensor padded every leaf to
+    it (2**26 values: 256 MB per leaf for a 100-byte payload)."""
+    import resource
+
+    enc = encode({"x": np.ones(10, np.float32)}, "int8", block_size=16)  # one block
+    enc.block_size = 2**40  # still one block
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    np.testing.assert_array_equal(decode(enc)["x"], np.ones(10, np.float32))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB

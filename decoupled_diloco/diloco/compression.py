@@ -3,7 +3,8 @@
 Methods and their per-element error bounds (x a tensor flattened, blocks of `block_size`
 consecutive elements, the last one possibly shorter):
   none  float32 as is; exact for float32 input.
-  bf16  round-to-nearest-even to bfloat16: |err| <= 2^-8 |x| (half an ulp of 8 bits).
+  bf16  round-to-nearest-even to bfloat16: |err| <= 2^-8 |x| (half an ulp of 8 bits), for
+        |x| below bf16's largest finite value (~3.39e38: larger ones round to inf).
   intN  N in {8, 4, 2}: symmetric absmax scaling per block, scale = absmax / (2^(N-1) - 1),
         q = round(x / scale) in [-(2^(N-1) - 1), 2^(N-1) - 1]: |err| <= scale / 2 (plus
         float32 rounding). int4 packs two values per byte, int2 four ({-1, 0, 1} · absmax).
@@ -58,10 +59,15 @@ def _blocks(flat: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def _scaled_by_block(values: np.ndarray, scales: np.ndarray, block_size: int) -> np.ndarray:
-    """values[i] * scales[i // block_size] as a new float32 [n] array."""
-    blocks = _blocks(values.astype(np.float32), block_size)
-    blocks *= scales[:, None]
-    return blocks.reshape(-1)[: values.size]
+    """values[i] * scales[i // block_size] as a new float32 [n] array (never padded to a
+    whole block: a block larger than the tensor costs nothing)."""
+    out = values.astype(np.float32)
+    whole = values.size // block_size
+    if whole:
+        out[: whole * block_size].reshape(whole, block_size)[...] *= scales[:whole, None]
+    if whole * block_size < values.size:
+        out[whole * block_size :] *= scales[whole]
+    return out
 
 
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -92,8 +98,8 @@ def _encode_int(flat: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarra
     qmax = (1 << (bits - 1)) - 1
     scales = _absmax_scales(flat, bits, block_size)
     with np.errstate(divide="ignore", invalid="ignore"):
-        inverse = np.where(scales > 0, np.float32(1) / scales, np.float32(0))
-        q = _blocks(flat, block_size) * inverse[:, None]
+        # Divided, not multiplied by 1 / scale: a subnormal scale's inverse is inf.
+        q = _blocks(flat, block_size) / np.where(scales > 0, scales, np.float32(1))[:, None]
         np.rint(q, out=q)
         np.clip(q, -qmax, qmax, out=q)
         q = q.reshape(-1)[: flat.size].astype(np.int8)  # NaN: any code; its scale is NaN
@@ -145,6 +151,7 @@ def decode(enc: Encoded) -> dict[str, np.ndarray]:
     out = {}
     for name, (shape, payload, scales) in enc.tensors.items():
         n = int(np.prod(shape, dtype=np.int64))
+        _check_codes(name, enc.method, n, enc.block_size, payload, scales)
         if enc.method == "none":
             x = payload.view()
             x.flags.writeable = False
@@ -158,12 +165,34 @@ def decode(enc: Encoded) -> dict[str, np.ndarray]:
             if bits == 8:
                 q = payload.view(np.int8)
             else:
-                q = _unpack(payload, bits, n).view(np.int8) - np.int8((1 << (bits - 1)) - 1)
+                codes, qmax = _unpack(payload, bits, n), (1 << (bits - 1)) - 1
+                if n and codes.max() > 2 * qmax:  # (offset to [0, 2·qmax] by the encoder)
+                    raise ValueError(f"{name}: {enc.method} code {codes.max()} above {2 * qmax}")
+                q = codes.view(np.int8) - np.int8(qmax)
             x = _scaled_by_block(q, scales, enc.block_size)
         if x.size != n:
             raise ValueError(f"{name}: payload holds {x.size} values, shape {shape} needs {n}")
         out[name] = x.reshape(shape)
     return out
+
+
+def _check_codes(name, method, n, block_size, payload, scales) -> None:
+    """ValueError unless the payload holds exactly the bytes and codes `encode` makes for n
+    values, and (intN, int1) one float32 scale per block: a decoder reading past the codes
+    (cut off, broadcast, padded) or codes no encoder writes would merge what was not sent."""
+    if method in ("none", "bf16"):
+        return  # (their decoded size and dtype are the caller's checks)
+    bits = _INT_BITS.get(method, 1)
+    want = -(-n * bits // 8)
+    if payload.dtype != np.uint8 or payload.ndim != 1 or payload.size != want:
+        raise ValueError(f"{name}: {method} payload of {payload.dtype} {payload.shape}, "
+                         f"{n} values need {want} uint8 bytes")  # fmt: skip
+    blocks = -(-n // block_size)
+    if scales.dtype != np.float32 or scales.shape != (blocks,):
+        raise ValueError(f"{name}: scales of {scales.dtype} {scales.shape}, {n} values in "
+                         f"blocks of {block_size} need {blocks} float32")  # fmt: skip
+    if method == "int8" and n and payload.view(np.int8).min() < -127:
+        raise ValueError(f"{name}: int8 code -128 (codes lie in [-127, 127])")
 
 
 def max_abs_error_bound(x: np.ndarray, method: str, block_size: int = 256) -> float:
