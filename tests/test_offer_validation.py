@@ -6,11 +6,12 @@ every bad offer, while a good offer afterwards still merges.
 """
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
-from decoupled_diloco.diloco import compression
+from decoupled_diloco.diloco import compression, syncer_state
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Join, Merged, Offer, Snapshot
@@ -76,7 +77,7 @@ class Harness:
             self.send(Heartbeat(learner, info.incarnation, step - 4, 0.1, self.now))
         if payload is None:
             payload = compression.encode(self.outer_grad(p), "none")
-        return Offer(payload=payload, nbytes=1, **fields)
+        return Offer(payload=payload, **{"nbytes": 1, **fields})
 
     def global_copy(self) -> dict:
         return {k: v.copy() for k, v in self.syncer.global_params().items()}
@@ -162,6 +163,11 @@ BAD = [
     ("bool fragment", {"fragment": True}, None, "fragment must be an integer"),
     ("none version", {"base_version": None}, None, "base_version must be an integer"),
     ("step from the future", {"step": 10**9}, None, "step 1000000000 is from the future"),
+    # unchecked until 2026-11-30: a string time failed the merge after Θ had moved
+    ("string time", {"time": "x"}, None, "time must be a finite number"),
+    ("no time", {"time": None}, None, "time must be a finite number"),
+    ("nan time", {"time": float("nan")}, None, "time must be a finite number"),
+    ("negative bytes", {"nbytes": -(10**18)}, None, "nbytes must be >= 0"),
     ("payload is not encoded", {}, lambda h: {"block_0/attn/q": np.zeros((8, 8))}, "payload"),
     ("payload is a string", {}, lambda h: "garbage", "payload"),
     ("bad method", {}, lambda h: compression.Encoded("zip", {}), "payload"),
@@ -183,10 +189,16 @@ BAD = [
 def test_numpy_integer_counters_are_read_as_numbers():
     # A syncer without run bounds checks tokens per step against 2**53: an int32 c_steps
     # times that must not overflow (numpy keeps the int32 type).
+    # They are kept as Python ints: the merge's record and the checkpoint are JSON (an
+    # np.int32 failed the record after Θ had moved, an np.int64 Join the checkpoint).
     h = Harness()
     out = h.send(h.offer(c_steps=np.int32(4), c_tokens=np.int64(4 * 64)))
     assert [type(msg) for _, msg in out] == [Merged, Merged]
     assert h.syncer.stats["rejected_offers"] == 0
+    h.send(Join(np.int64(1), np.int64(1), np.float32(h.now + 1), np.int32(3)))
+    h.send(h.offer(learner=1, incarnation=np.int64(1), c_steps=np.int64(4)))
+    json.dumps(h.log)
+    json.dumps(syncer_state.shared_meta(h.syncer))
 
 
 @pytest.mark.parametrize("case,fields,make_payload,reason", BAD, ids=[b[0] for b in BAD])

@@ -14,6 +14,8 @@ learner and incarnation is >= s.
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 Clock = dict  # learner -> (incarnation, step of its latest merged offer)
 
 
@@ -119,3 +121,17 @@ class Snapshot:
     # so an offer anchored on a lost version is never merged against a re-created one.
     epoch: int = 0
     merged: dict = dataclasses.field(default_factory=dict)  # fragment -> vector clock
+
+
+def plain(msg):
+    """`msg` with its numpy scalars (which the syncer's checks accept) as Python ones: they
+    end up in merge records, the registry and checkpoints, which JSON writes (an np.int32
+    counter failed a merge's record after Θ had moved)."""
+    kinds = ((np.bool_, bool), (np.integer, int), (np.floating, float))
+    changes = {}
+    for f in dataclasses.fields(msg):
+        v = getattr(msg, f.name)
+        python = next((py for numpy_kind, py in kinds if isinstance(v, numpy_kind)), None)
+        if python is not None:
+            changes[f.name] = python(v)
+    return dataclasses.replace(msg, **changes) if changes else msg

@@ -76,6 +76,12 @@ def check_sender(offer, info, num_learners: int, owned) -> Reason | None:
         v = getattr(offer, field, None)
         if isinstance(v, bool) or not isinstance(v, int | np.integer):
             return Reason("envelope", f"{field} must be an integer, got {v!r}")
+    t = getattr(offer, "time", None)  # (a string here failed the merge after Θ had moved)
+    if isinstance(t, bool | np.bool_) or not isinstance(t, int | float | np.integer | np.floating) \
+            or not math.isfinite(t):  # fmt: skip
+        return Reason("envelope", f"time must be a finite number, got {t!r}")
+    if offer.nbytes < 0:
+        return Reason("envelope", f"nbytes must be >= 0, got {offer.nbytes}")
     if not 0 <= offer.learner < num_learners or info is None:
         return Reason("sender", f"unknown learner {offer.learner}")
     if offer.incarnation != info.incarnation:

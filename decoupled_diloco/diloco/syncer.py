@@ -46,7 +46,7 @@ from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import FragmentPlan
 from decoupled_diloco.diloco.grace import GraceWindow
 from decoupled_diloco.diloco.message_checks import check_message
-from decoupled_diloco.diloco.messages import Join, Leave, Merged, Offer, Snapshot
+from decoupled_diloco.diloco.messages import Join, Leave, Merged, Offer, Snapshot, plain
 from decoupled_diloco.diloco.offer_checks import Reason, RunBounds
 from decoupled_diloco.diloco.offer_scale import OfferScale
 from decoupled_diloco.diloco.registry import Registry
@@ -127,6 +127,7 @@ class Syncer:
         if reason:
             self.refusals.drop_message(msg, reason, now)
             return []
+        msg = plain(msg)
         if isinstance(msg, Join):
             return self._join(msg, now) + self._sent()
         if isinstance(msg, Leave):
@@ -194,6 +195,7 @@ class Syncer:
 
     def _accept(self, offer: Offer, now: float) -> None:
         self.stats["offers"] += 1
+        offer = plain(offer)
         info = self.registry.get(getattr(offer, "learner", None))
         reason = checks.check_sender(offer, info, self.num_learners, self.version)
         if reason:
