@@ -159,6 +159,7 @@ import numpy as np  # noqa: E402
 from decoupled_diloco import compile_cache, models, report  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
 from decoupled_diloco.mfu import largest_fitting_batch, peak_flops  # noqa: E402
+from decoupled_diloco.models.config import DTYPES, REMAT_POLICIES  # noqa: E402
 from decoupled_diloco.models.flops import train_flops_per_token  # noqa: E402
 from decoupled_diloco.runtime.local import LocalRuntime  # noqa: E402
 from decoupled_diloco.sharding import make_mesh  # noqa: E402
@@ -431,6 +432,9 @@ def largest_batch(preset, seq_len, remat, devices, first, cap) -> tuple[int, int
     return largest_fitting_batch(plan, first, cap, budget)
 
 
+_PEAK_SEEN = [0]  # the highest allocator peak of the MFU runs so far (bytes)
+
+
 def measure_mfu(preset, batch, seq_len, remat, devices, steps) -> dict:
     run, replica = mfu_run(preset, batch, seq_len, remat, devices)
     t0 = time.perf_counter()
@@ -454,12 +458,17 @@ def measure_mfu(preset, batch, seq_len, remat, devices, steps) -> dict:
     flops = train_flops_per_token(run.model, seq_len)
     peak = peak_flops(jax.devices()[0].device_kind)
     stats = jax.devices()[0].memory_stats() or {}
+    # The allocator's peak is the process's (JAX cannot reset it): this run's own only if it
+    # rose past the earlier runs' ("<=" that peak otherwise; the plan column is per run).
+    peak_bytes = stats.get("peak_bytes_in_use", 0)
+    own = peak_bytes > _PEAK_SEEN[0]
+    _PEAK_SEEN[0] = max(_PEAK_SEEN[0], peak_bytes)
     return {
         "step_ms": 1e3 * step_s,
         "tokens_s": tokens_s,
         "mfu": tokens_s * flops / (devices * peak) if peak else None,
         "tflops": tokens_s * flops / devices / 1e12,
-        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+        "peak": f"{'' if own or not peak_bytes else '<='}{peak_bytes / 2**30:.2f}",
         "init_s": init_s,
         "compile_s": compile_s,
     }
@@ -489,8 +498,8 @@ def mfu() -> None:
         r = measure_mfu(preset, batch, seq_len, remat, devices, steps)
         mfu_text = f"{r['mfu']:.3f}" if r["mfu"] is not None else "-"
         cells = (remat, batch, batch * seq_len, need / 2**30, r["step_ms"], r["tokens_s"],
-                 r["tflops"], mfu_text, r["peak_gib"], r["init_s"], r["compile_s"])  # fmt: skip
-        row = "{:<6} {:>5} {:>7} {:>8.2f} {:>8.1f} {:>9.0f} {:>11.3f} {:>5} {:>8.2f} {:>6.1f}"
+                 r["tflops"], mfu_text, r["peak"], r["init_s"], r["compile_s"])  # fmt: skip
+        row = "{:<6} {:>5} {:>7} {:>8.2f} {:>8.1f} {:>9.0f} {:>11.3f} {:>5} {:>8} {:>6.1f}"
         row += " {:>9.1f}"
         print(row.format(*cells), flush=True)
 
@@ -586,8 +595,31 @@ def fleet() -> None:
           f"the interpreter lock, and the host's run queue; runtime/gil.py)")  # fmt: skip
 
 
+def check_flags() -> None:
+    """app.UsageError for flags that would fail minutes in (after the overhead part) or
+    measure nothing."""
+    bad = [r for r in _REMAT.value if r not in REMAT_POLICIES]
+    if bad or not _REMAT.value:
+        raise app.UsageError(f"--remat={','.join(_REMAT.value)}: each one of "
+                             f"{REMAT_POLICIES}")  # fmt: skip
+    if _DTYPE.value is not None and _DTYPE.value not in DTYPES:
+        raise app.UsageError(f"--dtype={_DTYPE.value}: one of {DTYPES}")
+    sizes = (_LEARNERS, _BATCH, _SEQ, _STEPS, _ROUNDS, _DEVICES, _MFU_BATCH, _MAX_BATCH,
+             _MFU_SEQ, _MFU_STEPS)  # fmt: skip
+    for flag in sizes:
+        if flag.value is not None and flag.value < 1:
+            raise app.UsageError(f"--{flag.name}={flag.value}: must be >= 1")
+    if _SKIP.value is not None and _SKIP.value < 0:
+        raise app.UsageError(f"--skip={_SKIP.value}: must be >= 0")
+    first, cap = _pick(_MFU_BATCH, 4, 4), _pick(_MAX_BATCH, 256, 16)
+    if cap < first:
+        raise app.UsageError(f"--max_batch={cap} is below the first batch tried, {first} "
+                             "(--mfu_batch)")  # fmt: skip
+
+
 def main(argv):
     del argv
+    check_flags()
     logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
     compile_cache.enable()
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "

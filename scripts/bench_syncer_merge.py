@@ -100,6 +100,24 @@ _MOMENTUM = flags.DEFINE_float(
 )
 _CHUNKS = flags.DEFINE_list("chunks", ["65536", str(chunks.CHUNK)], "gil: chunk sizes compared.")
 
+MIN_SIZE = 0.01  # Mi-params: room for fragment_leaves' four leaves
+
+
+def _numbers(values, kind, low) -> bool:
+    try:
+        return all(kind(v) >= low for v in values)
+    except ValueError:
+        return False
+
+
+flags.register_validator("sizes", lambda v: v is None or _numbers(v, float, MIN_SIZE),
+                         f"--sizes: Mi-params, each at least {MIN_SIZE}")  # fmt: skip
+flags.register_validator("ks", lambda v: bool(v) and _numbers(v, int, 1),
+                         "--ks: offers per merge, integers >= 1")  # fmt: skip
+flags.register_validator("reps", lambda v: v is None or v >= 1, "--reps: at least 1")
+flags.register_validator("threads", lambda v: v >= 0, "--threads: >= 0 (0: every core)")
+flags.register_validator("k", lambda v: v >= 1, "--k: offers per merge, at least 1")
+
 
 def fragment_leaves(n: int) -> dict[str, int]:
     """A fragment of n elements split like real ones: a few big matrices and a small norm."""
@@ -266,7 +284,7 @@ def gil_main() -> None:
     """--part=gil (module docstring)."""
     quick = _QUICK.value
     preset = _PRESET.value or ("tiny" if quick else "mid")
-    reps = _REPS.value or (3 if quick else 7)
+    reps = _REPS.value if _REPS.value is not None else (3 if quick else 7)
     theta = fragment(preset, _FRAGMENTS.value)
     rng = np.random.default_rng(1)
     payloads = [
@@ -395,7 +413,7 @@ def main(argv):
         return
     quick = _QUICK.value
     sizes = [float(s) for s in (_SIZES.value or (["1", "4"] if quick else ["4", "16"]))]
-    reps = _REPS.value or (3 if quick else 7)
+    reps = _REPS.value if _REPS.value is not None else (3 if quick else 7)
     rng = np.random.default_rng(0)
     # Shared machines skew both columns; the load average says how much to trust them.
     threads = chunks.resolve_threads(_THREADS.value)

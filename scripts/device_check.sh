@@ -68,10 +68,22 @@ fits() {
   return 1
 }
 
+# The seconds left before DEADLINE_S, for one command's timeout; fails (saying so) under 20
+# (`timeout 0` would mean no limit at all, and a negative one is an error).
+left() {
+  local s=$((DEADLINE_S - SECONDS))
+  if ((s < 20)); then
+    echo "stopped: ${s} s left before DEADLINE_S" | tee -a "$OUT/$part.log" >&2
+    return 1
+  fi
+  echo "$s"
+}
+
 # quality ARMS SEEDS NAME: runs what the run folder lacks, then copies the table as NAME.*
 quality() {
-  local start=$SECONDS
-  timeout $((DEADLINE_S - SECONDS)) python3 experiments/quality_targets.py "${SCALE[@]}" \
+  local start=$SECONDS t
+  t=$(left) || return 1
+  timeout "$t" python3 experiments/quality_targets.py "${SCALE[@]}" \
     --arms="$1" --seeds="$2" --out=$Q >>"$OUT/$part.log" 2>&1
   local rc=$?
   last_run_s=$((SECONDS - start))
@@ -89,7 +101,9 @@ quality() {
 mfu() {
   local args=(--mfu_batch=16 --remat=dots,full,none)
   [[ ${SMOKE:-0} == 1 ]] && args=(--quick)
-  timeout $((DEADLINE_S - SECONDS)) python3 scripts/bench_accelerator.py "${args[@]}" \
+  local t
+  t=$(left) || return 1
+  timeout "$t" python3 scripts/bench_accelerator.py "${args[@]}" \
     --part=mfu 2>&1 | tee -a "$OUT/speed_mfu.log"
 }
 # The learner's thread on the H200 (2026-11-28): host_share 0.88 where the plain loop's is
@@ -181,7 +195,8 @@ case $part in
       --out="$DEVICE_CHECK_DIR/overlap_land")
     fits || exit 0
     start=$SECONDS
-    timeout $((DEADLINE_S - SECONDS)) python3 "${L[@]}" >>"$OUT/$part.log" 2>&1
+    t=$(left) || exit 0
+    timeout "$t" python3 "${L[@]}" >>"$OUT/$part.log" 2>&1
     echo "[$SECONDS s] overlap and land rungs: rc $?" | tee -a "$OUT/$part.log"
     cp "$DEVICE_CHECK_DIR/overlap_land/quality_ladder.md" "$OUT/overlap_land.md"
     last_run_s=$(((SECONDS - start) / 2))
@@ -193,7 +208,8 @@ case $part in
     # dropped), on the tiny model at 3x its lr the cheapest on time (0.4% against landing's
     # 2.0%), where late merges make it lose real work (experiments/results/apply_land/).
     fits || exit 0
-    timeout $((DEADLINE_S - SECONDS)) python3 experiments/quality_ladder.py "${SCALE[@]}" \
+    t=$(left) || exit 0
+    timeout "$t" python3 experiments/quality_ladder.py "${SCALE[@]}" \
       --seeds=0 --arms=overlap --set=diloco.apply=overwrite \
       --out="$DEVICE_CHECK_DIR/overlap_overwrite" >>"$OUT/$part.log" 2>&1
     echo "[$SECONDS s] overlap rung, overwrite: rc $?" | tee -a "$OUT/$part.log"

@@ -271,6 +271,19 @@ def test_device_check_stops_at_its_deadline_and_returns_the_tables_so_far(tmp_pa
     assert "| Streaming, synchronous |" in (out / "mid_2arms.md").read_text()
 
 
+def test_device_check_starts_nothing_when_no_time_is_left(tmp_path):
+    """With the deadline passed, a part says so and runs nothing (it ran `timeout` with a
+    negative limit, an error, or 0: no limit at all)."""
+    env = {**os.environ, "SMOKE": "1", "DEADLINE_S": "5", "OUT": str(tmp_path / "out"),
+           "DEVICE_CHECK_DIR": str(tmp_path)}  # fmt: skip
+    script = ROOT / "scripts" / "device_check.sh"
+    proc = subprocess.run(["bash", str(script), "mfu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "s left before DEADLINE_S" in proc.stderr
+    assert not (tmp_path / "out" / "speed_mfu.log").exists()
+
+
 @pytest.mark.slow
 def test_cached_run_reruns_when_its_config_changes(tmp_path):
     args = ("--smoke", "--arms=none", f"--out={tmp_path}")

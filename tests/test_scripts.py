@@ -28,6 +28,25 @@ def test_script_starts_and_lists_its_flags(name):
     assert proc.returncode in (0, 1) and f"{name}:" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize(
+    "script, flag, message",
+    [
+        # failed only in the MFU part, minutes after the overhead part, or never
+        ("bench_accelerator.py", "--remat=bogus", "--remat=bogus: each one of"),
+        ("bench_accelerator.py", "--mfu_steps=0", "--mfu_steps=0: must be >= 1"),
+        ("bench_accelerator.py", "--max_batch=2", "--max_batch=2 is below the first batch"),
+        ("bench_syncer_merge.py", "--sizes=0", "--sizes: Mi-params, each at least"),
+        ("bench_syncer_merge.py", "--reps=0", "--reps: at least 1"),
+    ],
+)
+def test_benchmarks_refuse_bad_flags_before_measuring(script, flag, message):
+    cmd = [sys.executable, str(ROOT / "scripts" / script), "--quick", flag]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr + proc.stdout
+    assert "devices:" not in proc.stdout  # nothing measured
+
+
 @pytest.mark.slow
 def test_learner_overhead_runs_against_an_emulated_accelerator(tmp_path):
     """--emulate_step_ms: every arm's learner steps on an emulated device that takes that
