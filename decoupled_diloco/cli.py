@@ -215,6 +215,23 @@ def _config_file_error(text: str) -> str | None:
 REPEAT_INTERRUPT_S = 1.0
 
 
+# Set by a Ctrl-C `one_interrupt_per_press` raised, cleared by whoever handles it
+# (`interrupt_handled`): a KeyboardInterrupt raised while the main thread runs a garbage-
+# collection callback (JAX's) is reported as "Exception ignored" and lost, and the run
+# trained on; the runtimes' watch loops raise it again (`raise_pending_interrupt`).
+_PENDING_INTERRUPT = threading.Event()
+
+
+def raise_pending_interrupt() -> None:
+    """KeyboardInterrupt if a Ctrl-C was raised and nothing handled it (it was lost)."""
+    if _PENDING_INTERRUPT.is_set():
+        raise KeyboardInterrupt
+
+
+def interrupt_handled() -> None:
+    _PENDING_INTERRUPT.clear()
+
+
 @contextlib.contextmanager
 def one_interrupt_per_press():
     """Inside: SIGINT raises KeyboardInterrupt as Python's own handler does, except within
@@ -225,11 +242,13 @@ def one_interrupt_per_press():
         yield
         return
     last = [-float("inf")]
+    _PENDING_INTERRUPT.clear()
 
     def handler(signum, frame):
         now = time.monotonic()
         if now - last[0] >= REPEAT_INTERRUPT_S:
             last[0] = now
+            _PENDING_INTERRUPT.set()
             raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, handler)
@@ -237,3 +256,4 @@ def one_interrupt_per_press():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        _PENDING_INTERRUPT.clear()

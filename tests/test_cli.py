@@ -96,6 +96,28 @@ def test_a_ctrl_c_signalled_twice_at_once_interrupts_once():
     assert interrupts([0.0, 0.0]) == 2  # outside: Python's own handler
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_lost_in_a_finalizer_is_raised_again():
+    """A KeyboardInterrupt raised while the main thread runs a finalizer (JAX's garbage-
+    collection callback) is printed as "Exception ignored" and lost: the run trained on, and
+    the user's next Ctrl-C was taken for the second, a hard stop. It stays pending for the
+    runtimes' watch loops to raise until one handles it."""
+    import signal
+    import time
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, inside the finalizer
+
+    with cli.one_interrupt_per_press():
+        Finalized()  # (dropped at once: its finalizer runs; the raise in it is lost)
+        with pytest.raises(KeyboardInterrupt):
+            cli.raise_pending_interrupt()
+        cli.interrupt_handled()
+        cli.raise_pending_interrupt()  # handled: nothing pending
+
+
 @pytest.mark.parametrize(
     "config_text, extra, expected",
     [

@@ -410,3 +410,17 @@ def test_an_evaluation_of_many_batches_on_a_mesh_completes():
         line.split() for line in out.stdout.splitlines() if line[:5] in ("loss ", "first")
     )
     assert np.isfinite(float(values["loss"])) and float(values["loss"]) > 0
+
+
+def test_a_lost_ctrl_c_stops_the_run_at_the_next_watch(small_config, tmp_path, monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt a finalizer swallowed (tests/test_cli.py) is pending:
+    the main thread's watch raises it, and the run stops as at a Ctrl-C (it trained on)."""
+    from decoupled_diloco import cli
+    from decoupled_diloco.runtime.learner_loop import RunInterruptedError
+
+    monkeypatch.setattr(cli, "_PENDING_INTERRUPT", threading.Event())
+    cli._PENDING_INTERRUPT.set()
+    run = config_lib.validate(small_config(**{"train.steps": 400}))
+    with pytest.raises(RunInterruptedError, match="interrupted at learner steps"):
+        LocalRuntime(run, str(tmp_path), verbose=False).run()
+    assert not cli._PENDING_INTERRUPT.is_set()  # handled

@@ -307,6 +307,7 @@ class LocalRuntime:
         try:
             self._watch(learner_threads)
         except KeyboardInterrupt:
+            cli.interrupt_handled()
             self._interrupt(learner_threads)
         except BaseException:
             # The main thread failed (an evaluation of Θ): the run stops as at a learner's
@@ -397,6 +398,7 @@ class LocalRuntime:
         while any(t.is_alive() for t in learner_threads):
             for t in learner_threads:
                 t.join(timeout=0.2)
+            cli.raise_pending_interrupt()  # one a callback swallowed (cli.py)
             if not run.uses_syncer or not next_eval:
                 continue
             lead = max(loop.step for loop in self.loops)

@@ -42,7 +42,7 @@ import uuid
 import jax
 import ray
 
-from decoupled_diloco import faults, paths, run_files, sharding
+from decoupled_diloco import cli, faults, paths, run_files, sharding
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.diloco.messages import Leave
 from decoupled_diloco.metrics import Progress, write_json
@@ -115,6 +115,7 @@ class RayRuntime:
                 self._build_evaluator()
                 self._watch()
             except KeyboardInterrupt:
+                cli.interrupt_handled()
                 self._interrupt()
             return self._finish()
         finally:
@@ -186,6 +187,7 @@ class RayRuntime:
         next_eval = run.train.eval_every
         while not all(s["done"] or m in self.lost for m, s in enumerate(self.status)):
             time.sleep(run.ray.poll_seconds)
+            cli.raise_pending_interrupt()  # one a callback swallowed (cli.py)
             self._collect()
             self._apply_faults()
             lead = max(s["step"] for s in self.status)
