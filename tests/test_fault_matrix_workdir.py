@@ -269,6 +269,23 @@ def test_a_forced_resume_may_not_relay_the_syncer_checkpoints(small_config, tmp_
     ]
 
 
+def test_a_forced_resume_may_not_end_before_its_learners_checkpoints(small_config, tmp_path):
+    """train.steps lowered below a learner's checkpointed step: the resumed learners joined
+    past the run's end, the syncer refused every Join as implausible, and the run waited
+    diloco.join_timeout (600 s) without a word. Refused up front, naming the step."""
+    base = {"train.steps": 40, **DECOUPLED}
+    run_files.write(str(tmp_path), config_lib.validate(small_config(**base)))
+    for m, step in ((0, 10), (1, 20), (1, 10)):
+        (tmp_path / "checkpoints" / f"learner_{m}" / str(step)).mkdir(parents=True)
+    (tmp_path / "checkpoints" / "learner_0" / "30.orbax-checkpoint-tmp-1").mkdir()
+    short = config_lib.validate(small_config(**{**base, "train.steps": 15}))
+    with pytest.raises(ValueError, match=r"train.steps=15 \(learner 1 at step 20\), even"):
+        workdir.check_resume(str(tmp_path), short, False, True, stepped=True)
+    for steps in (20, 60):  # as far as the checkpoints, or further: a forced resume goes on
+        run = config_lib.validate(small_config(**{**base, "train.steps": steps}))
+        assert "train.steps" in workdir.check_resume(str(tmp_path), run, False, True, True)
+
+
 @pytest.mark.slow
 def test_a_resume_may_change_where_the_learner_is_placed(small_config, tmp_path):
     """The mesh (an OOM run resumed FSDP-sharded) changes no math: resumed without

@@ -47,7 +47,7 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
         done = finished.exists()
         stepped = workdir_lib.trained(workdir, cfg, ckpt_dir)
         fresh = not done and not stepped
-        changed = workdir_lib.check_resume(workdir, cfg, done, force, stepped)
+        changed = workdir_lib.check_resume(workdir, cfg, done, force, stepped, ckpt_dir)
         if not done:  # a corpus that nothing trained on binds nothing either
             changed += run_files.check_corpus(workdir, cfg.data, force or fresh)
         if done:

@@ -117,11 +117,17 @@ def trained(workdir: str, cfg: RunConfig, checkpoints: str | None = None) -> boo
 
 
 def check_resume(
-    workdir: str, cfg: RunConfig, finished: bool, force: bool, stepped: bool | None = None
+    workdir: str,
+    cfg: RunConfig,
+    finished: bool,
+    force: bool,
+    stepped: bool | None = None,
+    checkpoints: str | None = None,
 ) -> list[str]:
     """Refuses a config the workdir's run cannot continue with; returns the changes that are
     accepted (free ones, or any with `force`, or any when the run has not `trained`: it
-    starts over with them). `stepped`: `trained(...)` when the caller has it."""
+    starts over with them). `stepped`: `trained(...)` when the caller has it; `checkpoints`:
+    the learners' checkpoint directory (default `<workdir>/checkpoints`)."""
     root = epath.Path(workdir)
     if stepped is None:
         stepped = trained(workdir, cfg)
@@ -160,6 +166,16 @@ def check_resume(
             f"({_listed(reshaped)}): no checkpoint of it can be restored, even with "
             "--force_resume; use another --workdir for the new model"
         )
+    if "train.steps" in binding:
+        saved = _checkpointed_step(workdir, cfg, checkpoints)
+        if saved is not None and saved[1] > cfg.train.steps:
+            raise ValueError(
+                f"{workdir} holds learner checkpoints past the new train.steps="
+                f"{cfg.train.steps} (learner {saved[0]} at step {saved[1]}), even with "
+                "--force_resume: a learner resumed there is past the run's end (the syncer "
+                "refuses its steps); raise train.steps to at least that, or use another "
+                "--workdir"
+            )
     relaid = (
         _syncer_relaid(workdir, cfg)
         if any(k.startswith(("diloco.", "model.")) for k in binding)
@@ -173,6 +189,22 @@ def check_resume(
             "with the run's values or use another --workdir"
         )
     return changed
+
+
+def _checkpointed_step(workdir: str, cfg: RunConfig, checkpoints: str | None):
+    """(learner, step) of the highest step a learner checkpoint holds (its step folders'
+    names, `learner_<m>/<step>`), None if none; in `checkpoints` and the run's and `cfg`'s
+    `ray.checkpoint_dir`, as `trained` looks."""
+    dirs = {checkpoints or str(epath.Path(workdir) / "checkpoints"), cfg.ray.checkpoint_dir,
+            run_files.read_config(workdir).ray.checkpoint_dir}  # fmt: skip
+    best = None
+    for d in (paths.resolve(d) for d in dirs if d):
+        for learner in d.glob("learner_*") if d.exists() else ():
+            m = learner.name.removeprefix("learner_")
+            steps = [int(c.name) for c in learner.iterdir() if c.name.isdigit()]
+            if m.isdigit() and steps and (best is None or max(steps) > best[1]):
+                best = (int(m), max(steps))
+    return best
 
 
 def _syncer_relaid(workdir: str, cfg: RunConfig) -> list[str]:
