@@ -90,7 +90,8 @@ class SyncerLoop:
                 time.sleep(POLL_S)
             self._announce()
         last_ckpt = self.clock()
-        crashes, _ = self.schedule.syncer_crashes_by(last_ckpt)  # (those before: handled)
+        # Outages begun before this loop's start are behind it (or it starts in one).
+        crashes = self.schedule.syncer_crashes_by(last_ckpt)[0] if self.emulate_outages else 0
         while not stop.is_set():
             now = self.clock()
             if self.emulate_outages:
