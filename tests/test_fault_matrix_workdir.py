@@ -574,7 +574,9 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path,
     assert "Traceback" not in err and "the same command resumes" in err, err[-3000:]
     assert not (tmp_path / "summary.json").exists()
     saved = [_steps(tmp_path / "checkpoints" / f"learner_{m}")[-1] for m in (0, 1)]
-    assert all(10 <= s < steps for s in saved), saved
+    # Stopped mid-way, and saved; on a loaded box one learner may run so far ahead of the
+    # other (they never wait) that it finished before the Ctrl-C landed ([13, 120] once).
+    assert all(10 <= s <= steps for s in saved) and min(saved) < steps, saved
 
     again = subprocess.run(args, cwd=repo, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
