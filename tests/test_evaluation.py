@@ -22,6 +22,7 @@ def _small_eval_split(small_config, tmp_path, seq_len):
     )
 
 
+@pytest.mark.slow  # (the default suite is kept under ~10 min on 2 cores)
 def test_an_eval_split_smaller_than_a_batch_counts_each_window_once(small_config, tmp_path):
     """11 windows in a batch of 32 were scored as 10 of them three times and one twice:
     the loss was a weighted mean of the split. Rows that wrap around count 0 now."""

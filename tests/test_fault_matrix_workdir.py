@@ -91,6 +91,7 @@ def test_a_corrupt_syncer_checkpoint_falls_back_to_the_previous_one(small_config
     assert summary["final_eval_loss"] < 6.0
 
 
+@pytest.mark.slow  # (the default suite is kept under ~10 min on 2 cores)
 def test_no_good_checkpoint_stops_the_run_naming_the_files(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 12, "train.checkpoint_every": 4})
     _halted(cfg, tmp_path, after=10)

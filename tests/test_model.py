@@ -324,6 +324,7 @@ def test_init_draws_once_per_parameter_kind_not_per_layer():
     assert kinds[0] == kinds[1] > 0
 
 
+@pytest.mark.slow  # (the default suite is kept under ~10 min on 2 cores)
 def test_init_layers_differ_and_depend_only_on_seed_and_index():
     shallow = flat(init_params(get_model_config("tiny", num_layers=2), jax.random.key(3)))
     deep = flat(init_params(get_model_config("tiny", num_layers=4), jax.random.key(3)))

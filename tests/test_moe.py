@@ -95,6 +95,7 @@ def test_slots_go_in_position_order_so_no_token_depends_on_later_ones():
     np.testing.assert_allclose(combine[0, :, :, 0], [[0.7, 0.3], [0.0, 0.0]])
 
 
+@pytest.mark.slow  # (the default suite is kept under ~10 min on 2 cores)
 def test_a_capacity_moe_models_logits_do_not_depend_on_later_tokens():
     """tiny_moe with its default capacity (k = 2, 1.25): changing the second half of a row
     moved the first half's logits by up to 0.2 (a causal LM loss that saw the future)."""

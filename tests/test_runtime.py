@@ -412,6 +412,7 @@ def test_an_evaluation_of_many_batches_on_a_mesh_completes():
     assert np.isfinite(float(values["loss"])) and float(values["loss"]) > 0
 
 
+@pytest.mark.slow  # (the default suite is kept under ~10 min on 2 cores)
 def test_a_lost_ctrl_c_stops_the_run_at_the_next_watch(small_config, tmp_path, monkeypatch):
     """A Ctrl-C whose KeyboardInterrupt a finalizer swallowed (tests/test_cli.py) is pending:
     the main thread's watch raises it, and the run stops as at a Ctrl-C (it trained on)."""
