@@ -54,6 +54,10 @@ def config_to_json(run: RunConfig) -> dict:
     return dataclasses.asdict(run)
 
 
+class DamagedRecordError(ValueError):
+    """A run_config.json record whose content is not what its digest says."""
+
+
 def _digest(record: dict) -> str:
     rest = {k: v for k, v in record.items() if k != DIGEST_KEY}
     return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
@@ -78,9 +82,9 @@ def config_from_json(d: dict) -> RunConfig:
     """The RunConfig `config_to_json` wrote (keys a newer version removed are ignored); a
     record whose digest (`DIGEST_KEY`) does not match its content is refused."""
     if DIGEST_KEY in d and d[DIGEST_KEY] != _digest(d):
-        raise ValueError(
-            f"its {DIGEST_KEY} does not match its content: the record was damaged or edited "
-            "since the run wrote it (override keys on the command line instead)"
+        raise DamagedRecordError(
+            f"does not match the {DIGEST_KEY} recorded in it: a damaged run record (one byte "
+            "of a key's name makes its value the default: another model)"
         )
     sections = {name: _section(dc, d[name]) for name, dc in _SECTIONS.items() if name in d}
     rest = {k: v for k, v in d.items() if k not in _SECTIONS and k != DIGEST_KEY}
@@ -259,14 +263,11 @@ def read_config(path: str) -> RunConfig:
     if not isinstance(record, dict):
         raise ValueError(f"{file} holds a JSON {type(record).__name__}, not a run's config: a "
                          "damaged run record")  # fmt: skip
-    if DIGEST_KEY in record and record[DIGEST_KEY] != _digest(record):
-        raise ValueError(
-            f"{file} does not match the {DIGEST_KEY} recorded in it: a damaged run record "
-            "(one byte of a key's name makes its value the default: another model)"
-        )
     try:
         config = config_from_json(record)
         models.validate_model_config(config.model)  # (what building the model reads)
+    except DamagedRecordError as e:
+        raise ValueError(f"{file} {e}") from e
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise ValueError(f"{file} does not hold a config this version reads ({e}): a "
                          "damaged run record, or one of another version") from e  # fmt: skip
