@@ -10,12 +10,8 @@ them (old lives, new lives) is in `registry.py`. A message that fails is logged
 "unknown_type"; the registry adds "old_incarnation", "new_incarnation"), never raised.
 """
 
-import math
-
-import numpy as np
-
 from decoupled_diloco.diloco.messages import Heartbeat, Join, Leave
-from decoupled_diloco.diloco.offer_checks import Reason, RunBounds
+from decoupled_diloco.diloco.offer_checks import Reason, RunBounds, has_kind
 
 # Fields each message must have, and their kinds.
 FIELDS = {
@@ -27,16 +23,6 @@ FIELDS = {
 }  # fmt: skip
 
 
-def _has_kind(v, kind: str) -> bool:
-    if kind == "bool":
-        return isinstance(v, bool | np.bool_)
-    if isinstance(v, bool | np.bool_):
-        return False
-    if kind == "int":
-        return isinstance(v, int | np.integer)
-    return isinstance(v, int | float | np.integer | np.floating) and math.isfinite(v)
-
-
 def check_message(msg, num_learners: int, bounds: RunBounds) -> Reason | None:
     """Types and ranges of a Join, Heartbeat or Leave (anything else: "unknown_type")."""
     fields = FIELDS.get(type(msg))
@@ -44,7 +30,7 @@ def check_message(msg, num_learners: int, bounds: RunBounds) -> Reason | None:
         return Reason("unknown_type", f"the syncer cannot handle {type(msg).__name__}")
     for name, kind in fields:
         v = getattr(msg, name, None)
-        if not _has_kind(v, kind):
+        if not has_kind(v, kind):
             return Reason("malformed", f"{name} must be {'a' if kind != 'int' else 'an'} "
                           f"{kind}, got {v!r}")  # fmt: skip
     if not 0 <= msg.learner < num_learners:

@@ -69,16 +69,27 @@ class RunBounds:
         return self.tokens_per_step or MAX_TOKENS
 
 
+def has_kind(v, kind: str) -> bool:
+    """`v` is a "bool", an "int" (never a bool) or a "real" (a finite number, not a bool);
+    numpy scalars count (the syncer keeps them as Python ones: messages.plain)."""
+    if kind == "bool":
+        return isinstance(v, bool | np.bool_)
+    if isinstance(v, bool | np.bool_):
+        return False
+    if kind == "int":
+        return isinstance(v, int | np.integer)
+    return isinstance(v, int | float | np.integer | np.floating) and math.isfinite(v)
+
+
 def check_sender(offer, info, num_learners: int, owned) -> Reason | None:
     """The offer's learner, life and fragment (`info`: the registry entry or None). A learner
     that left may still offer: its final offers carry work its earlier offers did not."""
     for field in INTEGER_FIELDS:
         v = getattr(offer, field, None)
-        if isinstance(v, bool) or not isinstance(v, int | np.integer):
+        if not has_kind(v, "int"):
             return Reason("envelope", f"{field} must be an integer, got {v!r}")
     t = getattr(offer, "time", None)  # (a string here failed the merge after Θ had moved)
-    if isinstance(t, bool | np.bool_) or not isinstance(t, int | float | np.integer | np.floating) \
-            or not math.isfinite(t):  # fmt: skip
+    if not has_kind(t, "real"):
         return Reason("envelope", f"time must be a finite number, got {t!r}")
     if offer.nbytes < 0:
         return Reason("envelope", f"nbytes must be >= 0, got {offer.nbytes}")
