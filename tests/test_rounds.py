@@ -473,3 +473,21 @@ def test_what_theta_holds_of_a_learners_earlier_life_survives_its_rejoin_and_a_r
     restored.load_state_dict(s.state_dict(), s.meta_dict(), 3.0)
     assert restored.clock(0)[1] == (0, 4)
     assert restored.snapshot(3.0).merged[0][1] == (0, 4)
+
+
+def test_a_waiting_learners_heartbeats_do_not_weigh_the_grace_step_time():
+    """A learner that waits (for a merge, its data, the final sync) repeats its last step
+    time in every heartbeat; only a heartbeat after new steps is a new measurement."""
+    s = syncer(learners=2)
+    s.handle(Heartbeat(0, 0, 5, 1.0, 0.0), 0.0)  # learner 0: 1 s steps
+    s.handle(Heartbeat(1, 0, 5, 3.0, 0.0), 0.0)  # learner 1: 3 s steps
+    before = s.grace.step.get()
+    for t in range(1, 20):  # learner 1 waits at step 5 and keeps beating
+        s.handle(Heartbeat(1, 0, 5, 3.0, float(t)), float(t))
+    assert s.grace.step.get() == before
+    s.handle(Heartbeat(1, 0, 6, 3.0, 20.0), 20.0)  # it stepped: a new measurement
+    assert s.grace.step.get() > before
+    moved = s.grace.step.get()
+    s.handle(Join(1, 1, 21.0, 5), 21.0)  # a new life, restored at step 5, is timed anew
+    s.handle(Heartbeat(1, 1, 5, 2.0, 22.0), 22.0)
+    assert s.grace.step.get() != moved

@@ -91,6 +91,7 @@ class Syncer:
         self.registry = Registry(cfg.learners, cfg.heartbeat_timeout, cfg.confirm_timeout)
         self.learners = self.registry.learners  # learner -> LearnerInfo
         self.grace = GraceWindow(cfg.grace_gamma, cfg.max_grace, cfg.overlap, cfg.ema_decay)
+        self._timed_at: dict[int, tuple[int, int]] = {}  # learner -> (life, step) last timed
         self.stats = dict(merges=0, bytes_in=0, bytes_out=0, offers=0, **refusals.new_stats())
         self.refusals = refusals.Refusals(self.stats, self.record, self.num_learners)
         self.scale = OfferScale(cfg.max_offer_norm_ratio, self.owned)
@@ -149,7 +150,11 @@ class Syncer:
         if isinstance(seen, Reason):
             self.refusals.drop_message(msg, seen, now)
             return []
-        if msg.step_seconds > 0:
+        if msg.step_seconds > 0 and self._timed_at.get(msg.learner) != (msg.incarnation, msg.step):
+            # Only a learner that stepped since its last timed heartbeat: one waiting (for a
+            # merge, its data, the final sync) repeats its average every heartbeat_every
+            # seconds, which would weigh the grace window's step time towards the waiters.
+            self._timed_at[msg.learner] = (msg.incarnation, msg.step)
             self.grace.step.update(msg.step_seconds)
         return self.tick(now) if tick else self._sent()  # a waiting offer may be fresh now
 
