@@ -630,6 +630,8 @@ def test_host_cpu_share_counts_the_threads_cpu_not_its_waits(small_config, tmp_p
     each = min(pause / step_s, 0.5)  # the share of a step asleep, and the share spinning
     assert host > 0.8 * 2 * each, (host, each)
     assert 0.7 * each < cpu < host - 0.7 * each, (cpu, host, each)
+    data = float(np.median([r["data_share"] for r in rows]))  # all of it getting batches
+    assert 0.8 * 2 * each < data <= host, (data, host, each)
 
 
 def test_a_launch_held_by_the_devices_full_queue_is_a_wait_for_the_device(

@@ -34,7 +34,28 @@ def test_a_steps_waits_for_the_device_and_merges_are_not_host_work():
     shares = times.shares()
     assert 0.15 < shares["host_share"] < 0.55, shares
     assert 0.1 < shares["host_cpu_share"] < 0.45, shares
+    assert shares["data_share"] == 0.0
     assert times.shares() == {}  # counted anew from each row
+
+
+def test_a_steps_wait_for_its_data_is_not_compute():
+    """A step that waits 100 ms for its batch and works 50 ms: its compute time (what
+    goodput counts as useful) leaves the data wait out; the row shows it as data_share."""
+
+    def batches():
+        while True:
+            time.sleep(0.1)
+            yield "batch"
+
+    times, data = StepTimes(), batches()
+    times.begin()
+    assert times.reading_data(data) == "batch"
+    _busy(0.05)
+    times.end()
+    assert 0.04 < times.compute_seconds() < 0.1  # the data wait would make it >= 0.15
+    assert times.data_wait >= 0.1
+    shares = times.shares()
+    assert 0.5 < shares["data_share"] <= shares["host_share"], shares
 
 
 def test_saves_are_spaced_to_their_duty_from_the_third_on():

@@ -1,8 +1,9 @@
 """Goodput and uptime accounting of real runs (the quantities the simulator predicts).
 
 goodput = useful learner compute / allocated learner compute (from a learner's first step
-to its last, minus time it spends evaluating, which is not training; the tail after its
-last step, final offers and checkpoint, is not allocation), where a learner's step is
+to its last, minus time it spends evaluating, which is not training; its steps' waits for
+merges and for their data are allocated but not compute, runtime/step_times.py; the tail
+after its last step, final offers and checkpoint, is not allocation), where a learner's step is
 useful once its work reached a merged global fragment (per fragment, weighted by the
 fragment's share of the parameters; a merge record's c_steps are the steps its offers
 brought, and each step travels in exactly one merged offer per fragment, see

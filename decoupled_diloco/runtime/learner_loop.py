@@ -215,7 +215,7 @@ class LearnerLoop:
                     break  # resumed in its final sync, and Θ holds every step: none to take
             self.times.begin()
             profiling.step(m, self.step, self.replica.ready)  # --profile's window
-            metrics = self.replica.step(next(self.data))
+            metrics = self.replica.step(self.times.reading_data(self.data))
             self.step += 1
             unread.append((self.step, metrics))
             if self.proto is not None:
@@ -581,7 +581,7 @@ class LearnerLoop:
             "time": now,
         }
         rec.update(mfu.row_fields(self.run_cfg, self.replica.mesh, rate))
-        rec.update(self.times.shares())  # host_share, host_cpu_share
+        rec.update(self.times.shares())  # host_share, host_cpu_share, data_share
         waited = self.replica.compile_waited()
         if waited:
             # Seconds this learner's thread has waited for its protocol ops' background

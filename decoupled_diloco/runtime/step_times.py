@@ -5,8 +5,11 @@ the thread waited for late merges, and for the device in two ways: reading a ste
 (the device still computing it), and launching a program while the device's queue was full
 (XLA:CPU holds at most 32 programs per device in flight; `fragment_ops.dispatch_waited`). The
 rest it was busy on the host: `host_share` near 1 means the device idles between steps (a
-host-bound learner). The step's time as the learner's ledger counts it (`compute_seconds`)
-leaves the merge waits out too.
+host-bound learner). Of that, `data_share` is getting the step's batch (`reading_data`: its
+read, or the wait for the prefetching thread): near host_share, a data-bound learner. The
+step's time as the learner's ledger counts it (`compute_seconds`, what goodput calls useful
+once merged) leaves the merge and data waits out: a learner starved of data is allocated
+but not training.
 """
 
 import contextlib
@@ -21,6 +24,7 @@ class _Mark(NamedTuple):  # the clocks and totals at a step's start
     cpu: float
     merge_wait: float
     evaluation: float
+    data_wait: float
     device_wait: float
     idle_cpu: float
     launch_wait: float
@@ -34,17 +38,19 @@ class StepTimes:
     def __init__(self):
         self.merge_wait = 0.0  # seconds blocked on late merges, all told
         self.evaluation = 0.0  # seconds evaluating (data-parallel), all told
+        self.data_wait = 0.0  # seconds reading or waiting for batches, all told
         self.device_wait = 0.0  # seconds waiting for the device in metrics reads, all told
         self.idle_cpu = 0.0  # CPU seconds spent in those waits and evaluations, all told
         # Since the previous row: the steps' wall seconds less evaluations, of those the
         # seconds waiting (for merges, for the device), and the thread's CPU seconds outside
         # its waits (`time.thread_time`).
-        self._wall = self._blocked = self._cpu = 0.0
+        self._wall = self._blocked = self._cpu = self._data = 0.0
         self._mark: _Mark | None = None
-        self._off = 0.0  # the current step's waits for merges and evaluations
+        self._off = 0.0  # the current step's waits for merges and data, and evaluations
 
     def begin(self) -> None:
-        totals = (self.merge_wait, self.evaluation, self.device_wait, self.idle_cpu)
+        totals = (self.merge_wait, self.evaluation, self.data_wait, self.device_wait,
+                  self.idle_cpu)  # fmt: skip
         self._mark = _Mark(time.perf_counter(), time.thread_time(), *totals, dispatch_waited())
         self._off = 0.0
 
@@ -54,15 +60,17 @@ class StepTimes:
         mark = self._mark
         evaluating, blocked = self.evaluation - mark.evaluation, self.merge_wait - mark.merge_wait
         device_wait = self.device_wait - mark.device_wait
-        self._off = blocked + evaluating
+        data = self.data_wait - mark.data_wait
+        self._off = blocked + evaluating + data
+        self._data += data
         self._wall += time.perf_counter() - mark.wall - evaluating
         self._blocked += blocked + device_wait + (dispatch_waited() - mark.launch_wait)
         self._cpu += time.thread_time() - mark.cpu - (self.idle_cpu - mark.idle_cpu)
         return device_wait
 
     def compute_seconds(self) -> float:
-        """The current step's seconds since `begin`, less its waits for merges and its
-        evaluations."""
+        """The current step's seconds since `begin`, less its waits for merges and data, and
+        its evaluations."""
         return time.perf_counter() - self._mark.wall - self._off
 
     @contextlib.contextmanager
@@ -72,6 +80,14 @@ class StepTimes:
         yield
         self.device_wait += time.perf_counter() - t0
         self.idle_cpu += time.thread_time() - c0  # a runtime may spin while it waits
+
+    def reading_data(self, data):
+        """`next(data)`, timed as the step's wait for its data."""
+        t0 = time.perf_counter()
+        try:
+            return next(data)
+        finally:
+            self.data_wait += time.perf_counter() - t0
 
     def time_evaluation(self, fn):
         """`fn()` timed as an evaluation: (its result, seconds)."""
@@ -96,5 +112,8 @@ class StepTimes:
             # timed as such (a boundary finishing the device's steps before it waits for a
             # late merge: runs that wait for merges).
             out["host_cpu_share"] = round(min(max(self._cpu / self._wall, 0.0), 1.0), 4)
-        self._wall = self._blocked = self._cpu = 0.0
+            # Of host_share, the share spent getting the steps' batches (reading them, or
+            # waiting for the prefetching thread): near host_share, a data-bound learner.
+            out["data_share"] = round(min(max(self._data / self._wall, 0.0), 1.0), 4)
+        self._wall = self._blocked = self._cpu = self._data = 0.0
         return out
