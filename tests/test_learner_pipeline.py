@@ -464,6 +464,10 @@ def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
         events = [json.loads(line) for line in f]
     restarts = [e for e in events if e.get("event") == "nan_restart"]
     assert [(e["learner"], e["step"]) for e in restarts] == [(0, bad_step + lag)]
+    # The restarting life left (no round waits for it), then the next one joined.
+    leaves = [e for e in events if e.get("event") == "leave" and e["learner"] == 0]
+    rejoin = next(e for e in events if e.get("event") == "rejoin" and e["learner"] == 0)
+    assert leaves and not leaves[0]["finished"] and leaves[0]["time"] <= rejoin["time"]
     assert [(e["learner"], e["step"]) for e in events if e["event"] == "nan_at_end"] == [(1, 14)]
     assert summary["rejected_offers"] == 0
     assert max(now - read for _, read, now in reads) == lag  # read only 3 steps late

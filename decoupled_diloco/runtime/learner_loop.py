@@ -253,7 +253,13 @@ class LearnerLoop:
                 break  # no steps left to restart for: it leaves without offering (below)
             if diverged:  # a diverged learner must not poison merges: restart it from Θ
                 self.sink.event(self._event("nan_restart"))
+                life, joined = self.incarnation, self.proto is not None
                 self._crash("nan")
+                if joined:
+                    # Its process lives on: it says its life ended, so that no round waits
+                    # for it while it restarts (nor, if the run stops meanwhile, until its
+                    # heartbeat timeout). Its unsent offers of that life are gone with it.
+                    self.outbox.send(Leave(self.m, life, self.clock()))
                 continue
             if self.between_steps is not None:
                 self.between_steps()
