@@ -186,7 +186,9 @@ def test_a_learner_at_its_boundary_when_the_run_fails_elsewhere_keeps_its_work(
 ):
     """The run fails (another thread) while a learner is at a step boundary, where it reads
     its replies: it stops there and saves its step, as a learner the failure finds between
-    steps does (before, the boundary's RunAbortedError left it unsaved)."""
+    steps does (before, the boundary's RunAbortedError left it unsaved). Its Leave does not
+    say it finished its steps."""
+    from decoupled_diloco.diloco.learner import Learner
     from decoupled_diloco.runtime.learner_loop import LearnerLoop
 
     cfg = _synchronous(small_config, **{"train.steps": 40, "train.eval_every": 0,
@@ -200,11 +202,19 @@ def test_a_learner_at_its_boundary_when_the_run_fails_elsewhere_keeps_its_work(
             rt.failed.set()
         return boundary(self)
 
+    leaves, leave = [], Learner.leave
+
+    def recording_leave(self, finished):
+        leaves.append((self.id, finished))
+        return leave(self, finished)
+
     monkeypatch.setattr(LearnerLoop, "_boundary", fail_elsewhere_at_step_6)
+    monkeypatch.setattr(Learner, "leave", recording_leave)
     with pytest.raises(RuntimeError):
         rt.run()
     loop = rt.loops[0]
     assert loop.step == 6
+    assert (0, False) in leaves and not any(finished for _, finished in leaves)
     ckpt = Checkpointer(tmp_path / "checkpoints" / "learner_0")
     assert ckpt.latest_step() == 6
     ckpt.close()

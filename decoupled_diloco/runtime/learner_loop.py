@@ -276,7 +276,10 @@ class LearnerLoop:
             if diverged:  # its last steps diverged: leave without offering them, unsaved
                 self.sink.event(self._event("nan_at_end"))
             try:
-                self._finish(finished=not self.interrupted, offer_work=not diverged)
+                # Finished: its step budget is done (not a stop short of it: Ctrl-C, a run
+                # that failed elsewhere)
+                done = self.step >= run.train.steps
+                self._finish(finished=done, offer_work=not diverged)
             except RunAbortedError:  # the run failed elsewhere: keep this learner's work
                 if not diverged:
                     self.save()
