@@ -456,6 +456,16 @@ def test_json_lines_at_the_byte_cap_with_a_bom_and_lone_surrogates(tmp_path, mon
     assert "1 byte sequence(s) read as U+FFFD" in warned[-1]
     docs = sources.read_documents(files, max_bytes=len(body.encode()) - 1)
     assert [d.text for d in docs] == ["one"]  # a line the cap cuts is dropped
+    (tmp_path / "a.jsonl").write_text(body + "\n", encoding="utf-8")
+    docs = sources.read_documents(files, max_bytes=len(body.encode()))  # cuts its newline
+    assert [d.text for d in docs] == ["one", "a\ufffdb \U0001f600"]  # kept: it is whole
+
+
+def test_a_byte_order_mark_is_not_a_text_files_first_character(tmp_path):
+    (tmp_path / "a.txt").write_text("\ufeffhello", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("\ufeffin the middle: \ufeff", encoding="utf-8")
+    docs = sources.read_documents(sources.path_files(str(tmp_path)))
+    assert [d.text for d in docs] == ["hello", "in the middle: \ufeff"]
 
 
 def test_invalid_utf8_is_counted_and_a_character_the_byte_cap_cuts_is_not(tmp_path, monkeypatch):

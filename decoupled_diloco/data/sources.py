@@ -272,8 +272,8 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
             lines, lone = _json_lines(name, text, cut)
             docs += lines
             bad += lone
-        else:
-            docs.append(Document(name, text))
+        else:  # (a byte order mark at the start is not text)
+            docs.append(Document(name, text.removeprefix("\ufeff")))
         if bad:
             invalid.append((name, bad))
         # NUL separates documents in the byte tokenizer's stream: one inside a text (past
@@ -317,7 +317,9 @@ def _json_lines(name: str, text: str, cut: bool) -> tuple[list[Document], int]:
     lone surrogates ("\\ud800" escapes, which JSON allows and UTF-8 cannot hold) their
     texts had, each read as U+FFFD."""
     lines = text.removeprefix("\ufeff").split("\n")  # (a byte order mark is not JSON)
-    if cut:
+    if cut and not _whole_record(lines[-1]):
+        # A line the cap cut is dropped; one it kept whole but for its newline is not (a
+        # prefix of a line that parses as an object is that whole object).
         lines = lines[:-1]
     out, lone = [], 0
     for i, line in enumerate(lines, 1):
@@ -337,6 +339,13 @@ def _json_lines(name: str, text: str, cut: bool) -> tuple[list[Document], int]:
         out.append(Document(f"{name}:{i}", line_text))
         lone += n
     return out, lone
+
+
+def _whole_record(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 # json.loads joins an escaped surrogate pair into one character: any surrogate left is alone.
