@@ -165,6 +165,7 @@ class _Box:
 
 
 MIN_BROADCAST_BYTES = 256  # the smallest padded payload of a slice's broadcast
+_SIZE_BYTES = 8  # the payload's size, in front of it in a receive's first broadcast
 
 
 class SliceLink(LearnerLink):
@@ -176,7 +177,8 @@ class SliceLink(LearnerLink):
     memory on the learner thread, a collective every host must issue in the same order:
     the learner's outbox materialises inline.) Every decision a host takes by its own clock
     (a wait's end, a deadline, membership) is host 0's (`agree`). Tested with threads for
-    hosts (tests/test_multihost_learners.py), not on a multi-host TPU slice.
+    hosts, and its broadcasts with two JAX processes on CPU (tests/test_multihost_learners.py),
+    not on a multi-host TPU slice.
     """
 
     def __init__(self, inner: RayLearnerLink | None):
@@ -187,17 +189,31 @@ class SliceLink(LearnerLink):
             self.inner.send(msg)
 
     def receive(self, timeout: float = 0.0) -> list:
+        """Host 0's messages, on every host: one broadcast of MIN_BROADCAST_BYTES holding
+        their size and, when they fit (most boundaries: none arrived), the messages; else a
+        second one with the rest."""
         from jax.experimental import multihost_utils
 
         msgs = self.inner.receive(timeout) if self.inner is not None else []
         blob = np.frombuffer(pickle.dumps(msgs), np.uint8)
-        size = int(multihost_utils.broadcast_one_to_all(np.int64(blob.size)))
-        # Each shape broadcast is a program compiled for it: the payload travels padded to
-        # a power of two, so that a run compiles a few dozen, not one per message size.
-        padded = np.zeros(max(MIN_BROADCAST_BYTES, 1 << (size - 1).bit_length()), np.uint8)
-        padded[: min(size, blob.size)] = blob[:size]
-        blob = np.asarray(multihost_utils.broadcast_one_to_all(padded))[:size]
-        return pickle.loads(blob.tobytes())
+        first = np.zeros(MIN_BROADCAST_BYTES, np.uint8)
+        first[:_SIZE_BYTES] = np.frombuffer(np.int64(blob.size).tobytes(), np.uint8)
+        head = min(blob.size, MIN_BROADCAST_BYTES - _SIZE_BYTES)
+        first[_SIZE_BYTES : _SIZE_BYTES + head] = blob[:head]
+        first = np.asarray(multihost_utils.broadcast_one_to_all(first))
+        size = int(np.frombuffer(first[:_SIZE_BYTES].tobytes(), np.int64)[0])
+        head = min(size, MIN_BROADCAST_BYTES - _SIZE_BYTES)
+        data = first[_SIZE_BYTES : _SIZE_BYTES + head]
+        if size > head:
+            # Each shape broadcast is a program compiled for it: the rest travels padded to
+            # a power of two, so that a run compiles a few dozen, not one per message size.
+            rest = size - head
+            padded = np.zeros(max(MIN_BROADCAST_BYTES, 1 << (rest - 1).bit_length()), np.uint8)
+            tail = blob[head:size]  # (host 0's; the others' are replaced by the broadcast)
+            padded[: tail.size] = tail
+            padded = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+            data = np.concatenate([data, padded[:rest]])
+        return pickle.loads(data.tobytes())
 
     def agree(self, decision: bool) -> bool:
         """Host 0's decision, on every host (their clocks, and how long each took over its
