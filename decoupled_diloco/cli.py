@@ -164,9 +164,17 @@ def run(main, define_flags) -> None:
     app.run(main, flags_parser=parse_flags)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with config errors as one line (exit 2) and --help pointing at
-    where the config keys are documented (exit 0)."""
+def run_script(main) -> None:
+    """absl's app.run for a script, an experiment or a tool without a config flag: its
+    --help exits 0 (absl's own exits 1, which reads as a failure in a shell or CI)."""
+    from absl import app
+
+    app.run(main, flags_parser=lambda argv: parse_flags(argv, config_docs=False))
+
+
+def parse_flags(argv: list[str], config_docs: bool = True) -> list[str]:
+    """absl's flag parsing, with config errors as one line (exit 2) and --help (exit 0)
+    pointing at where the config keys are documented (`config_docs`)."""
     import sys
 
     from absl import app
@@ -176,7 +184,8 @@ def parse_flags(argv: list[str]) -> list[str]:
         from absl import flags
 
         print(flags.FLAGS.main_module_help() if argv[1:] != ["--helpfull"] else flags.FLAGS)
-        print(f"\n{CONFIG_DOCS}")
+        if config_docs:
+            print(f"\n{CONFIG_DOCS}")
         sys.exit(0)
     from absl import flags
 

@@ -31,7 +31,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from decoupled_diloco import cli, faults
 from decoupled_diloco.simulator import METHODS, SimParams, simulate
@@ -190,4 +190,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -34,7 +34,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from outputs import results_dir  # noqa: E402
 
 from decoupled_diloco import compile_cache  # noqa: E402
@@ -202,4 +202,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -21,7 +21,9 @@ The paper: 1.7 vs 104 Gbit/s at a 1 s step. Writes cross_region.{md,png,json} in
 """
 
 import harness
-from absl import app, flags
+from absl import flags
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/cross_region", "0,1")
 flags.DEFINE_float("step_s", 1.0, "Step time (s) at which the bandwidth table is computed.")
@@ -120,4 +122,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

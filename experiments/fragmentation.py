@@ -27,7 +27,9 @@ Writes fragmentation_plan.{md,png} (also with --plan_only, which runs nothing el
 
 import harness
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/fragmentation", "0,1")
 flags.DEFINE_bool("plan_only", False, "Only the gemma_2b plans at P = 24 (no runs): seconds.")
@@ -185,4 +187,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -27,7 +27,8 @@ import sys
 
 import harness
 import numpy as np
-from absl import app
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/goodput_failures", "0,1")
 # Lengths keep configs/chaos_crashes.py's batches (DP: 4x a learner's) and eval set.
@@ -177,4 +178,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -23,10 +23,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from goodput_cells import COLUMNS, PAPER_1P2M  # noqa: E402
 from outputs import results_dir  # noqa: E402
 
+from decoupled_diloco import cli
 from decoupled_diloco.simulator import SimParams, simulate  # noqa: E402
 from decoupled_diloco.simulator.params import plausible_ranges  # noqa: E402
 
@@ -144,4 +145,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -25,6 +25,7 @@ from absl import app, flags  # noqa: E402
 from goodput_cells import CHIPS, COLUMNS, PAPER_1P2M  # noqa: E402
 from outputs import results_dir  # noqa: E402
 
+from decoupled_diloco import cli
 from decoupled_diloco.simulator import SimParams, simulate  # noqa: E402
 
 flags.DEFINE_string("out", "experiments/results/goodput", "Output directory.")
@@ -146,4 +147,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -13,7 +13,8 @@ Writes heterogeneous.{md,png,json} into --out.
 """
 
 import harness
-from absl import app
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/heterogeneous", "0,1")
 QUICK = harness.QUICK | {"train.steps": 60, "train.warmup_steps": 6, "train.eval_every": 20}
@@ -69,4 +70,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -14,7 +14,8 @@ Writes learners_sweep.{md,png,json} into --out (default experiments/results/lear
 """
 
 import harness
-from absl import app
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/learners_sweep", "0,1")
 # The simulator's goodput at 1.2M chips, chip MTBF 1 year (design.md §4), for reference.
@@ -94,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

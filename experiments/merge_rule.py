@@ -15,7 +15,8 @@ Writes merge_rule.{md,png,json} into --out (default experiments/results/merge_ru
 """
 
 import harness
-from absl import app
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/merge_rule", "0,1")
 
@@ -83,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

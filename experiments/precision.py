@@ -12,7 +12,8 @@ in both directions (`diloco.reply_compression` too). The paper: int4 ≈ lossles
 """
 
 import harness
-from absl import app
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/precision", "0,1")
 LABEL = {"none": "fp32"}
@@ -88,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

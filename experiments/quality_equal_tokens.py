@@ -47,7 +47,9 @@ all-reduce of fp32 gradients every step moves 2·(N−1)/N·S bytes out of each 
 import math
 
 import harness
-from absl import app, flags
+from absl import flags
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/quality_equal_tokens", "0,1")
 flags.DEFINE_list(
@@ -247,4 +249,4 @@ def _plot_lr_sweep(ax, results) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

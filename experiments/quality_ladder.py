@@ -40,8 +40,10 @@ tokens and runs last 1000 steps (300 with --quick), on whatever devices exist.
 
 import arm_config
 import harness
-from absl import app, flags
+from absl import flags
 from arm_config import LADDER_FULL, LADDER_QUICK
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/quality_ladder", "0,1")
 flags.DEFINE_list(
@@ -175,4 +177,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -49,8 +49,10 @@ Lengths: 300 steps at batch 16 per learner on CPU (the quality ladder's), 1000 s
 
 import arm_config
 import harness
-from absl import app, flags
+from absl import flags
 from arm_config import LADDER_FULL, LADDER_QUICK
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/quality_targets", "0,1")
 
@@ -231,4 +233,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -18,7 +18,8 @@ Writes quorum_grace.{md,png,json} into --out (default experiments/results/quorum
 """
 
 import harness
-from absl import app
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/quorum_grace", "0,1")
 M = 4
@@ -91,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

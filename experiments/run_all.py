@@ -41,6 +41,8 @@ import time
 import outputs
 from absl import app, flags
 
+from decoupled_diloco import cli
+
 HERE = pathlib.Path(__file__).resolve().parent
 # (script, expected minutes --quick, expected minutes full), in the order; the table
 # in the docstring above repeats these numbers.
@@ -128,4 +130,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

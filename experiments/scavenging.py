@@ -23,7 +23,9 @@ Writes scavenging.{md,png,json} into --out.
 import math
 
 import harness
-from absl import app, flags
+from absl import flags
+
+from decoupled_diloco import cli
 
 harness.define_flags("experiments/results/scavenging", "0,1")
 BATCH = {"train.batch_size": 8}  # per learner, as configs/scavenging.py
@@ -132,4 +134,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -42,7 +42,7 @@ from decoupled_diloco import cli  # noqa: E402  (imports no JAX)
 cli.xla_flags()  # before JAX starts: 8 fake CPU devices, no CUDA graphs
 
 import jax  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
@@ -268,4 +268,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

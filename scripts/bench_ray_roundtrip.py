@@ -37,7 +37,7 @@ cli.xla_flags()  # before JAX starts: 8 fake CPU devices, no CUDA graphs
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
 from decoupled_diloco.config import RayConfig  # noqa: E402
@@ -308,4 +308,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -61,8 +61,9 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from decoupled_diloco import cli
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.diloco import chunks, compression, merge, outer
 from decoupled_diloco.diloco.config import DilocoConfig
@@ -442,4 +443,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

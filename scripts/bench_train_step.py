@@ -35,7 +35,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from decoupled_diloco import compile_cache, models, sharding  # noqa: E402
 from decoupled_diloco.train.optimizer import (  # noqa: E402
@@ -241,4 +241,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

@@ -22,6 +22,8 @@ import sys
 
 from absl import app, flags
 
+from decoupled_diloco import cli
+
 _SECONDS = flags.DEFINE_float("seconds", None, "The recording's duration (for shares of it).")
 _RATE = flags.DEFINE_float("rate", None, "py-spy's --rate (samples per second).")
 _TOP = flags.DEFINE_integer("top", 6, "Call paths listed per role.")
@@ -144,4 +146,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)

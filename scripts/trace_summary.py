@@ -29,6 +29,8 @@ import sys
 
 from absl import app, flags
 
+from decoupled_diloco import cli
+
 _TOP = flags.DEFINE_integer("top", 6, "Events and functions listed per thread.")
 _MIN_SHARE = flags.DEFINE_float(
     "min_share", 0.01, "Threads busy less than this share of the window are left out."
@@ -192,4 +194,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_script(main)
