@@ -242,6 +242,41 @@ def interrupt_handled() -> None:
 
 
 @contextlib.contextmanager
+def interrupts_deferred(notice: str, pressed: bool = False):
+    """Inside, on the main thread: a Ctrl-C does not cut short what runs (the end of a run:
+    the syncer's last merges and checkpoints, closing the learners' checkpointers); it
+    prints `notice` and is recorded in the yielded state's `pressed`. The next one (or the
+    first, given `pressed`: the run was interrupted already) raises KeyboardInterrupt,
+    a stop at once; a repeat within REPEAT_INTERRUPT_S is the same press."""
+    import sys
+    import types
+
+    state = types.SimpleNamespace(pressed=pressed)
+    handler_now = signal.getsignal(signal.SIGINT)
+    if (threading.current_thread() is not threading.main_thread()
+            or handler_now in (signal.SIG_IGN, signal.SIG_DFL, None)):  # fmt: skip
+        yield state
+        return
+    last = [-float("inf")]
+
+    def handler(signum, frame):
+        now = time.monotonic()
+        if now - last[0] < REPEAT_INTERRUPT_S:
+            return
+        last[0] = now
+        if state.pressed:
+            raise KeyboardInterrupt
+        state.pressed = True
+        print(notice, file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def one_interrupt_per_press():
     """Inside: SIGINT raises KeyboardInterrupt as Python's own handler does, except within
     REPEAT_INTERRUPT_S of the last one it raised (the same Ctrl-C arriving again: ignored).

@@ -186,3 +186,29 @@ def test_the_ctrl_c_notice_of_a_data_parallel_run_names_no_syncer():
     assert "syncer" not in alone and "the learner saves" in alone
     assert "then the syncer" in interrupt_notice(True)
     assert all("the same command resumes" in interrupt_notice(s) for s in (False, True))
+
+
+def test_a_ctrl_c_at_the_end_of_a_run_is_deferred_once():
+    """At the end of a run (the syncer's last save, the checkpoints' commits) a first Ctrl-C
+    is noted and lets the work finish; the next stops at once; after an earlier Ctrl-C of
+    the run, the first already does."""
+    import signal
+    import time
+
+    def press() -> bool:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here
+        except KeyboardInterrupt:
+            return True
+        return False
+
+    with cli.one_interrupt_per_press():
+        with cli.interrupts_deferred("noted") as state:
+            assert not press() and state.pressed  # noted, not raised
+            assert not press()  # the same press, repeated at once
+            time.sleep(cli.REPEAT_INTERRUPT_S)
+            assert press()  # the next press: at once
+        with cli.interrupts_deferred("noted", pressed=True):
+            assert press()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -425,3 +425,49 @@ def test_a_lost_ctrl_c_stops_the_run_at_the_next_watch(small_config, tmp_path, m
     with pytest.raises(RunInterruptedError, match="interrupted at learner steps"):
         LocalRuntime(run, str(tmp_path), verbose=False).run()
     assert not cli._PENDING_INTERRUPT.is_set()  # handled
+
+
+def test_a_ctrl_c_while_the_syncer_saves_its_last_merges_waits_for_them(
+    small_config, tmp_path, monkeypatch
+):
+    """The learners are done and the syncer merges and saves the last offers when the user
+    presses Ctrl-C: the run waits for that save and ends as interrupted (the same command
+    summarises it), not at once with the syncer's last checkpoint lost."""
+    import _thread
+
+    from decoupled_diloco.diloco.syncer import Syncer
+    from decoupled_diloco.runtime.learner_loop import RunInterruptedError
+    from decoupled_diloco.runtime.syncer_loop import SyncerLoop
+
+    flushing, saved = threading.Event(), threading.Event()
+    save, flush = SyncerLoop.save, Syncer.flush
+
+    def slow_final_flush(self, now):
+        flushing.set()  # the end of the run's syncer loop: its last merges, then its save
+        return flush(self, now)
+
+    def slow_save(self):
+        if flushing.is_set():
+            time.sleep(1.0)  # the user presses Ctrl-C in here
+        out = save(self)
+        if flushing.is_set():
+            saved.set()
+        return out
+
+    def press_ctrl_c():
+        if flushing.wait(120):
+            _thread.interrupt_main()
+
+    monkeypatch.setattr(Syncer, "flush", slow_final_flush)
+    monkeypatch.setattr(SyncerLoop, "save", slow_save)
+    over = {"diloco.learners": 2, "diloco.sync_every": 4, "train.steps": 8}
+    run = config_lib.validate(small_config(**over))
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    try:
+        LocalRuntime(run, str(tmp_path), verbose=False).run()
+        outcome = "finished"
+    except RunInterruptedError:
+        outcome = "interrupted"
+    except KeyboardInterrupt:
+        outcome = "stopped at once"
+    assert outcome == "interrupted" and saved.is_set()

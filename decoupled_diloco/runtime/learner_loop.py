@@ -52,6 +52,15 @@ def interrupt_notice(uses_syncer: bool) -> str:
     return f"\ninterrupted: {what} (Ctrl-C again stops at once); the same command resumes"
 
 
+# What a Ctrl-C prints once the learners are done (both runtimes): the syncer's last merges
+# and checkpoint, and the learners' checkpoint commits, are not cut short.
+TAIL_NOTICE = (
+    "\ninterrupted: training is over; the syncer merges and saves the last offers and the "
+    "checkpoints are committed first (Ctrl-C again stops at once); the same command then "
+    "writes the summary"
+)
+
+
 class StopRequest:
     """The runtime's request that a learner stop as if interrupted (Ctrl-C), delivered
     through its inbox with the syncer's replies: the hosts of a multi-host learner receive

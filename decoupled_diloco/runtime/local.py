@@ -26,6 +26,7 @@ from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.runtime import accounting, gil
 from decoupled_diloco.runtime.learner_loop import (
+    TAIL_NOTICE,
     LearnerLoop,
     RunAbortedError,
     RunInterruptedError,
@@ -38,6 +39,14 @@ from decoupled_diloco.runtime.syncer_loop import SyncerLoop
 from decoupled_diloco.runtime.syncer_process import SyncerProcess
 from decoupled_diloco.train.evaluate import Evaluator
 from decoupled_diloco.train.replica import Replica
+
+
+def _wait_done(threads) -> None:
+    """Waits for `threads` (each sets its `done` itself: not Thread.is_alive, which a join a
+    KeyboardInterrupt cut short can leave marked as stopped, CPython's tstate lock)."""
+    for t in threads:
+        while not t.done.wait(timeout=0.2):
+            pass
 
 
 class _HaltError(Exception):
@@ -323,18 +332,21 @@ class LocalRuntime:
             self.progress.close()
             raise
         self._syncers_stop.set()  # learners are done: let the syncer flush and stop
-        for t in syncer_threads:
-            t.join()
-        self.lock_probe.stop()
-        self.progress.close()
-        for loop in self.syncers:
-            loop.close()
-        if self.errors:
-            raise RuntimeError("a learner or syncer thread failed") from self.errors[0]
-        if not self.interrupted and self.halt_after is None and not self.run_cfg.uses_syncer:
-            self.loops[0].revive_if_down()  # from its checkpoints, while they are open
-        for loop in self.loops:
-            loop.ckpt.close()
+        # A Ctrl-C from here on would cut short the syncer's last merges and checkpoint, or a
+        # learner checkpoint's commit: it waits for them, then ends the run as interrupted.
+        with cli.interrupts_deferred(TAIL_NOTICE, pressed=self.interrupted) as press:
+            _wait_done(syncer_threads)
+            self.lock_probe.stop()
+            self.progress.close()
+            for loop in self.syncers:
+                loop.close()
+            if self.errors:
+                raise RuntimeError("a learner or syncer thread failed") from self.errors[0]
+            if not self.interrupted and self.halt_after is None and not self.run_cfg.uses_syncer:
+                self.loops[0].revive_if_down()  # from its checkpoints, while they are open
+            for loop in self.loops:
+                loop.ckpt.close()
+        self.interrupted = press.pressed
         if self.interrupted:
             steps = [loop.step for loop in self.loops]
             raise RunInterruptedError(f"interrupted at learner steps {steps}")
@@ -352,11 +364,7 @@ class LocalRuntime:
         for loop in self.loops:
             loop.interrupted = True
         self.stop.set()
-        # Not Thread.is_alive: a join the KeyboardInterrupt cut short can leave a running
-        # thread marked as stopped (CPython's tstate lock); each thread sets `done` itself.
-        for t in learner_threads:
-            while not t.done.wait(timeout=0.2):
-                pass
+        _wait_done(learner_threads)
 
     def _thread(self, name: str, target, stop) -> threading.Thread:
         done = threading.Event()  # set when `target` has returned or failed

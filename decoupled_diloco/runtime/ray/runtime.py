@@ -48,7 +48,11 @@ from decoupled_diloco.diloco.messages import Leave
 from decoupled_diloco.metrics import Progress, write_json
 from decoupled_diloco.preflight import FatalRunError
 from decoupled_diloco.runtime import accounting
-from decoupled_diloco.runtime.learner_loop import RunInterruptedError, interrupt_notice
+from decoupled_diloco.runtime.learner_loop import (
+    TAIL_NOTICE,
+    RunInterruptedError,
+    interrupt_notice,
+)
 from decoupled_diloco.runtime.ray import cluster as ray_cluster
 from decoupled_diloco.runtime.ray import eval as ray_eval
 from decoupled_diloco.runtime.ray import failures
@@ -406,13 +410,20 @@ class RayRuntime:
     def _finish(self) -> dict:
         run = self.run_cfg
         wall = self.now()
-        self._collect(wait=30.0)  # the last rows and records
-        stats = []
-        for actor in self.syncers:
-            out = _call(actor.finish)
-            stats.append(out["stats"])
-            for rec in out["records"]:
-                self.log.record(rec)
+        # A Ctrl-C from here on would cut short the syncer shards' last merges and saves:
+        # it waits for them, then ends the run as interrupted (the same command summarises).
+        with cli.interrupts_deferred(TAIL_NOTICE) as press:
+            self._collect(wait=30.0)  # the last rows and records
+            stats = []
+            for actor in self.syncers:
+                out = _call(actor.finish)
+                stats.append(out["stats"])
+                for rec in out["records"]:
+                    self.log.record(rec)
+        if press.pressed:
+            self.progress.close()
+            steps = [s["step"] for s in self.status]
+            raise RunInterruptedError(f"interrupted at learner steps {steps}")
         final = self._final_eval()
         steps = max(s["step"] for s in self.status)
         self.log.row(
