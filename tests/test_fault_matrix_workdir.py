@@ -930,3 +930,19 @@ def test_a_resume_from_an_older_checkpoint_does_not_replay_a_step_crash(small_co
              if e["event"] == "learner_down" and e["learner"] == 1]  # fmt: skip
     killed = summary["interrupted_attempts"]  # each counted as a failure too
     assert len(downs) == 1 and summary["failures"] == 1 + killed == 2, (downs, summary)
+
+
+def test_a_resumed_runs_refused_offers_are_summed_over_its_attempts(tmp_path):
+    """summary.json's rejected_offers / dropped_offers count every attempt's (a killed one's
+    by its last heartbeat), as its failures and lost steps do."""
+    from decoupled_diloco.runtime.accounting import Ledger
+
+    first = workdir.Attempt(str(tmp_path), [], forced=False)
+    ledger = Ledger(2, 4, 1)
+    ledger.dropped_offers, ledger.rejected_offers = 3, 1
+    first.watch(workdir.counters_of(ledger))
+    first.stop()  # killed: what its last heartbeat wrote
+    total = workdir.Attempt(str(tmp_path), [], forced=False).finish(
+        {"dropped_offers": 2, "rejected_offers": 0}
+    )
+    assert (total["dropped_offers"], total["rejected_offers"]) == (5, 1)

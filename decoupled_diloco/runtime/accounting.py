@@ -131,8 +131,8 @@ class Ledger:
         # (summed), and how many such merges (their metrics rows).
         self.delay_steps = 0.0
         self.delayed_merges = 0
-        self.rejected = 0
-        self.dropped = 0
+        self.rejected_offers = 0
+        self.dropped_offers = 0
         # Steps a resume found the syncer's Θ to lack (a kill after its last checkpoint),
         # summed over learners: trained, then lost (`resume_cut` events).
         self.resume_lost_steps = 0
@@ -313,6 +313,6 @@ class Ledger:
             "restarts": self.restarts,
             "resume_lost_steps": self.resume_lost_steps,
             "crash_lost_steps": self.crash_lost_steps,
-            "rejected_offers": self.rejected,
-            "dropped_offers": self.dropped,
+            "rejected_offers": self.rejected_offers,
+            "dropped_offers": self.dropped_offers,
         }

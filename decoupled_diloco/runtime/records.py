@@ -87,9 +87,9 @@ class RunLog:
                     ledger.failure(("syncer", rec["shard"]), t)
                 ledger.restart(("syncer", rec["shard"]), t)
         elif kind == "reject":
-            ledger.rejected += 1
+            ledger.rejected_offers += 1
         elif kind == "drop_offer":
-            ledger.dropped += 1
+            ledger.dropped_offers += 1
         elif kind == "resume_cut":
             ledger.resume_lost_steps += rec.get("lost_steps", 0)
 

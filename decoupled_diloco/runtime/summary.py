@@ -54,7 +54,7 @@ def refusal_counts(syncer_stats: list[dict]) -> dict:
     """What the syncer shards refused, by kind (diloco/refusals.py), summed over shards: a
     control message goes to every shard and is counted by each that drops it. Counts are
     the syncer's, kept in its checkpoints (a restored shard continues them), while
-    `rejected_offers` / `dropped_offers` count events.jsonl's records."""
+    `rejected_offers` / `dropped_offers` count events.jsonl's records (every attempt's)."""
     names = {"reject": "rejections_by_reason", "drop_offer": "offer_drops_by_reason",
              "drop_message": "message_drops_by_reason"}  # fmt: skip
     out = {"dropped_messages": sum(s.get("dropped_messages", 0) for s in syncer_stats)}
