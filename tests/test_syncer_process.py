@@ -251,3 +251,34 @@ def test_a_syncer_process_that_dies_fails_the_run_instead_of_hanging(small_confi
         assert ckpt.latest_step() == loop.step > 0
         ckpt.close()
     assert time.monotonic() - start < 300
+
+
+@pytest.mark.slow
+def test_a_syncer_process_whose_parent_is_killed_saves_and_exits_quietly(tmp_path):
+    """kill -9 of the run's process: its syncer process, orphaned, finds the pipe closed,
+    merges what it holds and saves its checkpoint, and exits without a traceback (its
+    records and replies have nowhere to go: the parent and its learners are gone)."""
+    import signal
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "decoupled_diloco.main", "--config=configs/tiny_decoupled.py",
+            f"--workdir={tmp_path}", "--config.diloco.learners=2", "--config.train.steps=400",
+            "--config.train.batch_size=8", "--config.data.seq_len=64",
+            "--config.data.max_corpus_bytes=400000", "--config.train.eval_every=0",
+            "--config.train.checkpoint_every=0", "--config.local_syncer=process"]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(args, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    merges, deadline = tmp_path / "merges.jsonl", time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if merges.exists() and len(_read(merges)) >= 4:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it was killed"
+    killed = time.time()
+    os.kill(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)  # (the orphan holds stderr open until it exits)
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]
+    ckpt = tmp_path / "checkpoints" / "syncer_0"
+    assert max(p.stat().st_mtime for p in ckpt.iterdir()) >= killed  # its last save

@@ -218,7 +218,8 @@ class _PipeSyncerLink:
         return _drain(self.inbox, timeout)
 
     def send(self, learner: int, msg) -> None:
-        with self._lock:
+        """(Dropped once the parent is gone: its learners went with it.)"""
+        with self._lock, contextlib.suppress(WireClosedError):
             if msg is self._last:
                 self.wire.send("again", learner=learner)
             else:
@@ -254,10 +255,20 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
         schedule = faults.FaultSchedule(
             run.faults, run.num_learners, faults.HORIZON_S, meta["fault_offset_s"]
         )
+
+        def to_parent(kind: str, obj) -> bool:
+            """Sends to the parent; False once it is gone (killed: its records have nowhere
+            to go, and the loop still ends with its final merges and checkpoint)."""
+            try:
+                wire.send(kind, obj)
+                return True
+            except WireClosedError:
+                return False
+
         loop = SyncerLoop(
             shard, run, plan, init_params, link, FragmentCheckpointer(ckpt_dir), schedule,
             lambda: time.monotonic() - t0,  # CLOCK_MONOTONIC: the parent's clock too
-            lambda rec: wire.send("record", rec),
+            lambda rec: to_parent("record", rec),
             emulate_outages=True,
         )  # fmt: skip
         stop = threading.Event()
@@ -288,8 +299,8 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
         threading.Thread(target=serve_parent, name="from-parent", daemon=True).start()
         loop.run(stop)
         loop.close()
-        wire.send("done", {"params": loop.global_params(), "stats": loop.stats()})
-        wire.settle(SETTLE_S)  # keep Θ's segment until the parent has copied it
+        if to_parent("done", {"params": loop.global_params(), "stats": loop.stats()}):
+            wire.settle(SETTLE_S)  # keep Θ's segment until the parent has copied it
     except BaseException:
         with contextlib.suppress(WireClosedError):
             wire.send("error", traceback.format_exc())
