@@ -96,6 +96,15 @@ def test_start_up_until_every_fragment_merged_is_not_downtime():
     assert ledger.uptime(1e9)[1] == pytest.approx(5.0, abs=STEP_S)
 
 
+def test_an_attempt_that_trains_nothing_has_no_downtime():
+    """A resume whose learners had finished takes no step and merges nothing: no horizon,
+    not a whole attempt of downtime; one whose learners stepped without a merge is down."""
+    ledger = Ledger(2, sync_every=4, fragments=2)
+    assert ledger.uptime(30.0) == (1.0, 0.0)
+    ledger.step(0, 0.1, 1.0)
+    assert ledger.uptime(30.0) == (0.0, 30.0)
+
+
 def dp_run(scale: float, crash=None, stall=None) -> Ledger:
     """Data-parallel: one learner, every step an advance. `crash`/`stall`: (start, end) in
     fast-host seconds without steps; a crash is a failure, a stall (slow host) is not."""

@@ -436,6 +436,7 @@ def test_a_ctrl_c_while_the_syncer_saves_its_last_merges_waits_for_them(
     import _thread
 
     from decoupled_diloco.diloco.syncer import Syncer
+    from decoupled_diloco.runtime import launch
     from decoupled_diloco.runtime.learner_loop import RunInterruptedError
     from decoupled_diloco.runtime.syncer_loop import SyncerLoop
 
@@ -464,10 +465,16 @@ def test_a_ctrl_c_while_the_syncer_saves_its_last_merges_waits_for_them(
     run = config_lib.validate(small_config(**over))
     threading.Thread(target=press_ctrl_c, daemon=True).start()
     try:
-        LocalRuntime(run, str(tmp_path), verbose=False).run()
+        launch.run(run, str(tmp_path), verbose=False)
         outcome = "finished"
     except RunInterruptedError:
         outcome = "interrupted"
     except KeyboardInterrupt:
         outcome = "stopped at once"
     assert outcome == "interrupted" and saved.is_set()
+    # The same command has nothing left to train: it evaluates and summarises, with the
+    # goodput and uptime of the attempt that trained (its own are of no training).
+    summary = launch.run(run, str(tmp_path), verbose=False)
+    assert summary["attempt_learner_steps"] == 0 and summary["accounting_attempt"] == 0
+    assert summary["uptime"] == 1.0 and 0.3 < summary["goodput"] <= 1.0, summary
+    assert summary["resume_lost_steps"] == 0 and summary["rolled_back_merges"] == 0

@@ -261,6 +261,8 @@ class Ledger:
     def uptime(self, wall: float) -> tuple[float, float]:
         """(uptime fraction, downtime seconds) of the horizon (module docstring)."""
         if not self.advances:
+            if not any(self.step_times) and not self._down and not self.outages:
+                return 1.0, 0.0  # nothing trained, nothing down: no horizon (a resume at the end)
             return 0.0, wall
         start = min(self.advances)
         if len(self.first_merge) == self.fragments:  # started up: every fragment merged
@@ -273,6 +275,11 @@ class Ledger:
             gaps = down_gaps(self.advances, self.step_times, outages, (start, end), self.tolerance)
         down = sum(b - a for a, b in gaps)
         return 1.0 - down / (end - start), down
+
+    def accounting(self, wall: float, uses_syncer: bool, learner_steps: list[int]) -> dict:
+        """Goodput, uptime and downtime of `summary` (an interrupted attempt's record)."""
+        out = self.summary(wall, uses_syncer, learner_steps)
+        return {k: out[k] for k in ("goodput", "uptime", "global_downtime_seconds")}
 
     def summary(self, wall: float, uses_syncer: bool, learner_steps: list[int]) -> dict:
         """`learner_steps`: each learner's final step (a run without a syncer counts the
@@ -306,6 +313,7 @@ class Ledger:
             if self.delayed_merges
             else 0.0,
             "goodput": min(useful / allocated, 1.0) if allocated else 0.0,
+            "attempt_learner_steps": sum(self.steps),  # steps this process trained
             "uptime": uptime,
             "global_downtime_seconds": downtime,
             "downtime_gap_steps": self.tolerance,

@@ -58,6 +58,8 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
         if changed and verbose:
             how = "nothing was trained here yet: starting over" if fresh else "resuming"
             print(f"{how} with changed {', '.join(changed)}", flush=True)
+        from decoupled_diloco.runtime.learner_loop import RunInterruptedError  # (jax)
+
         attempt = workdir_lib.Attempt(workdir, changed, forced=force)
         timed = faults.timed_in_seconds(cfg.faults) if attempt.number else []
         if timed and verbose:
@@ -69,6 +71,9 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
             attempt.watch(workdir_lib.counters_of(runtime.log.ledger), runtime.fault_clock,
                           runtime.schedule.steps_checked)  # fmt: skip
             summary = attempt.finish(runtime.run())
+        except RunInterruptedError as e:
+            attempt.record["accounting"] = e.accounting  # (stop() below writes it)
+            raise
         finally:
             attempt.stop()  # a failed attempt's record says how far it got
             # The run's learners sit in reference cycles (runtime <-> loops, callbacks):

@@ -42,7 +42,13 @@ class RunAbortedError(Exception):
 
 class RunInterruptedError(KeyboardInterrupt):
     """The user interrupted the run (Ctrl-C): every learner offered its unmerged work and
-    saved, the syncer merged it and saved; no summary is written, the same command resumes."""
+    saved, the syncer merged it and saved; no summary is written, the same command resumes.
+    `accounting`: the attempt's goodput, uptime and downtime (`Ledger.accounting`), which a
+    resume with nothing left to train reports (workdir.Attempt.finish)."""
+
+    def __init__(self, message: str, accounting: dict | None = None):
+        super().__init__(message)
+        self.accounting = accounting or {}
 
 
 def interrupt_notice(uses_syncer: bool) -> str:

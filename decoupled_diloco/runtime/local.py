@@ -349,7 +349,10 @@ class LocalRuntime:
         self.interrupted = press.pressed
         if self.interrupted:
             steps = [loop.step for loop in self.loops]
-            raise RunInterruptedError(f"interrupted at learner steps {steps}")
+            raise RunInterruptedError(
+                f"interrupted at learner steps {steps}",
+                self.log.ledger.accounting(self.now(), self.run_cfg.uses_syncer, steps),
+            )
         if self.halt_after is not None:
             return None
         return self._finish()

@@ -349,4 +349,11 @@ class Attempt:
         total["interrupted_attempts"] = interrupted
         total["failures"] = total.get("failures", 0) + interrupted
         total["this_attempt"] = own
+        if summary.get("attempt_learner_steps") == 0:
+            # A resume with nothing left to train (its learners had finished): the run's
+            # goodput and uptime are those of the last attempt that was interrupted training.
+            earlier = [r for r in self.records if r.get("accounting")]
+            if earlier:
+                total.update(earlier[-1]["accounting"])
+                total["accounting_attempt"] = earlier[-1]["attempt"]
         return total

@@ -238,7 +238,8 @@ class RayRuntime:
         if self.progress is not None:
             self.progress.close()
         steps = [s["step"] for s in self.status]
-        raise RunInterruptedError(f"interrupted at learner steps {steps}")
+        accounting = self.ledger.accounting(self.now(), True, steps)
+        raise RunInterruptedError(f"interrupted at learner steps {steps}", accounting)
 
     def _collect(self, wait: float | None = None) -> None:
         """Issues a poll to every actor without one in flight, handles those that answer
@@ -423,7 +424,8 @@ class RayRuntime:
         if press.pressed:
             self.progress.close()
             steps = [s["step"] for s in self.status]
-            raise RunInterruptedError(f"interrupted at learner steps {steps}")
+            accounting = self.ledger.accounting(wall, True, steps)
+            raise RunInterruptedError(f"interrupted at learner steps {steps}", accounting)
         final = self._final_eval()
         steps = max(s["step"] for s in self.status)
         self.log.row(
