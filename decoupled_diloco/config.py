@@ -401,6 +401,7 @@ def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> Run
     diloco_cfg = _dataclass_from(DilocoConfig, c.diloco, "diloco")
     diloco_cfg.validate()
     _check_fragments_fit_the_period(diloco_cfg)
+    _check_an_offer_is_made(diloco_cfg, train_cfg.steps)
     m = diloco_cfg.learners
     per = _devices_per_learner(c.devices_per_learner, m, c.runtime, jax.device_count())
     mesh_cfg = _dataclass_from(sharding.MeshConfig, c.mesh, "mesh")
@@ -495,6 +496,21 @@ def _check_fragments_fit_the_period(d: DilocoConfig) -> None:
             f"diloco.fragments ({d.fragments}) must be <= diloco.sync_every ({d.sync_every}): "
             "fragments are synced at staggered offsets p*H/P of each H-step period, and with "
             "fewer steps than fragments several would be due on the same step"
+        )
+
+
+def _check_an_offer_is_made(d: DilocoConfig, steps: int) -> None:
+    """Without the final sync, a learner offers only at its fragments' due steps: the first
+    at H/P (rounded down; H with one fragment). A run shorter than that merges nothing, and
+    would fail after training with the initial model as its result."""
+    if not d.uses_syncer or d.final_sync:
+        return
+    first = min((p * d.sync_every) // d.fragments or d.sync_every for p in range(d.fragments))
+    if steps < first:
+        raise ValueError(
+            f"train.steps ({steps}) ends before the first offer (step {first}: fragments are due "
+            f"at offsets p*H/P of each H = {d.sync_every} steps, and diloco.final_sync is off): "
+            "nothing would be merged; train longer or turn diloco.final_sync on"
         )
 
 

@@ -36,6 +36,9 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         assert run.num_learners == c.diloco.learners
 
 
+NO_FINAL_SYNC = {"diloco.learners": 2, "diloco.sync_every": 12, "diloco.final_sync": False}
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [
@@ -49,6 +52,9 @@ def test_every_config_file_builds_and_its_model_has_a_shape(path):
         ({"diloco.compression": "int3"}, "diloco.compression"),
         ({"diloco.apply": "blend"}, "diloco.apply"),
         ({"diloco.learners": 2, "diloco.sync_every": 4, "diloco.rounds": "lazy"}, "diloco.rounds"),
+        # no offer before the last step without the final sync: nothing would ever merge
+        ({**NO_FINAL_SYNC, "diloco.fragments": 1, "train.steps": 11}, r"first offer \(step 12"),
+        ({**NO_FINAL_SYNC, "diloco.fragments": 3, "train.steps": 3}, r"first offer \(step 4"),
         ({"diloco.syncer_checkpoint_seconds": 0.0}, "diloco.syncer_checkpoint_seconds"),
         ({"diloco.syncer_checkpoint_duty": 0.0}, "diloco.syncer_checkpoint_duty"),
         ({"diloco.syncer_checkpoint_duty": 1.5}, "diloco.syncer_checkpoint_duty"),
