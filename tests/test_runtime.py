@@ -478,3 +478,5 @@ def test_a_ctrl_c_while_the_syncer_saves_its_last_merges_waits_for_them(
     assert summary["attempt_learner_steps"] == 0 and summary["accounting_attempt"] == 0
     assert summary["uptime"] == 1.0 and 0.3 < summary["goodput"] <= 1.0, summary
     assert summary["resume_lost_steps"] == 0 and summary["rolled_back_merges"] == 0
+    stops = (summary["stopped_attempts"], summary["interrupted_attempts"], summary["failures"])
+    assert stops == (1, 0, 0)  # the user's stop, every learner's work saved: not a failure

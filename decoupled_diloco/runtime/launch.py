@@ -72,7 +72,8 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
                           runtime.schedule.steps_checked)  # fmt: skip
             summary = attempt.finish(runtime.run())
         except RunInterruptedError as e:
-            attempt.record["accounting"] = e.accounting  # (stop() below writes it)
+            # A stop the user asked for, every learner's work saved: not a failure.
+            attempt.record.update(stopped=True, accounting=e.accounting)  # (written by stop)
             raise
         finally:
             attempt.stop()  # a failed attempt's record says how far it got

@@ -333,9 +333,11 @@ class Attempt:
 
     def finish(self, summary: dict) -> dict:
         """Records this attempt's own counters and returns `summary` with the run's totals
-        over every attempt: ACCUMULATED keys summed, `attempts`, and `interrupted_attempts`
+        over every attempt: ACCUMULATED keys summed, `attempts`, `interrupted_attempts`
         (earlier processes that ended before the run finished: killed, crashed, preempted;
-        each counts as a failure). Goodput and uptime stay those of this attempt."""
+        each counts as a failure) and `stopped_attempts` (stopped by a Ctrl-C, their work
+        saved: not failures). Goodput and uptime stay those of this attempt, unless it
+        trained nothing (below)."""
         self.counters = lambda: {k: summary.get(k, 0) for k in ACCUMULATED}
         self.record["finished"] = True
         self.stop()
@@ -344,9 +346,11 @@ class Attempt:
         for r in self.records:
             for k in ACCUMULATED:
                 total[k] = total.get(k, 0) + r.get("own", {}).get(k, 0)
-        interrupted = sum(1 for r in self.records if not r.get("finished"))
+        stopped = sum(1 for r in self.records if r.get("stopped"))  # Ctrl-C: saved, no failure
+        interrupted = sum(1 for r in self.records if not (r.get("finished") or r.get("stopped")))
         total["attempts"] = len(self.records) + 1
         total["interrupted_attempts"] = interrupted
+        total["stopped_attempts"] = stopped
         total["failures"] = total.get("failures", 0) + interrupted
         total["this_attempt"] = own
         if summary.get("attempt_learner_steps") == 0:
