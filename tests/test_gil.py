@@ -45,7 +45,7 @@ def test_the_block_gets_the_interval_and_gives_it_back_on_error():
         assert sys.getswitchinterval() == before
 
 
-@pytest.mark.parametrize("ms", [0.25, 0.0])
+@pytest.mark.parametrize("ms", [pytest.param(0.25, marks=pytest.mark.slow), 0.0])
 def test_a_local_run_merges_under_its_interval_and_restores_python_s(
     small_config, tmp_path, monkeypatch, ms
 ):

@@ -705,7 +705,10 @@ def test_dispatch_waited_counts_a_threads_time_off_the_cpu_in_launches():
     assert fragment_ops.dispatch_waited() == main  # another thread's waits are its own
 
 
-@pytest.mark.parametrize("every,duty,first_s", [(1, 0.25, 0.02), (1, 0.25, 0.4), (3, 1.0, 0.02)])
+@pytest.mark.parametrize(
+    "every,duty,first_s",
+    [pytest.param(1, 0.25, 0.02, marks=pytest.mark.slow), (1, 0.25, 0.4), (3, 1.0, 0.02)],
+)
 def test_learner_checkpoints_take_at_most_their_duty_of_the_time(
     small_config, tmp_path, monkeypatch, every, duty, first_s
 ):

@@ -427,6 +427,7 @@ def test_a_lost_ctrl_c_stops_the_run_at_the_next_watch(small_config, tmp_path, m
     assert not cli._PENDING_INTERRUPT.is_set()  # handled
 
 
+@pytest.mark.slow  # (the default suite is kept under ~10 min on 2 cores)
 def test_a_ctrl_c_while_the_syncer_saves_its_last_merges_waits_for_them(
     small_config, tmp_path, monkeypatch
 ):

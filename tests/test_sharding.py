@@ -237,7 +237,13 @@ def single_device_losses(preset, **overrides):
         ("tiny", {}, slice(4, 8), MeshConfig(data=-1)),  # pure data parallel, not device 0
         ("tiny", {}, slice(0, 4), MeshConfig(data=-1, fsdp=2, tensor=2)),
         ("tiny_moe", {}, slice(0, 4), MeshConfig(data=-1, expert=2)),
-        ("tiny_moe", {"capacity_factor": 0.0}, slice(0, 4), MeshConfig(data=-1, expert=2)),
+        pytest.param(
+            "tiny_moe",
+            {"capacity_factor": 0.0},
+            slice(0, 4),
+            MeshConfig(data=-1, expert=2),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["data4", "fsdp2_tensor2", "moe_expert2", "moe_dropless_expert2"],
 )
