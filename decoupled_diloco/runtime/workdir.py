@@ -355,7 +355,7 @@ class Attempt:
         total["this_attempt"] = own
         if summary.get("attempt_learner_steps") == 0:
             # A resume with nothing left to train (its learners had finished): the run's
-            # goodput and uptime are those of the last attempt that was interrupted training.
+            # goodput and uptime are those a Ctrl-C recorded for the last attempt it stopped.
             earlier = [r for r in self.records if r.get("accounting")]
             if earlier:
                 total.update(earlier[-1]["accounting"])
