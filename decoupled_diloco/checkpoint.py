@@ -19,6 +19,7 @@ the previous kept step is tried; when no kept step is good the restore raises
 
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -71,11 +72,18 @@ def quiet_failed_read_leftovers() -> None:
 def _abandoned_orbax_tasks(record: logging.LogRecord) -> bool:
     """False for asyncio's report of an abandoned orbax task or future: the task's repr
     names orbax's coroutine, a future's (a `gather` of reads) only its exception, whose
-    traceback runs through orbax."""
+    traceback runs through orbax, or, a TensorStore read's own future, is TensorStore's
+    error (a status code, then the driver that failed: no traceback to tell by)."""
     message = record.getMessage()
     if "exception was never retrieved" not in message.split("\n", 1)[0]:
         return True
-    return not ("/orbax/" in message or _raised_in_orbax(record.exc_info))
+    e = record.exc_info[1] if record.exc_info else None
+    tensorstore = e is not None and bool(_TENSORSTORE_ERROR.match(str(e)))
+    return not ("/orbax/" in message or tensorstore or _raised_in_orbax(record.exc_info))
+
+
+# How TensorStore words a failed read: an absl status code, then the driver it failed in.
+_TENSORSTORE_ERROR = re.compile(r'[A-Z_]+: Error (opening|reading|writing) "\w+" driver')
 
 
 def _raised_in_orbax(exc_info) -> bool:

@@ -183,3 +183,12 @@ def test_a_failed_reads_leftovers_are_dropped_and_nothing_else(monkeypatch, capl
                       exc_info=(type(error), error, error.__traceback__))  # fmt: skip
     gathering = [r for r in caplog.records if r.getMessage().startswith("_Gathering")]
     assert [str(r.exc_info[1]) for r in gathering] == ["mine"]
+    # A TensorStore read's own future: its exception has no traceback, only TensorStore's
+    # words (a status code, then the driver that failed); a ValueError of another kind stays.
+    store = ValueError('OUT_OF_RANGE: Error opening "cast" driver: Error opening "zarr" driver')
+    for error in (store, ValueError("OUT_OF_RANGE: mine")):
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            log.error("Future exception was never retrieved\nfuture: <Future finished>",
+                      exc_info=(type(error), error, None))  # fmt: skip
+    futures = [r for r in caplog.records if r.getMessage().startswith("Future exception")]
+    assert [str(r.exc_info[1]) for r in futures] == ["OUT_OF_RANGE: mine"]
