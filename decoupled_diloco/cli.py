@@ -241,6 +241,37 @@ def interrupt_handled() -> None:
     _PENDING_INTERRUPT.clear()
 
 
+def _sigint_is_ours(over_any: bool) -> bool:
+    """Whether this thread may take SIGINT: only the main thread, over Python's own handler
+    (or, `over_any`, over any Python handler: one of ours)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    now = signal.getsignal(signal.SIGINT)
+    if over_any:
+        return now not in (signal.SIG_IGN, signal.SIG_DFL, None)
+    return now is signal.default_int_handler
+
+
+@contextlib.contextmanager
+def _each_press(on_press):
+    """Inside: SIGINT calls `on_press()` once per Ctrl-C: a repeat within REPEAT_INTERRUPT_S
+    of the last press it took is the same one (`timeout -s INT` signals the process, then
+    its group)."""
+    last = [-float("inf")]
+
+    def handler(signum, frame):
+        now = time.monotonic()
+        if now - last[0] >= REPEAT_INTERRUPT_S:
+            last[0] = now
+            on_press()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextlib.contextmanager
 def interrupts_deferred(notice: str, pressed: bool = False):
     """Inside, on the main thread: a Ctrl-C does not cut short what runs (the end of a run:
@@ -252,28 +283,18 @@ def interrupts_deferred(notice: str, pressed: bool = False):
     import types
 
     state = types.SimpleNamespace(pressed=pressed)
-    handler_now = signal.getsignal(signal.SIGINT)
-    if (threading.current_thread() is not threading.main_thread()
-            or handler_now in (signal.SIG_IGN, signal.SIG_DFL, None)):  # fmt: skip
+    if not _sigint_is_ours(over_any=True):
         yield state
         return
-    last = [-float("inf")]
 
-    def handler(signum, frame):
-        now = time.monotonic()
-        if now - last[0] < REPEAT_INTERRUPT_S:
-            return
-        last[0] = now
+    def on_press():
         if state.pressed:
             raise KeyboardInterrupt
         state.pressed = True
         print(notice, file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
+    with _each_press(on_press):
         yield state
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -281,23 +302,17 @@ def one_interrupt_per_press():
     """Inside: SIGINT raises KeyboardInterrupt as Python's own handler does, except within
     REPEAT_INTERRUPT_S of the last one it raised (the same Ctrl-C arriving again: ignored).
     Only on the main thread, and only over Python's own handler (else a no-op)."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):  # fmt: skip
+    if not _sigint_is_ours(over_any=False):
         yield
         return
-    last = [-float("inf")]
+
+    def on_press():
+        _PENDING_INTERRUPT.set()
+        raise KeyboardInterrupt
+
     _PENDING_INTERRUPT.clear()
-
-    def handler(signum, frame):
-        now = time.monotonic()
-        if now - last[0] >= REPEAT_INTERRUPT_S:
-            last[0] = now
-            _PENDING_INTERRUPT.set()
-            raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, handler)
     try:
-        yield
+        with _each_press(on_press):
+            yield
     finally:
-        signal.signal(signal.SIGINT, previous)
         _PENDING_INTERRUPT.clear()
