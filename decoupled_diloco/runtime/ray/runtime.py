@@ -235,11 +235,16 @@ class RayRuntime:
         for actor in self.syncers:
             for rec in _call(actor.finish)["records"]:
                 self.log.record(rec)
+        raise self._stopped(self.now())
+
+    def _stopped(self, wall: float) -> RunInterruptedError:
+        """The end of a run a Ctrl-C stopped (learners and syncer shards saved), with this
+        attempt's accounting up to `wall`."""
         if self.progress is not None:
             self.progress.close()
         steps = [s["step"] for s in self.status]
-        accounting = self.ledger.accounting(self.now(), True, steps)
-        raise RunInterruptedError(f"interrupted at learner steps {steps}", accounting)
+        accounting = self.ledger.accounting(wall, True, steps)
+        return RunInterruptedError(f"interrupted at learner steps {steps}", accounting)
 
     def _collect(self, wait: float | None = None) -> None:
         """Issues a poll to every actor without one in flight, handles those that answer
@@ -422,10 +427,7 @@ class RayRuntime:
                 for rec in out["records"]:
                     self.log.record(rec)
         if press.pressed:
-            self.progress.close()
-            steps = [s["step"] for s in self.status]
-            accounting = self.ledger.accounting(wall, True, steps)
-            raise RunInterruptedError(f"interrupted at learner steps {steps}", accounting)
+            raise self._stopped(wall)
         final = self._final_eval()
         steps = max(s["step"] for s in self.status)
         self.log.row(
