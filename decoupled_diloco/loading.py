@@ -87,7 +87,10 @@ def load(path: str, step: int | None = None) -> Model:
         return _load_export(root, step)
     config = run_files.read_config(path)
     tokenizer = run_files.read_tokenizer(path, config.data)
-    ckpt_dir = paths.resolve(config.ray.checkpoint_dir or root / "checkpoints")
+    # Where the run saved: a Ray run's actors under `ray.checkpoint_dir` when it is set, the
+    # local runtime always under the workdir (it reads no ray.* key).
+    ray_dir = config.ray.checkpoint_dir if config.runtime == "ray" else ""
+    ckpt_dir = paths.resolve(ray_dir or root / "checkpoints")
     if config.uses_syncer:
         params, source, reached = _syncer_theta(ckpt_dir, config, step)
     else:

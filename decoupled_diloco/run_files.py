@@ -92,12 +92,15 @@ def config_from_json(d: dict) -> RunConfig:
 
 
 def recorded(run: RunConfig) -> RunConfig:
-    """`run` as run_config.json records it: local corpus paths absolute, so `evaluate`,
-    `load` and a resume read them from wherever they start (a relative one was found only
-    from the directory the run started in)."""
+    """`run` as run_config.json records it: local corpus and checkpoint paths absolute, so
+    `evaluate`, `load` and a resume read them from wherever they start (a relative one was
+    found only from the directory the run started in)."""
     where = {k: str(paths.resolve(getattr(run.data, k)))
              for k in ("path", "tfds_data_dir") if getattr(run.data, k)}  # fmt: skip
-    return dataclasses.replace(run, data=dataclasses.replace(run.data, **where))
+    ray = run.ray
+    if ray.checkpoint_dir:  # a Ray run's checkpoints, found again the same way
+        ray = dataclasses.replace(ray, checkpoint_dir=str(paths.resolve(ray.checkpoint_dir)))
+    return dataclasses.replace(run, data=dataclasses.replace(run.data, **where), ray=ray)
 
 
 def write(workdir: str, run: RunConfig, tokenizer: Tokenizer | None = None) -> None:

@@ -197,6 +197,32 @@ def test_relative_paths_load_export_and_evaluate(runs, tmp_path, monkeypatch):
         export(str(workdir), "exported/export.json")
 
 
+def test_checkpoints_are_read_where_the_runtime_wrote_them(runs, tmp_path, monkeypatch):
+    """The local runtime saves under the workdir whatever `ray.checkpoint_dir` says (it reads
+    no ray.* key), a Ray run under `ray.checkpoint_dir`; a relative one is recorded
+    absolute, so the model tools find it from any directory."""
+    import dataclasses
+    import shutil
+
+    from decoupled_diloco import run_files
+
+    workdir = tmp_path / "dp"
+    shutil.copytree(runs["dp"][0], workdir)
+    expected = decoupled_diloco.load(str(workdir))
+    run = run_files.read_config(str(workdir))
+    monkeypatch.chdir(tmp_path)
+    elsewhere = dataclasses.replace(run.ray, checkpoint_dir="ray_ckpt")
+    run_files.write(str(workdir), dataclasses.replace(run, ray=elsewhere))
+    assert run_files.read_config(str(workdir)).ray.checkpoint_dir == str(tmp_path / "ray_ckpt")
+    model = decoupled_diloco.load(str(workdir))  # local: the workdir's checkpoints
+    np.testing.assert_array_equal(*(next(iter(m.params.values())) for m in (model, expected)))
+    shutil.move(workdir / "checkpoints", tmp_path / "ray_ckpt")
+    run_files.write(str(workdir), dataclasses.replace(run, ray=elsewhere, runtime="ray"))
+    monkeypatch.chdir(workdir)  # (another directory: "ray_ckpt" is not here)
+    model = decoupled_diloco.load(str(workdir))
+    np.testing.assert_array_equal(*(next(iter(m.params.values())) for m in (model, expected)))
+
+
 def test_an_export_of_an_earlier_step_records_the_step_it_holds(runs, tmp_path):
     workdir, summary = runs["dp"]  # learner checkpoints at steps 4 and 8
     export(str(workdir), str(tmp_path / "m"), step=6)
