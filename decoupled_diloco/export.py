@@ -33,8 +33,17 @@ def export(workdir: str, out: str, step: int | None = None) -> str:
     if root.exists() and any(root.iterdir()):  # a run's workdir, an export, anything else
         held = sorted(p.name for p in root.iterdir())[:4]
         raise ValueError(f"{out} is not empty (it holds {', '.join(held)}): choose a new --out")
-    model = load(workdir, step)
-    root.mkdir(parents=True, exist_ok=True)
+    made = not root.exists()
+    try:  # before the load (minutes for a large model): a path that cannot be a folder
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission
+        raise ValueError(f"--out={out} cannot be made a folder: {e.strerror or e}") from e
+    try:
+        model = load(workdir, step)
+    except BaseException:
+        if made:
+            root.rmdir()  # (empty: nothing was written yet)
+        raise
     run_files.write(out, model.config, model.tokenizer)
     manager = ocp.CheckpointManager(root / PARAMS)
     manager.save(

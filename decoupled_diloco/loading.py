@@ -85,6 +85,11 @@ def load(path: str, step: int | None = None) -> Model:
     root = paths.resolve(path)  # absolute: orbax refuses a relative checkpoint path
     if (root / EXPORT_MARKER).exists():
         return _load_export(root, step)
+    if (root / PARAMS).exists() and not (root / "checkpoints").exists():
+        raise ValueError(
+            f"{path} is an unfinished export (its {EXPORT_MARKER}, written last, is missing): "
+            "export the run again"
+        )
     config = run_files.read_config(path)
     tokenizer = run_files.read_tokenizer(path, config.data)
     # Where the run saved: a Ray run's actors under `ray.checkpoint_dir` when it is set, the

@@ -195,6 +195,14 @@ def test_relative_paths_load_export_and_evaluate(runs, tmp_path, monkeypatch):
     assert decoupled_diloco.load("exported").step == expected.step
     with pytest.raises(ValueError, match="--out=.* is a file: choose a new folder"):
         export(str(workdir), "exported/export.json")
+    with pytest.raises(ValueError, match="--out=.* cannot be made a folder: Not a directory"):
+        export(str(workdir), "exported/export.json/model")
+    with pytest.raises(FileNotFoundError):  # nothing to export: no folder is left behind
+        export(str(tmp_path / "no_run"), "never")
+    assert not (tmp_path / "never").exists()
+    (tmp_path / "exported" / "export.json").unlink()  # an export that died before its end
+    with pytest.raises(ValueError, match="exported is an unfinished export"):
+        decoupled_diloco.load("exported")
 
 
 def test_checkpoints_are_read_where_the_runtime_wrote_them(runs, tmp_path, monkeypatch):
