@@ -78,6 +78,7 @@ def sample(
         top_k,
         jax.random.key(seed),
         vocab,
+        moe_group=trained,  # a capacity MoE routes a sample as it routed a training row
     )
     # A batch advances every row to the longest prompt + max_new_tokens: a shorter prompt's
     # row runs on past its own max_new_tokens, which are all it keeps.

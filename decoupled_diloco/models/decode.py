@@ -6,12 +6,15 @@
 Every layer keeps the keys and values of all positions so far ([B, S, K, G], S = the longest
 prompt + max_new_tokens); a step writes the new token's into slot t and attends to slots
 <= t (local layers: the last `sliding_window` of them), exactly the masks of training, with
-the same soft-caps and MoE routing. (With expert capacity, `capacity_factor` > 0, each call
-routes its own tokens into fresh buffers sized for them: a step's token is never dropped,
-where the training forward, a whole sequence sharing the buffers, may drop it; dropless
-MoE decodes exactly.) Prompts of different lengths share one batch: the
-common prefix is prefilled in one pass, then every sequence advances one position per step,
-taking its own prompt token while it has one and its sample after that.
+the same soft-caps and MoE routing. With expert capacity (`capacity_factor` > 0) a row is
+one routing group in training, its tokens claiming expert slots in position order: the
+cache carries each capacity layer's claimed slots ("claimed" [B, E]) from call to call, in
+buffers sized for a group of `max(moe_group, S)` tokens, so a token is dropped exactly when
+the training forward over a window of that length drops it (`sample` passes the run's
+`data.seq_len`: a sample within it is routed as training routed). Prompts of different
+lengths share one batch: the common prefix is prefilled in one pass, then every sequence
+advances one position per step, taking its own prompt token while it has one and its
+sample after that.
 """
 
 import functools
@@ -43,21 +46,30 @@ def free_bytes(device: jax.Device) -> int | None:
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> list[dict]:
-    """Empty per-layer caches {"k", "v": [B, S, K, G]} in the compute dtype."""
+    """Empty per-layer caches {"k", "v": [B, S, K, G]} in the compute dtype, and a capacity
+    MoE layer's slots claimed so far, "claimed": [B, E] int32 zeros."""
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
-    return [
-        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)
-    ]
+    caches = []
+    for layer in range(cfg.num_layers):
+        cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        if cfg.is_moe_layer(layer) and cfg.capacity_factor > 0:
+            cache["claimed"] = jnp.zeros((batch, cfg.num_experts), jnp.int32)
+        caches.append(cache)
+    return caches
 
 
-def _apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, cache: list, index):
-    logits_BTV, _, cache = Transformer(cfg).apply({"params": params}, tokens_BT, cache, index)
+def _apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, cache: list, index,
+           group: int = 0):  # fmt: skip
+    logits_BTV, _, cache = Transformer(cfg).apply(
+        {"params": params}, tokens_BT, cache, index, group=group
+    )
     return logits_BTV, cache
 
 
-# Logits of the T tokens written at positions index..index+T-1, and the new cache.
-decode_step = jax.jit(_apply, static_argnums=0, donate_argnums=3)
+# Logits of the T tokens written at positions index..index+T-1, and the new cache; `group`:
+# a capacity MoE's routing group (the module doc; 0: the cache's length).
+decode_step = jax.jit(_apply, static_argnums=(0, 5), donate_argnums=3)
 
 
 def sample_token(logits_BV: jax.Array, rng, temperature: float, top_k: int,
@@ -78,9 +90,9 @@ def sample_token(logits_BV: jax.Array, rng, temperature: float, top_k: int,
     return jax.random.categorical(rng, logits_BV).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 8), donate_argnums=3)
-def _next(cfg, params, token_B, cache, temperature, top_k, index, rng, vocab):
-    logits_BTV, cache = _apply(cfg, params, token_B[:, None], cache, index)
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 8, 9), donate_argnums=3)
+def _next(cfg, params, token_B, cache, temperature, top_k, index, rng, vocab, group):
+    logits_BTV, cache = _apply(cfg, params, token_B[:, None], cache, index, group)
     return sample_token(logits_BTV[:, -1], rng, temperature, top_k, vocab), cache
 
 
@@ -93,10 +105,12 @@ def generate(
     top_k: int = 0,
     rng=None,
     vocab: int = 0,
+    moe_group: int = 0,
 ) -> np.ndarray:
     """Token ids [B, longest prompt + max_new_tokens]: every row its prompt, then samples
     (a shorter prompt gets the more of them) among the ids below `vocab` (0: every id the
-    model has)."""
+    model has). `moe_group`: the routing group a capacity MoE's buffers are sized for,
+    training's `data.seq_len` (the module doc; a row longer than it: the row's length)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -105,7 +119,8 @@ def generate(
     lengths = np.array([len(p) for p in prompts])
     total = int(lengths.max()) + max_new_tokens
     start = int(lengths.min())
-    prefill = _checked_prefill(cfg, params, len(prompts), start, total)
+    group = max(moe_group, total) if cfg.capacity_factor > 0 and cfg.num_experts else 0
+    prefill = _checked_prefill(cfg, params, len(prompts), start, total, group)
     forced = np.zeros((len(prompts), total), np.int32)
     for b, p in enumerate(prompts):
         forced[b, : len(p)] = p
@@ -122,19 +137,20 @@ def generate(
             break
         rng, key = jax.random.split(rng)
         token, cache = _next(cfg, params, jnp.asarray(token), cache, temperature, top_k, t, key,
-                             vocab)  # fmt: skip
+                             vocab, group)  # fmt: skip
         token = np.asarray(token)
     return out
 
 
-def _checked_prefill(cfg: ModelConfig, params: dict, batch: int, start: int, total: int):
+def _checked_prefill(cfg: ModelConfig, params: dict, batch: int, start: int, total: int,
+                     group: int = 0):  # fmt: skip
     """`decode_step` compiled for the prefill of `start` positions of a cache of `total`,
     after checking that XLA's plan of it (the KV cache, the prompts' attention scores and
     logits; the parameters already in place left out) fits the memory free on the device:
     ValueError naming both if not (on the CPU the OS would kill the process instead)."""
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, total))
     tokens = jax.ShapeDtypeStruct((batch, start), jnp.int32)
-    compiled = decode_step.lower(cfg, params, tokens, cache, 0).compile()
+    compiled = decode_step.lower(cfg, params, tokens, cache, 0, group).compile()
     plan = compiled.memory_analysis()
     have = free_bytes(jax.devices()[0])
     if plan is None or have is None:

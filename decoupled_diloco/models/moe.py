@@ -92,12 +92,20 @@ def route_top_k(
 
 
 def dispatch_and_combine(
-    experts_BTk: jax.Array, gates_BTk: jax.Array, num_experts: int, capacity: int
+    experts_BTk: jax.Array,
+    gates_BTk: jax.Array,
+    num_experts: int,
+    capacity: int,
+    claimed_BE: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One-hot routing masks for a capacity of `capacity` slots per expert and batch row.
 
     Returns dispatch_BTEC (float32 0/1: token t goes to slot c of expert e), combine_BTEC
     (dispatch weighted by the gates) and kept_BTk (bool: the assignment got a slot).
+    `claimed_BE`: the slots earlier tokens of the rows' group already claimed (decoding, one
+    call per token: the group's buffers carry on, so a token is dropped exactly when the
+    whole group in one call would drop it); the buffers then hold this call's tokens only,
+    C = min(T, capacity) (a token's k choices are distinct experts).
     """
     B, T, k = experts_BTk.shape
     choice_BTkE = jax.nn.one_hot(experts_BTk, num_experts, dtype=jnp.int32)
@@ -106,7 +114,12 @@ def dispatch_and_combine(
     slot_BXE = jnp.cumsum(choice_BXE, axis=1) - 1
     slot_BTkE = slot_BXE.reshape(B, T, k, num_experts)
     slot_BTk = jnp.sum(slot_BTkE * choice_BTkE, axis=-1)
-    kept_BTk = slot_BTk < capacity
+    if claimed_BE is None:
+        kept_BTk = slot_BTk < capacity
+    else:
+        before_BTk = jnp.take_along_axis(claimed_BE[:, None, :], experts_BTk, axis=-1)
+        kept_BTk = before_BTk + slot_BTk < capacity
+        capacity = min(T, capacity)
     slot_onehot_BTkC = jax.nn.one_hot(slot_BTk, capacity) * kept_BTk[..., None]
     choice_f_BTkE = choice_BTkE.astype(jnp.float32)
     dispatch_BTEC = jnp.einsum("BTkE,BTkC->BTEC", choice_f_BTkE, slot_onehot_BTkC)
@@ -213,7 +226,10 @@ class MoE(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x_BTD: jax.Array, claimed_BE: jax.Array | None = None, group: int = 0):
+        """`claimed_BE`, `group` (decoding a capacity model): the expert slots the row's
+        earlier tokens claimed, in buffers sized for a group of `group` tokens (training's
+        row); returns (y_BTD, stats, the claimed slots after this call's tokens)."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         D, E, F, k = cfg.d_model, cfg.num_experts, cfg.expert_hidden, cfg.experts_per_token
         router = param(self, "router", ("embed", None), (D, E), fan_in_init(0))
@@ -229,9 +245,9 @@ class MoE(nn.Module):
 
         x_BTD = x_BTD.astype(dtype)
         if cfg.capacity_factor > 0:
-            capacity = expert_capacity(x_BTD.shape[1], k, E, cfg.capacity_factor)
+            capacity = expert_capacity(group or x_BTD.shape[1], k, E, cfg.capacity_factor)
             dispatch_BTEC, combine_BTEC, kept_BTk = dispatch_and_combine(
-                experts_BTk, gates_BTk, E, capacity
+                experts_BTk, gates_BTk, E, capacity, claimed_BE
             )
             y_BTD = capacity_experts(x_BTD, dispatch_BTEC, combine_BTEC, *weights)
         else:
@@ -239,4 +255,8 @@ class MoE(nn.Module):
             y_BTD = dropless_experts(x_BTD, gates_BTk, experts_BTk, *weights)
         if cfg.shared_expert:
             y_BTD = y_BTD + FeedForward(cfg, F, name="shared")(x_BTD)
-        return y_BTD, router_statistics(router_logits_BTE, experts_BTk, kept_BTk)
+        stats = router_statistics(router_logits_BTE, experts_BTk, kept_BTk)
+        if claimed_BE is None:
+            return y_BTD, stats
+        choice_BE = jnp.sum(jax.nn.one_hot(experts_BTk, E, dtype=jnp.int32), axis=(1, 2))
+        return y_BTD, stats, claimed_BE + choice_BE

@@ -83,23 +83,30 @@ class Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array, cache: dict | None = None, index=0):
-        """(x_BTD, MoE stats or None), plus the layer's updated KV cache if given one."""
+    def __call__(self, x_BTD: jax.Array, cache: dict | None = None, index=0, group: int = 0):
+        """(x_BTD, MoE stats or None), plus the layer's updated cache if given one (its
+        keys and values, and a capacity MoE layer's claimed expert slots, "claimed" [B, E],
+        in buffers sized for `group` tokens, 0: the cache's length; decode.py)."""
         cfg = self.cfg
         window = cfg.sliding_window if cfg.attention_kind(self.layer) == "local" else 0
         attn = Attention(cfg, window, name="attn")
-        h_BTD = attn(RMSNorm(name="pre_attn_norm")(x_BTD), cache, index)
+        kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+        h_BTD = attn(RMSNorm(name="pre_attn_norm")(x_BTD), kv, index)
         if cache is not None:
-            h_BTD, cache = h_BTD
+            h_BTD, kv = h_BTD
         x_BTD = constrain(x_BTD + RMSNorm(name="post_attn_norm")(h_BTD), RESIDUAL)
         h_BTD = RMSNorm(name="pre_ffw_norm")(x_BTD)
         stats = None
-        if cfg.is_moe_layer(self.layer):
+        if cfg.is_moe_layer(self.layer) and cache is not None and "claimed" in cache:
+            group = group or cache["k"].shape[1]  # (0: the cache's length)
+            h_BTD, stats, claimed_BE = MoE(cfg, name="moe")(h_BTD, cache["claimed"], group)
+            kv = {**kv, "claimed": claimed_BE}
+        elif cfg.is_moe_layer(self.layer):
             h_BTD, stats = MoE(cfg, name="moe")(h_BTD)
         else:
             h_BTD = FeedForward(cfg, cfg.ffw_hidden, name="ffw")(h_BTD)
         x_BTD = constrain(x_BTD + RMSNorm(name="post_ffw_norm")(h_BTD), RESIDUAL)
-        return (x_BTD, stats) if cache is None else (x_BTD, stats, cache)
+        return (x_BTD, stats) if cache is None else (x_BTD, stats, kv)
 
 
 def _moe_aux(cfg: ModelConfig, stats: list[dict]) -> dict[str, jax.Array]:
@@ -145,9 +152,10 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BT: jax.Array, cache: list | None = None, index=0,
-                 features: bool = False):  # fmt: skip
-        """(logits_BTV, aux), plus the updated per-layer KV caches if given them; `features`:
-        (the final-normed residual stream x_BTD the output layer reads, aux) instead."""
+                 features: bool = False, group: int = 0):  # fmt: skip
+        """(logits_BTV, aux), plus the updated per-layer caches if given them; `features`:
+        (the final-normed residual stream x_BTD the output layer reads, aux) instead;
+        `group`: a capacity MoE's routing group when decoding (decode.py)."""
         cfg = self.cfg
         embedder = Embedder(cfg, name="embedder")
         x_BTD = embedder.encode(tokens_BT)
@@ -158,7 +166,7 @@ class Transformer(nn.Module):
             if cache is None:
                 x_BTD, stats = block(x_BTD)
             else:
-                x_BTD, stats, layer_cache = block(x_BTD, cache[layer], index)
+                x_BTD, stats, layer_cache = block(x_BTD, cache[layer], index, group)
                 new_cache.append(layer_cache)
             if stats is not None:
                 moe_stats.append(stats)
