@@ -313,6 +313,24 @@ def test_a_capacity_moe_decodes_as_the_training_forward_routes_its_window(group)
     np.testing.assert_allclose(jnp.concatenate(decoded, axis=1), full[:, :S], atol=2e-4)
 
 
+def test_decoding_puts_the_parameters_on_the_device_once(monkeypatch):
+    """`sample` hands `generate` the loaded host (numpy) parameters: passed on as they are,
+    every token's step copied all of them to the accelerator again."""
+    from decoupled_diloco.models import decode
+
+    cfg = models.get_model_config("tiny")
+    params = jax.tree.map(np.asarray, models.init_params(cfg, jax.random.key(1)))
+    seen, step = [], decode._next
+
+    def spy(cfg, params, *args):
+        seen.append(all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)))
+        return step(cfg, params, *args)
+
+    monkeypatch.setattr(decode, "_next", spy)
+    decode.generate(cfg, params, [[1, 2, 3]], max_new_tokens=4)
+    assert seen == [True] * 3
+
+
 def test_sampling_is_deterministic_per_seed(runs):
     workdir, _ = runs["dp"]
     greedy = [sample(str(workdir), ["def "], 16, temperature=0.0) for _ in range(2)]

@@ -116,6 +116,9 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     rng = jax.random.key(0) if rng is None else rng
+    # On the device once: host arrays would be copied to it again by every step's call
+    # (all the parameters per token).
+    params = jax.device_put(params)
     lengths = np.array([len(p) for p in prompts])
     total = int(lengths.max()) + max_new_tokens
     start = int(lengths.min())
