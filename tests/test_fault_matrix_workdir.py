@@ -201,6 +201,20 @@ def test_a_run_that_took_no_step_starts_over_with_a_changed_config(small_config,
     assert workdir.trained(str(tmp_path), smaller)
 
 
+def test_only_a_ray_runs_checkpoint_dir_holds_its_saves(small_config, tmp_path):
+    """A local run saves under its workdir whatever `ray.checkpoint_dir` says (another run's
+    saves there are not its own); a Ray run's saves there are."""
+    elsewhere = tmp_path / "shared"
+    (elsewhere / "learner_0" / "8").mkdir(parents=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    local = config_lib.validate(small_config(**{"ray.checkpoint_dir": str(elsewhere)}))
+    assert not workdir.trained(str(run), local)
+    ray = {"ray.checkpoint_dir": str(elsewhere), "runtime": "ray", "diloco.sync_every": 4}
+    on_ray = config_lib.validate(small_config(**ray))
+    assert workdir.trained(str(run), on_ray)
+
+
 @pytest.mark.slow
 def test_a_run_out_of_memory_at_its_first_step_is_rerun_in_its_workdir(small_config, tmp_path):
     whole = {"data.max_corpus_bytes": 0, "train.steps": 2}  # an eval split of 100k tokens

@@ -99,18 +99,14 @@ def config_changes(workdir: str, cfg: RunConfig) -> list[str]:
 
 def trained(workdir: str, cfg: RunConfig, checkpoints: str | None = None) -> bool:
     """Whether the workdir's run has taken a step: a metrics row, or anything saved in its
-    checkpoint directories (`checkpoints`, default `<workdir>/checkpoints`, and the
-    `ray.checkpoint_dir` of `cfg` and of the run's own config) besides the learners'
-    incarnation counters. A run that failed before its first step (out of memory at
-    compilation, a typo found by the first batch) has not."""
+    checkpoint directories (`_checkpoint_dirs`) besides the learners' incarnation counters.
+    A run that failed before its first step (out of memory at compilation, a typo found by
+    the first batch) has not."""
     root = epath.Path(workdir)
     metrics = root / "metrics.jsonl"
     if metrics.exists() and metrics.stat().length > 0:
         return True
-    dirs = {checkpoints or str(root / "checkpoints"), cfg.ray.checkpoint_dir}
-    if (root / run_files.RUN_CONFIG).exists():
-        dirs.add(run_files.read_config(workdir).ray.checkpoint_dir)
-    for d in (paths.resolve(d) for d in dirs if d):
+    for d in _checkpoint_dirs(workdir, cfg, checkpoints):
         saved = [c for c in d.iterdir() if c.name != "lives"] if d.exists() else []
         if any(not c.is_dir() or any(c.iterdir()) for c in saved):
             return True
@@ -192,14 +188,23 @@ def check_resume(
     return changed
 
 
+def _checkpoint_dirs(workdir: str, cfg: RunConfig, checkpoints: str | None) -> list:
+    """Where the workdir's run may have saved: `checkpoints` (default
+    `<workdir>/checkpoints`) and the `ray.checkpoint_dir` of `cfg` and of the run's own
+    config where that one is a Ray run's (the local runtime reads no ray.* key)."""
+    runs = [cfg]
+    if (epath.Path(workdir) / run_files.RUN_CONFIG).exists():
+        runs.append(run_files.read_config(workdir))
+    dirs = {checkpoints or str(epath.Path(workdir) / "checkpoints")}
+    dirs |= {r.ray.checkpoint_dir for r in runs if r.runtime == "ray" and r.ray.checkpoint_dir}
+    return [paths.resolve(d) for d in sorted(dirs)]
+
+
 def _checkpointed_step(workdir: str, cfg: RunConfig, checkpoints: str | None):
     """(learner, step) of the highest step a learner checkpoint holds (its step folders'
-    names, `learner_<m>/<step>`), None if none; in `checkpoints` and the run's and `cfg`'s
-    `ray.checkpoint_dir`, as `trained` looks."""
-    dirs = {checkpoints or str(epath.Path(workdir) / "checkpoints"), cfg.ray.checkpoint_dir,
-            run_files.read_config(workdir).ray.checkpoint_dir}  # fmt: skip
+    names, `learner_<m>/<step>`), None if none; where `trained` looks."""
     best = None
-    for d in (paths.resolve(d) for d in dirs if d):
+    for d in _checkpoint_dirs(workdir, cfg, checkpoints):
         for learner in d.glob("learner_*") if d.exists() else ():
             m = learner.name.removeprefix("learner_")
             steps = [int(c.name) for c in learner.iterdir() if c.name.isdigit()]
