@@ -12,8 +12,7 @@ object) holding `FaultSpec` fields, e.g.
 
     python -m decoupled_diloco.simulate --method=decoupled --chips=4 --learners=4 \
         --fault_spec='{"seed": 0, "chip_mtbf_hours": 0.2, "restart_delay_s": 5}' \
-        --horizon_days=0.01 --step_s=0.3 --detect_s=0 --reconfig_s=0.5 --restart_s=0 \
-        --restore_s=0.5 --json
+        --horizon_days=0.01 --restore_s=0.5 --json
 
 Then each learner is one unit of faults.chips_per_learner chips and crashes, restarts,
 joins, leaves and syncer crashes come from the same `FaultSchedule` the run replays; set
@@ -23,7 +22,8 @@ time: 0 for an asynchronous one). The schedule
 also brings its own seed ("seed" in the spec) and speeds, so the flags of the chip-MTBF
 failure model (`CHIP_MTBF_ONLY`: --seed, --chip_mtbf_years, --slice_chips, ...) have no
 effect with --fault_spec; giving one of them explicitly is an error rather than silently
-ignored.
+ignored, as is a timing flag the method does not read with a schedule
+(`UNREAD_WITH_SPEC`: a decoupled learner's crash is its own schedule's restart).
 """
 
 import dataclasses
@@ -89,14 +89,39 @@ def check_method_flags(method: str, given: list[str]) -> None:
                          f"{'them' if len(ignored) > 1 else 'it'}")  # fmt: skip
 
 
-def check_fault_spec_flags(given: list[str]) -> None:
-    """With --fault_spec, the explicitly `given` flags must not include CHIP_MTBF_ONLY ones."""
+# SimParams fields a method does not read with --fault_spec, where each learner is one unit
+# and the schedule's restart times (restart_delay_s) are a crashed learner's relaunch: an
+# elastic job detects and reconfigures around it but relaunches nothing, and a decoupled
+# learner's crash stops no other (its step_s only places a schedule in steps in time).
+UNREAD_WITH_SPEC = {
+    "dp": (),
+    "elastic_dp": ("restart_s",),
+    "decoupled": ("restart_s", "detect_s", "reconfig_s"),
+}
+
+
+def check_fault_spec_flags(given: list[str], method: str = "dp", unit: str = "seconds") -> None:
+    """With --fault_spec, the explicitly `given` flags must not include CHIP_MTBF_ONLY ones,
+    nor what `method` does not read with a schedule (`UNREAD_WITH_SPEC`; `unit`: the
+    spec's)."""
     ignored = [name for name in CHIP_MTBF_ONLY if name in given]
     if ignored:
         flags_ = ", ".join(f"--{n}" for n in ignored)
         raise ValueError(
             f"{flags_} would be ignored with --fault_spec: the fault schedule replaces the "
             'chip-MTBF model (set "seed", speeds and crashes in the spec instead)'
+        )
+    unread = list(UNREAD_WITH_SPEC[method])
+    if method == "decoupled" and unit != "steps":
+        unread.append("step_s")
+    ignored = [name for name in unread if name in given]
+    if ignored:
+        flags_ = ", ".join(f"--{n}" for n in ignored)
+        raise ValueError(
+            f"{flags_} would be ignored with --fault_spec and --method={method}: each "
+            "learner is one unit, down from its crash to its restart in the schedule "
+            '("restart_delay_s"), then --restore_s'
+            + ("; no other learner stops for it" if method == "decoupled" else "")
         )
 
 
@@ -169,8 +194,9 @@ def main(argv):
         check_method_flags(FLAGS.method, [n for n in UNREAD_BY[FLAGS.method] if FLAGS[n].present])
         spec = None
         if FLAGS.fault_spec:
-            check_fault_spec_flags([n for n in CHIP_MTBF_ONLY if FLAGS[n].present])
             spec = load_fault_spec(FLAGS.fault_spec)
+            given = [f.name for f in dataclasses.fields(SimParams) if FLAGS[f.name].present]
+            check_fault_spec_flags(given, FLAGS.method, spec.unit)
         check_size(FLAGS.method, FLAGS.chips, FLAGS.learners, params, spec)
         if spec is not None:
             faults.validate_fault_spec(spec, FLAGS.learners)  # before any arithmetic on it

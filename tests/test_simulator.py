@@ -334,6 +334,27 @@ def test_paper_goodput_at_1p2m_chips(method, learners):
     assert 100 * r.goodput == pytest.approx(PAPER_1P2M[method, learners], abs=3.5)
 
 
+def test_a_slow_learner_paces_the_synchronous_job_only_while_it_runs():
+    """Learner 0 steps 3x slower. Crashed for good after 10 s of 864, or a member for 100
+    s only, it must not set the pace of the whole run (a review found sync_efficiency 0.5
+    and 0.625: every learner's factor counted at every time)."""
+    p = dataclasses.replace(CPU, horizon_days=0.01, step_s=0.3, reconfig_s=0.0)
+    gone = FaultSpec(speed_factors=(3.0, 1.0, 1.0, 1.0), crashes=((0, 10.0),),
+                     restart_delay_s=1e5)  # fmt: skip
+    r = simulate("elastic_dp", 4, 4, p, gone)
+    assert 0.97 < r.sync_efficiency < 0.99  # 10 s of 864 at 6/12, the rest at 3/3
+    visiting = FaultSpec(speed_factors=(2.0, 1.0, 1.0, 1.0), membership=((0, 100.0, 200.0),))
+    r = simulate("dp", 4, 4, p, visiting)
+    assert r.sync_efficiency == pytest.approx((100 * 5 + 764 * 3) / (100 * 8 + 764 * 3), abs=0.01)
+
+
+def test_sync_efficiency_of_a_run_shorter_than_a_chip_second():
+    """A single slice never waits on another: 1, however short the run (it was divided by
+    at least 1 chip-second)."""
+    r = simulate("dp", 1, 1, SimParams(horizon_days=1e-6))
+    assert r.sync_efficiency == 1.0 and r.goodput > 0.99
+
+
 def test_cli_refuses_chip_mtbf_flags_with_a_fault_spec():
     """--seed (and the other chip-MTBF knobs) would be silently ignored with --fault_spec,
     whose schedule has its own seed: the CLI says so instead."""
@@ -344,6 +365,23 @@ def test_cli_refuses_chip_mtbf_flags_with_a_fault_spec():
         cli.check_fault_spec_flags(["seed"])
     with pytest.raises(ValueError, match="--seed, --chip_mtbf_years"):
         cli.check_fault_spec_flags(["chip_mtbf_years", "seed"])
+    # What a method does not read with a schedule: each learner is one unit, down from its
+    # crash to its restart in the schedule (a review found them silently ignored).
+    cli.check_fault_spec_flags(["restart_s", "detect_s", "step_s"], "dp")
+    cli.check_fault_spec_flags(["detect_s", "reconfig_s", "step_s"], "elastic_dp")
+    cli.check_fault_spec_flags(["step_s", "restore_s"], "decoupled", unit="steps")
+    with pytest.raises(ValueError, match="--restart_s would be ignored .* --method=elastic_dp"):
+        cli.check_fault_spec_flags(["restart_s"], "elastic_dp")
+    with pytest.raises(ValueError, match="--restart_s, --detect_s, --reconfig_s, --step_s"):
+        cli.check_fault_spec_flags(["step_s", "reconfig_s", "detect_s", "restart_s"], "decoupled")
+    spec = FaultSpec(chip_mtbf_hours=0.2, restart_delay_s=5.0)
+    for method, flag in [("elastic_dp", "restart_s"), ("decoupled", "detect_s"),
+                         ("decoupled", "reconfig_s"), ("decoupled", "step_s")]:  # fmt: skip
+        results = {
+            simulate(method, 4, 4, dataclasses.replace(CPU, **{flag: value}), spec).goodput
+            for value in (0.01, 200.0)
+        }
+        assert len(results) == 1, (method, flag)  # so refusing the flag loses nothing
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "decoupled_diloco.simulate", "--method=dp", "--chips=2"]

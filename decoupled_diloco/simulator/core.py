@@ -128,13 +128,37 @@ def _slice_efficiency(trace: Trace, learners: int, groups: int, p: SimParams) ->
     return busy / (slowest * np.add.reduceat(unit_chips, starts))
 
 
-def _schedule_efficiency(schedule: faults.FaultSchedule, p: SimParams) -> float:
-    """Synchronous learners wait for the slowest each step: E[mean factor] / E[max factor]."""
+def _schedule_efficiency(schedule: faults.FaultSchedule, p: SimParams, method: str) -> float:
+    """Synchronous learners wait for the slowest running one each step: the running
+    learners' busy time over their time at the slowest's pace, E[sum f] / E[n * max f]
+    over the step time factors f of the learners in the job: members that are up (a slow
+    learner that left or is down paces nothing; a DP job runs only while every member is
+    up)."""
     horizon = schedule.horizon_s
     n = int(min(2048, np.ceil(horizon / p.step_s)))
     t = (np.arange(n) + 0.5) * (horizon / n)
     f = schedule.step_time_factors(np.floor(t / p.step_s).astype(np.int64), t)
-    return float(f.mean(0).mean() / f.max(0).mean())
+    member, running = _running(schedule, t)
+    if method == "dp":
+        running &= (running == member).all(0)
+    busy = np.where(running, f, 0.0).sum(0)
+    paced = running.sum(0) * np.where(running, f, 0.0).max(0)
+    return float(busy.sum() / paced.sum()) if paced.sum() > 0 else 1.0
+
+
+def _running(schedule: faults.FaultSchedule, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[learners, len(t)] twice: whether each learner is a member at times t, and whether
+    it is a member and not down."""
+    t = t + schedule.offset  # (the schedule's intervals are on its own clock)
+    member = np.zeros((schedule.num_learners, t.size), dtype=bool)
+    for learner in range(schedule.num_learners):
+        for a, b in schedule.member_windows[learner]:
+            member[learner] |= (t >= a) & (t < b)
+    up = member.copy()
+    for learner in range(schedule.num_learners):
+        for a, b in schedule.down[learner]:
+            up[learner] &= ~((t >= a) & (t < b))
+    return member, up
 
 
 def _quorum_down_s(tls: list, quorum: int, syncer_down, horizon: float) -> float:
@@ -249,7 +273,7 @@ def simulate(
         schedule = faults.FaultSchedule(fault_spec, learners, horizon)
         trace = schedule_trace(schedule, fault_spec.chips_per_learner)
         rejoin_s = p.restore_s  # the schedule's restart time already covers the relaunch
-        eff = 1.0 if method == "decoupled" else _schedule_efficiency(schedule, p)
+        eff = 1.0 if method == "decoupled" else _schedule_efficiency(schedule, p, method)
         eff_G = np.full(learners if method == "decoupled" else 1, eff)
     interval_s = snapshot_interval_s(p, _failures_per_s(chips, p, fault_spec))
     tls = _timelines(method, trace, p, len(eff_G), rejoin_s, interval_s, fault_spec is None)
@@ -272,5 +296,10 @@ def simulate(
         downtime_seconds=down_s,
         failures=sum(tl.failures for tl in tls),
         recoveries=sum(tl.recoveries for tl in tls),
-        sync_efficiency=float(np.dot(eff_G, [tl.chip_s() for tl in tls]) / max(run_chip_s, 1.0)),
+        # (weighted by running chip-time; nothing ran: the groups' plain mean)
+        sync_efficiency=float(
+            np.dot(eff_G, [tl.chip_s() for tl in tls]) / run_chip_s
+            if run_chip_s > 0
+            else np.mean(eff_G)
+        ),  # fmt: skip
     )
