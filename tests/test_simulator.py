@@ -390,6 +390,38 @@ def test_cli_refuses_chip_mtbf_flags_with_a_fault_spec():
     assert bad.returncode != 0 and "--seed would be ignored with --fault_spec" in bad.stderr
 
 
+@pytest.mark.parametrize("back, running_again", [(160.0, 170.0), (105.0, 160.0)])
+def test_an_elastic_job_that_lost_every_unit_relaunches_as_a_restarted_job_does(
+    back, running_again
+):
+    """Its last unit fails at 100 s: the job runs again restore_s after the unit's
+    replacement is back or, if later, detect_s + restart_s after the failure, as a
+    non-elastic job (a review found the relaunch added after the replacement, which
+    already covers it: elastic DP of one slice fared worse than DP)."""
+    from decoupled_diloco.simulator import timeline
+    from decoupled_diloco.simulator.trace import BACK, FAIL
+
+    tl = timeline.elastic_timeline(([100.0, back], [FAIL, BACK], [0, 0]), [4], [True], 1000.0,
+                                   detect_s=30.0, reconfig_s=5.0, relaunch_s=50.0,
+                                   graceful_relaunch_s=20.0, restore_s=10.0, step_s=3.0,
+                                   state_loss_s=lambda clock: 0.0)  # fmt: skip
+    assert tl.starts == [0.0, running_again] and tl.ends == [100.0, 1000.0]
+    p = SimParams(chip_mtbf_years=1e-3, horizon_days=1.0)  # a 64-chip job, ~170 failures
+    assert simulate("elastic_dp", 64, 1, p).goodput >= simulate("dp", 64, 1, p).goodput
+
+
+def test_a_restarting_job_stops_waiting_for_a_crashed_learner_that_leaves():
+    """Learner 0 crashes at 100 s (back at 600) and leaves for good at 150: the DP job
+    relaunches on the other three then (graceful relaunch + restore), not at 600 (a review
+    found the departed learner's return still awaited)."""
+    spec = FaultSpec(crashes=((0, 100.0),), restart_delay_s=500.0, membership=((0, 0.0, 150.0),))
+    p = dataclasses.replace(CPU, restart_s=2.0)
+    r = simulate("dp", 4, 4, p, spec)
+    assert r.downtime_seconds == pytest.approx(150.0 + 2.0 + 5.0 - 100.0)
+    stays = FaultSpec(crashes=((0, 100.0),), restart_delay_s=500.0)
+    assert simulate("dp", 4, 4, p, stays).downtime_seconds == pytest.approx(500.0 + 5.0)
+
+
 def test_job_that_loses_every_unit_restarts_on_units_already_back():
     """Learner 1 is back but not yet re-added when learner 0 leaves for good: the elastic job
     must restart on learner 1 at once (rejoin = restore_s), not wait for a later event."""

@@ -199,11 +199,12 @@ def _timelines(
     trace: Trace,
     p: SimParams,
     groups: int,
-    rejoin_s: float,
     interval_s: float,
     spares_ok: bool,
 ) -> list[tlm.Timeline]:
-    """One timeline for DP / elastic DP, one per learner for Decoupled DiLoCo."""
+    """One timeline for DP / elastic DP, one per learner for Decoupled DiLoCo. Without
+    spares (FaultSpec mode) a failed unit's restart in the schedule is its relaunch: an
+    elastic job or learner that lost every unit runs again restore_s after one is back."""
     chips_U, up_U = trace.unit_chips.tolist(), trace.initial_up.tolist()
     if method == "dp":
         events = (trace.time.tolist(), trace.kind.tolist(), trace.unit.tolist())
@@ -238,7 +239,9 @@ def _timelines(
                 trace.horizon_s,
                 detect_s=p.detect_s,
                 reconfig_s=p.reconfig_s,
-                rejoin_s=rejoin_s,
+                relaunch_s=p.detect_s + p.restart_s if spares_ok else 0.0,
+                graceful_relaunch_s=p.restart_s if spares_ok else 0.0,
+                restore_s=p.restore_s,
                 step_s=p.step_s,
                 state_loss_s=loss,
             )
@@ -266,17 +269,15 @@ def simulate(
     horizon = p.horizon_s
     if fault_spec is None:
         trace = chip_trace(chips, learners, p)
-        rejoin_s = p.restart_s + p.restore_s
         groups = learners if method == "decoupled" else 1
         eff_G = _slice_efficiency(trace, learners, groups, p)
     else:
         schedule = faults.FaultSchedule(fault_spec, learners, horizon)
         trace = schedule_trace(schedule, fault_spec.chips_per_learner)
-        rejoin_s = p.restore_s  # the schedule's restart time already covers the relaunch
         eff = 1.0 if method == "decoupled" else _schedule_efficiency(schedule, p, method)
         eff_G = np.full(learners if method == "decoupled" else 1, eff)
     interval_s = snapshot_interval_s(p, _failures_per_s(chips, p, fault_spec))
-    tls = _timelines(method, trace, p, len(eff_G), rejoin_s, interval_s, fault_spec is None)
+    tls = _timelines(method, trace, p, len(eff_G), interval_s, fault_spec is None)
     # The discarded chip-time was running at the group's efficiency too: what it lost is
     # its share of the useful work (subtracted whole, its idle share counted twice).
     useful = sum(e * (tl.chip_s() - tl.lost_chip_s) for e, tl in zip(eff_G, tls, strict=True))

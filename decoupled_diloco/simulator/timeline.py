@@ -70,7 +70,9 @@ def restart_timeline(
     back + restore_s if that is later, and costs the work since the last snapshot. Another
     failure during the recovery extends it to that unit's back + restore_s only if
     `wait_for_back` (no spare can stand in for the unit); otherwise the recovery's final
-    health check swaps in a spare prepared alongside the relaunch. After each
+    health check swaps in a spare prepared alongside the relaunch. A unit the recovery waits
+    for that leaves meanwhile is waited for no more: the job relaunches without it,
+    graceful_relaunch_s + restore_s after the leave at the earliest. After each
     relaunch the job computes checkpoint_interval_s, stalls checkpoint_cost_s for a
     snapshot, and so on: the stalls are lost work too. A join or leave relaunches the job at
     its new size after a snapshot: graceful_relaunch_s + restore_s, nothing else lost.
@@ -80,6 +82,8 @@ def restart_timeline(
     in_service = list(initial_up)
     live = sum(c for c, up in zip(unit_chips, in_service, strict=True) if up)
     state, run_start, rec_end = (_RUN if live > 0 else _DOWN), 0.0, 0.0
+    awaited: dict = {}  # unit -> when it is back, for the units the recovery waits for
+    relaunched = 0.0  # the recovery's end without them, less restore_s
     for t, k, u, b in zip(*events, strict=True):
         if state == _PAUSE and t >= rec_end:
             state, run_start = (_RUN if live > 0 else _DOWN), rec_end
@@ -91,14 +95,20 @@ def restart_timeline(
                 tl.starts.append(run_start), tl.ends.append(t), tl.chips.append(live)
                 tl.lost_chip_s += live * snap(t - run_start, True)
                 state, rec_end = _PAUSE, max(t + relaunch_s, b) + restore_s
+                awaited, relaunched = {u: b}, t + relaunch_s
                 tl.recoveries += 1
             elif wait_for_back and state == _PAUSE:
                 rec_end = max(rec_end, b + restore_s)
+                awaited[u] = b
         elif k in (LEAVE, JOIN):
             joining = k == JOIN
             if in_service[u] == joining:
                 continue
             in_service[u] = joining
+            if state == _PAUSE and not joining and u in awaited:
+                del awaited[u]
+                relaunched = max(relaunched, t + graceful_relaunch_s)
+                rec_end = max([relaunched, *awaited.values()]) + restore_s
             if state == _RUN:
                 tl.starts.append(run_start), tl.ends.append(t), tl.chips.append(live)
                 tl.lost_chip_s += live * snap(t - run_start, False)
@@ -136,7 +146,9 @@ def elastic_timeline(
     *,
     detect_s: float,
     reconfig_s: float,
-    rejoin_s: float,
+    relaunch_s: float,
+    graceful_relaunch_s: float,
+    restore_s: float,
     step_s: float,
     state_loss_s: Callable[[float], float],
 ) -> Timeline:
@@ -146,7 +158,10 @@ def elastic_timeline(
     the same without detection or loss (graceful). BACK / JOIN: the unit waits for the
     next reconfiguration, or forces one by the ski-rental rule. If no unit is left the job's
     state is gone: it loses state_loss_s(running time since its last fresh start) of work
-    and restarts rejoin_s after the first unit is back.
+    and is relaunched as a non-elastic job is (restart_timeline): running again restore_s
+    after the first unit is back or, if later, relaunch_s after the failure that emptied it
+    (graceful_relaunch_s after a leave). A unit's return (a replacement's) covers its
+    hosts starting the job's processes, so the relaunch overlaps it, never follows it.
     """
     tl = Timeline()
     status = [2 if up else 0 for up in initial_up]  # 0 out, 1 back but waiting, 2 in the job
@@ -156,6 +171,7 @@ def elastic_timeline(
     pend_chips, pend_cr = 0, 0.0  # sum of c_u and of c_u * r_u over waiting units (r: return)
     state = _RUN if in_use > 0 else _DOWN
     run_start, seg_chips, pause_end, clock = 0.0, in_use, math.inf, 0.0
+    relaunched = 0.0  # when the relaunch after the job lost every unit is done
     times, kinds, units = events
     n, i = len(times), 0
     while True:
@@ -204,8 +220,9 @@ def elastic_timeline(
                 if failed:
                     tl.lost_chip_s += seg_chips * state_loss_s(clock)
                 state, clock = _DOWN, 0.0
+                relaunched = t + (relaunch_s if failed else graceful_relaunch_s)
                 if pending:  # units already back but not yet re-added: restart on them
-                    state, pause_end = _PAUSE, t + rejoin_s
+                    state, pause_end = _PAUSE, relaunched + restore_s
                     tl.recoveries += 1
             elif state == _RUN:
                 state, pause_end = _PAUSE, t + (detect_s if failed else 0.0) + reconfig_s
@@ -217,7 +234,7 @@ def elastic_timeline(
             pend_chips += unit_chips[u]
             pend_cr += unit_chips[u] * t
             if state == _DOWN:
-                state, pause_end = _PAUSE, t + rejoin_s
+                state, pause_end = _PAUSE, max(t, relaunched) + restore_s
                 tl.recoveries += 1
     if state == _RUN:
         tl.starts.append(run_start), tl.ends.append(horizon), tl.chips.append(seg_chips)
