@@ -65,8 +65,10 @@ class SimResult:
         return dataclasses.asdict(self)
 
 
-# What one process models: it keeps arrays per chip (~16 bytes each) and per failure (~200
-# bytes: 1.2M chips and 0.92M failures took 210 MB, 12M chips and 0.46M failures 173 MB).
+# What one process models: it keeps arrays per chip (~16 bytes each), per slice (~70 bytes:
+# the synchronisation efficiency draws one step's noise at a time; --slice_chips=1 at 4M
+# chips took 297 MB) and per failure (~200 bytes: 1.2M chips and 0.92M failures took
+# 210 MB, 12M chips and 0.46M failures 173 MB).
 MAX_CHIPS = 100_000_000
 MAX_FAILURES = 20_000_000
 
@@ -91,7 +93,8 @@ def _check(method: str, chips: int, learners: int, p: SimParams, spec) -> None:
     if chips > MAX_CHIPS:
         raise ValueError(
             f"chips ({chips:,}) above {MAX_CHIPS:,}: the simulation keeps arrays per chip "
-            "(~16 bytes each) in memory"
+            "and per slice in memory (~16 bytes a chip, ~70 a slice: --slice_chips=1 at "
+            "100M chips takes ~7 GB)"
         )
     failures = _failures_per_s(chips, p, spec) * p.horizon_s
     if failures > MAX_FAILURES:
@@ -117,14 +120,17 @@ def _slice_efficiency(trace: Trace, learners: int, groups: int, p: SimParams) ->
     n_slow = round(p.slow_fraction * learners)
     slow_U = np.where(trace.unit_learner >= learners - n_slow, p.slow_factor, 1.0)
     busy_U, slowest_U = busy_U * slow_U, slowest_U * slow_U
-    noise_SU = np.ones((1, len(unit_chips)))
-    if p.step_noise_std > 0:
-        s = p.step_noise_std
-        noise_SU = np.exp(s * rng.standard_normal((_MC_STEPS, len(unit_chips))) - 0.5 * s * s)
     group_U = trace.unit_learner * groups // learners
     starts = np.flatnonzero(np.r_[True, group_U[1:] != group_U[:-1]])
-    busy = np.add.reduceat(busy_U * noise_SU, starts, axis=1).mean(0)
-    slowest = np.maximum.reduceat(slowest_U * noise_SU, starts, axis=1).mean(0)
+    busy, slowest = np.zeros(len(starts)), np.zeros(len(starts))
+    steps = _MC_STEPS if p.step_noise_std > 0 else 1
+    for _ in range(steps):  # one step's noise at a time: a few arrays per unit in memory
+        noise_U = np.ones(1)
+        if p.step_noise_std > 0:
+            s = p.step_noise_std
+            noise_U = np.exp(s * rng.standard_normal(len(unit_chips)) - 0.5 * s * s)
+        busy += np.add.reduceat(busy_U * noise_U, starts)
+        slowest += np.maximum.reduceat(slowest_U * noise_U, starts)
     return busy / (slowest * np.add.reduceat(unit_chips, starts))
 
 
