@@ -166,6 +166,9 @@ def validate_fault_spec(
         _fail("slow_fraction", f"must be in [0, 1], got {spec.slow_fraction}")
     if not spec.slow_factor > 0:
         _fail("slow_factor", f"must be > 0, got {spec.slow_factor}")
+    slow = spec.slow_fraction * m
+    if spec.slow_factor != 1 and abs(slow - round(slow)) > 1e-9:  # (rounding made 0.5 of 1 none)
+        _fail("slow_fraction", f"of {m} learner(s) is {slow:g} learners: use a multiple of 1/{m}")
     if spec.speed_factors and spec.slow_fraction > 0:
         _fail("speed_factors", "and faults.slow_fraction are alternatives; set only one")
     for field in ("speed_factors", "link_latency_s", "link_bandwidth_bps"):

@@ -348,6 +348,19 @@ def test_a_slow_learner_paces_the_synchronous_job_only_while_it_runs():
     assert r.sync_efficiency == pytest.approx((100 * 5 + 764 * 3) / (100 * 8 + 764 * 3), abs=0.01)
 
 
+@pytest.mark.parametrize("fraction, learners", [(0.5, 1), (0.25, 2), (0.5, 3)])
+def test_a_slow_fraction_that_is_no_whole_number_of_learners_is_refused(fraction, learners):
+    """Rounded half to even, 0.25 of 2 learners made none slow and 0.75 of 2 both; 0.5 of
+    DP's one learner none (a review found the flag silently doing nothing)."""
+    p = SimParams(slow_fraction=fraction, slow_factor=1.18, horizon_days=0.01)
+    with pytest.raises(ValueError, match=f"slow_fraction \\({fraction}\\) of {learners} learn"):
+        simulate("dp", 4 * learners, learners, p)
+    with pytest.raises(ValueError, match="faults.slow_fraction of"):
+        simulate("dp", learners, learners, SimParams(horizon_days=0.01),
+                 FaultSpec(slow_fraction=fraction, slow_factor=1.18))  # fmt: skip
+    simulate("dp", 8, 4, dataclasses.replace(p, slow_fraction=0.25))  # one of four: fine
+
+
 def test_sync_efficiency_of_a_run_shorter_than_a_chip_second():
     """A single slice never waits on another: 1, however short the run (it was divided by
     at least 1 chip-second)."""

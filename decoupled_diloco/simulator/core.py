@@ -84,6 +84,13 @@ def _check(method: str, chips: int, learners: int, p: SimParams, spec) -> None:
         raise ValueError(f"chips ({chips}) must be divisible by learners ({learners})")
     if method == "decoupled" and p.quorum > learners:
         raise ValueError(f"quorum ({p.quorum}) cannot exceed learners ({learners})")
+    slow = p.slow_fraction * learners
+    if spec is None and p.slow_factor != 1 and abs(slow - round(slow)) > 1e-9:
+        raise ValueError(
+            f"slow_fraction ({p.slow_fraction}) of {learners} learner(s) is {slow:g} "
+            f"learners: use a multiple of 1/{learners} (for DP, pass the compared run's "
+            "--learners: its slow chips are the same)"
+        )
     if spec is not None and chips != learners * spec.chips_per_learner:
         raise ValueError(
             f"chips ({chips}) must equal learners ({learners}) * faults.chips_per_learner "
