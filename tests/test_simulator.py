@@ -71,6 +71,7 @@ def test_work_lost_is_charged_at_the_efficiency_it_ran_at():
         ("slow_factor", float("inf"), "slow_factor must be finite"),
         ("step_noise_std", 1e300, "step_noise_std must be at most 2"),
         ("slow_factor", 1e5, "slow_factor must be at most 10000"),
+        ("seed", -5, r"seed must be an integer in \[0, 2\*\*63\)"),  # (wrapped to 2**63 - 5)
     ],
 )
 def test_infinite_or_unlivable_timings_are_refused(field, value, message):

@@ -203,3 +203,5 @@ def validate_sim_params(p: SimParams) -> None:
             raise ValueError(f"{name} must be an integer >= 1, got {getattr(p, name)}")
     if not 0 <= p.slow_fraction <= 1:
         raise ValueError(f"slow_fraction must be in [0, 1], got {p.slow_fraction}")
+    if int(p.seed) != p.seed or not 0 <= p.seed < 2**63:  # (-5 ran as 2**63 - 5's trace)
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {p.seed}")
