@@ -80,13 +80,21 @@ UNREAD_BY = {
 }
 
 
-def check_method_flags(method: str, given: list[str]) -> None:
-    """The explicitly `given` flags must all be read by `method` (ValueError naming them)."""
-    ignored = [name for name in UNREAD_BY.get(method, ()) if name in given]
+def _refuse_ignored(names, given: list[str], why: str) -> None:
+    """ValueError naming the flags of `names` among the explicitly `given` ones, which would
+    be ignored `why` ("them" in it becomes "it" for one flag)."""
+    ignored = [name for name in names if name in given]
     if ignored:
         flags_ = ", ".join(f"--{n}" for n in ignored)
-        raise ValueError(f"{flags_} would be ignored with --method={method}: it does not read "
-                         f"{'them' if len(ignored) > 1 else 'it'}")  # fmt: skip
+        why = why if len(ignored) > 1 else why.replace("them", "it")
+        raise ValueError(f"{flags_} would be ignored {why}")
+
+
+def check_method_flags(method: str, given: list[str]) -> None:
+    """The explicitly `given` flags must all be read by `method` (ValueError naming them)."""
+    _refuse_ignored(
+        UNREAD_BY.get(method, ()), given, f"with --method={method}: it does not read them"
+    )
 
 
 # SimParams fields a method does not read with --fault_spec, where each learner is one unit
@@ -104,25 +112,17 @@ def check_fault_spec_flags(given: list[str], method: str = "dp", unit: str = "se
     """With --fault_spec, the explicitly `given` flags must not include CHIP_MTBF_ONLY ones,
     nor what `method` does not read with a schedule (`UNREAD_WITH_SPEC`; `unit`: the
     spec's)."""
-    ignored = [name for name in CHIP_MTBF_ONLY if name in given]
-    if ignored:
-        flags_ = ", ".join(f"--{n}" for n in ignored)
-        raise ValueError(
-            f"{flags_} would be ignored with --fault_spec: the fault schedule replaces the "
-            'chip-MTBF model (set "seed", speeds and crashes in the spec instead)'
-        )
+    chip_mtbf = ('with --fault_spec: the fault schedule replaces the chip-MTBF model (set '
+                 '"seed", speeds and crashes in the spec instead)')  # fmt: skip
+    _refuse_ignored(CHIP_MTBF_ONLY, given, chip_mtbf)
     unread = list(UNREAD_WITH_SPEC[method])
     if method == "decoupled" and unit != "steps":
         unread.append("step_s")
-    ignored = [name for name in unread if name in given]
-    if ignored:
-        flags_ = ", ".join(f"--{n}" for n in ignored)
-        raise ValueError(
-            f"{flags_} would be ignored with --fault_spec and --method={method}: each "
-            "learner is one unit, down from its crash to its restart in the schedule "
-            '("restart_delay_s"), then --restore_s'
-            + ("; no other learner stops for it" if method == "decoupled" else "")
-        )
+    alone = "; no other learner stops for it" if method == "decoupled" else ""
+    one_unit = (f"with --fault_spec and --method={method}: each learner is one unit, down from "
+                f'its crash to its restart in the schedule ("restart_delay_s"), then '
+                f"--restore_s{alone}")  # fmt: skip
+    _refuse_ignored(unread, given, one_unit)
 
 
 def load_fault_spec(text: str) -> faults.FaultSpec:
