@@ -361,6 +361,65 @@ def test_path_source_reads_json_lines_and_gzip(tmp_path):
     assert docs[3].text == "plain text, compressed\n" * 40 and docs[4].text == "zipped"
 
 
+def test_json_files_of_records_and_any_suffix_case_are_read_as_records(tmp_path):
+    """Exports name JSON Lines files `.json` (Hugging Face), or write an array of records;
+    suffixes come in capitals too. Each was trained on as raw JSON (keys, quotes and "\\n"
+    escapes), one document per file (a review found it). Another .json file (a config) is
+    still text."""
+    root = tmp_path / "c"
+    root.mkdir()
+    rec = [{"text": f"line one.\nline two of doc {i}", "id": i} for i in range(3)]
+    (root / "a.json").write_text("\n".join(json.dumps(r) for r in rec) + "\n")
+    (root / "b.json").write_text(json.dumps(rec[:2], indent=1))
+    (root / "C.JSONL.GZ").write_bytes(gzip.compress(json.dumps(rec[2]).encode()))
+    (root / "package.json").write_text('{\n "name": "x",\n "version": "1"\n}\n')
+    (root / "list.json").write_text("[1, 2, 3]")
+    docs = sources.read_documents(sources.path_files(str(root)))
+    names = ["C.JSONL.GZ:1", "a.json:1", "a.json:2", "a.json:3", "b.json:1", "b.json:2"]
+    assert [d.name for d in docs] == names + ["list.json", "package.json"]
+    assert [d.text for d in docs[:6]] == [rec[2]["text"]] + [r["text"] for r in rec + rec[:2]]
+    assert docs[7].text.startswith('{\n "name"')
+    # The byte cap ends an array inside an object: the whole ones are kept.
+    cut = sources.read_documents([("b.json", root / "b.json")], max_bytes=60)
+    assert [d.name for d in cut] == ["b.json:1"]
+    (root / "bad.json").write_text('[{"text": "a"}, {"content": "b"}]')
+    with pytest.raises(ValueError, match=r'bad.json, element 2: .*"text" .*\[\'content\'\]'):
+        sources.read_documents([("bad.json", root / "bad.json")])
+
+
+def test_a_damaged_gzip_file_is_skipped_or_named_never_a_traceback(tmp_path):
+    """zlib's own error (a damaged deflate stream) is no OSError: it escaped the sniff, and
+    past the sniff's first bytes the read, as a traceback (a review found it)."""
+    root = tmp_path / "c"
+    _write_corpus(root, num_files=2)
+    early = bytearray(gzip.compress(b"hello world line\n" * 20000))
+    early[20] ^= 0xFF
+    (root / "early.txt.gz").write_bytes(bytes(early))
+    assert "early.txt.gz" not in [n for n, _ in sources.path_files(str(root))]  # skipped
+    with pytest.raises(ValueError, match="is a binary file .* or not a readable gzip file"):
+        sources.path_files(str(root / "early.txt.gz"))
+    data = os.urandom(200_000)  # damage past the 8 KB the sniff reads
+    late = bytearray(gzip.compress(b"text line\n" * 2000 + data.hex().encode()))
+    late[len(late) // 2] ^= 0xFF
+    (root / "late.txt.gz").write_bytes(bytes(late))
+    with pytest.raises(ValueError, match="cannot read corpus file .*late.txt.gz"):
+        sources.read_documents([("late.txt.gz", root / "late.txt.gz")])
+
+
+def test_a_glob_over_two_link_loops_ends(tmp_path):
+    """Python's glob follows a `**` round a folder link loop until the OS refuses the path
+    (~40 links); with two loops in the tree that is 2**40 paths (a review's run hung)."""
+    root = tmp_path / "g"
+    for sub in ("a", "b", "c/d"):
+        (root / sub).mkdir(parents=True)
+    (root / "f.txt").write_text("top " * 20)
+    (root / "c" / "d" / "g.txt").write_text("deep " * 20)
+    (root / "a" / "l").symlink_to("..")
+    (root / "b" / "l").symlink_to("..")
+    assert [n for n, _ in sources.path_files(str(root / "**" / "*.txt"))] == ["c/d/g.txt", "f.txt"]
+    assert [n for n, _ in sources.path_files(str(root / "c" / "**" / "g.txt"))] == ["d/g.txt"]
+
+
 @pytest.mark.parametrize(
     "line, match",
     [

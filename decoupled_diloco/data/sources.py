@@ -7,6 +7,7 @@ into training.
 
 import codecs
 import dataclasses
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -19,6 +20,7 @@ import re
 import site
 import stat
 import sysconfig
+import zlib
 
 from absl import logging
 from etils import epath
@@ -117,7 +119,7 @@ def path_files(path: str) -> list[tuple[str, epath.Path]]:
                 "link): a corpus is read twice (sniffed, then read), so write it to a file"
             )
         if not _is_text(root):
-            gz = " or not a readable gzip file" if str(root).endswith(".gz") else ""
+            gz = " or not a readable gzip file" if _gzipped(str(root)) else ""
             raise ValueError(
                 f"data.path={path!r}: {root} is a binary file (a NUL byte in its first "
                 f"{_BINARY_SNIFF_BYTES} bytes){gz}, not a text corpus"
@@ -215,9 +217,18 @@ def _glob_root(pattern: str) -> str:
 
 
 def _glob(pattern: str) -> list[str]:
-    """Sorted matches of a (clean) glob pattern (`**` spans folders), local or remote."""
+    """Sorted matches of a (clean) glob pattern (`**` spans folders), local or remote. A
+    local `**` walks the folders below the pattern's root as a folder corpus does
+    (`_files_below`: symlinked folders followed, a loop not gone round): Python's glob
+    follows a loop until the OS refuses a path (~40 links deep), and two loops in a tree
+    made that 2**40 paths (a hang)."""
     if not paths.is_remote(pattern):
-        return sorted(glob.glob(pattern, recursive=True))
+        if "**" not in pattern:
+            return sorted(glob.glob(pattern))
+        base = _glob_root(pattern)
+        parts = pattern[len(base) :].split("/")
+        below = _files_below(paths.resolve(base or ".")) if os.path.isdir(base or ".") else []
+        return sorted(base + rel for rel, _ in below if _glob_matches(rel.split("/"), parts))
     import fsspec
 
     scheme = pattern.split("://", 1)[0]
@@ -225,16 +236,30 @@ def _glob(pattern: str) -> list[str]:
     return sorted(f"{scheme}://{m}" for m in fs.glob(pattern))
 
 
+def _glob_matches(names: list[str], parts: list[str]) -> bool:
+    """Whether a relative path's names match a glob's parts: "**" any number of names
+    (none included), each other part one name (fnmatch, case-sensitive as glob is here)."""
+    if not parts:
+        return not names
+    if parts[0] == "**":
+        return any(_glob_matches(names[i:], parts[1:]) for i in range(len(names) + 1))
+    return (
+        bool(names)
+        and fnmatch.fnmatchcase(names[0], parts[0])
+        and _glob_matches(names[1:], parts[1:])
+    )
+
+
 def _is_text(path) -> bool:
     # A NUL byte near the start is the usual sign of a binary file (a .gz file's contents).
     try:
         with paths.resolve(path).open("rb") as f:
-            if str(path).endswith(".gz"):
+            if _gzipped(str(path)):
                 with gzip.GzipFile(fileobj=f) as g:
                     return b"\0" not in g.read(_BINARY_SNIFF_BYTES)
             return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
-    except (OSError, EOFError) as e:  # gzip's errors are OSErrors too: not a text corpus
-        if isinstance(e, gzip.BadGzipFile | EOFError):
+    except (OSError, EOFError, zlib.error) as e:  # a damaged .gz file: not a text corpus
+        if isinstance(e, gzip.BadGzipFile | EOFError | zlib.error):
             return False
         raise ValueError(f"data.path: cannot read {path}: {e.strerror or e}") from e
 
@@ -254,22 +279,24 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
     """Reads files as utf-8 (bad bytes replaced; `.gz` files decompressed); with
     max_bytes > 0 stops after that many bytes, cutting the last document, so a truncated
     corpus is a prefix of the full one. A JSON Lines file (`.jsonl`, `.jsonl.gz`) holds one
-    document per line, its "text" field, named `<file>:<line>`."""
+    document per line, its "text" field, named `<file>:<line>`; so does a `.json` file of
+    such lines, and one of an array of such objects (`_json_records`)."""
     docs, total, invalid, nul = [], 0, [], []
     for name, path in files:
         try:
             data = path.read_bytes()
-            if name.endswith(".gz"):
+            if _gzipped(name):
                 data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, zlib.error) as e:  # (zlib: damaged past the sniff)
             raise ValueError(f"cannot read corpus file {path}: {e}") from e
         cut = bool(max_bytes) and len(data) > max_bytes - total  # the cap ends this file
         if cut:
             data = data[: max_bytes - total]
         text, bad = _decode(data, cut)
         first = len(docs)
-        if name.removesuffix(".gz").endswith(".jsonl"):
-            lines, lone = _json_lines(name, text, cut)
+        records = _json_records(name, text, cut)
+        if records is not None:
+            lines, lone = records
             docs += lines
             bad += lone
         else:  # (a byte order mark at the start is not text)
@@ -309,6 +336,63 @@ def _decode(data: bytes, cut: bool) -> tuple[str, int]:
         return text, bad
     tail = decoder.decode(b"", final=True)  # "" or an unfinished last character as U+FFFD
     return text + tail, bad + len(tail)
+
+
+def _gzipped(name: str) -> bool:
+    return name.lower().endswith(".gz")
+
+
+def _json_records(name: str, text: str, cut: bool) -> tuple[list[Document], int] | None:
+    """The documents of a JSON corpus file and its lone surrogates (`_json_lines`), None
+    for a text file: a `.jsonl` file, or a `.json` one that holds JSON Lines (its first line
+    an object with a string "text", as many exports name them) or an array of such objects;
+    any other `.json` file (a config, a manifest) is text. Suffixes in any case, `.gz` or
+    not."""
+    kind = name.lower().removesuffix(".gz").rpartition(".")[2]
+    if kind == "jsonl":
+        return _json_lines(name, text, cut)
+    if kind != "json":
+        return None
+    body = text.removeprefix("\ufeff").lstrip()
+    if body.startswith("["):
+        return _json_array(name, body, cut)
+    first = body.split("\n", 1)[0]
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return _json_lines(name, text, cut)
+    return None
+
+
+def _json_array(name: str, body: str, cut: bool) -> tuple[list[Document], int] | None:
+    """A `.json` file holding an array of objects with a string "text" (each one document,
+    named `<file>:<index>`, from 1), None if it is another array; `cut`: the byte cap ended
+    the file, so the objects it kept whole are read and the rest dropped."""
+    decoder, out, lone, i = json.JSONDecoder(), [], 0, 1
+    while True:
+        i = len(body) - len(body[i:].lstrip(" \t\r\n,"))  # past "[" or the last "," + space
+        if i >= len(body) or body[i] == "]":
+            break
+        try:
+            record, end = decoder.raw_decode(body, i)
+        except json.JSONDecodeError as e:
+            if cut:
+                break  # the cap cut this object
+            raise ValueError(f"corpus file {name}: not a JSON array ({e.msg})") from e
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            if not out:
+                return None  # an array of something else: text
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f"corpus file {name}, element {len(out) + 1}: a JSON array corpus needs a "
+                f'string "text" in every element, got {keys}'
+            )
+        text, n = _LONE_SURROGATE.subn("\ufffd", record["text"])
+        out.append(Document(f"{name}:{len(out) + 1}", text))
+        lone, i = lone + n, end
+    return out, lone
 
 
 def _json_lines(name: str, text: str, cut: bool) -> tuple[list[Document], int]:
