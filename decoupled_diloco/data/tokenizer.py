@@ -22,6 +22,7 @@ _SPM_RECIPE = "bpe-identity-bytefallback-v2"
 # longer lines are cut into pieces of at most this many bytes (`_training_lines`).
 _SPM_MAX_LINE_BYTES = 1 << 14
 _LINES_PER_CALL = 4096  # lines one encode call takes (`SentencePieceTokenizer.encode`)
+_MARK = "\u2581"  # sentencepiece's whitespace mark ("▁")
 
 
 class Tokenizer(Protocol):
@@ -70,16 +71,31 @@ class SentencePieceTokenizer:
         # gives the same ids as encoding the whole text, ~1.5x faster (BPE cost grows with
         # the length of each encoded string).
         self._newline_id = self._sp.piece_to_id("\n") if _newline_is_a_piece(model_proto) else None
+        # A literal U+2581 is sentencepiece's own whitespace mark: encoded as text it came
+        # back a space. It is encoded as its UTF-8 bytes' fallback pieces instead (decoded
+        # as the character); a model without byte pieces keeps sentencepiece's reading.
+        marks = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _MARK.encode()]
+        self._mark_ids = marks if self._sp.unk_id() not in marks else None
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        out = self._sp.encode(texts)
+        for i, text in enumerate(texts):
+            if self._mark_ids is not None and _MARK in text:
+                parts = self._sp.encode(text.split(_MARK))
+                out[i] = [*parts[0]]
+                for part in parts[1:]:
+                    out[i] += self._mark_ids + part
+        return out
 
     def encode(self, text: str) -> np.ndarray:
         if self._newline_id is None:
-            return np.asarray(self._sp.encode(text), dtype=np.int32)
+            return np.asarray(self._encode([text])[0], dtype=np.int32)
         # sentencepiece answers with Python lists (~36 bytes per id): a few thousand lines
         # at a time, so a huge document does not hold all of its ids as a list at once.
         lines, chunks = text.split("\n"), []
         for start in range(0, len(lines), _LINES_PER_CALL):
             ids = []
-            for i, line_ids in enumerate(self._sp.encode(lines[start : start + _LINES_PER_CALL])):
+            for i, line_ids in enumerate(self._encode(lines[start : start + _LINES_PER_CALL])):
                 if i or start:
                     ids.append(self._newline_id)
                 ids += line_ids
