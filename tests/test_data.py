@@ -1,5 +1,6 @@
 """Tests of decoupled_diloco.data: tokenizers, sources, hold-out, sharding, determinism, resume."""
 
+import codecs
 import dataclasses
 import gzip
 import hashlib
@@ -407,6 +408,21 @@ def test_a_damaged_gzip_file_is_skipped_or_named_never_a_traceback(tmp_path):
     (root / "late.txt.gz").write_bytes(bytes(late))
     with pytest.raises(ValueError, match="cannot read corpus file .*late.txt.gz"):
         sources.read_documents([("late.txt.gz", root / "late.txt.gz")])
+
+
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-be", "utf-32"])
+def test_utf16_and_utf32_text_with_a_byte_order_mark_is_text(tmp_path, codec):
+    """Windows tools write UTF-16 with a byte order mark: its NUL bytes made it "binary",
+    refused named alone and skipped in a folder (a review found it)."""
+    text = "Grüße, 漢字 and plain ASCII words.\r\n" * 30
+    data = text.encode(codec)
+    if not data.startswith((codecs.BOM_UTF16_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF32_LE)):
+        data = codecs.BOM_UTF16_BE + data  # (the "-be" codec writes no mark)
+    (tmp_path / "win.txt").write_bytes(data)
+    (tmp_path / "bin.dat").write_bytes(b"\xff\xfe\x00\x00" + b"\x00" * 64)  # NULs as text
+    assert [n for n, _ in sources.path_files(str(tmp_path))] == ["win.txt"]
+    (doc,) = sources.read_documents(sources.path_files(str(tmp_path / "win.txt")))
+    assert doc.text == text
 
 
 def test_a_glob_over_two_link_loops_ends(tmp_path):

@@ -256,8 +256,13 @@ def _is_text(path) -> bool:
         with paths.resolve(path).open("rb") as f:
             if _gzipped(str(path)):
                 with gzip.GzipFile(fileobj=f) as g:
-                    return b"\0" not in g.read(_BINARY_SNIFF_BYTES)
-            return b"\0" not in f.read(_BINARY_SNIFF_BYTES)
+                    head = g.read(_BINARY_SNIFF_BYTES)
+            else:
+                head = f.read(_BINARY_SNIFF_BYTES)
+            codec = _unicode_bom(head)
+            if codec is not None:  # UTF-16 / 32: NUL bytes in every ASCII character
+                return "\0" not in head.decode(codec, errors="replace")
+            return b"\0" not in head
     except (OSError, EOFError, zlib.error) as e:  # a damaged .gz file: not a text corpus
         if isinstance(e, gzip.BadGzipFile | EOFError | zlib.error):
             return False
@@ -326,12 +331,26 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
     return docs
 
 
+def _unicode_bom(data: bytes) -> str | None:
+    """The codec of a UTF-16 / UTF-32 file its byte order mark names (None: UTF-8)."""
+    if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        return "utf-32"
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "utf-16"
+    return None
+
+
 def _decode(data: bytes, cut: bool) -> tuple[str, int]:
-    """(data as UTF-8 text, how many invalid sequences it held, each read as U+FFFD). With
-    `cut` (the byte cap ended the file) a character the cut split is not counted."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    """(data as text, how many invalid sequences it held, each read as U+FFFD): UTF-8, or
+    UTF-16 / UTF-32 after their byte order mark (Windows tools write them). With `cut` (the
+    byte cap ended the file) a character the cut split is not counted."""
+    codec = _unicode_bom(data) or "utf-8"
+    decoder = codecs.getincrementaldecoder(codec)(errors="replace")
     text = decoder.decode(data)  # an unfinished character at the end is held back
-    bad = text.count("\ufffd") - data.count("\ufffd".encode())  # (U+FFFDs in the file itself)
+    # U+FFFDs in a UTF-8 file itself are no invalid sequences (a UTF-16/32 file's are
+    # counted with them)
+    own = data.count("\ufffd".encode()) if codec == "utf-8" else 0
+    bad = text.count("\ufffd") - own
     if cut:  # a character the cut split is left out: the text is a prefix of the whole
         return text, bad
     tail = decoder.decode(b"", final=True)  # "" or an unfinished last character as U+FFFD
