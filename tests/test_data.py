@@ -425,6 +425,19 @@ def test_utf16_and_utf32_text_with_a_byte_order_mark_is_text(tmp_path, codec):
     assert doc.text == text
 
 
+def test_a_file_of_mostly_invalid_utf8_is_binary_though_it_has_no_nul(tmp_path):
+    """A PDF's compressed streams or a small image need not hold a NUL byte in their first
+    8 KB: they were trained on as U+FFFD noise with only an encoding warning."""
+    rng = random.Random(0)
+    noise = bytes(rng.randrange(128, 256) for _ in range(3000))  # no NUL, rarely UTF-8
+    (tmp_path / "doc.pdf").write_bytes(b"%PDF-1.7\n" + noise)
+    (tmp_path / "latin1.txt").write_bytes("Der Bär aß Äpfel über Nacht. ".encode("latin-1") * 40)
+    (tmp_path / "fffd.txt").write_text("\ufffd" * 500 + " kept")  # U+FFFD itself is text
+    assert [n for n, _ in sources.path_files(str(tmp_path))] == ["fffd.txt", "latin1.txt"]
+    with pytest.raises(ValueError, match="is a binary file .a NUL byte, or over 25% invalid"):
+        sources.path_files(str(tmp_path / "doc.pdf"))
+
+
 def test_a_glob_over_two_link_loops_ends(tmp_path):
     """Python's glob follows a `**` round a folder link loop until the OS refuses the path
     (~40 links); with two loops in the tree that is 2**40 paths (a review's run hung)."""

