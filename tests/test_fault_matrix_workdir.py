@@ -716,7 +716,7 @@ def test_a_stop_request_reaches_a_learner_out_of_the_membership(small_config, tm
             time.sleep(0.1)
         seen = rt.loops[1]._stop_requested
     finally:  # end the run (a failed test's run, left going, slowed every later test)
-        for inbox in rt.learner_inboxes:
+        for inbox in rt.learner_inboxes.values():
             inbox.put(StopRequest())
         thread.join(120)
     assert seen and rt.loops[1].interrupted
