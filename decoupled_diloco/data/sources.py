@@ -398,7 +398,7 @@ def _json_array(name: str, body: str, cut: bool) -> tuple[list[Document], int] |
     the file, so the objects it kept whole are read and the rest dropped."""
     decoder, out, lone, i = json.JSONDecoder(), [], 0, 1
     while True:
-        i = len(body) - len(body[i:].lstrip(" \t\r\n,"))  # past "[" or the last "," + space
+        i = _BETWEEN_ELEMENTS.match(body, i).end()  # past "[", or the last "," and spaces
         if i >= len(body) or body[i] == "]":
             break
         try:
@@ -458,6 +458,7 @@ def _whole_record(line: str) -> bool:
         return False
 
 
+_BETWEEN_ELEMENTS = re.compile(r"[ \t\r\n,]*")
 # json.loads joins an escaped surrogate pair into one character: any surrogate left is alone.
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
