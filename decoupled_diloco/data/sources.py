@@ -407,15 +407,10 @@ def _json_array(name: str, body: str, cut: bool) -> tuple[list[Document], int] |
             if cut:
                 break  # the cap cut this object
             raise ValueError(f"corpus file {name}: not a JSON array ({e.msg})") from e
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            if not out:
-                return None  # an array of something else: text
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(
-                f"corpus file {name}, element {len(out) + 1}: a JSON array corpus needs a "
-                f'string "text" in every element, got {keys}'
-            )
-        text, n = _LONE_SURROGATE.subn("\ufffd", record["text"])
+        if not out and not (isinstance(record, dict) and isinstance(record.get("text"), str)):
+            return None  # an array of something else: text
+        where = f"corpus file {name}, element {len(out) + 1}: a JSON array corpus"
+        text, n = _record_text(record, where)
         out.append(Document(f"{name}:{len(out) + 1}", text))
         lone, i = lone + n, end
     return out, lone
@@ -439,16 +434,20 @@ def _json_lines(name: str, text: str, cut: bool) -> tuple[list[Document], int]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"corpus file {name}, line {i}: not JSON ({e.msg})") from e
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(
-                f'corpus file {name}, line {i}: a JSON Lines corpus needs a string "text" '
-                f"field on every line, got {keys}"
-            )
-        line_text, n = _LONE_SURROGATE.subn("\ufffd", record["text"])
+        line_text, n = _record_text(record, f"corpus file {name}, line {i}: a JSON Lines corpus")
         out.append(Document(f"{name}:{i}", line_text))
         lone += n
     return out, lone
+
+
+def _record_text(record, where: str) -> tuple[str, int]:
+    """A JSON record's "text", lone surrogates ("\\ud800" escapes, which JSON allows and
+    UTF-8 cannot hold) read as U+FFFD, and how many it had; a ValueError naming `where`
+    when the record has no string "text"."""
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f'{where} needs a string "text" field in every record, got {keys}')
+    return _LONE_SURROGATE.subn("\ufffd", record["text"])
 
 
 def _whole_record(line: str) -> bool:
