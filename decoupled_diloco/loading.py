@@ -42,10 +42,31 @@ class Model:
     params: dict[str, np.ndarray]
     source: str  # where the params came from, e.g. "syncer checkpoints #12 (learner step 300)"
     step: int | None = None  # the learner step they hold (None: an export that did not say)
+    # (the arrays of `params` that `device_params` copied, and their device copy)
+    _on_device: tuple | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def nested(self) -> dict:
         """The params as the model's nested dict (`models.forward` takes it)."""
         return models.unflatten_params(self.params)
+
+    def device_params(self) -> dict:
+        """The nested params on the default device: copied there once and kept while
+        `params` holds the same arrays, so repeated `forward` calls do not move every
+        parameter again (seconds per call for a 2B model). The copied arrays are made
+        read-only; to change the model, assign a new array to a key of `params` (the next
+        call copies again)."""
+        held = self._on_device[0] if self._on_device is not None else {}
+        if held.keys() != self.params.keys() or any(
+            held[k] is not v for k, v in self.params.items()
+        ):
+            for v in self.params.values():
+                if isinstance(v, np.ndarray):
+                    v.flags.writeable = False  # an in-place edit would leave the copy stale
+            self._on_device = None  # (the old copy's device memory goes first)
+            self._on_device = (dict(self.params), jax.device_put(self.nested()))
+        return self._on_device[1]
 
     def forward(self, tokens_BT) -> tuple[jax.Array, dict]:
         """logits_BTV (float32) and aux of the model on int tokens [B, T] (any array-like)."""
@@ -69,7 +90,7 @@ class Model:
                 f"token ids must lie in [0, {vocab}) (the model's vocabulary), got "
                 f"{ids.min()}..{ids.max()}"
             )
-        return _forward(self.config.model, self.nested(), jnp.asarray(ids, jnp.int32))
+        return _forward(self.config.model, self.device_params(), jnp.asarray(ids, jnp.int32))
 
 
 _forward = jax.jit(models.forward, static_argnums=0)

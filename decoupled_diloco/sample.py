@@ -71,7 +71,7 @@ def sample(
         )  # fmt: skip
     out = generate(
         model.config.model,
-        model.nested(),
+        model.device_params(),
         ids,
         max_new_tokens,
         temperature,

@@ -75,6 +75,28 @@ def test_load_then_evaluate_gives_the_runs_own_final_eval_loss(runs, name):
     assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-6, abs=1e-6)
 
 
+def test_forward_copies_the_params_to_the_device_once_and_again_after_a_change(runs):
+    """Each call copied every parameter to the device (seconds for a 2B model); the copy is
+    now kept while `params` holds the same arrays, and an edit cannot leave it stale."""
+    workdir, _ = runs["dp"]
+    model = decoupled_diloco.load(str(workdir))
+    ids = [model.tokenizer.encode("def f(x):")]
+    first, _ = model.forward(ids)
+    on_device = model.device_params()
+    model.forward(ids)
+    assert model.device_params() is on_device  # not copied again
+    name = next(k for k in model.params if "embed" in k)
+    model.params[name] = model.params[name] * 0.5  # a new array: copied again
+    halved, _ = model.forward(ids)
+    assert model.device_params() is not on_device
+    with pytest.raises(ValueError, match="read-only"):
+        model.params[name][0, 0] = 1.0  # in place: the device copy would not see it
+    assert not np.allclose(np.asarray(halved), np.asarray(first))
+    fresh = decoupled_diloco.load(str(workdir))
+    fresh.params[name] = fresh.params[name] * 0.5
+    np.testing.assert_allclose(np.asarray(halved), np.asarray(fresh.forward(ids)[0]), rtol=1e-6)
+
+
 def test_evaluate_refuses_a_count_of_eval_batches_below_one(runs):
     workdir, _ = runs["dp"]
     for bad in (0, -1):  # -1 gave a loss of nan, 0 the run's own count
