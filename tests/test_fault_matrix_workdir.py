@@ -48,7 +48,8 @@ def _halted(cfg, wd, after):
         rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after,
                           fault_offset_s=attempt.fault_offset,
                           fault_steps=attempt.fault_steps_checked)  # fmt: skip
-        attempt.watch(workdir.counters_of(rt.log.ledger), rt.fault_clock, rt.schedule.steps_checked)
+        attempt.watch(workdir.counters_of(rt.log.ledger, rt.bytes_communicated), rt.fault_clock,
+                      rt.schedule.steps_checked)  # fmt: skip
         assert rt.run() is None
         attempt.stop()  # what its last heartbeat would have written
 
@@ -438,6 +439,26 @@ def test_summary_adds_up_every_attempt(small_config, tmp_path):
     again = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
     assert again == json.loads((tmp_path / "summary.json").read_text())
     assert again["attempts"] == 2
+
+
+@pytest.mark.slow
+def test_bytes_communicated_count_every_syncer_life_and_every_attempt(small_config, tmp_path):
+    """The summary counted only the last attempt's traffic, and of that only the syncer's
+    last life (a syncer restore started its count again): a killed attempt with a syncer
+    crash, then a resume with another, reported a fraction of what went over the links."""
+    cfg = small_config(**{"train.steps": 16, **DECOUPLED, "faults.unit": "steps",
+                          "faults.syncer_crashes": [4, 12],
+                          "faults.syncer_restart_delay_s": 0.2})  # fmt: skip
+    _halted(cfg, tmp_path, after=9)
+    assert _read(tmp_path / "attempts.jsonl")[0]["own"]["bytes_communicated"] > 0
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    events = _read(tmp_path / "events.jsonl")
+    assert sum(e["event"] == "syncer_crash" for e in events) == 2  # one in each attempt
+    # Every merge of every life and attempt moved its offers in and its replies out.
+    merges = _read(tmp_path / "merges.jsonl")
+    merged = sum(r["bytes_in"] + r["bytes_out"] for r in merges if r.get("event") == "merge")
+    assert summary["bytes_communicated"] >= merged > summary["this_attempt"]["bytes_communicated"]
+    assert summary["bytes_per_token"] == summary["bytes_communicated"] / summary["tokens"]
 
 
 @pytest.mark.slow

@@ -68,8 +68,10 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
                   flush=True)  # fmt: skip
         try:
             runtime = _runtime(cfg, workdir, verbose, ckpt_dir, attempt)
-            attempt.watch(workdir_lib.counters_of(runtime.log.ledger), runtime.fault_clock,
-                          runtime.schedule.steps_checked)  # fmt: skip
+            # (Ray's driver learns its syncers' traffic at the end of the run only)
+            traffic = getattr(runtime, "bytes_communicated", None)
+            attempt.watch(workdir_lib.counters_of(runtime.log.ledger, traffic),
+                          runtime.fault_clock, runtime.schedule.steps_checked)  # fmt: skip
             summary = attempt.finish(runtime.run())
         except RunInterruptedError as e:
             # A stop the user asked for, every learner's work saved: not a failure.

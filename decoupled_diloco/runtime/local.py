@@ -114,6 +114,7 @@ class LocalRuntime:
         self.interrupted = False  # Ctrl-C: learners saved their work, no summary
         self.t0 = 0.0
         self.syncer_links: list[LocalSyncerLink] = []
+        self.syncers: list = []  # the shards' SyncerLoops (SyncerProcesses), built by `run`
         self.threads: list[threading.Thread] = []  # the run's learner and syncer threads
         self.ckpt_dir = paths.resolve(ckpt_dir or f"{workdir}/checkpoints")
 
@@ -440,6 +441,10 @@ class LocalRuntime:
                 return None
             out.update(part)
         return join_members(out)  # whole leaves from fragment members
+
+    def bytes_communicated(self) -> int:
+        """Bytes the syncer shards received and sent so far in this attempt."""
+        return sum(loop.bytes_communicated() for loop in self.syncers)
 
     def total_tokens(self) -> int:
         return sum(loop.step * loop.tokens_per_step for loop in self.loops)

@@ -79,7 +79,11 @@ class SyncerLoop:
         self._saver: threading.Thread | None = None  # the checkpoint being written, if any
         self._saver_error: BaseException | None = None
         self._save_times: list[float] = []  # seconds of the last two saves holding merges
-        self.syncer: Syncer | None = self._restore(after_failure=restarted)
+        # Bytes the ended lives of this loop's syncer received and sent (a life's count dies
+        # with it; the checkpoint does not keep it: the traffic after the save happened too).
+        self._past_traffic = {"bytes_in": 0, "bytes_out": 0}
+        self.syncer: Syncer | None = None
+        self.syncer = self._restore(after_failure=restarted)
         self.restarted = restarted
 
     # --- the loop ---------------------------------------------------------------------
@@ -151,6 +155,9 @@ class SyncerLoop:
 
     def _set(self, syncer: Syncer | None) -> None:
         with self.lock:
+            if self.syncer is not None:  # a life ends: its traffic stays counted
+                for k in self._past_traffic:
+                    self._past_traffic[k] += self.syncer.stats[k]
             self.syncer = syncer
 
     def _announce(self) -> None:
@@ -175,11 +182,23 @@ class SyncerLoop:
 
     def stats(self) -> dict:
         """The syncer's counters, and `held_merges`: the merges its Θ holds (one version
-        each; a restore re-creates the numbers it lost), over every attempt of the run."""
+        each; a restore re-creates the numbers it lost), over every attempt of the run;
+        `bytes_in` / `bytes_out` over every life of this loop (this attempt's traffic)."""
         with self.lock:
             if self.syncer is None:
                 return {}
-            return {**self.syncer.stats, "held_merges": sum(self.syncer.version.values())}
+            return {**self.syncer.stats, **self._traffic(),
+                    "held_merges": sum(self.syncer.version.values())}  # fmt: skip
+
+    def bytes_communicated(self) -> int:
+        """Bytes received and sent by every life of this loop's syncer so far (also while it
+        is down)."""
+        with self.lock:
+            return sum(self._traffic().values())
+
+    def _traffic(self) -> dict:
+        now = self.syncer.stats if self.syncer is not None else {}
+        return {k: n + now.get(k, 0) for k, n in self._past_traffic.items()}
 
     def close(self) -> None:
         """After `run`: releases the checkpointer."""

@@ -191,6 +191,11 @@ class SyncerProcess:
     def stats(self) -> dict:
         return {} if self._final is None else dict(self._final["stats"])
 
+    def bytes_communicated(self) -> int:
+        """The child's traffic, known from its last words (0 before: its loop counts it)."""
+        stats = self.stats()
+        return stats.get("bytes_in", 0) + stats.get("bytes_out", 0)
+
     def close(self) -> None:
         """Ends the process if it still runs, then closes the wire (idempotent). The
         segments of a child that did not end cleanly are unlinked here: its own cleanup never

@@ -77,7 +77,7 @@ FREE_TO_CHANGE = frozenset(
 FREE_WITH_CORPUS_RECORD = frozenset({"data.path", "data.tfds_data_dir", "data.cache_dir"})
 # Counters a resumed run adds up over its attempts (each process counts its own).
 ACCUMULATED = ("wall_seconds", "failures", "restarts", "resume_lost_steps", "crash_lost_steps",
-               "rejected_offers", "dropped_offers")  # fmt: skip
+               "rejected_offers", "dropped_offers", "bytes_communicated")  # fmt: skip
 
 
 def config_changes(workdir: str, cfg: RunConfig) -> list[str]:
@@ -248,11 +248,21 @@ def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
 
 
-def counters_of(ledger):
+def counters_of(ledger, bytes_communicated=None):
     """What an attempt's heartbeat records of a run's ledger (`Attempt.watch`): every
     counter summed over attempts (`ACCUMULATED`; wall time is the attempt's own clock), so
-    a killed attempt's failures and lost steps count in the run's summary."""
-    return lambda: {k: getattr(ledger, k) for k in ACCUMULATED if k != "wall_seconds"}
+    a killed attempt's failures, lost steps and traffic count in the run's summary.
+    `bytes_communicated()`: the attempt's syncer traffic so far (None: not known before the
+    attempt's end, Ray's driver)."""
+    kept = [k for k in ACCUMULATED if k not in ("wall_seconds", "bytes_communicated")]
+
+    def counters() -> dict:
+        out = {k: getattr(ledger, k) for k in kept}
+        if bytes_communicated is not None:
+            out["bytes_communicated"] = bytes_communicated()
+        return out
+
+    return counters
 
 
 def previous_attempts(workdir: str) -> list[dict]:
@@ -358,6 +368,8 @@ class Attempt:
         total["stopped_attempts"] = stopped
         total["failures"] = total.get("failures", 0) + interrupted
         total["this_attempt"] = own
+        if "bytes_per_token" in total:  # (traffic and tokens, both of the whole run now)
+            total["bytes_per_token"] = total["bytes_communicated"] / max(total["tokens"], 1)
         if summary.get("attempt_learner_steps") == 0:
             # A resume with nothing left to train (its learners had finished): the run's
             # goodput and uptime are those a Ctrl-C recorded for the last attempt it stopped.
