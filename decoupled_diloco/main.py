@@ -80,7 +80,8 @@ def main(argv) -> None:
     except (FatalRunError, ValueError, WorkdirBusyError, launch.ModelNotFiniteError) as e:
         sys.exit(f"error: {e}")  # bad data or run files; a workdir of another run or in use
     except RunInterruptedError as e:
-        print(f"{e}: learners and syncer saved; the same command resumes", file=sys.stderr)
+        saved = "learners and syncer" if run.uses_syncer else "the learners"
+        print(f"{e}: {saved} saved; the same command resumes", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:
         # A second Ctrl-C (or one before training began): stop at once. Not through the

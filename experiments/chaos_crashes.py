@@ -21,6 +21,7 @@ Run directories (metrics.jsonl, merges.jsonl, events.jsonl) go to --workdir/<arm
 
 import importlib.util
 import json
+import math
 import pathlib
 import shutil
 import threading
@@ -131,6 +132,10 @@ def loss_at(curve: list[tuple[float, float]], t: float) -> float:
     return before[-1] if before else float("nan")
 
 
+def _loss_cell(loss: float) -> str:
+    return f"{loss:.3f}" if math.isfinite(loss) else "- (no evaluation yet)"
+
+
 def markdown(results: dict, quick: bool, budget_s: float) -> str:
     t_eq = min(r["summary"]["wall_seconds"] for r in results.values())
     out = [
@@ -150,7 +155,7 @@ def markdown(results: dict, quick: bool, budget_s: float) -> str:
         out.append(
             f"| {LABELS[arm]} | {100 * s['goodput']:.1f}% | {100 * s['uptime']:.1f}% "
             f"| {s['global_downtime_seconds']:.0f} | {s['failures']} | {s['restarts']} "
-            f"| {s.get('merges', 0)} | {loss_at(r['curve'], t_eq):.3f} "
+            f"| {s.get('merges', 0)} | {_loss_cell(loss_at(r['curve'], t_eq))} "
             f"| {s['final_eval_loss']:.3f} | {s['steps']} | {s['tokens']:,} "
             f"| {r['first_step']:.0f} | {s['wall_seconds']:.0f} |"
         )

@@ -316,7 +316,11 @@ def validate_model_config(cfg: ModelConfig) -> None:
         f"model.experts_per_token ({cfg.experts_per_token}) must be in "
         f"[1, model.num_experts ({cfg.num_experts})]",
     )
-    _require(cfg.expert_hidden > 0, f"model.expert_hidden ({cfg.expert_hidden}) must be > 0")
+    _require(
+        cfg.expert_hidden > 0,
+        f"model.expert_hidden ({cfg.expert_hidden}) must be > 0 in an MoE model (each "
+        "expert's GeGLU width: set it, or start from an MoE preset such as tiny_moe)",
+    )
     _require(
         cfg.moe_gate in MOE_GATES,
         f"model.moe_gate ({cfg.moe_gate!r}) must be one of {MOE_GATES}",

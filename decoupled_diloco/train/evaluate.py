@@ -37,8 +37,9 @@ class Evaluator:
             if whole is not None and num_batches > whole:
                 # More would read the same windows again (and hold them all on the host).
                 logging.warning(
-                    "evaluation reads the eval split's %d batches of %d windows once, not the "
-                    "%d of train.eval_batches", whole, batch_size, num_batches,
+                    "evaluation reads the eval split's %d batch%s of %d windows once, not the "
+                    "%d of train.eval_batches", whole, "" if whole == 1 else "es", batch_size,
+                    num_batches,
                 )  # fmt: skip
                 num_batches = whole
             batches = [next(it) for _ in range(num_batches)]
