@@ -82,8 +82,7 @@ class SyncerLoop:
         # Bytes the ended lives of this loop's syncer received and sent (a life's count dies
         # with it; the checkpoint does not keep it: the traffic after the save happened too).
         self._past_traffic = {"bytes_in": 0, "bytes_out": 0}
-        self.syncer: Syncer | None = None
-        self.syncer = self._restore(after_failure=restarted)
+        self.syncer: Syncer | None = self._restore(after_failure=restarted)
         self.restarted = restarted
 
     # --- the loop ---------------------------------------------------------------------
