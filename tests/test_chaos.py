@@ -350,3 +350,25 @@ def test_data_parallel_stopped_while_down_ends_with_what_survives(warm, tmp_path
     summary = out["summary"]
     assert summary["steps"] == 0 and summary["tokens"] == 0  # no checkpoint: nothing survives
     assert np.isfinite(summary["final_eval_loss"]) and summary["failures"] == 1
+
+
+def test_crashes_with_no_merge_between_them_count_each_lost_step_once(warm, tmp_path):
+    """Each `rejoin` reports the steps its crash lost: those of the life that crashed. A
+    second crash before any of the learner's work was merged reported the first life's
+    steps again (lost_steps 2, then 5, for 5 steps missing from Θ)."""
+    c = tiny_config(learners=2, crashes=[[1, 2], [1, 5]], restart_delay_s=0.3)
+    c.train.steps = 20
+    c.diloco.sync_every, c.diloco.fragments, c.diloco.overlap = 8, 1, 0
+    c.faults.speed_factors = [1.0, 1.0]
+    out = run(c, tmp_path)
+    backs = only(out["events"], "rejoin", learner=1)
+    assert [b["lost_steps"] for b in backs] == [2, 3]  # steps 0-2, then 2-5
+    for m in (0, 1):
+        merged = sum(
+            c
+            for r in out["merges"]
+            for mm, c in zip(r["learners"], r["c_steps"], strict=True)
+            if mm == m
+        )
+        assert 20 - merged == sum(b["lost_steps"] for b in only(out["events"], "rejoin", learner=m))
+    assert out["summary"]["crash_lost_steps"] == 5

@@ -132,6 +132,9 @@ class LearnerLoop:
         self._stop_requested = False  # a StopRequest arrived: stop before the next step
         self._stop = None  # the runtime's stop event, while `run` trains
         self._crash_lost = 0  # steps of work the last emulated crash lost (`_cut`)
+        # The step this life's work began at (its cut): a crash loses no step before it,
+        # whatever Θ holds (an earlier crash's `lost_steps` counted those).
+        self._life_from = 0
         self.away = "start"  # why the learner is about to (re)start
         self.times = StepTimes()  # where its steps' time goes (rows' host_share)
         self.saves = SaveSchedule(run.train.checkpoint_every, run.train.checkpoint_duty)
@@ -392,6 +395,7 @@ class LearnerLoop:
             for clock in snap.merged.values():
                 entry = clock.get(self.m, clock.get(str(self.m)))
                 held.append(0 if entry is None else int(entry[1]))
+        life_from, self._life_from = self._life_from, self.step
         if not held:
             return
         skipped = max(max(held) - self.step, 0)
@@ -400,9 +404,12 @@ class LearnerLoop:
             for _ in range(skipped):  # the data Θ already holds is not read again
                 next(self.data)
             self.step = self.proto.step = self.step + skipped
+            self._life_from = self.step
         from_checkpoint = self.restored is not None or self.away in ("start", "process_restart")
         if not skipped and self.away in ("crash", "nan") and not from_checkpoint:
-            self._crash_lost = lost  # reported with its rejoin (`_start`)
+            # (the life that crashed lost its own steps only: those before it began, Θ
+            # lacking them too, were lost with the life before, and counted there)
+            self._crash_lost = max(self.step - max(min(held), life_from), 0)
             return
         if skipped or lost:
             self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost))
