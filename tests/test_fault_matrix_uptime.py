@@ -416,14 +416,33 @@ def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path, 
         log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 1, "1": 2},
                    "after_failure": True, "time": 6.0})  # fmt: skip
     assert "2 merges made since are rolled back" in caplog.text  # and logged
+    assert "(8 learner steps;" in caplog.text
     assert log.ledger.useful_steps == [6.0]
     s = log.ledger.summary(wall=7.0, uses_syncer=True, learner_steps=[5])
     assert (s["merges"], s["rolled_back_merges"], s["mean_offer_steps"]) == (3, 2, 4.0)
+    assert s["syncer_lost_steps"] == 8  # fragment 0's versions 2 and 3
     # The restored life merges version 2 again; a later restore at 1 takes that one back.
     log.record({"event": "merge", "fragment": 0, "version": 2, "learners": [0], "c_steps": [4],
                 "share": 0.5, "time": 6.5})  # fmt: skip
     log.event({"event": "syncer_restore", "shard": 0, "versions": {0: 1}, "time": 7.0})
     assert log.ledger.useful_steps == [6.0] and log.ledger.rolled_back_merges == 3
+    assert log.ledger.syncer_lost_steps == 12
+    log.close()
+
+
+def test_a_syncer_restore_counts_each_learners_most_lost_steps_of_any_fragment(tmp_path):
+    """Per learner, the most steps any one fragment lost (a step is work on every fragment:
+    lost from two it is still one step), summed over learners."""
+    from decoupled_diloco.runtime.records import RunLog
+
+    log = RunLog(str(tmp_path), Ledger(2, sync_every=4, fragments=2))
+    for p, version, c_steps in [(0, 1, [4, 3]), (1, 1, [4, 4]), (0, 2, [2, 5])]:
+        log.record({"event": "merge", "fragment": p, "version": version, "learners": [0, 1],
+                    "c_steps": c_steps, "share": 0.5, "time": 1.0})  # fmt: skip
+    log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 0, "1": 0},
+               "after_failure": True, "time": 2.0})  # fmt: skip
+    # learner 0: fragment 0 lost 4 + 2, fragment 1 lost 4; learner 1: 3 + 5 and 4
+    assert log.ledger.syncer_lost_steps == 6 + 8
     log.close()
 
 

@@ -139,6 +139,10 @@ class Ledger:
         # Steps of unmerged work emulated crashes lost with the learners' device state,
         # summed over learners (`rejoin` events' `lost_steps`).
         self.crash_lost_steps = 0
+        # Steps whose work a syncer restore rolled back with the merges holding them (those
+        # after its last checkpoint), summed over learners, each learner's most any fragment
+        # lost (its learners rebase away from them and do not offer them again).
+        self.syncer_lost_steps = 0
         self.failures = 0
         self.restarts = 0
         self.syncer_failures = 0
@@ -182,9 +186,10 @@ class Ledger:
     def merge(self, rec: dict) -> None:
         with self._lock:
             share = rec.get("share", 0.0)
-            useful = [(m, c * share) for m, c in zip(rec["learners"], rec["c_steps"], strict=True)]
+            steps = list(zip(rec["learners"], rec["c_steps"], strict=True))
+            useful = [(m, c * share) for m, c in steps]
             credit = (len(rec["learners"]), sum(rec["c_steps"]),
-                      sum(rec.get("offer_seconds", ())), useful)  # fmt: skip
+                      sum(rec.get("offer_seconds", ())), useful, steps)  # fmt: skip
             self._credit(credit, +1)
             fragment = rec.get("fragment", 0)
             self._credited.setdefault(fragment, []).append((rec.get("version", 0), credit))
@@ -192,7 +197,7 @@ class Ledger:
             self.first_merge.setdefault(fragment, rec["time"])
 
     def _credit(self, credit: tuple, sign: int) -> None:
-        learners, steps, offer_seconds, useful = credit
+        learners, steps, offer_seconds, useful, _ = credit
         self.merges += sign
         self.merged_learners += sign * learners
         self.merged_steps += sign * steps
@@ -205,15 +210,22 @@ class Ledger:
         merges past them are gone from Θ, and their steps with them (its learners rebase
         away from what was lost and do not offer it again), so they are no longer useful."""
         with self._lock:
+            lost: dict[tuple[int, int], int] = {}  # (learner, fragment) -> steps
             for p, v in versions.items():
                 kept = []
                 for version, credit in self._credited.get(int(p), []):
                     if version > v:
                         self._credit(credit, -1)
                         self.rolled_back_merges += 1
+                        for m, c in credit[4]:
+                            lost[m, int(p)] = lost.get((m, int(p)), 0) + c
                     else:
                         kept.append((version, credit))
                 self._credited[int(p)] = kept
+            most: dict[int, int] = {}
+            for (m, _), c in lost.items():
+                most[m] = max(most.get(m, 0), c)
+            self.syncer_lost_steps += sum(most.values())
 
     def row(self, rec: dict) -> None:
         """A learner's metrics row: the merge delay of the merges it applied since its
@@ -321,6 +333,7 @@ class Ledger:
             "restarts": self.restarts,
             "resume_lost_steps": self.resume_lost_steps,
             "crash_lost_steps": self.crash_lost_steps,
+            "syncer_lost_steps": self.syncer_lost_steps,
             "rejected_offers": self.rejected_offers,
             "dropped_offers": self.dropped_offers,
         }

@@ -72,15 +72,16 @@ class RunLog:
         elif kind == "syncer_crash":
             ledger.failure(("syncer", rec["shard"]), t, counted)
         elif kind == "syncer_restore":
-            before = ledger.rolled_back_merges
+            merges, steps = ledger.rolled_back_merges, ledger.syncer_lost_steps
             ledger.rollback(rec["versions"])  # (a resumed run's ledger holds none past them)
-            lost = ledger.rolled_back_merges - before
+            lost = ledger.rolled_back_merges - merges
             if lost:
                 logging.warning(
                     "syncer shard %s restored its last checkpoint: %d merges made since are "
-                    "rolled back, and the work they held is lost (checkpoints are taken every "
-                    "diloco.syncer_checkpoint_seconds, at most diloco.syncer_checkpoint_duty of "
-                    "the time: a slow save spaces them further)", rec.get("shard"), lost,
+                    "rolled back, and the work they held is lost (%d learner steps; "
+                    "checkpoints are taken every diloco.syncer_checkpoint_seconds, at most "
+                    "diloco.syncer_checkpoint_duty of the time: a slow save spaces them "
+                    "further)", rec.get("shard"), lost, ledger.syncer_lost_steps - steps,
                 )  # fmt: skip
             if rec.get("after_failure"):
                 if not ledger.is_down(("syncer", rec["shard"])):

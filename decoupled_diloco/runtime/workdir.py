@@ -77,7 +77,8 @@ FREE_TO_CHANGE = frozenset(
 FREE_WITH_CORPUS_RECORD = frozenset({"data.path", "data.tfds_data_dir", "data.cache_dir"})
 # Counters a resumed run adds up over its attempts (each process counts its own).
 ACCUMULATED = ("wall_seconds", "failures", "restarts", "resume_lost_steps", "crash_lost_steps",
-               "rejected_offers", "dropped_offers", "bytes_communicated")  # fmt: skip
+               "syncer_lost_steps", "rejected_offers", "dropped_offers",
+               "bytes_communicated")  # fmt: skip
 
 
 def config_changes(workdir: str, cfg: RunConfig) -> list[str]:
