@@ -65,7 +65,7 @@ def validate(spec, max_step: int | None = None, num_learners: int | None = None)
         if max_step is not None and entry[1] >= max_step:
             fail("membership", f"needs joins {last}: {entry!r} would never join")
     if num_learners is not None and spec.membership:
-        _check_someone_trains(spec, num_learners, fail)
+        _check_someone_trains(spec, num_learners, max_step, fail)
     for s in spec.syncer_crashes:
         if not _integral(s) or s < 1:
             fail("syncer_crashes", f"needs whole steps >= 1, got {spec.syncer_crashes}")
@@ -73,12 +73,16 @@ def validate(spec, max_step: int | None = None, num_learners: int | None = None)
             fail("syncer_crashes", f"needs steps {last}: {s} would never happen")
 
 
-def _check_someone_trains(spec, num_learners: int, fail) -> None:
+def _check_someone_trains(spec, num_learners: int, max_step: int | None, fail) -> None:
     """Every join must come while some learner is a member: a step no member trains past is
-    never reached."""
+    never reached; so is a step after the last member left (the run would end there)."""
     if len({int(i) for i, _, _ in spec.membership}) < num_learners:
         return  # a learner without windows is a member throughout
     covered = merge_windows((a, b) for _, a, b in spec.membership)
+    if max_step is not None and covered[-1][1] < max_step:
+        fail("membership", f"has every learner gone after step {covered[-1][1]}: the run "
+             f"would end there, short of train.steps ({max_step}) (let some learner's "
+             "window reach it)")  # fmt: skip
     first = covered[0][0]
     if first > 0:
         fail("membership", f"has no learner at step 0 (the first joins at step {first}): "

@@ -292,6 +292,8 @@ def test_a_step_schedule_past_the_runs_end_is_refused(fields, match):
         (((0, 0, 40), (1, 50, 100)), r"leaves steps 40\.\.50 without a member"),
         (((0, 5, 40), (1, 10, 100)), "has no learner at step 0"),
         (((0, 0, 40), (1, 20, float("inf"))), "needs whole steps .*a leave past train.steps"),
+        # every learner gone at step 50 of 60: the run ended there, exit 0
+        (((0, 0, 20), (0, 30, 50), (1, 10, 35)), "every learner gone after step 50: the run "),
     ],
 )
 def test_a_step_membership_that_would_stall_the_lead_step_is_refused(membership, match):
@@ -306,7 +308,7 @@ def test_a_step_membership_that_would_stall_the_lead_step_is_refused(membership,
     [
         ((0, 0, 40), (1, 40, 100)),  # the hand-over step: learner 1 joins as 0 leaves
         ((1, 30, 50),),  # learner 0 has no window: a member throughout
-        ((0, 0, 20), (0, 30, 50), (1, 10, 35)),
+        ((0, 0, 20), (0, 30, 60), (1, 10, 35)),  # the last leave at train.steps
     ],
 )
 def test_a_step_membership_with_a_member_at_every_step_is_accepted(membership):
