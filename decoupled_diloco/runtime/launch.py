@@ -68,10 +68,15 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
                   flush=True)  # fmt: skip
         try:
             runtime = _runtime(cfg, workdir, verbose, ckpt_dir, attempt)
-            # (Ray's driver learns its syncers' traffic at the end of the run only)
-            traffic = getattr(runtime, "bytes_communicated", None)
-            attempt.watch(workdir_lib.counters_of(runtime.log.ledger, traffic),
-                          runtime.fault_clock, runtime.schedule.steps_checked)  # fmt: skip
+            # (no local may hold the runtime or a bound method of it: the `finally` below
+            # drops the last reference; Ray's driver learns its traffic at the end only)
+            attempt.watch(
+                workdir_lib.counters_of(
+                    runtime.log.ledger, getattr(runtime, "bytes_communicated", None)
+                ),
+                runtime.fault_clock,
+                runtime.schedule.steps_checked,
+            )
             summary = attempt.finish(runtime.run())
         except RunInterruptedError as e:
             # A stop the user asked for, every learner's work saved: not a failure.

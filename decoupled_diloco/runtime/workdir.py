@@ -331,8 +331,10 @@ class Attempt:
         # Its last reading, not the runtime's clock: holding that would keep the run's
         # learners (and their device memory) alive after the run.
         last, checked = self.record["fault_clock"], self.record.get("fault_steps")
+        counted = {k: v for k, v in self.record["own"].items() if k != "wall_seconds"}
         self.fault_clock = lambda: last
         self.fault_steps = lambda: checked
+        self.counters = lambda: counted
 
     def _write(self) -> None:
         with self._lock:
