@@ -240,6 +240,38 @@ def test_a_drop_of_an_offer_to_a_lost_syncer_life_spares_its_re_offer():
     assert s.proto.frags[0].in_flight is None and s.proto.frags[0].refused == 1
 
 
+def test_a_crash_after_a_syncer_restore_does_not_count_the_rolled_back_steps_again():
+    """Learner 0's offers of steps 2 and 4 were merged and applied; the syncer restored
+    version 1 (its clock holds step 2), rolling back the merge of step 4, whose steps 3-4
+    `syncer_lost_steps` counts; the learner crashed at step 5, before any new merge. Its
+    crash lost step 5 alone: it counted steps 3-5, going by the restored clock only."""
+    from decoupled_diloco.runtime.learner_loop import LearnerLoop
+
+    s = Scripted()
+    theta1, theta2 = moved(s.theta0, seed=21), moved(s.theta0, seed=22)
+    s.step()
+    s.step()  # step 2: offers
+    s.step(inbox=[reply(theta1, 1, held_step=2)])
+    s.step(inbox=[])  # step 4: offers
+    s.step(inbox=[reply(theta2, 2, held_step=4)])
+    assert s.proto.frags[0].version == 2 and s.proto.merged_through() == [4]
+    restored = Snapshot({0: 1}, theta1, 0.0, epoch=1, merged={0: {0: (0, 2)}})
+    apply_updates(s.replica, s.proto.handle([restored]))
+    assert s.proto.frags[0].version == 1
+    assert s.proto.merged_through() == [4]  # a rollback does not lower it
+
+    loop = LearnerLoop.__new__(LearnerLoop)  # only what a crash and its rejoin's cut touch
+    loop.m, loop.step, loop.proto, loop.replica = 0, s.proto.step, s.proto, s.replica
+    loop.outbox = loop.stager = loop.lives = loop.restored = None
+    loop.incarnation, loop._life_from, loop._merged_through, loop._crash_lost = 0, 0, [], 0
+    s.replica.drop = lambda: None
+    loop._crash("crash")
+    assert loop.proto is None and loop.away == "crash"
+    loop._cut([restored])  # the rejoin meets Θ at the same restored version
+    assert loop._crash_lost == 1
+    assert loop._life_from == 5
+
+
 def test_step_time_estimate_leaves_out_the_compiling_first_step():
     """The heartbeat's step time (the syncer's grace window is built on it) must not carry
     the first step's compilation."""

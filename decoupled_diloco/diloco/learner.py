@@ -116,6 +116,9 @@ class _Fragment:
     refused: int = 0  # offers of this fragment refused in a row (`Dropped`)
     deferred: int = 0  # boundaries in a row its arrived version was not ready to apply
     sit_out: int = 0  # boundaries to let pass before it is offered again (after refusals)
+    # Our newest step a version of Θ_p we applied held (in any syncer life: a restore that
+    # rolls it back does not lower it, the rollback's own count has those steps).
+    merged_through: int = 0
 
 
 def materialize(ticket: InFlight, local: dict[str, np.ndarray], outer: bool = False) -> Offer:
@@ -308,6 +311,7 @@ class Learner:
                 # next offer, counted from zero, would merge them a second time).
                 out.append(Update("mix", theta, self.cfg.alpha))
                 f.c_steps = f.c_tokens = 0
+                f.merged_through = max(f.merged_through, f.in_flight.step)
                 f.in_flight = None
             else:
                 sent = f.in_flight.sent if held else None
@@ -367,6 +371,7 @@ class Learner:
             out.append(update)
             if held and self.cfg.apply == "overwrite":
                 f.c_steps = f.c_tokens = 0
+                f.merged_through = max(f.merged_through, t.step)
                 f.in_flight, f.refused, f.sit_out = None, 0, 0
             elif held:
                 self._consume(f)
@@ -436,6 +441,7 @@ class Learner:
         t = f.in_flight
         f.c_steps -= t.c_steps
         f.c_tokens -= t.c_tokens
+        f.merged_through = max(f.merged_through, t.step)
         f.in_flight = None
         f.refused = f.sit_out = 0
 
@@ -449,6 +455,11 @@ class Learner:
 
     def leave(self, finished: bool) -> Leave:
         return Leave(self.id, self.incarnation, self.clock(), finished)
+
+    def merged_through(self) -> list[int]:
+        """Per fragment, our newest step a version of Θ_p we applied held, in this syncer
+        life or a lost one (0: none yet)."""
+        return [f.merged_through for f in self.frags]
 
     def in_flight(self) -> list[int]:
         """Fragments with an offer in flight."""

@@ -135,6 +135,10 @@ class LearnerLoop:
         # The step this life's work began at (its cut): a crash loses no step before it,
         # whatever Θ holds (an earlier crash's `lost_steps` counted those).
         self._life_from = 0
+        # Per fragment, the step up to which our work reached Θ in a version this learner
+        # applied, over its lives (`Learner.merged_through`): a syncer restore that rolled
+        # such work back counted it (`syncer_lost_steps`), so a crash does not count it again.
+        self._merged_through: list[int] = []
         self.away = "start"  # why the learner is about to (re)start
         self.times = StepTimes()  # where its steps' time goes (rows' host_share)
         self.saves = SaveSchedule(run.train.checkpoint_every, run.train.checkpoint_duty)
@@ -390,11 +394,12 @@ class LearnerLoop:
         NaN restart loses with its device state, when the learner goes on from its own step
         (not from a checkpoint): the failure's expected cost, which its `rejoin` event
         carries as `lost_steps`, unlogged."""
-        held = []
+        by_fragment = {}
         for snap in snapshots:
-            for clock in snap.merged.values():
+            for p, clock in snap.merged.items():
                 entry = clock.get(self.m, clock.get(str(self.m)))
-                held.append(0 if entry is None else int(entry[1]))
+                by_fragment[int(p)] = 0 if entry is None else int(entry[1])
+        held = list(by_fragment.values())
         life_from, self._life_from = self._life_from, self.step
         if not held:
             return
@@ -406,10 +411,17 @@ class LearnerLoop:
             self.step = self.proto.step = self.step + skipped
             self._life_from = self.step
         from_checkpoint = self.restored is not None or self.away in ("start", "process_restart")
+        if from_checkpoint:
+            self._merged_through = []  # (steps of another timeline)
         if not skipped and self.away in ("crash", "nan") and not from_checkpoint:
-            # (the life that crashed lost its own steps only: those before it began, Θ
-            # lacking them too, were lost with the life before, and counted there)
-            self._crash_lost = max(self.step - max(min(held), life_from), 0)
+            # The life that crashed lost its own steps only: those before it began, Θ
+            # lacking them too, were lost with the life before, and counted there; those
+            # of merges a syncer restore has rolled back since, with that restore.
+            floors = self._merged_through
+            reached = min(
+                max(h, floors[p] if p < len(floors) else 0) for p, h in by_fragment.items()
+            )
+            self._crash_lost = max(self.step - max(reached, life_from), 0)
             return
         if skipped or lost:
             self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost))
@@ -530,6 +542,12 @@ class LearnerLoop:
             self.outbox.drop()
         if self.stager is not None:
             self.stager.clear()
+        if self.proto is not None and self.proto.started:
+            old = self._merged_through
+            self._merged_through = [
+                max(a, old[p] if p < len(old) else 0)
+                for p, a in enumerate(self.proto.merged_through())
+            ]
         self.proto = None
         self.take_life(self.incarnation + 1)
         self.away, self.steps_since_start = why, 0
