@@ -221,6 +221,18 @@ def _check_bounds(spec: FaultSpec) -> None:
               f"bits/s, got {slow[0]:g}")  # fmt: skip
 
 
+def speed_factors_of(spec: FaultSpec, num_learners: int) -> np.ndarray:
+    """Each learner's constant step-time multiplier: `speed_factors`, or `slow_factor` for
+    the last `slow_fraction` of the learners, or 1 (stragglers and noise come on top)."""
+    if spec.speed_factors:
+        return np.asarray(spec.speed_factors, dtype=np.float64)
+    speed = np.ones(num_learners)
+    if spec.slow_fraction > 0:
+        n_slow = round(spec.slow_fraction * num_learners)
+        speed[num_learners - n_slow :] = spec.slow_factor
+    return speed
+
+
 def timed_in_seconds(spec: FaultSpec) -> list[str]:
     """The `faults.*` fields that place events on the run's clock in seconds (which a
     resumed attempt continues: `FaultSchedule`'s offset), [] if none."""

@@ -94,18 +94,31 @@ def _check_someone_trains(spec, num_learners: int, max_step: int | None, fail) -
              "learner's window reach it)")  # fmt: skip
 
 
-def in_seconds(spec, step_s: float):
-    """The same FaultSpec with its step schedule at `step_s` seconds per step (unit seconds)."""
+def in_seconds(spec, step_s: float, speeds=None):
+    """The same FaultSpec with its step schedule at `step_s` seconds per step (unit seconds).
+    `speeds`: each learner's step-time multiplier (`fault_spec.speed_factors_of`; None: all
+    1): a learner's crash at its own step s comes at s·step_s·speed, the lead step's entries
+    (syncer crashes, membership) at the fastest learner's pace. Outages are not added: a
+    crashed learner reaches its later steps later than that (the simulator's own timeline
+    holds the outage, not the shift)."""
     if spec.unit != "steps":
         return spec
     if not step_s > 0:
         raise ValueError(f"step_s must be > 0 to place a step schedule in time, got {step_s}")
+    own = [float(x) for x in speeds] if speeds is not None and len(speeds) else []
+    if any(not x > 0 for x in own):
+        raise ValueError(f"speeds must be > 0, got {own}")
+    lead_s = step_s * (min(own) if own else 1.0)
+
+    def at(learner) -> float:
+        return step_s * (own[int(learner)] if int(learner) < len(own) else 1.0)
+
     return dataclasses.replace(
         spec,
         unit="seconds",
-        crashes=tuple((i, s * step_s) for i, s in spec.crashes),
-        membership=tuple((i, a * step_s, b * step_s) for i, a, b in spec.membership),
-        syncer_crashes=tuple(s * step_s for s in spec.syncer_crashes),
+        crashes=tuple((i, s * at(i)) for i, s in spec.crashes),
+        membership=tuple((i, a * lead_s, b * lead_s) for i, a, b in spec.membership),
+        syncer_crashes=tuple(s * lead_s for s in spec.syncer_crashes),
     )
 
 

@@ -41,6 +41,7 @@ from decoupled_diloco.fault_spec import (
     UNITS,
     FaultSpec,
     fault_spec_from_dict,
+    speed_factors_of,
     timed_in_seconds,
     validate_fault_spec,
 )
@@ -143,12 +144,7 @@ class FaultSchedule:
         self.spec, self.num_learners, self.horizon_s = spec, num_learners, float(horizon_s)
         self.offset = float(offset_s)
         m = num_learners
-        self.speed = np.ones(m)
-        if spec.speed_factors:
-            self.speed = np.asarray(spec.speed_factors, dtype=np.float64)
-        elif spec.slow_fraction > 0:
-            n_slow = round(spec.slow_fraction * m)
-            self.speed[m - n_slow :] = spec.slow_factor
+        self.speed = speed_factors_of(spec, m)
         # Step-scheduled events are added while the run goes, from every learner's thread.
         self._lock = threading.RLock()
         self._frozen = math.inf  # run time of `freeze`

@@ -7,6 +7,7 @@ malformed step schedules are refused with the field named. Ledger tests replay s
 timelines (pure, milliseconds); one tiny local run checks the crash steps end to end.
 """
 
+import dataclasses
 import json
 import logging
 import time
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import fault_steps
+from decoupled_diloco import fault_steps, faults
 from decoupled_diloco.faults import FaultSchedule, FaultSpec, validate_fault_spec
 from decoupled_diloco.runtime.accounting import Ledger, down_gaps
 from decoupled_diloco.simulator import SimParams, simulate
@@ -253,6 +254,23 @@ def test_simulator_places_a_step_schedule_at_its_step_time():
     seconds = FaultSpec(crashes=((0, 50.0),), restart_delay_s=30.0)
     assert fault_steps.in_seconds(steps, 0.5) == seconds
     assert simulate("dp", 1, 1, p, steps) == simulate("dp", 1, 1, p, seconds)
+
+
+def test_simulator_places_a_slow_learners_step_schedule_at_its_own_pace():
+    """A learner twice as slow reaches its step 100 twice as late; the lead step (syncer
+    crashes, membership) moves at the fastest learner's pace (they were all placed at the
+    healthy step time)."""
+    p = SimParams(horizon_days=0.01, step_s=0.5)
+    steps = FaultSpec(unit="steps", crashes=((0, 100), (1, 100)), syncer_crashes=(40,),
+                      membership=((2, 10, 60),), speed_factors=(1.5, 3.0, 2.0))  # fmt: skip
+    placed = fault_steps.in_seconds(steps, 0.5, faults.speed_factors_of(steps, 3))
+    assert placed.crashes == ((0, 75.0), (1, 150.0))
+    assert placed.syncer_crashes == (30.0,) and placed.membership == ((2, 7.5, 45.0),)
+    seconds = dataclasses.replace(placed, unit="seconds")
+    assert simulate("decoupled", 3, 3, p, steps) == simulate("decoupled", 3, 3, p, seconds)
+    halves = FaultSpec(unit="steps", crashes=((1, 100),), slow_fraction=0.5, slow_factor=2.0)
+    assert faults.speed_factors_of(halves, 2).tolist() == [1.0, 2.0]
+    assert fault_steps.in_seconds(halves, 0.5, [1.0, 2.0]).crashes == ((1, 100.0),)
 
 
 @pytest.mark.parametrize(
