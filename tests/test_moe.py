@@ -174,6 +174,29 @@ def test_all_experts_no_drops_equals_dense_softmax_mixture(shared_expert, capaci
     assert float(stats["dropped_fraction"]) == 0.0
 
 
+def test_the_router_runs_at_full_float32_precision_on_every_backend():
+    """Routing is precision sensitive: its matmul asks for HIGHEST precision, which an
+    accelerator's default (one bfloat16 pass on TPU, TF32 on GPU) would not give."""
+    cfg = moe_cfg(dtype="bfloat16")
+    x_BTD = jnp.ones((2, 6, cfg.d_model), jnp.bfloat16)
+    module = MoE(cfg)
+    variables = module.init(jax.random.key(0), x_BTD)
+    jaxpr = jax.make_jaxpr(module.apply)(variables, x_BTD)
+    E = cfg.num_experts
+    routers = [
+        e
+        for e in jaxpr.eqns
+        if e.primitive.name == "dot_general"
+        and e.outvars[0].aval.shape == (2, 6, E)
+        and e.invars[1].aval.shape == (cfg.d_model, E)
+    ]
+    assert len(routers) == 1, [e.outvars[0].aval for e in jaxpr.eqns]
+    (router,) = routers
+    assert all(v.aval.dtype == jnp.float32 for v in router.invars)
+    precision = router.params["precision"]
+    assert precision is not None and set(precision) == {jax.lax.Precision.HIGHEST}
+
+
 def test_capacity_path_equals_dropless_when_nothing_drops():
     # C = ceil(1.5 * 8 * 2 / 4) = 6 < 8 tokens, so the buffers really are smaller.
     x_BTD = jax.random.normal(jax.random.key(2), (3, 8, 8))

@@ -150,16 +150,19 @@ class Attention(nn.Module):
 def reference_attention(q_BTHG, k_BSKG, v_BSKG, mask_TS, cap: float) -> jax.Array:
     """Attention of already-scaled queries as plain einsums (`model.attention_impl` "xla"):
     logits in float32, softcapped by `cap`, masked by mask_TS [T, S] (True = may attend)."""
-    H, K, dtype = q_BTHG.shape[2], k_BSKG.shape[2], q_BTHG.dtype
-    # GQA: each kv head serves H // K consecutive query heads.
-    k_BSHG = jnp.repeat(k_BSKG, H // K, axis=2)
-    v_BSHG = jnp.repeat(v_BSKG, H // K, axis=2)
-    logits_BHTS = jnp.einsum("BTHG,BSHG->BHTS", q_BTHG, k_BSHG, preferred_element_type=jnp.float32)
-    logits_BHTS = softcap(logits_BHTS, cap)
+    B, T, H, G = q_BTHG.shape
+    K, dtype = k_BSKG.shape[2], q_BTHG.dtype
+    # GQA: each kv head serves R = H // K consecutive query heads; the queries are grouped
+    # by kv head instead of the keys and values being repeated H // K times.
+    q_BTKRG = q_BTHG.reshape(B, T, K, H // K, G)
+    logits_BKRTS = jnp.einsum(
+        "BTKRG,BSKG->BKRTS", q_BTKRG, k_BSKG, preferred_element_type=jnp.float32
+    )
+    logits_BKRTS = softcap(logits_BKRTS, cap)
     # Causal: slots after a query's own position (not yet written) are masked too.
-    logits_BHTS = jnp.where(mask_TS, logits_BHTS, _MASK_VALUE)
-    probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1).astype(dtype)
-    return jnp.einsum("BHTS,BSHG->BTHG", probs_BHTS, v_BSHG)
+    logits_BKRTS = jnp.where(mask_TS, logits_BKRTS, _MASK_VALUE)
+    probs_BKRTS = jax.nn.softmax(logits_BKRTS, axis=-1).astype(dtype)
+    return jnp.einsum("BKRTS,BSKG->BTKRG", probs_BKRTS, v_BSKG).reshape(B, T, H, G)
 
 
 def fused_attention(q_BTHG, k_BSKG, v_BSKG, mask_TS, window: int, aligned: bool) -> jax.Array:

@@ -239,8 +239,12 @@ class MoE(nn.Module):
         down = param(self, "down", ("expert", "mlp", "embed"), (E, F, D), expert_in_init)
         weights = (gate.astype(dtype), up.astype(dtype), down.astype(dtype))
 
-        # Routing decisions are precision sensitive: always float32.
-        router_logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32), router)
+        # Routing decisions are precision sensitive: always float32, also on accelerators,
+        # whose default matmul precision would take one bfloat16 pass (TPU) or TF32 (GPU).
+        router_logits_BTE = jnp.einsum(
+            "BTD,DE->BTE", x_BTD.astype(jnp.float32), router.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )  # fmt: skip
         gates_BTk, experts_BTk = route_top_k(router_logits_BTE, k, cfg.moe_gate)
 
         x_BTD = x_BTD.astype(dtype)
