@@ -472,8 +472,11 @@ class _SyncerLink:
     the restored syncer, whose snapshot reaches the learner as its announcement. Virtual clock:
     a receive costs 1 ms, or its whole timeout when nothing arrives."""
 
-    def __init__(self, syncer, clock: dict):
+    def __init__(self, syncer, clock: dict, announced: bool = True):
         self.syncer, self.clock, self.restore, self.inbox = syncer, clock, None, []
+        # False: the restored syncer does not know the learner (no checkpoint), so it sends
+        # no announcement, and the offer reaches it instead of dying with the old one.
+        self.announced = announced
 
     def _deliver(self, out) -> None:
         self.inbox += [msg for m, msg in out if m == 0]
@@ -482,8 +485,9 @@ class _SyncerLink:
         offer = materialize(ticket, copies)
         if self.restore is not None:
             self.syncer, self.restore = self.restore(), None
-            self._deliver([(0, self.syncer.snapshot(self.clock["t"]))])
-            return
+            if self.announced:
+                self._deliver([(0, self.syncer.snapshot(self.clock["t"]))])
+                return
         self._deliver(self.syncer.handle(offer, self.clock["t"]))
 
     def send(self, msg) -> None:
@@ -539,6 +543,36 @@ def test_a_final_sync_reaches_a_restored_syncer_that_never_saw_its_life():
     want = {k: v + last[k] for k, v in theta0.items()}
     for k, v in link.syncer.global_params().items():
         np.testing.assert_allclose(v, want[k], atol=2e-6, err_msg=k)
+
+
+def test_a_final_sync_reaches_a_restored_syncer_that_knows_no_learner():
+    """The syncer dies as the learner leaves, before its first checkpoint: the restored one
+    knows no learner, so it announces itself to nobody and refuses the final offer as from
+    an unknown learner. The learner must make itself known (a heartbeat, which the syncer
+    takes as a join and answers with its snapshot): it was refused until final_wait ran out
+    (120 s by default), and its last steps never reached Θ."""
+    c = cfg(learners=1, fragments=1, sync_every=2, overlap=0, final_sync=True, final_wait=60.0)
+    plan = make_fragment_plan(SHAPES, 1, "balanced", 2)
+    theta0, update, clock = initial_params(), linear_update(), {"t": 0.0}
+    syncer = Syncer(c, plan, theta0, record=lambda r: None)
+    records = []
+    proto = Learner(0, c, plan, 64, lambda: clock["t"])
+    link = _SyncerLink(syncer, clock, announced=False)
+    replica = NumpyReplica(0, update)
+    replica.init_from_host(proto.start([s for _, s in syncer.handle(proto.join(), 0.0)]))
+    for _ in range(3):  # the offer at step 2 is merged by the syncer that dies
+        replica.step()
+        proto.stepped()
+        offer_and_receive(proto, replica, link, link.receive)
+        apply_and_beat(proto, replica, link)
+    assert proto.unmerged_steps() == [1]
+    link.restore = lambda: Syncer(c, plan, theta0, record=records.append, epoch=1)
+    finish(proto, replica, link, link.receive, lambda: clock["t"])
+    assert clock["t"] < 5.0  # not final_wait
+    assert proto.resyncs == 1 and proto.unmerged_steps() == [0]
+    merges = [r for r in records if r.get("event") == "merge"]
+    assert [(r["learners"], r["c_steps"]) for r in merges] == [([0], [1])]
+    assert not link.syncer.learners[0].joined  # it left the life that now knows it
 
 
 @pytest.mark.parametrize("apply", ["rebase", "overwrite"])
