@@ -129,6 +129,12 @@ def test_a_restored_syncer_announces_itself_to_learners_that_left(tmp_path):
     loop._announce()
     (to, snap), *_ = link.sent_to
     assert to == 0 and isinstance(snap, Snapshot) and snap.epoch == loop.syncer.epoch
+    # Its bytes count as traffic (a join's reply's too): they did not, so a run with
+    # many (re)joins reported only its merges' bytes.
+    full = sum(int(np.prod(s)) * 4 for s in SHAPES.values())
+    assert loop.bytes_communicated() == full
+    loop.syncer.handle(Join(0, 1, 100.0, 0, TOKENS), 100.0)
+    assert loop.bytes_communicated() == 2 * full
 
 
 def test_a_finished_flag_that_comes_after_the_leave_is_saved(tmp_path):

@@ -193,7 +193,9 @@ class Syncer:
         self.record(
             {"event": "join", "learner": msg.learner, "incarnation": msg.incarnation, "time": now}
         )
-        return [(msg.learner, self.snapshot(now))]
+        snap = self.snapshot(now)
+        self.stats["bytes_out"] += snapshot_bytes(snap)
+        return [(msg.learner, snap)]
 
     def _sent(self) -> list[tuple[int, object]]:
         return self.refusals.sent()
@@ -507,3 +509,8 @@ class Syncer:
 
     def load_state_dict(self, state: dict, meta: dict, now: float) -> None:
         syncer_state.load(self, state, meta, now)
+
+
+def snapshot_bytes(snap: Snapshot) -> int:
+    """What a snapshot puts on the wire: its parameters, uncompressed."""
+    return int(sum(v.nbytes for v in snap.params.values()))

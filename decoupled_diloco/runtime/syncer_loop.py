@@ -29,7 +29,7 @@ import time
 
 from decoupled_diloco.diloco import syncer_state
 from decoupled_diloco.diloco.offer_checks import RunBounds
-from decoupled_diloco.diloco.syncer import Syncer
+from decoupled_diloco.diloco.syncer import Syncer, snapshot_bytes
 from decoupled_diloco.diloco.transport import SyncerLink
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
 
@@ -167,6 +167,7 @@ class SyncerLoop:
         with self.lock:
             snap = self.syncer.snapshot(self.clock())
             known = list(self.syncer.learners)
+            self.syncer.stats["bytes_out"] += snapshot_bytes(snap) * len(known)
         for m in known:
             self.link.send(m, snap)
 
