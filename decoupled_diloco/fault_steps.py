@@ -95,12 +95,12 @@ def _check_someone_trains(spec, num_learners: int, max_step: int | None, fail) -
 
 
 def in_seconds(spec, step_s: float, speeds=None):
-    """The same FaultSpec with its step schedule at `step_s` seconds per step (unit seconds).
-    `speeds`: each learner's step-time multiplier (`fault_spec.speed_factors_of`; None: all
-    1): a learner's crash at its own step s comes at s·step_s·speed, the lead step's entries
-    (syncer crashes, membership) at the fastest learner's pace. Outages are not added: a
-    crashed learner reaches its later steps later than that (the simulator's own timeline
-    holds the outage, not the shift)."""
+    """The same FaultSpec with its step schedule at `step_s` seconds per step (unit seconds),
+    the step time of the fastest learner, which sets the lead step (syncer crashes,
+    membership). `speeds`: each learner's step-time multiplier (`fault_spec.
+    speed_factors_of`; None: all 1): a learner's crash at its own step s comes at
+    s·step_s·speed/min(speeds). Outages are not added: a crashed learner reaches its later
+    steps later than that (the simulator's own timeline holds the outage, not the shift)."""
     if spec.unit != "steps":
         return spec
     if not step_s > 0:
@@ -108,10 +108,10 @@ def in_seconds(spec, step_s: float, speeds=None):
     own = [float(x) for x in speeds] if speeds is not None and len(speeds) else []
     if any(not x > 0 for x in own):
         raise ValueError(f"speeds must be > 0, got {own}")
-    lead_s = step_s * (min(own) if own else 1.0)
+    lead_s, fastest = step_s, min(own, default=1.0)
 
     def at(learner) -> float:
-        return step_s * (own[int(learner)] if int(learner) < len(own) else 1.0)
+        return step_s * (own[int(learner)] if int(learner) < len(own) else fastest) / fastest
 
     return dataclasses.replace(
         spec,

@@ -257,15 +257,17 @@ def test_simulator_places_a_step_schedule_at_its_step_time():
 
 
 def test_simulator_places_a_slow_learners_step_schedule_at_its_own_pace():
-    """A learner twice as slow reaches its step 100 twice as late; the lead step (syncer
-    crashes, membership) moves at the fastest learner's pace (they were all placed at the
-    healthy step time)."""
+    """A learner twice as slow as the fastest (whose step time step_s is) reaches its step
+    100 twice as late; the lead step (syncer crashes, membership) moves at the fastest
+    learner's pace (every entry was placed at step_s per step)."""
     p = SimParams(horizon_days=0.01, step_s=0.5)
     steps = FaultSpec(unit="steps", crashes=((0, 100), (1, 100)), syncer_crashes=(40,),
                       membership=((2, 10, 60),), speed_factors=(1.5, 3.0, 2.0))  # fmt: skip
     placed = fault_steps.in_seconds(steps, 0.5, faults.speed_factors_of(steps, 3))
-    assert placed.crashes == ((0, 75.0), (1, 150.0))
-    assert placed.syncer_crashes == (30.0,) and placed.membership == ((2, 7.5, 45.0),)
+    assert placed.crashes == ((0, 50.0), (1, 100.0))
+    assert placed.syncer_crashes == (20.0,) and placed.membership == ((2, 5.0, 30.0),)
+    uniform = dataclasses.replace(steps, speed_factors=(6.0, 6.0, 6.0))  # step_s measured
+    assert fault_steps.in_seconds(uniform, 0.5, [6.0] * 3).crashes == ((0, 50.0), (1, 50.0))
     seconds = dataclasses.replace(placed, unit="seconds")
     assert simulate("decoupled", 3, 3, p, steps) == simulate("decoupled", 3, 3, p, seconds)
     halves = FaultSpec(unit="steps", crashes=((1, 100),), slow_fraction=0.5, slow_factor=2.0)
@@ -448,6 +450,41 @@ def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path, 
     assert log.ledger.useful_steps == [6.0] and log.ledger.rolled_back_merges == 3
     assert log.ledger.syncer_lost_steps == 12
     log.close()
+
+
+def test_a_crash_does_not_count_the_steps_a_syncer_restore_rolled_back(tmp_path):
+    """Learner 0's offers of steps 1-4 and 5-8 were merged, then rolled back by a restore;
+    it had not seen the second merge when it crashed at step 10, so its rejoin finds Θ
+    lacking steps 5-10. Steps 5-8 are `syncer_lost_steps`: the crash lost 9-10 only."""
+    from decoupled_diloco.runtime.records import RunLog
+
+    log = RunLog(str(tmp_path), Ledger(2, sync_every=4, fragments=1))
+    for version, step in [(1, 4), (2, 8)]:
+        log.record({"event": "merge", "fragment": 0, "version": version, "learners": [0],
+                    "c_steps": [4], "steps": [step], "share": 1.0, "time": 1.0})  # fmt: skip
+    log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 0},
+               "after_failure": True, "time": 2.0})  # fmt: skip
+    assert log.ledger.syncer_lost_steps == 8
+    log.event({"event": "learner_down", "learner": 0, "step": 10, "time": 2.5})
+    log.event({"event": "rejoin", "learner": 0, "step": 10, "lost_steps": 6,
+               "lost_spans": {"0": [[4, 10]]}, "time": 3.0})  # fmt: skip
+    assert log.ledger.crash_lost_steps == 2
+    # Learner 1's spans are its own: nothing of it was rolled back.
+    log.event({"event": "rejoin", "learner": 1, "step": 6, "lost_steps": 6,
+               "lost_spans": {"0": [[0, 6]]}, "time": 3.5})  # fmt: skip
+    assert log.ledger.crash_lost_steps == 2 + 6
+    # A learner restored from its checkpoint at step 6 goes on on another timeline: the
+    # rolled-back spans past it no longer stand for its later steps.
+    log.event({"event": "resume_cut", "learner": 0, "step": 6, "lost_steps": 2,
+               "lost_spans": {"0": [[4, 6]]}, "time": 4.0})  # fmt: skip
+    assert log.ledger.resume_lost_steps == 0  # steps 5-6 were rolled back
+    log.event({"event": "rejoin", "learner": 0, "step": 9, "lost_steps": 3,
+               "lost_spans": {"0": [[6, 9]]}, "time": 5.0})  # fmt: skip
+    assert log.ledger.crash_lost_steps == 8 + 3
+    log.close()
+    lines = (tmp_path / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    first = [e for e in map(json.loads, lines) if e["event"] == "rejoin"][0]
+    assert (first["lost_steps"], first["rolled_back_steps"]) == (2, 4)  # the log says so too
 
 
 def test_a_syncer_restore_counts_each_learners_most_lost_steps_of_any_fragment(tmp_path):

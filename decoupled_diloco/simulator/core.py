@@ -274,8 +274,9 @@ def simulate(
     learner one unit of chips_per_learner chips (the comparison with real runs). The
     schedule then has its own seed (`fault_spec.seed`, also the result's `seed`) and speeds:
     params.seed and the other chip-MTBF fields (simulate.CHIP_MTBF_ONLY) are not used. A
-    step schedule (`unit = "steps"`) is placed in time at params.step_s seconds per step,
-    times each learner's speed factor (`fault_steps.in_seconds`)."""
+    step schedule (`unit = "steps"`) is placed in time at params.step_s seconds per step of
+    the fastest learner, a slower one's steps at its speed factor's share more
+    (`fault_steps.in_seconds`)."""
     p = SimParams() if params is None else params
     _check(method, chips, learners, p, fault_spec)
     if fault_spec is not None:
