@@ -207,12 +207,17 @@ def set_aside(src: epath.Path, reason: str) -> str:
     return str(dst)
 
 
-def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarnation: int) -> None:
+def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarnation: int,
+                 accounted: dict | None = None) -> None:  # fmt: skip
     """A learner's TrainState with its step, data position and incarnation (a no-op while
-    it is down, or when this step is saved already)."""
+    it is down, or when this step is saved already); `accounted`: where its lost-step
+    accounting stands (runtime/learner_loop.py `_cut`), kept for a resume."""
     if state is None or ckpt.latest_step() == step:
         return
-    ckpt.save(step, state, {"step": step, "data": data_state, "incarnation": incarnation})
+    meta = {"step": step, "data": data_state, "incarnation": incarnation}
+    if accounted is not None:
+        meta["accounted"] = accounted
+    ckpt.save(step, state, meta)
     host, hosts = _process()
     if hosts > 1:
         _save_host_data(ckpt, step, data_state, host)
@@ -249,9 +254,10 @@ def _restore_host_data(ckpt: Checkpointer, step: int, host: int) -> dict:
 
 
 def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
-    """(step, data position, next incarnation, TrainState or None) of the last checkpoint,
-    or None without one. Without `params_too` only the position is read: a learner restarting
-    against a syncer takes its parameters from Θ."""
+    """(step, data position, next incarnation, TrainState or None, the `accounted` it was
+    saved with or {}) of the last checkpoint, or None without one. Without `params_too` only
+    the position is read: a learner restarting against a syncer takes its parameters from
+    Θ."""
     ckpt.manager.wait_until_finished()
     if ckpt.latest_step() is None:
         return None
@@ -270,4 +276,4 @@ def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
                 f"spans {hosts}; its hosts' data positions cannot be carried over: resume it "
                 "on a slice of the same topology"
             ) from None
-    return int(meta["step"]), data, int(meta["incarnation"]) + 1, state
+    return int(meta["step"]), data, int(meta["incarnation"]) + 1, state, meta.get("accounted", {})

@@ -352,6 +352,42 @@ def test_data_parallel_stopped_while_down_ends_with_what_survives(warm, tmp_path
     assert np.isfinite(summary["final_eval_loss"]) and summary["failures"] == 1
 
 
+@pytest.mark.slow
+def test_a_crash_and_a_syncer_restore_count_each_lost_step_once(warm, tmp_path):
+    """Learner 0 crashes at step 10 and the syncer dies before its first checkpoint, so
+    the restore rolls back every merge, among them merges of learner 0's work it had not
+    applied yet (τ = 3). Each step a learner trained is held by Θ, rolled back
+    (`syncer_lost_steps`) or lost to the crash, exactly once: the crash counted the steps
+    of those merges again (24 steps trained, 28 accounted for)."""
+    c = tiny_config(learners=2, crashes=[[0, 10]], syncer_crashes=[12], restart_delay_s=2.0,
+                    syncer_restart_delay_s=0.5)  # fmt: skip
+    c.train.steps = 24
+    c.diloco.sync_every, c.diloco.fragments, c.diloco.overlap = 4, 1, 3
+    c.diloco.syncer_checkpoint_seconds = 1000.0  # none before the crash
+    c.faults.speed_factors = [1.0, 2.5]
+    out = run(c, tmp_path)
+    (restore,) = [e for e in only(out["events"], "syncer_restore") if e.get("after_failure")]
+    assert {int(p): v for p, v in restore["versions"].items()} == {0: 0}
+    lost = {0: 0, 1: 0}
+    for e in out["events"]:
+        if e["event"] in ("rejoin", "resume_cut", "member_join"):
+            lost[e["learner"]] += e.get("lost_steps", 0)
+    rolled_back = {0: 0, 1: 0}
+    for m in (0, 1):
+        held = 0
+        for r in out["merges"]:
+            steps = sum(c for mm, c in zip(r["learners"], r["c_steps"], strict=True) if mm == m)
+            if r["time"] < restore["time"]:
+                rolled_back[m] += steps
+            else:
+                held += steps
+        assert held + rolled_back[m] + lost[m] == 24, (m, held, rolled_back[m], lost[m])
+    assert rolled_back[0] > 0 and lost[0] > 0
+    summary = out["summary"]
+    assert summary["syncer_lost_steps"] == sum(rolled_back.values())
+    assert summary["crash_lost_steps"] == lost[0] + lost[1]
+
+
 def test_crashes_with_no_merge_between_them_count_each_lost_step_once(warm, tmp_path):
     """Each `rejoin` reports the steps its crash lost: those of the life that crashed. A
     second crash before any of the learner's work was merged reported the first life's

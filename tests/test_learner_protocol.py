@@ -4,6 +4,8 @@ One protocol driven by hand: the test plays the syncer, writing `Merged` replies
 vector clocks (tests/test_work_conservation.py runs many learners against a real syncer).
 """
 
+import json
+
 import numpy as np
 import pytest
 from protocol_sim import (
@@ -263,13 +265,82 @@ def test_a_crash_after_a_syncer_restore_does_not_count_the_rolled_back_steps_aga
     loop = LearnerLoop.__new__(LearnerLoop)  # only what a crash and its rejoin's cut touch
     loop.m, loop.step, loop.proto, loop.replica = 0, s.proto.step, s.proto, s.replica
     loop.outbox = loop.stager = loop.lives = loop.restored = None
-    loop.incarnation, loop._life_from, loop._merged_through, loop._crash_lost = 0, 0, [], 0
+    loop.incarnation, loop._counted, loop._crash_lost = 0, {}, None
     s.replica.drop = lambda: None
     loop._crash("crash")
     assert loop.proto is None and loop.away == "crash"
+    assert loop._counted == {0: [(2, 4)]}  # the restore's
     loop._cut([restored])  # the rejoin meets Θ at the same restored version
-    assert loop._crash_lost == 1
-    assert loop._life_from == 5
+    assert loop._crash_lost == (1, {"0": [[4, 5]]})
+    assert loop._counted == {0: [(2, 5)]}
+
+
+def test_a_resume_does_not_count_the_steps_an_earlier_crash_counted(tmp_path):
+    """Learner 0 crashed at step 3 (its rejoin counted steps 1-3 lost) and went on from
+    there; the run was killed and resumes its checkpoint of step 24 against a syncer that
+    holds none of its work (it had no checkpoint). The resume lost steps 4-24: it counted
+    1-24, as the checkpoint did not say where the learner's accounting stood."""
+    import types
+
+    from decoupled_diloco import checkpoint
+    from decoupled_diloco.runtime.learner_loop import LearnerLoop
+
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "learner_0"))
+    data = {"host_index": 0, "position": 24}
+    checkpoint.save_learner(ckpt, {"w": np.ones(3, np.float32)}, data, 24, 1,
+                            {"counted": {"0": [[0, 3]]}})  # fmt: skip
+    loop = LearnerLoop.__new__(LearnerLoop)  # only what a restore and its cut touch
+    events, positions = [], []
+    loop.m, loop.step, loop.incarnation, loop.ckpt, loop.away = 0, 0, 0, ckpt, "start"
+    loop._counted, loop._crash_lost, loop.proto = {}, None, None
+    loop.replica = types.SimpleNamespace(abstract_state=lambda: None)
+    loop.sink = types.SimpleNamespace(event=events.append)
+    loop.data = types.SimpleNamespace(set_state=positions.append)
+    loop.clock = lambda: 0.0
+    assert loop.restore(params_too=False)
+    assert (loop.step, loop.incarnation, positions) == (24, 2, [data])
+    ckpt.close()
+    loop.restored = None
+    loop._cut([Snapshot({0: 0}, initial_params(), 0.0, epoch=1, merged={0: {}})])
+    (cut,) = events
+    assert cut["event"] == "resume_cut" and cut["lost_steps"] == 21
+    assert cut["lost_spans"] == {"0": [[3, 24]]}
+
+
+def test_a_member_rejoining_after_a_restore_does_not_count_its_rolled_back_steps(tmp_path):
+    """Learner 0 left its membership at step 8, its offers merged; a syncer restore (which
+    the learner, gone, never saw) rolled those merges back: `syncer_lost_steps` has steps
+    1-8. Back in its window, its cut finds Θ lacking steps 1-8: it counted them again, as
+    a resume's loss in a run that was never resumed."""
+    from decoupled_diloco.runtime.accounting import Ledger
+    from decoupled_diloco.runtime.learner_loop import LearnerLoop
+    from decoupled_diloco.runtime.records import RunLog
+
+    log = RunLog(str(tmp_path), Ledger(1, sync_every=H, fragments=1))
+    s = Scripted()
+    for version in range(1, 5):
+        s.step()
+        s.step()  # step 2k: offers; the syncer merges it, the learner applies it
+        log.record({"event": "merge", "fragment": 0, "version": version, "learners": [0],
+                    "c_steps": [2], "steps": [2 * version], "share": 1.0, "time": 1.0})  # fmt: skip
+        s.proto.handle([reply(moved(s.theta0, seed=30 + version), version, held_step=2 * version)])
+        apply_updates(s.replica, s.proto.apply_due(final=True))
+    assert s.proto.merged_through() == [8] and s.proto.unmerged_steps() == [0]
+    loop = LearnerLoop.__new__(LearnerLoop)
+    loop.m, loop.step, loop.proto, loop.replica = 0, 8, s.proto, s.replica
+    loop.outbox = loop.stager = loop.lives = loop.restored = None
+    loop.incarnation, loop._counted, loop._crash_lost = 0, {}, None
+    loop.sink, loop.clock = log, lambda: 2.0
+    s.replica.drop = lambda: None
+    loop._crash("leave")
+    log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 0},
+               "after_failure": True, "time": 1.5})  # fmt: skip
+    loop._cut([Snapshot({0: 0}, s.theta0, 0.0, epoch=1, merged={0: {}})])
+    assert log.ledger.syncer_lost_steps == 8
+    assert log.ledger.resume_lost_steps == 0
+    log.close()
+    (cut,) = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()][1:]
+    assert (cut["event"], cut["lost_steps"], cut["rolled_back_steps"]) == ("resume_cut", 0, 8)
 
 
 def test_step_time_estimate_leaves_out_the_compiling_first_step():

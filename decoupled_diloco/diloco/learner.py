@@ -116,7 +116,7 @@ class _Fragment:
     refused: int = 0  # offers of this fragment refused in a row (`Dropped`)
     deferred: int = 0  # boundaries in a row its arrived version was not ready to apply
     sit_out: int = 0  # boundaries to let pass before it is offered again (after refusals)
-    # Our newest step a version of Θ_p we applied held (in any syncer life: a restore that
+    # Our newest step a version of Θ_p we received held (in any syncer life: a restore that
     # rolls it back does not lower it, the rollback's own count has those steps).
     merged_through: int = 0
 
@@ -159,6 +159,9 @@ class Learner:
         self.started = False
         self.applied_merges = 0
         self.resyncs = 0  # snapshots of a new syncer life applied (restores seen)
+        # (fragment, lo, hi): our steps (lo, hi] that versions we received held and a syncer
+        # restore rolled back (the run counts them as `syncer_lost_steps`)
+        self.rolled_back: list[tuple[int, int, int]] = []
         self.deferrals = 0  # boundaries at which an arrived merge waited for its placement
         # Round trips of our offers: steps from an offer to the boundary that applied the
         # first version holding it (sum, count), τ at best; past H they merge less often.
@@ -281,6 +284,10 @@ class Learner:
         newest = f.arrived.version if f.arrived is not None else f.version
         if msg.epoch == f.epoch and msg.version > newest:
             f.arrived = msg
+            # Θ_p holds our work up to there from now, though it is applied at s + τ.
+            inc, step = msg.merged.get(self.id, msg.merged.get(str(self.id), (-1, -1)))
+            if inc == self.incarnation:
+                f.merged_through = max(f.merged_through, int(step))
 
     def _holds(self, clock: dict, t: InFlight | None) -> bool:
         """Does a version with vector clock `clock` hold our offer `t`?"""
@@ -304,7 +311,11 @@ class Learner:
                 self._arrive(Merged(p, int(version), payload, (), snap.time, epoch=snap.epoch,
                                     merged=clock))  # fmt: skip
                 continue
-            held = self._holds(snap.merged.get(p, {}), f.in_flight)
+            clock = snap.merged.get(p, {})
+            kept = int(clock.get(self.id, clock.get(str(self.id), (-1, 0)))[1])
+            if f.merged_through > kept:  # versions holding steps up to there are gone
+                self.rolled_back.append((p, kept, f.merged_through))
+            held = self._holds(clock, f.in_flight)
             if held and self.cfg.apply == "overwrite":
                 # Θ_restored holds our offer: overwrite onto it, as onto the merge the lost
                 # life sent (a rebase would keep the offer's steps in θ on top of it, and our
@@ -457,7 +468,7 @@ class Learner:
         return Leave(self.id, self.incarnation, self.clock(), finished)
 
     def merged_through(self) -> list[int]:
-        """Per fragment, our newest step a version of Θ_p we applied held, in this syncer
+        """Per fragment, our newest step a version of Θ_p we received held, in this syncer
         life or a lost one (0: none yet)."""
         return [f.merged_through for f in self.frags]
 

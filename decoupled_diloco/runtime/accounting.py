@@ -56,7 +56,7 @@ import math
 import statistics
 import threading
 
-from decoupled_diloco import faults
+from decoupled_diloco import fault_steps, faults
 
 
 def tolerance_steps(sync_every: int) -> int:
@@ -143,6 +143,9 @@ class Ledger:
         # after its last checkpoint), summed over learners, each learner's most any fragment
         # lost (its learners rebase away from them and do not offer them again).
         self.syncer_lost_steps = 0
+        # (learner, fragment) -> the step spans (lo, hi] of the merges a restore rolled
+        # back: a crash or cut that finds Θ lacking them does not count them again.
+        self._rolled: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.failures = 0
         self.restarts = 0
         self.syncer_failures = 0
@@ -188,8 +191,11 @@ class Ledger:
             share = rec.get("share", 0.0)
             steps = list(zip(rec["learners"], rec["c_steps"], strict=True))
             useful = [(m, c * share) for m, c in steps]
+            # Each offer's steps: (its step - c_steps, its step] of its learner.
+            ends = rec.get("steps") or ()
+            spans = [(m, s - c, s) for (m, c), s in zip(steps, ends, strict=False)]
             credit = (len(rec["learners"]), sum(rec["c_steps"]),
-                      sum(rec.get("offer_seconds", ())), useful, steps)  # fmt: skip
+                      sum(rec.get("offer_seconds", ())), useful, steps, spans)  # fmt: skip
             self._credit(credit, +1)
             fragment = rec.get("fragment", 0)
             self._credited.setdefault(fragment, []).append((rec.get("version", 0), credit))
@@ -197,7 +203,7 @@ class Ledger:
             self.first_merge.setdefault(fragment, rec["time"])
 
     def _credit(self, credit: tuple, sign: int) -> None:
-        learners, steps, offer_seconds, useful, _ = credit
+        learners, steps, offer_seconds, useful = credit[:4]
         self.merges += sign
         self.merged_learners += sign * learners
         self.merged_steps += sign * steps
@@ -219,6 +225,8 @@ class Ledger:
                         self.rolled_back_merges += 1
                         for m, c in credit[4]:
                             lost[m, int(p)] = lost.get((m, int(p)), 0) + c
+                        for m, lo, hi in credit[5]:
+                            self._rolled.setdefault((m, int(p)), []).append((lo, hi))
                     else:
                         kept.append((version, credit))
                 self._credited[int(p)] = kept
@@ -226,6 +234,26 @@ class Ledger:
             for (m, _), c in lost.items():
                 most[m] = max(most.get(m, 0), c)
             self.syncer_lost_steps += sum(most.values())
+
+    def not_rolled_back(self, m: int, spans: dict) -> int:
+        """Of learner m's step spans {fragment: [(lo, hi], ...]} that Θ lacks (a crash's or
+        a cut's), the most steps any fragment lacks that no rolled-back merge held: those a
+        syncer restore took back are counted in `syncer_lost_steps` already."""
+        with self._lock:
+            most = 0
+            for p, pieces in spans.items():
+                rolled = self._rolled.get((m, int(p)), ())
+                left = [piece for lo, hi in pieces for piece in spans_minus(lo, hi, rolled)]
+                most = max(most, span_steps(left))
+            return most
+
+    def rewound(self, m: int, step: int) -> None:
+        """Learner m goes on from `step` (a checkpoint, or where Θ holds its work): the spans
+        rolled back past it were another timeline's, which its new steps do not repeat."""
+        with self._lock:
+            for (mm, p), spans in self._rolled.items():
+                if mm == m:
+                    self._rolled[mm, p] = [(lo, min(hi, step)) for lo, hi in spans if lo < step]
 
     def row(self, rec: dict) -> None:
         """A learner's metrics row: the merge delay of the merges it applied since its
@@ -337,3 +365,21 @@ class Ledger:
             "rejected_offers": self.rejected_offers,
             "dropped_offers": self.dropped_offers,
         }
+
+
+def spans_minus(lo: int, hi: int, spans) -> list[tuple[int, int]]:
+    """The steps (lo, hi] not in any of `spans` (each (a, b]), as disjoint spans."""
+    out, at = [], lo
+    for a, b in fault_steps.merge_windows(spans):
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
+def span_steps(spans) -> int:
+    return sum(b - a for a, b in spans)

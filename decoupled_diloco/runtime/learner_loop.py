@@ -22,10 +22,11 @@ import jax
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import checkpoint, faults, mfu, profiling
+from decoupled_diloco import checkpoint, fault_steps, faults, mfu, profiling
 from decoupled_diloco.data.prefetch import Prefetch
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Leave, Snapshot
+from decoupled_diloco.runtime.accounting import span_steps, spans_minus
 from decoupled_diloco.runtime.boundary import MergeStager, apply_updates, finish, step_boundary
 from decoupled_diloco.runtime.lives import next_life
 from decoupled_diloco.runtime.outbox import Outbox
@@ -131,14 +132,15 @@ class LearnerLoop:
         self.interrupted = False
         self._stop_requested = False  # a StopRequest arrived: stop before the next step
         self._stop = None  # the runtime's stop event, while `run` trains
-        self._crash_lost = 0  # steps of work the last emulated crash lost (`_cut`)
+        # (steps of work the last emulated crash lost, their spans per fragment) (`_cut`)
+        self._crash_lost: tuple | None = None
         # The step this life's work began at (its cut): a crash loses no step before it,
         # whatever Θ holds (an earlier crash's `lost_steps` counted those).
-        self._life_from = 0
-        # Per fragment, the step up to which our work reached Θ in a version this learner
-        # applied, over its lives (`Learner.merged_through`): a syncer restore that rolled
-        # such work back counted it (`syncer_lost_steps`), so a crash does not count it again.
-        self._merged_through: list[int] = []
+        # Per fragment, the spans (lo, hi] of our steps counted lost already, by a crash or
+        # a cut (`lost_steps`) or by a syncer restore rolling back versions we saw holding
+        # them (`syncer_lost_steps`): a later cut does not count them again. Kept in the
+        # checkpoints, for a resume.
+        self._counted: dict[int, list[tuple[int, int]]] = {}
         self.away = "start"  # why the learner is about to (re)start
         self.times = StepTimes()  # where its steps' time goes (rows' host_share)
         self.saves = SaveSchedule(run.train.checkpoint_every, run.train.checkpoint_duty)
@@ -160,15 +162,33 @@ class LearnerLoop:
             self.ckpt.refused.clear()
         if out is None:
             return False
-        self.step, data_state, incarnation, self.restored = out
+        self.step, data_state, incarnation, self.restored, accounted = out
         self.incarnation = max(self.incarnation, incarnation)
+        # The steps an earlier attempt counted lost (up to this step: those after it are
+        # trained again).
+        self._counted = {
+            int(p): [(a, min(b, self.step)) for a, b in spans if a < self.step]
+            for p, spans in accounted.get("counted", {}).items()
+        }
         self.data.set_state(data_state)
         return True
 
     def save(self) -> None:
         checkpoint.save_learner(
-            self.ckpt, self.replica.state, self.data.get_state(), self.step, self.incarnation
-        )
+            self.ckpt, self.replica.state, self.data.get_state(), self.step, self.incarnation,
+            {"counted": {str(p): spans for p, spans in self._absorb().items()}},
+        )  # fmt: skip
+
+    def _absorb(self) -> dict:
+        """`_counted`, with the spans the protocol saw a syncer restore roll back."""
+        if self.proto is not None:
+            for p, lo, hi in self.proto.rolled_back:
+                self._count(p, [(lo, hi)])
+            self.proto.rolled_back.clear()
+        return self._counted
+
+    def _count(self, p: int, spans) -> None:
+        self._counted[p] = fault_steps.merge_windows([*self._counted.get(p, []), *spans])
 
     # --- the loop ---------------------------------------------------------------------
     def run(self, stop) -> None:
@@ -328,9 +348,9 @@ class LearnerLoop:
             event = "member_join" if late or self.away == "leave" else "rejoin"
         restarted = self.away == "process_restart"
         fields = dict(incarnation=self.incarnation, process_restart=restarted, pid=os.getpid())
-        if self._crash_lost:
-            fields["lost_steps"] = self._crash_lost
-            self._crash_lost = 0
+        if self._crash_lost is not None and self._crash_lost[0]:
+            fields["lost_steps"], fields["lost_spans"] = self._crash_lost
+        self._crash_lost = None
         if event == "member_join":  # when its window opened (the join comes a little later)
             fields["window_opened"] = self.schedule.member_since(self.m, self.clock())
         self.sink.event(self._event(event, **fields))
@@ -400,31 +420,30 @@ class LearnerLoop:
                 entry = clock.get(self.m, clock.get(str(self.m)))
                 by_fragment[int(p)] = 0 if entry is None else int(entry[1])
         held = list(by_fragment.values())
-        life_from, self._life_from = self._life_from, self.step
         if not held:
             return
         skipped = max(max(held) - self.step, 0)
-        lost = max(self.step + skipped - min(held), 0)  # most any fragment misses
+        end = self.step + skipped
+        # Per fragment, the steps Θ lacks that no earlier crash, cut or restore counted;
+        # lost now: the most any fragment lacks. The driver checks them against the merges
+        # a syncer restore rolled back, which this learner need not have seen.
+        counted = self._absorb()
+        lacking = {p: spans_minus(h, end, counted.get(p, ())) for p, h in by_fragment.items()}
+        lost = max(span_steps(spans) for spans in lacking.values())
+        spans = {str(p): [list(s) for s in ss] for p, ss in lacking.items() if ss}
+        for p, ss in lacking.items():
+            self._count(p, ss)
         if skipped:
             for _ in range(skipped):  # the data Θ already holds is not read again
                 next(self.data)
             self.step = self.proto.step = self.step + skipped
-            self._life_from = self.step
         from_checkpoint = self.restored is not None or self.away in ("start", "process_restart")
-        if from_checkpoint:
-            self._merged_through = []  # (steps of another timeline)
         if not skipped and self.away in ("crash", "nan") and not from_checkpoint:
-            # The life that crashed lost its own steps only: those before it began, Θ
-            # lacking them too, were lost with the life before, and counted there; those
-            # of merges a syncer restore has rolled back since, with that restore.
-            floors = self._merged_through
-            reached = min(
-                max(h, floors[p] if p < len(floors) else 0) for p, h in by_fragment.items()
-            )
-            self._crash_lost = max(self.step - max(reached, life_from), 0)
+            self._crash_lost = (lost, spans)
             return
         if skipped or lost:
-            self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost))
+            self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost,
+                                        lost_spans=spans))  # fmt: skip
         if lost:
             logging.warning(
                 "learner %d: the syncer's Θ lacks up to %d of its steps (some fragment holds "
@@ -542,12 +561,7 @@ class LearnerLoop:
             self.outbox.drop()
         if self.stager is not None:
             self.stager.clear()
-        if self.proto is not None and self.proto.started:
-            old = self._merged_through
-            self._merged_through = [
-                max(a, old[p] if p < len(old) else 0)
-                for p, a in enumerate(self.proto.merged_through())
-            ]
+        self._absorb()
         self.proto = None
         self.take_life(self.incarnation + 1)
         self.away, self.steps_since_start = why, 0

@@ -58,9 +58,11 @@ class RunLog:
             self.event(rec)
 
     def event(self, rec: dict) -> None:
-        self.events.write(rec)
         kind, t = rec["event"], rec.get("time", 0.0)
         ledger = self.ledger
+        if kind in ("rejoin", "resume_cut"):
+            rec = self._not_counted_twice(rec)
+        self.events.write(rec)
         counted = not rec.get("earlier_attempt")  # an outage an earlier attempt counted
         if kind in ("learner_down", "nan_restart"):
             ledger.failure(rec["learner"], t, counted)
@@ -93,6 +95,21 @@ class RunLog:
             ledger.dropped_offers += 1
         elif kind == "resume_cut":
             ledger.resume_lost_steps += rec.get("lost_steps", 0)
+
+    def _not_counted_twice(self, rec: dict) -> dict:
+        """A learner's crash or cut counts the steps of its own it found Θ lacking
+        (`lost_spans`); those a syncer restore rolled back, which it may not have seen
+        merged, are `syncer_lost_steps` already: they stay out of its `lost_steps`."""
+        m, spans = rec.get("learner"), rec.get("lost_spans")
+        if not isinstance(m, int):
+            return rec
+        self.ledger.rewound(m, int(rec.get("step", 0)))
+        if not spans or not rec.get("lost_steps"):
+            return rec
+        own = self.ledger.not_rolled_back(m, {int(p): span for p, span in spans.items()})
+        if own >= rec["lost_steps"]:
+            return rec
+        return {**rec, "lost_steps": own, "rolled_back_steps": rec["lost_steps"] - own}
 
     def step(self, m: int, seconds: float, t: float) -> None:
         self.ledger.step(m, seconds, t)
