@@ -134,8 +134,6 @@ class LearnerLoop:
         self._stop = None  # the runtime's stop event, while `run` trains
         # (steps of work the last emulated crash lost, their spans per fragment) (`_cut`)
         self._crash_lost: tuple | None = None
-        # The step this life's work began at (its cut): a crash loses no step before it,
-        # whatever Θ holds (an earlier crash's `lost_steps` counted those).
         # Per fragment, the spans (lo, hi] of our steps counted lost already, by a crash or
         # a cut (`lost_steps`) or by a syncer restore rolling back versions we saw holding
         # them (`syncer_lost_steps`): a later cut does not count them again. Kept in the
