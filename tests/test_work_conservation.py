@@ -472,11 +472,12 @@ class _SyncerLink:
     the restored syncer, whose snapshot reaches the learner as its announcement. Virtual clock:
     a receive costs 1 ms, or its whole timeout when nothing arrives."""
 
-    def __init__(self, syncer, clock: dict, announced: bool = True):
+    def __init__(self, syncer, clock: dict, announced: bool = True, delivered: bool = True):
         self.syncer, self.clock, self.restore, self.inbox = syncer, clock, None, []
-        # False: the restored syncer does not know the learner (no checkpoint), so it sends
-        # no announcement, and the offer reaches it instead of dying with the old one.
-        self.announced = announced
+        # `announced` False: the restored syncer does not know the learner (no checkpoint),
+        # so it sends no announcement; the offer then reaches it (`delivered`) or dies with
+        # the old one.
+        self.announced, self.delivered = announced, delivered
 
     def _deliver(self, out) -> None:
         self.inbox += [msg for m, msg in out if m == 0]
@@ -487,6 +488,8 @@ class _SyncerLink:
             self.syncer, self.restore = self.restore(), None
             if self.announced:
                 self._deliver([(0, self.syncer.snapshot(self.clock["t"]))])
+                return
+            if not self.delivered:
                 return
         self._deliver(self.syncer.handle(offer, self.clock["t"]))
 
@@ -545,19 +548,29 @@ def test_a_final_sync_reaches_a_restored_syncer_that_never_saw_its_life():
         np.testing.assert_allclose(v, want[k], atol=2e-6, err_msg=k)
 
 
-def test_a_final_sync_reaches_a_restored_syncer_that_knows_no_learner():
+@pytest.mark.parametrize("delivered", [True, False])
+def test_a_final_sync_reaches_a_restored_syncer_that_knows_no_learner(delivered):
     """The syncer dies as the learner leaves, before its first checkpoint: the restored one
-    knows no learner, so it announces itself to nobody and refuses the final offer as from
-    an unknown learner. The learner must make itself known (a heartbeat, which the syncer
-    takes as a join and answers with its snapshot): it was refused until final_wait ran out
-    (120 s by default), and its last steps never reached Θ."""
-    c = cfg(learners=1, fragments=1, sync_every=2, overlap=0, final_sync=True, final_wait=60.0)
+    knows no learner, so it announces itself to nobody, and the final offer is refused as
+    from an unknown learner (`delivered`) or died with the old syncer. The learner must make
+    itself known (a heartbeat, which the syncer takes as a join and answers with its
+    snapshot): it waited until final_wait ran out (120 s by default), and its last steps
+    never reached Θ."""
+    c = cfg(
+        learners=1,
+        fragments=1,
+        sync_every=2,
+        overlap=0,
+        final_sync=True,
+        final_wait=60.0,
+        heartbeat_every=0.5,
+    )  # (the default's: beats are what this is about)
     plan = make_fragment_plan(SHAPES, 1, "balanced", 2)
     theta0, update, clock = initial_params(), linear_update(), {"t": 0.0}
     syncer = Syncer(c, plan, theta0, record=lambda r: None)
     records = []
     proto = Learner(0, c, plan, 64, lambda: clock["t"])
-    link = _SyncerLink(syncer, clock, announced=False)
+    link = _SyncerLink(syncer, clock, announced=False, delivered=delivered)
     replica = NumpyReplica(0, update)
     replica.init_from_host(proto.start([s for _, s in syncer.handle(proto.join(), 0.0)]))
     for _ in range(3):  # the offer at step 2 is merged by the syncer that dies

@@ -335,11 +335,13 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
             beat(proto, outbox)
             outbox.send(proto.leave(finished))
             lives = proto.resyncs
-        elif proto.retrying():
-            # Refused work: the syncer may be a restored life that knows no learner (its
-            # checkpoint predates everyone, or there was none), which announces itself to
-            # nobody and refuses us as unknown; a heartbeat is taken as our join, answered
-            # with its snapshot (handled above). Known to it, the heartbeat only says we wait.
+        else:
+            # The syncer may be a restored life that knows no learner (its checkpoint
+            # predates everyone, or there was none): it announces itself to nobody, our
+            # offers died with its predecessor or are refused as from an unknown learner, and
+            # nothing would resolve them before final_wait. A heartbeat (every
+            # diloco.heartbeat_every) is taken as our join there, answered with its snapshot
+            # (handled above); a syncer that knows us only notes that we wait.
             beat(proto, outbox)
         apply_updates(replica, proto.apply_due(final=True))
         final_offers(proto, replica, outbox)
