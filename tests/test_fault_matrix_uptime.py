@@ -438,7 +438,7 @@ def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path, 
         log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 1, "1": 2},
                    "after_failure": True, "time": 6.0})  # fmt: skip
     assert "2 merges made since are rolled back" in caplog.text  # and logged
-    assert "(8 learner steps;" in caplog.text
+    assert "(8 learner steps, less what" in caplog.text
     assert log.ledger.useful_steps == [6.0]
     s = log.ledger.summary(wall=7.0, uses_syncer=True, learner_steps=[5])
     assert (s["merges"], s["rolled_back_merges"], s["mean_offer_steps"]) == (3, 2, 4.0)
@@ -485,6 +485,25 @@ def test_a_crash_does_not_count_the_steps_a_syncer_restore_rolled_back(tmp_path)
     lines = (tmp_path / "events.jsonl").read_text(encoding="utf-8").splitlines()
     first = [e for e in map(json.loads, lines) if e["event"] == "rejoin"][0]
     assert (first["lost_steps"], first["rolled_back_steps"]) == (2, 4)  # the log says so too
+
+
+def test_rolled_back_steps_that_are_merged_again_are_not_lost(tmp_path):
+    """Learner 0 had not applied the merge of its steps 1-2 when a restore rolled it back:
+    that work was still its own, and its next offer brought it again (steps 1-5). Only
+    learner 1, which had applied its merge of steps 1-4 and rebased away from it, lost
+    steps (it counted 2 + 4)."""
+    from decoupled_diloco.runtime.records import RunLog
+
+    log = RunLog(str(tmp_path), Ledger(2, sync_every=4, fragments=1))
+    log.record({"event": "merge", "fragment": 0, "version": 1, "learners": [0, 1],
+                "c_steps": [2, 4], "steps": [2, 4], "share": 1.0, "time": 1.0})  # fmt: skip
+    log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 0},
+               "after_failure": True, "time": 2.0})  # fmt: skip
+    assert log.ledger.syncer_lost_steps == 6  # as far as the restore can tell
+    log.record({"event": "merge", "fragment": 0, "version": 1, "learners": [0],
+                "c_steps": [5], "steps": [5], "share": 1.0, "time": 3.0})  # fmt: skip
+    assert log.ledger.syncer_lost_steps == 4
+    log.close()
 
 
 def test_a_syncer_restore_counts_each_learners_most_lost_steps_of_any_fragment(tmp_path):

@@ -139,13 +139,11 @@ class Ledger:
         # Steps of unmerged work emulated crashes lost with the learners' device state,
         # summed over learners (`rejoin` events' `lost_steps`).
         self.crash_lost_steps = 0
-        # Steps whose work a syncer restore rolled back with the merges holding them (those
-        # after its last checkpoint), summed over learners, each learner's most any fragment
-        # lost (its learners rebase away from them and do not offer them again).
-        self.syncer_lost_steps = 0
         # (learner, fragment) -> the step spans (lo, hi] of the merges a restore rolled
-        # back: a crash or cut that finds Θ lacking them does not count them again.
+        # back (`syncer_lost_steps`): a crash or cut that finds Θ lacking them does not
+        # count them again.
         self._rolled: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self._lost_unspanned = 0  # (rolled-back merge records without offer steps)
         self.failures = 0
         self.restarts = 0
         self.syncer_failures = 0
@@ -231,9 +229,32 @@ class Ledger:
                         kept.append((version, credit))
                 self._credited[int(p)] = kept
             most: dict[int, int] = {}
-            for (m, _), c in lost.items():
-                most[m] = max(most.get(m, 0), c)
-            self.syncer_lost_steps += sum(most.values())
+            for (m, p), c in lost.items():
+                if (m, p) not in self._rolled:
+                    most[m] = max(most.get(m, 0), c)
+            self._lost_unspanned += sum(most.values())
+
+    @property
+    def syncer_lost_steps(self) -> int:
+        """Steps whose work a syncer restore rolled back with the merges holding them (those
+        after its last checkpoint) and that no merge holds since, summed over learners,
+        each learner's most any fragment lost. A learner rebases away from the merges it
+        had applied and does not offer their steps again; those of a merge it had not
+        applied yet are still its own unmerged work, offered again (and merged: not lost)."""
+        with self._lock:
+            if not self._rolled:
+                return self._lost_unspanned
+            held: dict[tuple[int, int], list] = {}
+            for p, credits in self._credited.items():
+                for _, credit in credits:
+                    for m, lo, hi in credit[5]:
+                        held.setdefault((m, int(p)), []).append((lo, hi))
+            most: dict[int, int] = {}
+            for (m, p), rolled in self._rolled.items():
+                gone = [x for lo, hi in fault_steps.merge_windows(rolled)
+                        for x in spans_minus(lo, hi, held.get((m, p), ()))]  # fmt: skip
+                most[m] = max(most.get(m, 0), span_steps(gone))
+            return self._lost_unspanned + sum(most.values())
 
     def not_rolled_back(self, m: int, spans: dict) -> int:
         """Of learner m's step spans {fragment: [(lo, hi], ...]} that Θ lacks (a crash's or

@@ -80,7 +80,8 @@ class RunLog:
             if lost:
                 logging.warning(
                     "syncer shard %s restored its last checkpoint: %d merges made since are "
-                    "rolled back, and the work they held is lost (%d learner steps; "
+                    "rolled back, and the work they held is lost (%d learner steps, less what "
+                    "learners that had not applied them yet offer again; "
                     "checkpoints are taken every diloco.syncer_checkpoint_seconds, at most "
                     "diloco.syncer_checkpoint_duty of the time: a slow save spaces them "
                     "further)", rec.get("shard"), lost, ledger.syncer_lost_steps - steps,
