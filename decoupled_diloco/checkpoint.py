@@ -207,17 +207,12 @@ def set_aside(src: epath.Path, reason: str) -> str:
     return str(dst)
 
 
-def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarnation: int,
-                 accounted: dict | None = None) -> None:  # fmt: skip
+def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarnation: int) -> None:
     """A learner's TrainState with its step, data position and incarnation (a no-op while
-    it is down, or when this step is saved already); `accounted`: where its lost-step
-    accounting stands (runtime/learner_loop.py `_cut`), kept for a resume."""
+    it is down, or when this step is saved already)."""
     if state is None or ckpt.latest_step() == step:
         return
-    meta = {"step": step, "data": data_state, "incarnation": incarnation}
-    if accounted is not None:
-        meta["accounted"] = accounted
-    ckpt.save(step, state, meta)
+    ckpt.save(step, state, {"step": step, "data": data_state, "incarnation": incarnation})
     host, hosts = _process()
     if hosts > 1:
         _save_host_data(ckpt, step, data_state, host)
@@ -254,10 +249,9 @@ def _restore_host_data(ckpt: Checkpointer, step: int, host: int) -> dict:
 
 
 def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
-    """(step, data position, next incarnation, TrainState or None, the `accounted` it was
-    saved with or {}) of the last checkpoint, or None without one. Without `params_too` only
-    the position is read: a learner restarting against a syncer takes its parameters from
-    Θ."""
+    """(step, data position, next incarnation, TrainState or None) of the last checkpoint,
+    or None without one. Without `params_too` only the position is read: a learner restarting
+    against a syncer takes its parameters from Θ."""
     ckpt.manager.wait_until_finished()
     if ckpt.latest_step() is None:
         return None
@@ -276,4 +270,35 @@ def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):
                 f"spans {hosts}; its hosts' data positions cannot be carried over: resume it "
                 "on a slice of the same topology"
             ) from None
-    return int(meta["step"]), data, int(meta["incarnation"]) + 1, state, meta.get("accounted", {})
+    return int(meta["step"]), data, int(meta["incarnation"]) + 1, state
+
+
+def _counted_path(ckpt: Checkpointer) -> epath.Path:
+    """`<checkpoints>/counted/learner_<m>.json` (not a `learner_*` entry of its own, which
+    tools take for a learner's checkpoint folder)."""
+    directory = epath.Path(ckpt.directory)
+    return directory.parent / "counted" / f"{directory.name}.json"
+
+
+def save_counted(ckpt: Checkpointer, counted: dict) -> None:
+    """A learner's steps counted lost so far, {fragment: [(lo, hi], ...]}
+    (runtime/learner_loop.py `_cut`), beside its checkpoints. Written whenever they change,
+    not with a checkpoint: a crash counted after the last checkpoint stays counted when a
+    resume goes back to it."""
+    text = json.dumps({str(p): [list(s) for s in spans] for p, spans in counted.items()})
+    path = _counted_path(ckpt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    paths.write_atomic(path, text)
+
+
+def load_counted(ckpt: Checkpointer) -> dict[int, list[tuple[int, int]]]:
+    """What `save_counted` wrote ({} if nothing, or if the file does not read as one: it
+    only keeps a resume from counting lost steps twice)."""
+    path = _counted_path(ckpt)
+    try:
+        raw = json.loads(path.read_text()) if path.exists() else {}
+        return {int(p): [(int(a), int(b)) for a, b in spans] for p, spans in raw.items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        logging.warning("%s does not read (%s): the steps counted lost before may be counted "
+                        "again", path, e)  # fmt: skip
+        return {}

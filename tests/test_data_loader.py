@@ -140,7 +140,7 @@ def test_each_host_of_a_learner_checkpoints_its_own_position(tmp_path, monkeypat
             checkpoint.save_learner(ckpt, state, {"host_index": 0, "position": 5}, 4, 0)
     for host, position in ((0, 5), (1, 7)):
         monkeypatch.setattr(checkpoint, "_process", lambda h=host: (h, 2))
-        step, data, _, _, _ = checkpoint.restore_learner(ckpt, None, params_too=False)
+        step, data, _, _ = checkpoint.restore_learner(ckpt, None, params_too=False)
         assert step == 4 and data == {"host_index": host, "position": position}
     # A learner spanning more hosts than wrote the checkpoint: refused by name (it was a
     # bare FileNotFoundError, and a 1-host checkpoint resumed on 2 hosts met it too).

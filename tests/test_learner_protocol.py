@@ -264,8 +264,8 @@ def test_a_crash_after_a_syncer_restore_does_not_count_the_rolled_back_steps_aga
 
     loop = LearnerLoop.__new__(LearnerLoop)  # only what a crash and its rejoin's cut touch
     loop.m, loop.step, loop.proto, loop.replica = 0, s.proto.step, s.proto, s.replica
-    loop.outbox = loop.stager = loop.lives = loop.restored = None
-    loop.incarnation, loop._counted, loop._crash_lost = 0, {}, None
+    loop.outbox = loop.stager = loop.lives = loop.restored = loop.ckpt = None
+    loop.incarnation, loop._counted, loop._crash_lost, loop.host = 0, {}, None, 0
     s.replica.drop = lambda: None
     loop._crash("crash")
     assert loop.proto is None and loop.away == "crash"
@@ -276,10 +276,10 @@ def test_a_crash_after_a_syncer_restore_does_not_count_the_rolled_back_steps_aga
 
 
 def test_a_resume_does_not_count_the_steps_an_earlier_crash_counted(tmp_path):
-    """Learner 0 crashed at step 3 (its rejoin counted steps 1-3 lost) and went on from
-    there; the run was killed and resumes its checkpoint of step 24 against a syncer that
-    holds none of its work (it had no checkpoint). The resume lost steps 4-24: it counted
-    1-24, as the checkpoint did not say where the learner's accounting stood."""
+    """Learner 0 crashed at step 3 (its rejoin counted steps 1-3 lost) and at step 26,
+    after its checkpoint of step 24 (counting 23-26); the run was killed and resumes that
+    checkpoint against a syncer that holds none of its work (it had no checkpoint). The
+    resume lost steps 4-22 (25-26 are trained again): it counted 1-24."""
     import types
 
     from decoupled_diloco import checkpoint
@@ -287,11 +287,12 @@ def test_a_resume_does_not_count_the_steps_an_earlier_crash_counted(tmp_path):
 
     ckpt = checkpoint.Checkpointer(str(tmp_path / "learner_0"))
     data = {"host_index": 0, "position": 24}
-    checkpoint.save_learner(ckpt, {"w": np.ones(3, np.float32)}, data, 24, 1,
-                            {"counted": {"0": [[0, 3]]}})  # fmt: skip
+    checkpoint.save_learner(ckpt, {"w": np.ones(3, np.float32)}, data, 24, 1)
+    checkpoint.save_counted(ckpt, {0: [(0, 3), (22, 26)]})  # as the crashes counted
     loop = LearnerLoop.__new__(LearnerLoop)  # only what a restore and its cut touch
     events, positions = [], []
     loop.m, loop.step, loop.incarnation, loop.ckpt, loop.away = 0, 0, 0, ckpt, "start"
+    loop.host = 0
     loop._counted, loop._crash_lost, loop.proto = {}, None, None
     loop.replica = types.SimpleNamespace(abstract_state=lambda: None)
     loop.sink = types.SimpleNamespace(event=events.append)
@@ -299,12 +300,14 @@ def test_a_resume_does_not_count_the_steps_an_earlier_crash_counted(tmp_path):
     loop.clock = lambda: 0.0
     assert loop.restore(params_too=False)
     assert (loop.step, loop.incarnation, positions) == (24, 2, [data])
-    ckpt.close()
+    assert loop._counted == {0: [(0, 3), (22, 24)]} == checkpoint.load_counted(ckpt)
     loop.restored = None
     loop._cut([Snapshot({0: 0}, initial_params(), 0.0, epoch=1, merged={0: {}})])
     (cut,) = events
-    assert cut["event"] == "resume_cut" and cut["lost_steps"] == 21
-    assert cut["lost_spans"] == {"0": [[3, 24]]}
+    assert cut["event"] == "resume_cut" and cut["lost_steps"] == 19
+    assert cut["lost_spans"] == {"0": [[3, 22]]}
+    assert checkpoint.load_counted(ckpt) == {0: [(0, 24)]}  # kept for the next resume
+    ckpt.close()
 
 
 def test_a_member_rejoining_after_a_restore_does_not_count_its_rolled_back_steps(tmp_path):
@@ -328,8 +331,8 @@ def test_a_member_rejoining_after_a_restore_does_not_count_its_rolled_back_steps
     assert s.proto.merged_through() == [8] and s.proto.unmerged_steps() == [0]
     loop = LearnerLoop.__new__(LearnerLoop)
     loop.m, loop.step, loop.proto, loop.replica = 0, 8, s.proto, s.replica
-    loop.outbox = loop.stager = loop.lives = loop.restored = None
-    loop.incarnation, loop._counted, loop._crash_lost = 0, {}, None
+    loop.outbox = loop.stager = loop.lives = loop.restored = loop.ckpt = None
+    loop.incarnation, loop._counted, loop._crash_lost, loop.host = 0, {}, None, 0
     loop.sink, loop.clock = log, lambda: 2.0
     s.replica.drop = lambda: None
     loop._crash("leave")

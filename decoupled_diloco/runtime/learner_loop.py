@@ -160,33 +160,42 @@ class LearnerLoop:
             self.ckpt.refused.clear()
         if out is None:
             return False
-        self.step, data_state, incarnation, self.restored, accounted = out
+        self.step, data_state, incarnation, self.restored = out
         self.incarnation = max(self.incarnation, incarnation)
-        # The steps an earlier attempt counted lost (up to this step: those after it are
-        # trained again).
+        # The steps counted lost before, up to this step (a crash after this checkpoint
+        # counted steps it holds too; those after it are trained again, and the file
+        # forgets them, so that a later resume past them does not take them as counted).
+        saved = checkpoint.load_counted(self.ckpt)
         self._counted = {
-            int(p): [(a, min(b, self.step)) for a, b in spans if a < self.step]
-            for p, spans in accounted.get("counted", {}).items()
+            p: [(a, min(b, self.step)) for a, b in spans if a < self.step]
+            for p, spans in saved.items()
         }
+        if self._counted != saved and self.host == 0:
+            checkpoint.save_counted(self.ckpt, self._counted)
         self.data.set_state(data_state)
         return True
 
     def save(self) -> None:
         checkpoint.save_learner(
-            self.ckpt, self.replica.state, self.data.get_state(), self.step, self.incarnation,
-            {"counted": {str(p): spans for p, spans in self._absorb().items()}},
-        )  # fmt: skip
+            self.ckpt, self.replica.state, self.data.get_state(), self.step, self.incarnation
+        )
 
     def _absorb(self) -> dict:
         """`_counted`, with the spans the protocol saw a syncer restore roll back."""
-        if self.proto is not None:
-            for p, lo, hi in self.proto.rolled_back:
-                self._count(p, [(lo, hi)])
+        if self.proto is not None and self.proto.rolled_back:
+            self._count({p: [(lo, hi)] for p, lo, hi in self.proto.rolled_back})
             self.proto.rolled_back.clear()
         return self._counted
 
-    def _count(self, p: int, spans) -> None:
-        self._counted[p] = fault_steps.merge_windows([*self._counted.get(p, []), *spans])
+    def _count(self, spans: dict) -> None:
+        """Adds {fragment: [(lo, hi], ...]} to the steps counted lost, and keeps them beside
+        the checkpoints (where a resume finds them)."""
+        if not any(spans.values()):
+            return
+        for p, ss in spans.items():
+            self._counted[p] = fault_steps.merge_windows([*self._counted.get(p, []), *ss])
+        if self.host == 0 and self.ckpt is not None:
+            checkpoint.save_counted(self.ckpt, self._counted)
 
     # --- the loop ---------------------------------------------------------------------
     def run(self, stop) -> None:
@@ -429,8 +438,7 @@ class LearnerLoop:
         lacking = {p: spans_minus(h, end, counted.get(p, ())) for p, h in by_fragment.items()}
         lost = max(span_steps(spans) for spans in lacking.values())
         spans = {str(p): [list(s) for s in ss] for p, ss in lacking.items() if ss}
-        for p, ss in lacking.items():
-            self._count(p, ss)
+        self._count(lacking)
         if skipped:
             for _ in range(skipped):  # the data Θ already holds is not read again
                 next(self.data)
