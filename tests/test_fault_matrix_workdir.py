@@ -996,3 +996,23 @@ def test_a_resumed_runs_refused_offers_are_summed_over_its_attempts(tmp_path):
         {"dropped_offers": 2, "rejected_offers": 0}
     )
     assert (total["dropped_offers"], total["rejected_offers"]) == (5, 1)
+
+
+def test_a_counted_failure_is_recorded_at_once_not_at_the_next_heartbeat(tmp_path):
+    """A crash's rejoin (and its lost steps) reaches attempts.jsonl when it is counted: a
+    kill before the next heartbeat (every 5 s) left the summary short of failures and lost
+    steps the events recorded (0 of 2 lost steps, 1 of 2 failures)."""
+    from decoupled_diloco.runtime.accounting import Ledger
+    from decoupled_diloco.runtime.records import RunLog
+
+    attempt = workdir.Attempt(str(tmp_path), [], forced=False, every=1e6)  # no heartbeat
+    log = RunLog(str(tmp_path), Ledger(2, 4, 1))
+    attempt.watch(workdir.counters_of(log.ledger))
+    log.on_counted = attempt.write_now
+    log.event({"event": "learner_down", "learner": 0, "step": 22, "time": 1.0})
+    log.event({"event": "rejoin", "learner": 0, "step": 22, "lost_steps": 2,
+               "lost_spans": {"0": [[20, 22]]}, "time": 2.0})  # fmt: skip
+    own = _read(tmp_path / "attempts.jsonl")[0]["own"]  # (the process is killed here)
+    assert (own["failures"], own["restarts"], own["crash_lost_steps"]) == (1, 1, 2)
+    attempt.stop()
+    log.close()

@@ -77,6 +77,7 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
                 runtime.fault_clock,
                 runtime.schedule.steps_checked,
             )
+            runtime.log.on_counted = attempt.write_now
             summary = attempt.finish(runtime.run())
         except RunInterruptedError as e:
             # A stop the user asked for, every learner's work saved: not a failure.

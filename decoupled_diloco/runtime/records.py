@@ -21,6 +21,11 @@ from decoupled_diloco.runtime import accounting
 from decoupled_diloco.tensorboard_events import RunWriter
 
 
+# Events that change the counters an attempt's record keeps (workdir.ACCUMULATED).
+_COUNTED = frozenset({"learner_down", "nan_restart", "rejoin", "syncer_crash", "syncer_restore",
+                      "resume_cut", "nan_at_end"})  # fmt: skip
+
+
 class RunLog:
     def __init__(self, workdir: str, ledger: accounting.Ledger, tensorboard: bool = False):
         """`tensorboard`: metrics rows also go to TensorBoard event files (per learner and
@@ -31,6 +36,10 @@ class RunLog:
         self.events = JsonlWriter(root / "events.jsonl")
         self.ledger = ledger
         self.tensorboard = RunWriter(root) if tensorboard else None
+        # Called after an event that changes the failure and lost-step counters (the
+        # attempt's record is written then, not only on its heartbeat: a kill right after
+        # a crash keeps its count).
+        self.on_counted = None
 
     def row(self, rec: dict) -> None:
         self.metrics.write(rec)
@@ -96,6 +105,8 @@ class RunLog:
             ledger.dropped_offers += 1
         elif kind == "resume_cut":
             ledger.resume_lost_steps += rec.get("lost_steps", 0)
+        if kind in _COUNTED and self.on_counted is not None:
+            self.on_counted()
 
     def _not_counted_twice(self, rec: dict) -> dict:
         """A learner's crash or cut counts the steps of its own it found Θ lacking

@@ -320,6 +320,12 @@ class Attempt:
         while not self._stop.wait(self.every):
             self._write()
 
+    def write_now(self) -> None:
+        """Writes the record now (a failure or a loss was counted: a kill before the next
+        heartbeat must not lose it); not after `stop`."""
+        if self._thread is not None:
+            self._write()
+
     def stop(self) -> None:
         """Ends the heartbeat with a last record (this attempt stays unfinished unless
         `finish` recorded it); idempotent."""
