@@ -468,10 +468,79 @@ def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
     leaves = [e for e in events if e.get("event") == "leave" and e["learner"] == 0]
     rejoin = next(e for e in events if e.get("event") == "rejoin" and e["learner"] == 0)
     assert leaves and not leaves[0]["finished"] and leaves[0]["time"] <= rejoin["time"]
-    assert [(e["learner"], e["step"]) for e in events if e["event"] == "nan_at_end"] == [(1, 14)]
+    (end,) = [e for e in events if e["event"] == "nan_at_end"]
+    assert (end["learner"], end["step"]) == (1, 14)
     assert summary["rejected_offers"] == 0
+    # Its steps that no merge brought into Θ are counted lost (they were counted nowhere):
+    # per fragment, with those merged, each of its 14 steps once.
+    with open(tmp_path / "merges.jsonl", encoding="utf-8") as f:
+        merges = [json.loads(line) for line in f]
+    for p in (0, 1):
+        merged = sum(
+            c
+            for r in merges
+            if r["fragment"] == p
+            for m, c in zip(r["learners"], r["c_steps"], strict=True)
+            if m == 1
+        )
+        lost = sum(b - a for a, b in end["lost_spans"].get(str(p), []))
+        assert merged + lost == 14, (p, merged, lost)
+    assert end["lost_steps"] > 0
+    crashes = sum(e.get("lost_steps", 0) for e in events if e["event"] == "rejoin")
+    assert summary["crash_lost_steps"] == crashes + end["lost_steps"]
     assert max(now - read for _, read, now in reads) == lag  # read only 3 steps late
     assert {m for m, _, _ in reads} == {0, 1}
+    assert np.isfinite(summary["final_eval_loss"])
+
+
+@pytest.mark.slow
+def test_a_learner_whose_last_step_diverges_counts_the_work_its_poisoned_offer_lost(
+    small_config, tmp_path, monkeypatch
+):
+    """Learner 1's step 12 of 14 makes its parameters NaN; its offer of that step goes out
+    before the lagged metrics show it and is refused as not finite. Leaving (`nan_at_end`),
+    it counts every step no merge brought into Θ: the refused offer's were counted nowhere
+    (8 of 14 steps accounted for)."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime.local import LocalRuntime
+    from decoupled_diloco.train.replica import Replica
+
+    step, counts = Replica.step, {}
+
+    def poisoned_last_step(self, batch):
+        metrics = step(self, batch)
+        counts[id(self)] = n = counts.get(id(self), 0) + 1
+        if self.mesh.devices.flat[0].id == 4 and n >= 12:
+            params = jax.tree.map(lambda x: x * jnp.nan, self.state.params)
+            self.state = self.state._replace(params=params)
+            return {**metrics, "loss": jnp.float32(jnp.nan)}
+        return metrics
+
+    monkeypatch.setattr(Replica, "step", poisoned_last_step)
+    over = {"diloco.learners": 2, "diloco.sync_every": 4, "diloco.fragments": 1,
+            "diloco.overlap": 1, "train.steps": 14, "train.log_every": 1,
+            "train.eval_every": 0, "train.checkpoint_every": 0, "train.metrics_lag": 2}  # fmt: skip
+    run = config_lib.validate(small_config(**over))
+    summary = LocalRuntime(run, str(tmp_path), verbose=False).run()
+
+    def read(name):
+        with open(tmp_path / name, encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    events, merges = read("events.jsonl"), read("merges.jsonl")
+    (end,) = [e for e in events if e["event"] == "nan_at_end"]
+    assert end["learner"] == 1
+    refused = [e for e in events if e["event"] == "reject" and e.get("learner") == 1]
+    assert refused and summary["rejected_offers"] >= 1  # the poisoned offer of step 12
+    merged = sum(c for r in merges for m, c in zip(r["learners"], r["c_steps"], strict=True)
+                 if m == 1)  # fmt: skip
+    assert merged + end["lost_steps"] == 14 and end["lost_spans"] == {"0": [[merged, 14]]}
+    assert summary["crash_lost_steps"] == end["lost_steps"]
     assert np.isfinite(summary["final_eval_loss"])
 
 

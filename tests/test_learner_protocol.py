@@ -20,7 +20,7 @@ from decoupled_diloco.diloco import learner as learner_mod
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
 from decoupled_diloco.diloco.learner import Learner, materialize
-from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Merged, Snapshot
+from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Leave, Merged, Snapshot
 from decoupled_diloco.runtime.boundary import HANDOVER_S, apply_updates, finish, step_boundary
 
 H = 2
@@ -344,6 +344,35 @@ def test_a_member_rejoining_after_a_restore_does_not_count_its_rolled_back_steps
     log.close()
     (cut,) = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()][1:]
     assert (cut["event"], cut["lost_steps"], cut["rolled_back_steps"]) == ("resume_cut", 0, 8)
+
+
+def test_a_learner_leaving_without_offering_waits_for_its_offers_in_flight():
+    """A learner whose last steps diverged offers nothing more, but its offer in flight may
+    still be refused (its parameters were already NaN): it waits for the answer, so the
+    steps that offer held are known to be unmerged (they were left out of the count)."""
+    s = Scripted(final_sync=True, final_wait=60.0)
+    for _ in range(3):
+        s.step()  # step 2: offers (in flight); step 3
+    (offer,) = s.offers
+    replies = [[], [], [Dropped(0, 0, 0, 2, "not finite", 0.0, offer.epoch)]]
+
+    class Link:
+        sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+        def flush(self, timeout=0.0, deliver_timeout=None):
+            return True
+
+    def receive(timeout):
+        s.clock["t"] += timeout
+        return replies.pop(0) if replies else []
+
+    finish(s.proto, s.replica, Link(), receive, lambda: s.clock["t"], offer_work=False)
+    assert s.proto.in_flight() == [] and s.proto.unmerged_steps() == [3]
+    assert all(isinstance(m, Heartbeat | Leave) for m in Link.sent)  # no offer made
+    assert s.clock["t"] < 5.0
 
 
 def test_step_time_estimate_leaves_out_the_compiling_first_step():

@@ -302,7 +302,9 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     unmerged work, leaves (so rounds no longer wait for it), and as each offer still in
     flight resolves (waiting up to `diloco.final_wait`), offers the steps taken after it
     (a refused one again, after its retry wait). `offer_work=False` (its last steps
-    diverged): it only leaves; none of its unmerged work may reach Θ. `on_left()` runs
+    diverged): it leaves, offering nothing, and waits only for the offers in flight to
+    resolve (the caller counts what they did not bring); none of its unmerged work may reach
+    Θ. `on_left()` runs
     once the final offers and the leave are on their way (the learner's last checkpoint:
     saved while they travel, not before them, which held up the others' rounds).
 
@@ -315,6 +317,9 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
     save in `on_left` takes its own time, and so would its deadline)."""
     cfg = proto.cfg
     sync = cfg.final_sync and offer_work
+    # (not offering its work, it still waits for the offers in flight, which say whether
+    # their steps reached Θ)
+    settle = cfg.final_sync
     # A merge deferred at the last boundary (not yet placed) first: it resolves the offer it
     # holds, so the final offers below carry the steps after it.
     apply_updates(replica, proto.apply_due(final=True))
@@ -325,7 +330,8 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
         on_left()
     lives = proto.resyncs
     deadline = clock() + cfg.final_wait
-    while agree(sync and (proto.in_flight() or proto.retrying()) and clock() < deadline):
+    waiting = proto.retrying if sync else list
+    while agree(settle and (proto.in_flight() or waiting()) and clock() < deadline):
         apply_updates(replica, proto.handle(receive(0.2)))
         if proto.resyncs != lives:
             # A restored syncer: its checkpoint may predate our Leave, and the offers we
@@ -344,8 +350,9 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
             # (handled above); a syncer that knows us only notes that we wait.
             beat(proto, outbox)
         apply_updates(replica, proto.apply_due(final=True))
-        final_offers(proto, replica, outbox)
-    if not sync:
+        if sync:
+            final_offers(proto, replica, outbox)
+    if not settle:
         apply_updates(replica, proto.handle(receive(0.0)))
         apply_updates(replica, proto.apply_due(final=True))
     if not bounded:

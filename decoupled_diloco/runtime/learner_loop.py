@@ -322,8 +322,6 @@ class LearnerLoop:
             # ended. Rejoin, and offer what Θ lacks of it.
             self._start()
         if self.replica.state is not None:
-            if diverged:  # its last steps diverged: leave without offering them, unsaved
-                self.sink.event(self._event("nan_at_end"))
             try:
                 # Finished: its step budget is done (not a stop short of it: Ctrl-C, a run
                 # that failed elsewhere)
@@ -333,9 +331,26 @@ class LearnerLoop:
                 if not diverged:
                     self.save()
                 raise
-            if not diverged:
+            if diverged:  # its last steps diverged: it left without offering them, unsaved
+                self.sink.event(self._event("nan_at_end", **self._lost_at_end()))
+            else:
                 self.save()
         self.sink.event(self._event("learner_done"))
+
+    def _lost_at_end(self) -> dict:
+        """The steps a learner whose last steps diverged leaves unmerged ({} without a
+        syncer): per fragment, those no offer resolved brought into Θ (its final sync waited
+        for the offers in flight; one that its final_wait left unresolved is not counted)."""
+        if self.proto is None:
+            return {}
+        lacking = {}
+        for p, f in enumerate(self.proto.frags):
+            after = f.in_flight.step if f.in_flight is not None else self.step - f.c_steps
+            lacking[p] = spans_minus(after, self.step, self._counted.get(p, ()))
+        self._count(lacking)
+        spans = {str(p): [list(s) for s in ss] for p, ss in lacking.items() if ss}
+        return {"lost_steps": max(map(span_steps, lacking.values()), default=0),
+                "lost_spans": spans}  # fmt: skip
 
     def _every(self, key: str) -> bool:
         every = getattr(self.run_cfg.train, key)

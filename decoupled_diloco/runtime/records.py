@@ -20,7 +20,6 @@ from decoupled_diloco.metrics import JsonlWriter
 from decoupled_diloco.runtime import accounting
 from decoupled_diloco.tensorboard_events import RunWriter
 
-
 # Events that change the counters an attempt's record keeps (workdir.ACCUMULATED).
 _COUNTED = frozenset({"learner_down", "nan_restart", "rejoin", "syncer_crash", "syncer_restore",
                       "resume_cut", "nan_at_end"})  # fmt: skip
@@ -69,7 +68,7 @@ class RunLog:
     def event(self, rec: dict) -> None:
         kind, t = rec["event"], rec.get("time", 0.0)
         ledger = self.ledger
-        if kind in ("rejoin", "resume_cut"):
+        if kind in ("rejoin", "resume_cut", "nan_at_end"):
             rec = self._not_counted_twice(rec)
         self.events.write(rec)
         counted = not rec.get("earlier_attempt")  # an outage an earlier attempt counted
@@ -79,6 +78,8 @@ class RunLog:
             if not ledger.is_down(rec["learner"]):  # a process that died by itself
                 ledger.failure(rec["learner"], t)
             ledger.restart(rec["learner"], t)
+            ledger.crash_lost_steps += rec.get("lost_steps", 0)
+        elif kind == "nan_at_end":  # (its last steps diverged: not offered, lost)
             ledger.crash_lost_steps += rec.get("lost_steps", 0)
         elif kind == "syncer_crash":
             ledger.failure(("syncer", rec["shard"]), t, counted)
