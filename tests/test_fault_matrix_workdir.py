@@ -1016,3 +1016,53 @@ def test_a_counted_failure_is_recorded_at_once_not_at_the_next_heartbeat(tmp_pat
     assert (own["failures"], own["restarts"], own["crash_lost_steps"]) == (1, 1, 2)
     attempt.stop()
     log.close()
+
+
+@pytest.mark.slow
+def test_a_rollback_a_learner_saw_is_not_counted_again_by_a_resume(small_config, tmp_path):
+    """A syncer restore rolls back merges of both learners' steps (`syncer_lost_steps`);
+    the run is killed before either learner crashes. Each learner notes the rolled-back
+    steps it saw as counted at its next step boundary, so the resume's cut does not count
+    them again as `resume_lost_steps` (36 of 32 steps were accounted for)."""
+    from decoupled_diloco import checkpoint
+
+    cfg = small_config(**{"train.steps": 32, "train.checkpoint_every": 4, **DECOUPLED,
+                          "diloco.fragments": 1, "faults.unit": "steps",
+                          "faults.syncer_crashes": [9], "faults.syncer_restart_delay_s": 0.2,
+                          "faults.speed_factors": [2.0, 3.0],
+                          "diloco.syncer_checkpoint_seconds": 1000.0})  # fmt: skip
+    _halted(cfg, tmp_path, after=20)
+    events = _read(tmp_path / "events.jsonl")
+    (restore,) = [e for e in events if e["event"] == "syncer_restore" and e["after_failure"]]
+    rolled = {0: [], 1: []}  # each learner's merged spans the restore took back
+    for r in _read(tmp_path / "merges.jsonl"):
+        if r["time"] < restore["time"] and r["version"] > restore["versions"]["0"]:
+            for m, c, s in zip(r["learners"], r["c_steps"], r["steps"], strict=True):
+                rolled[m].append((s - c, s))
+    assert rolled[0] and rolled[1]
+    noted = {}
+    for m in (0, 1):
+        ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints" / f"learner_{m}"))
+        noted[m] = checkpoint.load_counted(ckpt).get(0, [])
+        ckpt.close()
+        # The rolled-back steps it saw (those of merges it had received) were noted, and
+        # nothing else (no crash or cut counted any).
+        assert noted[m]
+        assert all(any(a <= lo and hi <= b for a, b in rolled_spans(rolled[m]))
+                   for lo, hi in noted[m])  # fmt: skip
+    launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    for e in _read(tmp_path / "events.jsonl"):
+        if e["event"] == "resume_cut":
+            for lo, hi in e["lost_spans"].get("0", []):
+                assert not any(a < hi and lo < b for a, b in noted[e["learner"]]), e
+
+
+def rolled_spans(spans):
+    """Touching or overlapping (lo, hi] spans joined."""
+    out = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out

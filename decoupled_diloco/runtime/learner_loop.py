@@ -479,6 +479,8 @@ class LearnerLoop:
             self.proto, self.replica, self.outbox, self._receive, self.clock, self.stager,
             defer=not self.outbox.inline, stopping=self._stopping, agree=self.link.agree,
         )  # fmt: skip
+        if self.proto.rolled_back:  # a syncer restore took back merges of our steps: note
+            self._absorb()  # them as counted at once (a resume must not count them again)
 
     def _stopping(self) -> bool:
         """The run is interrupted (Ctrl-C here, or a StopRequest that came with the
@@ -494,6 +496,7 @@ class LearnerLoop:
         delivered = finish(self.proto, self.replica, self.outbox, self._receive, self.clock,
                            finished, offer_work, on_left=self.save if last else None,
                            bounded=bounded, agree=self.link.agree)  # fmt: skip
+        self._absorb()  # (a restore its final sync met)
         left, cfg = self.proto.unmerged_steps(), self.run_cfg.diloco
         if not delivered:
             # Its link had not delivered them when diloco.final_wait ran out (a link too slow
