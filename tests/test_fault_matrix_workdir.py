@@ -1024,7 +1024,7 @@ def test_a_rollback_a_learner_saw_is_not_counted_again_by_a_resume(small_config,
     the run is killed before either learner crashes. Each learner notes the rolled-back
     steps it saw as counted at its next step boundary, so the resume's cut does not count
     them again as `resume_lost_steps` (36 of 32 steps were accounted for)."""
-    from decoupled_diloco import checkpoint
+    from decoupled_diloco import checkpoint, fault_steps
 
     cfg = small_config(**{"train.steps": 32, "train.checkpoint_every": 4, **DECOUPLED,
                           "diloco.fragments": 1, "faults.unit": "steps",
@@ -1048,21 +1048,10 @@ def test_a_rollback_a_learner_saw_is_not_counted_again_by_a_resume(small_config,
         # The rolled-back steps it saw (those of merges it had received) were noted, and
         # nothing else (no crash or cut counted any).
         assert noted[m]
-        assert all(any(a <= lo and hi <= b for a, b in rolled_spans(rolled[m]))
+        assert all(any(a <= lo and hi <= b for a, b in fault_steps.merge_windows(rolled[m]))
                    for lo, hi in noted[m])  # fmt: skip
     launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
     for e in _read(tmp_path / "events.jsonl"):
         if e["event"] == "resume_cut":
             for lo, hi in e["lost_spans"].get("0", []):
                 assert not any(a < hi and lo < b for a, b in noted[e["learner"]]), e
-
-
-def rolled_spans(spans):
-    """Touching or overlapping (lo, hi] spans joined."""
-    out = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out

@@ -505,6 +505,17 @@ class _SyncerLink:
         return out
 
 
+def _three_steps(proto, replica, link) -> None:
+    """Steps 1-3 of a learner offering every 2 steps: step 2's offer is merged, step 3's
+    work is unmerged when its final sync begins."""
+    for _ in range(3):
+        replica.step()
+        proto.stepped()
+        offer_and_receive(proto, replica, link, link.receive)
+        apply_and_beat(proto, replica, link)
+    assert proto.unmerged_steps() == [1]
+
+
 def test_a_final_sync_reaches_a_restored_syncer_that_never_saw_its_life():
     """The syncer's checkpoint predates the learner's rejoin (its registry holds the learner's
     earlier life), and the syncer dies during the learner's final sync. The learner, which
@@ -527,12 +538,7 @@ def test_a_final_sync_reaches_a_restored_syncer_that_never_saw_its_life():
     link = _SyncerLink(syncer, clock)
     replica = NumpyReplica(0, update)
     replica.init_from_host(proto.start([s for _, s in syncer.handle(proto.join(), 0.0)]))
-    for _ in range(3):  # the offer at step 2 is merged by the syncer that dies
-        replica.step()
-        proto.stepped()
-        offer_and_receive(proto, replica, link, link.receive)
-        apply_and_beat(proto, replica, link)
-    assert proto.unmerged_steps() == [1]
+    _three_steps(proto, replica, link)  # the offer at step 2 is merged by the syncer that dies
     link.restore = restore  # the syncer dies with the final offer
     finish(proto, replica, link, link.receive, lambda: clock["t"])
     assert proto.resyncs == 1 and proto.unmerged_steps() == [0]
@@ -573,12 +579,7 @@ def test_a_final_sync_reaches_a_restored_syncer_that_knows_no_learner(delivered)
     link = _SyncerLink(syncer, clock, announced=False, delivered=delivered)
     replica = NumpyReplica(0, update)
     replica.init_from_host(proto.start([s for _, s in syncer.handle(proto.join(), 0.0)]))
-    for _ in range(3):  # the offer at step 2 is merged by the syncer that dies
-        replica.step()
-        proto.stepped()
-        offer_and_receive(proto, replica, link, link.receive)
-        apply_and_beat(proto, replica, link)
-    assert proto.unmerged_steps() == [1]
+    _three_steps(proto, replica, link)  # the offer at step 2 is merged by the syncer that dies
     link.restore = lambda: Syncer(c, plan, theta0, record=records.append, epoch=1)
     finish(proto, replica, link, link.receive, lambda: clock["t"])
     assert clock["t"] < 5.0  # not final_wait
