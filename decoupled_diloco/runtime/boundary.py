@@ -330,8 +330,8 @@ def finish(proto: Learner, replica, outbox: Outbox, receive, clock, finished: bo
         on_left()
     lives = proto.resyncs
     deadline = clock() + cfg.final_wait
-    waiting = proto.retrying if sync else list
-    while agree(settle and (proto.in_flight() or waiting()) and clock() < deadline):
+    while agree(settle and (proto.in_flight() or (sync and proto.retrying()))
+                and clock() < deadline):  # fmt: skip
         apply_updates(replica, proto.handle(receive(0.2)))
         if proto.resyncs != lives:
             # A restored syncer: its checkpoint may predate our Leave, and the offers we

@@ -136,8 +136,8 @@ class LearnerLoop:
         self._crash_lost: tuple | None = None
         # Per fragment, the spans (lo, hi] of our steps counted lost already, by a crash or
         # a cut (`lost_steps`) or by a syncer restore rolling back versions we saw holding
-        # them (`syncer_lost_steps`): a later cut does not count them again. Kept in the
-        # checkpoints, for a resume.
+        # them (`syncer_lost_steps`): a later cut does not count them again. Kept beside
+        # the checkpoints (`checkpoint.save_counted`), for a resume.
         self._counted: dict[int, list[tuple[int, int]]] = {}
         self.away = "start"  # why the learner is about to (re)start
         self.times = StepTimes()  # where its steps' time goes (rows' host_share)
@@ -180,12 +180,18 @@ class LearnerLoop:
             self.ckpt, self.replica.state, self.data.get_state(), self.step, self.incarnation
         )
 
-    def _absorb(self) -> dict:
-        """`_counted`, with the spans the protocol saw a syncer restore roll back."""
+    def _absorb(self) -> None:
+        """Notes as counted the spans the protocol saw a syncer restore roll back."""
         if self.proto is not None and self.proto.rolled_back:
             self._count({p: [(lo, hi)] for p, lo, hi in self.proto.rolled_back})
             self.proto.rolled_back.clear()
-        return self._counted
+
+    def _count_lacking(self, lacking: dict) -> tuple[int, dict]:
+        """Counts {fragment: [(lo, hi], ...]} of steps Θ lacks (not counted before) as lost
+        now: (the most any fragment lacks, the spans as an event's `lost_spans`)."""
+        self._count(lacking)
+        spans = {str(p): [list(s) for s in ss] for p, ss in lacking.items() if ss}
+        return max(map(span_steps, lacking.values()), default=0), spans
 
     def _count(self, spans: dict) -> None:
         """Adds {fragment: [(lo, hi], ...]} to the steps counted lost, and keeps them beside
@@ -347,10 +353,8 @@ class LearnerLoop:
         for p, f in enumerate(self.proto.frags):
             after = f.in_flight.step if f.in_flight is not None else self.step - f.c_steps
             lacking[p] = spans_minus(after, self.step, self._counted.get(p, ()))
-        self._count(lacking)
-        spans = {str(p): [list(s) for s in ss] for p, ss in lacking.items() if ss}
-        return {"lost_steps": max(map(span_steps, lacking.values()), default=0),
-                "lost_spans": spans}  # fmt: skip
+        lost, spans = self._count_lacking(lacking)
+        return {"lost_steps": lost, "lost_spans": spans}
 
     def _every(self, key: str) -> bool:
         every = getattr(self.run_cfg.train, key)
@@ -449,11 +453,10 @@ class LearnerLoop:
         # Per fragment, the steps Θ lacks that no earlier crash, cut or restore counted;
         # lost now: the most any fragment lacks. The driver checks them against the merges
         # a syncer restore rolled back, which this learner need not have seen.
-        counted = self._absorb()
+        # (the rollbacks the life before saw were noted at its boundaries and its end)
+        counted = self._counted
         lacking = {p: spans_minus(h, end, counted.get(p, ())) for p, h in by_fragment.items()}
-        lost = max(span_steps(spans) for spans in lacking.values())
-        spans = {str(p): [list(s) for s in ss] for p, ss in lacking.items() if ss}
-        self._count(lacking)
+        lost, spans = self._count_lacking(lacking)
         if skipped:
             for _ in range(skipped):  # the data Θ already holds is not read again
                 next(self.data)
