@@ -668,6 +668,8 @@ def test_memory_table_counts_each_devices_shards(small_config):
     assert 2 * r["params"] <= r["optimizer"] <= 2 * r["params"] + 64  # mu, nu (+ counters)
     assert r["temp"] > 0 and r["total"] >= r["params"] + r["optimizer"]
     assert (r["batch"], r["devices"], r["backend"]) == (16, 8, jax.default_backend())
+    # Each device gathers at least the 7/8 of the parameters it does not hold, once.
+    assert r["comm"] >= params * 7 / 8, (r["comm"], params)
     # --remat overrides the config's policy; recomputing each block's forward costs FLOPs.
     full = table.measure(c, 16, jax.devices()[:8], remat="full")
     assert (r["remat"], full["remat"]) == ("none", "full")

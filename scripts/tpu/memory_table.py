@@ -15,6 +15,8 @@ bytes per device. Columns (GiB per device):
   total      arguments + temp + outputs not aliased to arguments (the train step donates its
              state, so the new state reuses the old one's buffers); "OOM": XLA:TPU refused to
              compile it, temp then being what its temporaries would need
+  comm       GiB one device sends per step in the step's collectives, by the ring cost model
+             of `decoupled_diloco.collectives` (an estimate of volume, not of time)
 
 The numbers are those of the backend present. On a machine without TPUs that is XLA:CPU, whose
 buffer assignment, fusion and layouts differ from XLA:TPU's: params and optimizer are exact for
@@ -169,7 +171,9 @@ def measure(config, batch: int, devices: list, seq_len: int = 0, remat: str = ""
             raise
         temp = float(need.group(1)) * GIB  # XLA prints "G" meaning GiB
         return {**row, "temp": temp, "total": None, "compile_s": time.perf_counter() - t0,
-                "hbm": float(need.group(2)) * GIB, "flops": None}  # fmt: skip
+                "hbm": float(need.group(2)) * GIB, "flops": None, "comm": None}  # fmt: skip
+    from decoupled_diloco import collectives
+
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # (a list in older jax)
@@ -179,6 +183,7 @@ def measure(config, batch: int, devices: list, seq_len: int = 0, remat: str = ""
         "temp": mem.temp_size_in_bytes,
         "total": args + mem.temp_size_in_bytes + out - mem.alias_size_in_bytes,
         "flops": (cost or {}).get("flops"),
+        "comm": collectives.traffic(compiled.as_text()).total_bytes,
         "compile_s": time.perf_counter() - t0,
     }
 
@@ -194,6 +199,7 @@ def _row(r: dict, markdown: bool) -> str:
         *(f"{r[k] / GIB:.2f}" for k in ("params", "optimizer", "temp")),
         f"{r['total'] / GIB:.2f}" if r["total"] is not None else f"OOM (HBM {r['hbm'] / GIB:.2f})",
         f"{r['flops'] / 1e12:.2f}" if r["flops"] else "-",
+        f"{r['comm'] / GIB:.2f}" if r["comm"] is not None else "-",
         f"{r['compile_s']:.0f}",
     ]
     return "| " + " | ".join(cells) + " |" if markdown else "\t".join(cells)
@@ -201,7 +207,7 @@ def _row(r: dict, markdown: bool) -> str:
 
 HEADER = [
     "preset", "mesh (data x fsdp x tensor x expert)", "remat", "batch", "seq", "devices",
-    "params", "optimizer", "temp", "total", "TFLOP", "compile s",
+    "params", "optimizer", "temp", "total", "TFLOP", "comm", "compile s",
 ]  # fmt: skip
 
 
