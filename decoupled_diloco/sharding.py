@@ -208,4 +208,9 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
+    manual = jax.sharding.AxisType.Manual
+    if manual in mesh.axis_types:  # inside a shard_map: its manual axes are already split
+        kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        sizes = {a: 1 if kinds[a] == manual else n for a, n in mesh.shape.items()}
+        mesh = types.SimpleNamespace(shape=sizes)
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical, x.shape, mesh))

@@ -81,6 +81,35 @@ def test_row_weights_weigh_each_rows_tokens(chunk):
     np.testing.assert_allclose(float(got), expected, rtol=1e-6)
 
 
+def test_row_weights_with_the_embedding_gathered_once():
+    """The same weighted mean when each device sums its own rows' chunks
+    (`model.logits_gather = "once"`: shard_map over a data 2 x fsdp 4 mesh), a padded last
+    chunk included."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    cfg = models.get_model_config("tiny", logits_chunk=6, logits_gather="once")
+    mesh = sharding.make_mesh(jax.devices()[:8], sharding.MeshConfig(data=2, fsdp=4))
+    params = models.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    x_BTD = jnp.asarray(rng.normal(size=(8, 8, cfg.d_model)), jnp.float32)
+    targets_BT = jnp.asarray(rng.integers(0, cfg.vocab_size, (8, 8)), jnp.int32)
+    w_B = jnp.asarray([2.0, 0.0, 1.0, 1.0, 0.0, 3.0, 1.0, 0.5])
+    embedding = params["embedder"]["embedding"]
+    expected = cross_entropy(models.output_logits(cfg, embedding, x_BTD), targets_BT, w_B)
+    rows = P(("data", "fsdp"))
+    placed = ((embedding, P(None, "fsdp")), (x_BTD, rows), (targets_BT, rows), (w_B, rows))
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in placed]
+
+    def loss(*args):
+        return chunked_cross_entropy(cfg, *args)
+
+    with sharding.constraint_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(loss)(*args))
+        got = jax.jit(loss)(*args)
+    np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
+
+
 def _fake_host(tmp_path, cgroup: str, files: dict) -> str:
     """A root folder with /proc/meminfo (8 GiB available), /proc/self/cgroup and `files`."""
     (tmp_path / "proc/self").mkdir(parents=True)

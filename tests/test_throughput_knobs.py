@@ -248,6 +248,52 @@ def test_sharded_replica_with_logits_chunk_matches_plain():
     _assert_same_replica_step(*steps)
 
 
+# The output layer gathered once (model.logits_gather = "once"), on meshes whose batch axes
+# split the rows: FSDP with and without a tensor axis, data parallel, and the MoE's expert axis.
+GATHER_MESHES = {
+    "fsdp4xtensor2": ("tiny", dict(data=1, fsdp=4, tensor=2)),
+    "data2xfsdp4": ("tiny", dict(data=2, fsdp=4)),
+    "data8": ("tiny", dict(data=8)),
+    "moe_data2xfsdp2xexpert2": ("tiny_moe", dict(data=2, fsdp=2, expert=2)),
+}
+
+
+@pytest.mark.parametrize("name", GATHER_MESHES)
+def test_logits_gathered_once_give_the_plain_step(name):
+    preset, axes = GATHER_MESHES[name]
+    mesh = sharding.make_mesh(jax.devices()[:8], sharding.MeshConfig(**axes))
+    plain = _replica_step(models.get_model_config(preset), mesh)
+    once = models.get_model_config(preset, logits_chunk=8, logits_gather="once")
+    _assert_same_replica_step(plain, _replica_step(once, mesh))
+
+
+def _step_traffic(cfg, mesh) -> float:
+    """Bytes one device sends in the collectives of a compiled train step (16 x 32 tokens)."""
+    from decoupled_diloco import collectives
+
+    replica = Replica(cfg, TrainConfig(warmup_steps=0, batch_size=16), mesh)
+    tokens = jax.ShapeDtypeStruct((16, 33), jnp.int32, sharding=replica.batch_sharding)
+    compiled = replica._train_step.lower(replica.abstract_state(), tokens).compile()
+    return collectives.traffic(compiled.as_text()).total_bytes
+
+
+@pytest.mark.parametrize("axes", [dict(data=1, fsdp=8), dict(data=8)], ids=["fsdp8", "data8"])
+def test_logits_gathered_once_move_the_embedding_once(axes):
+    """With a vocabulary whose embedding dominates the step's traffic, 4 chunks of 8
+    positions must send what one chunk of 32 does when gathered once; left to XLA ("per
+    chunk") they send much more (what the knob is for)."""
+    mesh = sharding.make_mesh(jax.devices()[:8], sharding.MeshConfig(**axes))
+
+    def traffic(chunk, gather):
+        cfg = models.get_model_config("tiny", vocab_size=2048, logits_chunk=chunk,
+                                      logits_gather=gather)  # fmt: skip
+        return _step_traffic(cfg, mesh)
+
+    whole = traffic(32, "once")
+    assert traffic(8, "once") < 1.05 * whole
+    assert traffic(8, "per_chunk") > 1.5 * whole
+
+
 # --- attention implementation ---------------------------------------------------------------
 
 # No softcap (the fused path has none); a window shorter than the sequence, so local and
@@ -299,6 +345,8 @@ def test_dot_product_attention_matches_reference_when_decoding():
         (dict(attention_impl="dot_product_attention"), "model.attn_logit_softcap = 0"),
         (dict(logits_chunk=-1), "model.logits_chunk"),
         (dict(logits_chunk=2.5), "model.logits_chunk"),
+        (dict(logits_chunk=8, logits_gather="twice"), "model.logits_gather"),
+        (dict(logits_gather="once"), "model.logits_chunk > 0"),
     ],
 )
 def test_bad_model_knobs_are_refused(overrides, message):

@@ -24,6 +24,7 @@ MOE_KEYS = ("num_experts", "experts_per_token", "expert_hidden", "capacity_facto
             "shared_expert", "moe_gate", "load_balance_weight", "router_z_weight")  # fmt: skip
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("xla", "dot_product_attention")
+LOGITS_GATHERS = ("per_chunk", "once")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,11 @@ class ModelConfig:
     # not rows x seq_len x vocab_size x 4 (gemma_2b at 16 x 1024 tokens: 17 GB each, several
     # live at once). 0: the whole sequence at once. Same loss and gradients to float tolerance.
     logits_chunk: int = 0
+    # How the chunks reach an embedding split over the batch axes (FSDP): "per_chunk" leaves
+    # it to XLA, which all-gathers it and reduce-scatters its gradient for every chunk |
+    # "once": one all-gather and one gradient reduction per step, for ~3 x vocab x d_model x
+    # 4 bytes more per device (train/step.py `_chunks_on_mesh`; scripts/tpu/README.md).
+    logits_gather: str = "per_chunk"
     # Mixture of experts.
     moe_layers: str = "none"  # "none" | "all" | "every_other" (odd layers 1, 3, 5, ...)
     num_experts: int = 0  # routed experts per MoE layer (E); >= 1 when moe_layers != "none"
@@ -263,6 +269,16 @@ def validate_model_config(cfg: ModelConfig) -> None:
         and cfg.logits_chunk >= 0,
         f"model.logits_chunk ({cfg.logits_chunk!r}) must be an int >= 0 (0: the whole "
         f"sequence at once)",
+    )
+    _require(
+        cfg.logits_gather in LOGITS_GATHERS,
+        f"model.logits_gather ({cfg.logits_gather!r}) must be one of {LOGITS_GATHERS}",
+    )
+    _require(
+        cfg.logits_gather == "per_chunk" or cfg.logits_chunk > 0,
+        f"model.logits_gather = {cfg.logits_gather!r} applies to the chunks of the output "
+        f"layer, but model.logits_chunk is 0 (the whole sequence at once, one gather "
+        f"already): set model.logits_chunk > 0 or drop model.logits_gather",
     )
     _require(
         cfg.attention_impl in ATTENTION_IMPLS,

@@ -39,6 +39,7 @@ FREE_TO_CHANGE = frozenset(
         "model.remat",
         "model.attention_impl",
         "model.logits_chunk",
+        "model.logits_gather",
         "train.microbatches",
         # Where a learner's computation is placed: its batch and math are the same on any
         # mesh (to float tolerance), and its checkpoint restores onto the new shardings (an
