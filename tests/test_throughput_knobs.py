@@ -178,11 +178,46 @@ def test_microbatches_keep_moe_routing_and_average_its_statistics():
     np.testing.assert_allclose(micro["load_balance_loss"], plain["load_balance_loss"], rtol=0.05)
 
 
-def test_sharded_replica_with_microbatches_matches_plain():
-    """On an 8-device data-parallel mesh (microbatches of 8 rows, one per device)."""
-    cfg = models.get_model_config("tiny")
-    mesh = sharding.make_mesh(jax.devices()[:8])
-    _assert_same_replica_step(*(_replica_step(cfg, mesh, microbatches=n) for n in (1, 2)))
+CHUNKS = dict(logits_chunk=8)
+MICROBATCH_MESHES = {
+    "data8": ("tiny", {}, dict(data=8)),  # each replica sums its rows' gradients (shard_map)
+    # the chunked output layer inside a replica's shard_map, with and without its own
+    "data8_chunks": ("tiny", CHUNKS, dict(data=8)),
+    "data8_once": ("tiny", dict(CHUNKS, logits_gather="once"), dict(data=8)),
+    # XLA's accumulation: other axes split, or an MoE
+    "data2xfsdp4": ("tiny", {}, dict(data=2, fsdp=4)),
+    "data2xtensor4": ("tiny", {}, dict(data=2, tensor=4)),
+    "data2xfsdp2xtensor2": ("tiny", {}, dict(data=2, fsdp=2, tensor=2)),
+    "fsdp8_once": ("tiny", dict(CHUNKS, logits_gather="once"), dict(data=1, fsdp=8)),
+    "moe_data8": ("tiny_moe", {}, dict(data=8)),
+}
+
+
+@pytest.mark.parametrize("name", MICROBATCH_MESHES)
+def test_sharded_replica_with_microbatches_matches_plain(name):
+    """Microbatches of 8 rows, one per device, on 8-device meshes, against one batch."""
+    preset, knobs, axes = MICROBATCH_MESHES[name]
+    mesh = sharding.make_mesh(jax.devices()[:8], sharding.MeshConfig(**axes))
+    one = _replica_step(models.get_model_config(preset), mesh)
+    two = _replica_step(models.get_model_config(preset, **knobs), mesh, microbatches=2)
+    if preset == "tiny":
+        _assert_same_replica_step(one, two)
+    else:  # the balance loss is each microbatch's own (see the MoE test above)
+        np.testing.assert_allclose(two[1]["loss"], one[1]["loss"], rtol=2e-5)
+
+
+def test_microbatches_reduce_the_gradient_over_replicas_once():
+    """Data parallel over 8 devices, 4 microbatches must send about what 1 does (the
+    replicas' gradients meet once); XLA's own accumulation (an MoE model keeps it) sends
+    one gradient reduction per microbatch."""
+    mesh = sharding.make_mesh(jax.devices()[:8], sharding.MeshConfig(data=8))
+
+    def traffic(preset, microbatches):
+        cfg = models.get_model_config(preset)
+        return _step_traffic(cfg, mesh, batch=32, microbatches=microbatches)
+
+    assert traffic("tiny", 4) < 1.1 * traffic("tiny", 1)
+    assert traffic("tiny_moe", 4) > 2 * traffic("tiny_moe", 1)
 
 
 def _replica_step(cfg, mesh, microbatches: int = 1):
@@ -267,12 +302,13 @@ def test_logits_gathered_once_give_the_plain_step(name):
     _assert_same_replica_step(plain, _replica_step(once, mesh))
 
 
-def _step_traffic(cfg, mesh) -> float:
-    """Bytes one device sends in the collectives of a compiled train step (16 x 32 tokens)."""
+def _step_traffic(cfg, mesh, batch: int = 16, microbatches: int = 1) -> float:
+    """Bytes one device sends in the collectives of a compiled train step (batch x 32)."""
     from decoupled_diloco import collectives
 
-    replica = Replica(cfg, TrainConfig(warmup_steps=0, batch_size=16), mesh)
-    tokens = jax.ShapeDtypeStruct((16, 33), jnp.int32, sharding=replica.batch_sharding)
+    train = TrainConfig(warmup_steps=0, batch_size=batch, microbatches=microbatches)
+    replica = Replica(cfg, train, mesh)
+    tokens = jax.ShapeDtypeStruct((batch, 33), jnp.int32, sharding=replica.batch_sharding)
     compiled = replica._train_step.lower(replica.abstract_state(), tokens).compile()
     return collectives.traffic(compiled.as_text()).total_bytes
 
