@@ -506,6 +506,36 @@ def test_rolled_back_steps_that_are_merged_again_are_not_lost(tmp_path):
     log.close()
 
 
+def test_a_resume_does_not_count_again_the_steps_an_earlier_attempts_restore_rolled_back(
+    tmp_path,
+):
+    """Attempt 1: learner 0's steps 1-4 and 5-8 were merged, then rolled back (8 steps of
+    `syncer_lost_steps`); the run was killed before the learner saw it, so its notes beside
+    the checkpoints lack them. Attempt 2 takes them from attempt 1's record: its cut, which
+    finds Θ lacking steps 1-10 of the learner restored at step 10, counts 9-10 only, and
+    its own `syncer_lost_steps` are 0 (attempt 1 counted them). A cut that goes back past
+    them (a checkpoint at step 6) leaves them on the timeline it left."""
+    from decoupled_diloco.runtime.records import RunLog
+
+    first = Ledger(1, sync_every=4, fragments=1)
+    for version, step in [(1, 4), (2, 8)]:
+        first.merge({"fragment": 0, "version": version, "learners": [0], "c_steps": [4],
+                     "steps": [step], "share": 1.0, "time": 1.0})  # fmt: skip
+    first.rollback({"0": 0})
+    record = json.loads(json.dumps(first.rolled_spans()))  # (through attempts.jsonl)
+    assert record == {"0": {"0": [[0, 8]]}} and first.syncer_lost_steps == 8
+    log = RunLog(str(tmp_path), Ledger(1, sync_every=4, fragments=1))
+    log.ledger.seed_rolled(record)
+    assert log.ledger.syncer_lost_steps == 0
+    assert log.ledger.rolled_spans() == record  # carried on to a third attempt
+    log.event({"event": "resume_cut", "learner": 0, "step": 10, "lost_steps": 10,
+               "lost_spans": {"0": [[0, 10]]}, "time": 1.0})  # fmt: skip
+    assert log.ledger.resume_lost_steps == 2
+    log.ledger.rewound(0, 6)
+    assert log.ledger.rolled_spans() == {"0": {"0": [[0, 6]]}}
+    log.close()
+
+
 def test_a_syncer_restore_counts_each_learners_most_lost_steps_of_any_fragment(tmp_path):
     """Per learner, the most steps any one fragment lost (a step is work on every fragment:
     lost from two it is still one step), summed over learners."""

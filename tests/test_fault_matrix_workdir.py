@@ -48,8 +48,9 @@ def _halted(cfg, wd, after):
         rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after,
                           fault_offset_s=attempt.fault_offset,
                           fault_steps=attempt.fault_steps_checked)  # fmt: skip
+        rt.log.ledger.seed_rolled(attempt.rolled_before)
         attempt.watch(workdir.counters_of(rt.log.ledger, rt.bytes_communicated), rt.fault_clock,
-                      rt.schedule.steps_checked)  # fmt: skip
+                      rt.schedule.steps_checked, rt.log.ledger.rolled_spans)  # fmt: skip
         assert rt.run() is None
         attempt.stop()  # what its last heartbeat would have written
 
@@ -1055,3 +1056,42 @@ def test_a_rollback_a_learner_saw_is_not_counted_again_by_a_resume(small_config,
         if e["event"] == "resume_cut":
             for lo, hi in e["lost_spans"].get("0", []):
                 assert not any(a < hi and lo < b for a, b in noted[e["learner"]]), e
+
+
+@pytest.mark.slow
+def test_a_rollback_a_killed_learner_never_saw_is_not_counted_again_by_a_resume(
+    small_config, tmp_path
+):
+    """As above, but the learners are killed before they note the rollback (their notes
+    beside the checkpoints are emptied, as if the kill came before the boundary that writes
+    them): the attempt's record keeps the rolled-back steps the run counted
+    (`syncer_lost_steps`), and the resume's cut leaves them out of `resume_lost_steps`."""
+    from decoupled_diloco import checkpoint
+    from decoupled_diloco.runtime.accounting import span_steps, spans_minus
+
+    cfg = small_config(**{"train.steps": 32, "train.checkpoint_every": 4, **DECOUPLED,
+                          "diloco.fragments": 1, "faults.unit": "steps",
+                          "faults.syncer_crashes": [9], "faults.syncer_restart_delay_s": 0.2,
+                          "faults.speed_factors": [2.0, 3.0],
+                          "diloco.syncer_checkpoint_seconds": 1000.0})  # fmt: skip
+    _halted(cfg, tmp_path, after=14)  # soon after the restore (Θ lacks what it took)
+    (first,) = _read(tmp_path / "attempts.jsonl")
+    assert first["own"]["syncer_lost_steps"] > 0
+    recorded = {int(m): [tuple(s) for s in by_p.get("0", [])]
+                for m, by_p in first["rolled_spans"].items()}  # fmt: skip
+    assert sum(map(span_steps, recorded.values())) >= first["own"]["syncer_lost_steps"]
+    for m in (0, 1):
+        ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints" / f"learner_{m}"))
+        checkpoint.save_counted(ckpt, {})  # what a learner that never saw it would have
+        ckpt.close()
+    summary = launch.run(config_lib.validate(cfg), str(tmp_path), verbose=False)
+    cuts = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "resume_cut"]
+    overlapped = 0
+    for e in cuts:
+        rolled = recorded.get(e["learner"], [])
+        own = [p for lo, hi in e["lost_spans"].get("0", []) for p in spans_minus(lo, hi, rolled)]
+        assert e["lost_steps"] == span_steps(own), (e, rolled)
+        overlapped += e.get("rolled_back_steps", 0)
+    assert overlapped > 0  # the resume met rolled-back steps Θ lacks, and left them out
+    assert summary["resume_lost_steps"] == sum(e["lost_steps"] for e in cuts)
+    assert _read(tmp_path / "attempts.jsonl")[1]["rolled_spans"]  # kept for a third attempt

@@ -56,6 +56,8 @@ import math
 import statistics
 import threading
 
+from absl import logging
+
 from decoupled_diloco import fault_steps, faults
 
 
@@ -143,6 +145,9 @@ class Ledger:
         # back (`syncer_lost_steps`): a crash or cut that finds Θ lacking them does not
         # count them again.
         self._rolled: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        # The same of earlier attempts of a resumed run (`seed_rolled`): counted in their
+        # `syncer_lost_steps`, not in this attempt's, and not again by this one's cuts.
+        self._earlier: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._lost_unspanned = 0  # (rolled-back merge records without offer steps)
         self.failures = 0
         self.restarts = 0
@@ -242,28 +247,69 @@ class Ledger:
         had applied and does not offer their steps again; those of a merge it had not
         applied yet are still its own unmerged work, offered again (and merged: not lost)."""
         with self._lock:
-            if not self._rolled:
-                return self._lost_unspanned
-            held: dict[tuple[int, int], list] = {}
-            for p, credits in self._credited.items():
-                for _, credit in credits:
-                    for m, lo, hi in credit[5]:
-                        held.setdefault((m, int(p)), []).append((lo, hi))
             most: dict[int, int] = {}
-            for (m, p), rolled in self._rolled.items():
-                gone = [x for lo, hi in fault_steps.merge_windows(rolled)
-                        for x in spans_minus(lo, hi, held.get((m, p), ()))]  # fmt: skip
+            for (m, _), gone in self._gone().items():
                 most[m] = max(most.get(m, 0), span_steps(gone))
             return self._lost_unspanned + sum(most.values())
+
+    def _gone(self) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """(learner, fragment) -> the rolled-back spans no merge holds since (lock held)."""
+        held: dict[tuple[int, int], list] = {}
+        for p, credits in self._credited.items():
+            for _, credit in credits:
+                for m, lo, hi in credit[5]:
+                    held.setdefault((m, int(p)), []).append((lo, hi))
+        gone = {}
+        for (m, p), rolled in self._rolled.items():
+            kept = held.get((m, p), ())
+            windows = fault_steps.merge_windows(rolled)
+            gone[m, p] = [x for lo, hi in windows for x in spans_minus(lo, hi, kept)]
+        return gone
+
+    def rolled_spans(self) -> dict[str, dict[str, list[list[int]]]]:
+        """The steps counted in `syncer_lost_steps` by this attempt and the earlier ones, as
+        {learner: {fragment: [[lo, hi], ...]}} (JSON): what an attempt's record keeps, so
+        that a resume's cut, finding Θ without them, does not count them again when the
+        learner was killed before it saw the rollback (and so had not noted them beside
+        its checkpoints). Spans a merge held again after the record was written (up to a
+        heartbeat) read as rolled back to a resume."""
+        with self._lock:
+            both: dict[tuple[int, int], list] = {}
+            for key, spans in [*self._gone().items(), *self._earlier.items()]:
+                both[key] = [*both.get(key, []), *spans]
+            out: dict[str, dict[str, list[list[int]]]] = {}
+            for (m, p), spans in sorted(both.items()):
+                if spans:
+                    windows = fault_steps.merge_windows(spans)
+                    out.setdefault(str(m), {})[str(p)] = [list(w) for w in windows]
+            return out
+
+    def seed_rolled(self, spans: dict) -> None:
+        """Takes the earlier attempts' `rolled_spans` (a resumed run); a record that does not
+        read as one is logged and left out (it only keeps steps from being counted twice)."""
+        try:
+            earlier = {
+                (int(m), int(p)): [(int(a), int(b)) for a, b in pieces]
+                for m, by_fragment in spans.items()
+                for p, pieces in by_fragment.items()
+            }
+        except (ValueError, TypeError, AttributeError) as e:
+            logging.warning("attempts.jsonl's rolled_spans do not read (%s): steps an earlier "
+                            "syncer restore rolled back may be counted again", e)  # fmt: skip
+            earlier = {}
+        with self._lock:
+            self._earlier = earlier
 
     def not_rolled_back(self, m: int, spans: dict) -> int:
         """Of learner m's step spans {fragment: [(lo, hi], ...]} that Θ lacks (a crash's or
         a cut's), the most steps any fragment lacks that no rolled-back merge held: those a
-        syncer restore took back are counted in `syncer_lost_steps` already."""
+        syncer restore took back, in this attempt or an earlier one, are counted in
+        `syncer_lost_steps` already."""
         with self._lock:
             most = 0
             for p, pieces in spans.items():
-                rolled = self._rolled.get((m, int(p)), ())
+                key = (m, int(p))
+                rolled = [*self._rolled.get(key, ()), *self._earlier.get(key, ())]
                 left = [piece for lo, hi in pieces for piece in spans_minus(lo, hi, rolled)]
                 most = max(most, span_steps(left))
             return most
@@ -272,9 +318,10 @@ class Ledger:
         """Learner m goes on from `step` (a checkpoint, or where Θ holds its work): the spans
         rolled back past it were another timeline's, which its new steps do not repeat."""
         with self._lock:
-            for (mm, p), spans in self._rolled.items():
-                if mm == m:
-                    self._rolled[mm, p] = [(lo, min(hi, step)) for lo, hi in spans if lo < step]
+            for rolled in (self._rolled, self._earlier):
+                for (mm, p), spans in rolled.items():
+                    if mm == m:
+                        rolled[mm, p] = [(lo, min(hi, step)) for lo, hi in spans if lo < step]
 
     def row(self, rec: dict) -> None:
         """A learner's metrics row: the merge delay of the merges it applied since its

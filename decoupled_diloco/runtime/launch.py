@@ -68,14 +68,15 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
                   flush=True)  # fmt: skip
         try:
             runtime = _runtime(cfg, workdir, verbose, ckpt_dir, attempt)
+            ledger = runtime.log.ledger
+            ledger.seed_rolled(attempt.rolled_before)
             # (no local may hold the runtime or a bound method of it: the `finally` below
             # drops the last reference; Ray's driver learns its traffic at the end only)
             attempt.watch(
-                workdir_lib.counters_of(
-                    runtime.log.ledger, getattr(runtime, "bytes_communicated", None)
-                ),
+                workdir_lib.counters_of(ledger, getattr(runtime, "bytes_communicated", None)),
                 runtime.fault_clock,
                 runtime.schedule.steps_checked,
+                ledger.rolled_spans,
             )
             runtime.log.on_counted = attempt.write_now
             summary = attempt.finish(runtime.run())

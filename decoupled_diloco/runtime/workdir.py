@@ -294,6 +294,13 @@ class Attempt:
             [r.get("fault_steps") for r in self.records]
         )
         self.fault_steps = lambda: self.fault_steps_checked
+        # The learner steps earlier attempts' syncer restores rolled back (counted lost
+        # there; `Ledger.rolled_spans`): each record carries the run's so far, so the last
+        # one that has them is complete.
+        self.rolled_before = next(
+            (r["rolled_spans"] for r in reversed(self.records) if "rolled_spans" in r), {}
+        )
+        self.rolled = lambda: self.rolled_before
         self.t0 = time.time()
         root = epath.Path(workdir)
         if forced and changed:  # keep the config this attempt replaces
@@ -307,11 +314,14 @@ class Attempt:
         self._thread: threading.Thread | None = None
         self._write()
 
-    def watch(self, counters, fault_clock=None, checked_steps=None) -> None:
+    def watch(self, counters, fault_clock=None, checked_steps=None, rolled=None) -> None:
         """Starts the heartbeat; `counters()` returns this process's failures etc. so far,
         `fault_clock()` the run's place on its fault timeline (the runtime's),
-        `checked_steps()` how far it checked a schedule in steps (None: not one)."""
+        `checked_steps()` how far it checked a schedule in steps (None: not one),
+        `rolled()` the run's rolled-back steps so far (`Ledger.rolled_spans`, seeded with
+        `rolled_before`)."""
         self.counters = counters
+        self.rolled = rolled or self.rolled
         self.fault_clock = fault_clock or self.fault_clock
         self.fault_steps = checked_steps or self.fault_steps
         self._thread = threading.Thread(target=self._beat, name="attempt", daemon=True)
@@ -338,6 +348,8 @@ class Attempt:
         # Its last reading, not the runtime's clock: holding that would keep the run's
         # learners (and their device memory) alive after the run.
         last, checked = self.record["fault_clock"], self.record.get("fault_steps")
+        rolled = self.record.get("rolled_spans", {})
+        self.rolled = lambda: rolled
         counted = {k: v for k, v in self.record["own"].items() if k != "wall_seconds"}
         self.fault_clock = lambda: last
         self.fault_steps = lambda: checked
@@ -351,6 +363,9 @@ class Attempt:
             checked = self.fault_steps()
             if checked is not None:
                 self.record["fault_steps"] = checked
+            rolled = self.rolled()
+            if rolled:
+                self.record["rolled_spans"] = rolled
             own = {k: v for k, v in self.counters().items() if k in ACCUMULATED}
             self.record["own"] = {"wall_seconds": time.time() - self.t0, **own}
             lines = [json.dumps(r) for r in [*self.records, self.record]]
