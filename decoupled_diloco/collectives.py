@@ -6,8 +6,11 @@ collective kind, how often it runs per execution and how many bytes one device p
 wire for it. A collective inside a while loop counts once per trip: the trip count is XLA's
 `known_trip_count` where the backend records it (XLA:CPU, XLA:GPU), else the constant the
 loop's condition compares its counter against (XLA:TPU's loops, which start at 0 and count
-up by one). A loop whose count cannot be read counts once, and `Traffic.unknown_trips` says
-how many such loops hold collectives.
+up by one: `i < n`). A loop whose count cannot be read counts once, and
+`Traffic.unknown_trips` says how many such loops hold collectives. A conditional runs one
+of its branches: it counts as its costliest. A collective XLA:TPU has split into chained
+continuation pieces (one channel, each piece naming the whole result) counts once per
+execution of the computation holding its pieces (per trip, in a loop body).
 
 Bytes on the wire per device, for a collective over a group of n devices whose result has
 S bytes on each (ring algorithms, the usual cost model):
@@ -35,9 +38,12 @@ _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\(")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%([\w.\-]+)")
 # A collective XLA:TPU has split into continuation fusions carries a `chain_id`; its pieces
-# (in a loop's body or not) share one channel and together move the collective's result once.
+# share one channel and together move the collective's result once.
 _CHAINED = re.compile(r"channel_id=(\d+).*chain_id=")
-_CALL_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_CALL_LISTS = re.compile(r"\bcalled_computations=\{([^}]*)\}")
+# A conditional's branches: an index's list, or a predicate's two.
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_PRED_BRANCHES = re.compile(r"\b(?:true|false)_computation=%([\w.\-]+)")
 
 
 @dataclasses.dataclass
@@ -47,17 +53,36 @@ class Traffic:
     count: dict[str, int] = dataclasses.field(default_factory=dict)
     wire_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     unknown_trips: int = 0  # loops with collectives inside whose trip count was not found
+    # Chained pieces not yet counted: channel -> (kind, wire bytes), one collective per
+    # channel within one execution of the computation that holds them (`resolved`).
+    chained: dict[str, tuple[str, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> float:
         return sum(self.wire_bytes.values())
 
     def add(self, other: "Traffic", times: int = 1) -> None:
+        """Adds `other` run `times` times; its chained pieces (to be counted `resolved`,
+        once per channel) only when it runs once, as a part of this computation."""
+        if times != 1 and other.chained:
+            other = other.resolved()
         for k, n in other.count.items():
             self.count[k] = self.count.get(k, 0) + n * times
         for k, b in other.wire_bytes.items():
             self.wire_bytes[k] = self.wire_bytes.get(k, 0.0) + b * times
         self.unknown_trips += other.unknown_trips
+        self.chained.update(other.chained)
+
+    def count_one(self, kind: str, wire: float) -> None:
+        self.count[kind] = self.count.get(kind, 0) + 1
+        self.wire_bytes[kind] = self.wire_bytes.get(kind, 0.0) + wire
+
+    def resolved(self) -> "Traffic":
+        """The same with each chained collective counted once."""
+        out = Traffic(dict(self.count), dict(self.wire_bytes), self.unknown_trips)
+        for kind, wire in self.chained.values():
+            out.count_one(kind, wire)
+        return out
 
 
 def array_bytes(shape_text: str) -> int:
@@ -68,14 +93,34 @@ def array_bytes(shape_text: str) -> int:
     )
 
 
-def _result_bytes(shape_text: str, started: bool) -> int:
-    """Bytes of a collective's result. An async `-start` op of a tuple shape holds its
-    operands, then its results, then scalar contexts (u32[]): the results are the second half
-    of the non-scalar arrays."""
-    arrays = [(d, dims) for d, dims in _ARRAY.findall(shape_text) if not (started and not dims)]
-    if started and shape_text.lstrip().startswith("("):
-        arrays = arrays[len(arrays) // 2 :]
-    return sum(_BYTES[d] * math.prod(int(n) for n in dims.split(",") if n) for d, dims in arrays)
+def _elements(shape_text: str) -> list[str]:
+    """The top-level elements of a tuple shape; a shape that is not a tuple, alone."""
+    text = shape_text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                parts.append(text[start:i])
+                break
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i])
+            start = i + 1
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _result_bytes(shape_text: str, op: str) -> int:
+    """Bytes of a collective's result. An async `-start` op's shape is a tuple of its
+    operand(s), its result(s) and scalar contexts (u32[]), except `all-reduce-start`'s,
+    which is its result(s) as the synchronous op's."""
+    if op.endswith("-start") and op != "all-reduce-start":
+        parts = _elements(shape_text)
+        return array_bytes(parts[1] if len(parts) > 1 else parts[0])
+    return array_bytes(shape_text)
 
 
 def group_size(line: str, num_partitions: int) -> int:
@@ -124,16 +169,10 @@ class _Module:
         m = re.search(r"num_partitions=(\d+)", hlo_text)
         self.num_partitions = int(m.group(1)) if m else 1
         self._memo: dict[str, Traffic] = {}
-        self.chained: dict[str, tuple[str, float]] = {}  # channel -> (kind, wire bytes)
 
     def total(self) -> Traffic:
-        """One execution of the entry computation, chained collectives counted once each."""
-        out = Traffic()
-        out.add(self.traffic(self.entry))
-        for kind, wire in self.chained.values():
-            out.count[kind] = out.count.get(kind, 0) + 1
-            out.wire_bytes[kind] = out.wire_bytes.get(kind, 0.0) + wire
-        return out
+        """One execution of the entry computation."""
+        return self.traffic(self.entry).resolved()
 
     def sliced_by_root(self, computation: str, name: str) -> int | None:
         """Bytes of `computation`'s ROOT when it is a dynamic-slice of instruction `name`
@@ -152,12 +191,14 @@ class _Module:
             return int(m.group(1))
         cond = re.search(r"condition=%([\w.\-]+)", line)
         body = "\n".join(self.computations.get(cond.group(1), [])) if cond else ""
-        root = re.search(r"ROOT .*compare\(%([\w.\-]+), %([\w.\-]+)\).*direction=LT", body)
-        for name in root.groups() if root else ():
-            k = re.search(r"%" + re.escape(name) + r" = \S+ constant\((\d+)\)", body)
-            if k:
-                return int(k.group(1))
-        return None
+        root = re.search(r"ROOT .*compare\(%([\w.\-]+), %([\w.\-]+)\).*direction=(LT|GT)", body)
+        if root is None:
+            return None
+        # The bound: i < n, or n > i (a constant compared the other way round is a count
+        # down from a start this does not read).
+        bound = root.group(2) if root.group(3) == "LT" else root.group(1)
+        k = re.search(r"%" + re.escape(bound) + r" = \S+ constant\((\d+)\)", body)
+        return int(k.group(1)) if k else None
 
     def traffic(self, name: str) -> Traffic:
         if name in self._memo:
@@ -171,24 +212,32 @@ class _Module:
             shape, op = m.group(2), m.group(3)
             kind = op.removesuffix("-start")
             if kind in KINDS and not op.endswith("-done"):
-                out = _result_bytes(shape, op.endswith("-start"))
+                out = _result_bytes(shape, op)
                 sliced = self.sliced_by_root(name, m.group(1))
                 if kind == "all-reduce" and sliced is not None:
                     kind, out = "reduce-scatter", sliced  # XLA:TPU's all-reduce-scatter fusion
                 n = 2 if kind == "collective-permute" else group_size(line, self.num_partitions)
                 chained = _CHAINED.search(line)
                 if chained:  # one piece of a collective XLA:TPU runs in steps beside compute
-                    self.chained[chained.group(1)] = (kind, _wire(kind, out, n))
-                    continue
-                total.count[kind] = total.count.get(kind, 0) + 1
-                total.wire_bytes[kind] = total.wire_bytes.get(kind, 0.0) + _wire(kind, out, n)
+                    total.chained[chained.group(1)] = (kind, _wire(kind, out, n))
+                else:
+                    total.count_one(kind, _wire(kind, out, n))
+            if op.endswith("-done"):
+                continue  # (an async pair's computation is the start's)
+            branches = _BRANCHES.findall(line) or [" ".join(_PRED_BRANCHES.findall(line))]
+            branches = [re.findall(r"%?([\w.\-]+)", group) for group in branches]
+            if op == "conditional" and branches[0]:
+                # One branch runs: the costliest, as the estimate.
+                ran = [self.traffic(b).resolved() for b in branches[0]]
+                total.add(max(ran, key=lambda t: (t.total_bytes, sum(t.count.values()))))
+                continue
             callees = _CALLS.findall(line)
             for group in _CALL_LISTS.findall(line):
                 callees += re.findall(r"%([\w.\-]+)", group)
             trips = self.trip_count(line) if op == "while" else 1
             for callee in callees:
                 inner = self.traffic(callee)
-                if trips is None and inner.count:
+                if trips is None and (inner.count or inner.chained):
                     total.unknown_trips += 1
                 total.add(inner, trips or 1)
         self._memo[name] = total

@@ -130,3 +130,98 @@ def test_a_loop_of_unknown_length_counts_once_and_says_so():
 def test_text_without_an_entry_computation_is_refused():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         collectives.traffic("HloModule m\n")
+
+
+ADD = """%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+"""
+GROUP = "replica_groups={{0,1,2,3}}"
+
+
+def _module(body: str, *computations: str) -> str:
+    return "\n".join(["HloModule m, num_partitions=4", ADD, *computations,
+                      f"ENTRY %main (a: f32[1024]) -> f32[] {{\n{body}}}"])  # fmt: skip
+
+
+def test_async_forms_count_their_results():
+    """all-reduce-start's shape is its results (two combined operands: both), a scalar's
+    too; an all-gather-start's tuple is (operand, result); an async wrapper whose done op
+    names the computation too runs it once."""
+    combined = _module(f"""  %a = f32[1024]{{0}} parameter(0)
+  %s = (f32[1024]{{0}}, f32[1024]{{0}}) all-reduce-start(%a, %a), channel_id=1, {GROUP}
+  %d = (f32[1024]{{0}}, f32[1024]{{0}}) all-reduce-done(%s)
+  %s2 = f32[] all-reduce-start(%x), channel_id=2, {GROUP}, to_apply=%add
+  %d2 = f32[] all-reduce-done(%s2)
+  %g = (f32[256]{{0}}, f32[1024]{{0}}) all-gather-start(%q), channel_id=3, {GROUP}, dimensions={{0}}
+  ROOT %gd = f32[1024]{{0}} all-gather-done(%g)
+""")
+    t = collectives.traffic(combined)
+    assert t.count == {"all-reduce": 2, "all-gather": 1}
+    assert t.wire_bytes["all-reduce"] == pytest.approx(2 * (8192 + 4) * 3 / 4)
+    assert t.wire_bytes["all-gather"] == pytest.approx(4096 * 3 / 4)
+    wrapped = _module(
+        """  %a = f32[1024]{0} parameter(0)
+  %st = ((f32[1024]{0}), f32[256]{0}, u32[]) async-start(%a), calls=%rs
+  ROOT %dn = f32[256]{0} async-done(%st), calls=%rs
+""",
+        f"""%rs (p: f32[1024]) -> f32[256] {{
+  %p = f32[1024]{{0}} parameter(0)
+  ROOT %r = f32[256]{{0}} reduce-scatter(%p), channel_id=1, {GROUP}, dimensions={{0}}
+}}""",
+    )
+    t = collectives.traffic(wrapped)
+    assert t.count == {"reduce-scatter": 1} and t.total_bytes == 1024 * 3
+
+
+LOOP = """%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(COMPARED), direction=LT
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %g = bf16[4,8]{1,0} fusion(%x), kind=kCustom, calls=%piece
+  %g2 = bf16[4,8]{1,0} fusion(%x), kind=kCustom, calls=%piece
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %s)
+}
+
+%piece (a: bf16[4,2]) -> bf16[4,8] {
+  %a = bf16[4,2]{1,0} parameter(0)
+  ROOT %g = bf16[4,8]{1,0} all-gather(%a), channel_id=9, PIECE
+}""".replace("PIECE", GROUP + ', dimensions={1}, frontend_attributes={chain_id="0"}')
+
+
+def test_a_chained_collective_in_a_loop_counts_once_per_trip():
+    """Two chained pieces of one channel in a 4-trip loop's body: one all-gather per trip."""
+    text = _module("  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body\n",
+                   LOOP.replace("COMPARED", "%i, %n"))  # fmt: skip
+    t = collectives.traffic(text)
+    assert t.count == {"all-gather": 4} and t.unknown_trips == 0
+    assert t.wire_bytes["all-gather"] == pytest.approx(4 * 64 * 3 / 4)
+    # A count down (n < i) has a length this does not read: once, and said so.
+    t = collectives.traffic(text.replace("compare(%i, %n)", "compare(%n, %i)"))
+    assert t.count == {"all-gather": 1} and t.unknown_trips == 1
+
+
+def test_a_conditional_runs_one_branch():
+    """The costliest branch counts, for an index's list of branches and a predicate's two."""
+    branches = [
+        f"""%b{i} (p: f32[{n}]) -> f32[{n}] {{
+  %p = f32[{n}]{{0}} parameter(0)
+  ROOT %r = f32[{n}]{{0}} all-reduce(%p), channel_id={i}, {GROUP}, to_apply=%add
+}}"""
+        for i, n in ((0, 256), (1, 512))
+    ]
+    by_index = _module("  ROOT %c = f32[256]{0} conditional(%i, %a, %a), "
+                       "branch_computations={%b0, %b1}\n", *branches)  # fmt: skip
+    by_pred = by_index.replace("branch_computations={%b0, %b1}",
+                               "true_computation=%b0, false_computation=%b1")  # fmt: skip
+    for text in (by_index, by_pred):
+        t = collectives.traffic(text)
+        assert t.count == {"all-reduce": 1}
+        assert t.wire_bytes["all-reduce"] == pytest.approx(2 * 2048 * 3 / 4)

@@ -16,7 +16,8 @@ bytes per device. Columns (GiB per device):
              state, so the new state reuses the old one's buffers); "OOM": XLA:TPU refused to
              compile it, temp then being what its temporaries would need
   comm       GiB one device sends per step in the step's collectives, by the ring cost model
-             of `decoupled_diloco.collectives` (an estimate of volume, not of time)
+             of `decoupled_diloco.collectives` (an estimate of volume, not of time;
+             ">=" when a loop holding collectives has a length it could not read)
 
 The numbers are those of the backend present. On a machine without TPUs that is XLA:CPU, whose
 buffer assignment, fusion and layouts differ from XLA:TPU's: params and optimizer are exact for
@@ -174,6 +175,7 @@ def measure(config, batch: int, devices: list, seq_len: int = 0, remat: str = ""
                 "hbm": float(need.group(2)) * GIB, "flops": None, "comm": None}  # fmt: skip
     from decoupled_diloco import collectives
 
+    traffic = collectives.traffic(compiled.as_text())
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # (a list in older jax)
@@ -183,9 +185,17 @@ def measure(config, batch: int, devices: list, seq_len: int = 0, remat: str = ""
         "temp": mem.temp_size_in_bytes,
         "total": args + mem.temp_size_in_bytes + out - mem.alias_size_in_bytes,
         "flops": (cost or {}).get("flops"),
-        "comm": collectives.traffic(compiled.as_text()).total_bytes,
+        "comm": traffic.total_bytes,
+        "unknown_trips": traffic.unknown_trips,
         "compile_s": time.perf_counter() - t0,
     }
+
+
+def _comm(r: dict) -> str:
+    if r["comm"] is None:
+        return "-"
+    # A loop of unread length counted once: at least this much.
+    return f"{'>=' * bool(r.get('unknown_trips'))}{r['comm'] / GIB:.2f}"
 
 
 def _row(r: dict, markdown: bool) -> str:
@@ -199,7 +209,7 @@ def _row(r: dict, markdown: bool) -> str:
         *(f"{r[k] / GIB:.2f}" for k in ("params", "optimizer", "temp")),
         f"{r['total'] / GIB:.2f}" if r["total"] is not None else f"OOM (HBM {r['hbm'] / GIB:.2f})",
         f"{r['flops'] / 1e12:.2f}" if r["flops"] else "-",
-        f"{r['comm'] / GIB:.2f}" if r["comm"] is not None else "-",
+        _comm(r),
         f"{r['compile_s']:.0f}",
     ]
     return "| " + " | ".join(cells) + " |" if markdown else "\t".join(cells)
