@@ -12,9 +12,12 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["decoupled_diloco", "decoupled_diloco.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "jax>=0.4.35",
-        "jaxlib>=0.4.35",
-        "flax>=0.10",
+        # The JAX the suite runs on (0.10.2, as the TPU launcher pins: scripts/tpu/tpu_cluster.py)
+        # and newer: the train step uses shard_map's manual axes as jax 0.10 has them (pcast,
+        # varying axes); flax 0.12 needs jax 0.10 too.
+        "jax>=0.10",
+        "jaxlib>=0.10",
+        "flax>=0.12",
         "optax>=0.2.3",
         "orbax-checkpoint>=0.10",
         "ml-collections>=0.1.1",
@@ -38,7 +41,7 @@ setuptools.setup(
         "ray": ["ray[default]>=2.30"],
         # An NVIDIA GPU host: JAX with its CUDA 12 plugin and libraries from pip (the plain
         # install's jaxlib runs on the CPU only).
-        "gpu": ["jax[cuda12]>=0.4.35"],
+        "gpu": ["jax[cuda12]>=0.10"],
         # data.tokenizer = "sentencepiece" (trained locally on the corpus; TPU configs use it)
         "spm": ["sentencepiece>=0.2"],
         # A Cloud TPU host or head VM (scripts/tpu/): gs:// paths without TensorFlow (gcsfs,
