@@ -9,8 +9,10 @@ loop's condition compares its counter against (XLA:TPU's loops, which start at 0
 up by one: `i < n`). A loop whose count cannot be read counts once, and
 `Traffic.unknown_trips` says how many such loops hold collectives. A conditional runs one
 of its branches: it counts as its costliest. A collective XLA:TPU has split into chained
-continuation pieces (one channel, each piece naming the whole result) counts once per
-execution of the computation holding its pieces (per trip, in a loop body).
+continuation pieces (one channel, each piece naming the whole result) counts once per trip
+of the loops that hold all of its pieces: XLA:TPU starts one before a loop, continues it
+in the loop's body, a piece per trip, and ends it after the loop (one collective), while
+one whose pieces all lie in a loop's body runs on every trip.
 
 Bytes on the wire per device, for a collective over a group of n devices whose result has
 S bytes on each (ring algorithms, the usual cost model):
@@ -53,35 +55,44 @@ class Traffic:
     count: dict[str, int] = dataclasses.field(default_factory=dict)
     wire_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     unknown_trips: int = 0  # loops with collectives inside whose trip count was not found
-    # Chained pieces not yet counted: channel -> (kind, wire bytes), one collective per
-    # channel within one execution of the computation that holds them (`resolved`).
-    chained: dict[str, tuple[str, float]] = dataclasses.field(default_factory=dict)
+    # Chained pieces not yet counted: channel -> (kind, wire bytes, loops), `loops` the
+    # (while, trips) that hold every piece seen so far, outermost first (`resolved`).
+    chained: dict[str, tuple[str, float, tuple]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> float:
         return sum(self.wire_bytes.values())
 
-    def add(self, other: "Traffic", times: int = 1) -> None:
-        """Adds `other` run `times` times; its chained pieces (to be counted `resolved`,
-        once per channel) only when it runs once, as a part of this computation."""
-        if times != 1 and other.chained:
-            other = other.resolved()
+    def add(self, other: "Traffic", times: int = 1, loop: tuple | None = None) -> None:
+        """Adds `other` run `times` times: the body of `loop` = (while, trips) when given."""
         for k, n in other.count.items():
             self.count[k] = self.count.get(k, 0) + n * times
         for k, b in other.wire_bytes.items():
             self.wire_bytes[k] = self.wire_bytes.get(k, 0.0) + b * times
         self.unknown_trips += other.unknown_trips
-        self.chained.update(other.chained)
+        for channel, (kind, wire, loops) in other.chained.items():
+            self.add_piece(channel, kind, wire, (loop, *loops) if loop else loops)
 
-    def count_one(self, kind: str, wire: float) -> None:
-        self.count[kind] = self.count.get(kind, 0) + 1
-        self.wire_bytes[kind] = self.wire_bytes.get(kind, 0.0) + wire
+    def add_piece(self, channel: str, kind: str, wire: float, loops: tuple = ()) -> None:
+        """A piece of a chained collective inside `loops`: the collective is inside the
+        loops that hold all its pieces."""
+        if channel in self.chained:
+            held = self.chained[channel][2]
+            common = 0
+            while common < min(len(held), len(loops)) and held[common] == loops[common]:
+                common += 1
+            loops = loops[:common]
+        self.chained[channel] = (kind, wire, loops)
+
+    def count_one(self, kind: str, wire: float, times: int = 1) -> None:
+        self.count[kind] = self.count.get(kind, 0) + times
+        self.wire_bytes[kind] = self.wire_bytes.get(kind, 0.0) + wire * times
 
     def resolved(self) -> "Traffic":
-        """The same with each chained collective counted once."""
+        """The same with each chained collective counted, once per trip of its loops."""
         out = Traffic(dict(self.count), dict(self.wire_bytes), self.unknown_trips)
-        for kind, wire in self.chained.values():
-            out.count_one(kind, wire)
+        for kind, wire, loops in self.chained.values():
+            out.count_one(kind, wire, math.prod(trips for _, trips in loops))
         return out
 
 
@@ -219,7 +230,7 @@ class _Module:
                 n = 2 if kind == "collective-permute" else group_size(line, self.num_partitions)
                 chained = _CHAINED.search(line)
                 if chained:  # one piece of a collective XLA:TPU runs in steps beside compute
-                    total.chained[chained.group(1)] = (kind, _wire(kind, out, n))
+                    total.add_piece(chained.group(1), kind, _wire(kind, out, n))
                 else:
                     total.count_one(kind, _wire(kind, out, n))
             if op.endswith("-done"):
@@ -239,7 +250,8 @@ class _Module:
                 inner = self.traffic(callee)
                 if trips is None and (inner.count or inner.chained):
                     total.unknown_trips += 1
-                total.add(inner, trips or 1)
+                loop = (m.group(1), trips or 1) if op == "while" else None
+                total.add(inner, trips or 1, loop)
         self._memo[name] = total
         return total
 

@@ -197,12 +197,20 @@ LOOP = """%cond (p: (s32[], f32[8])) -> pred[] {
 
 
 def test_a_chained_collective_in_a_loop_counts_once_per_trip():
-    """Two chained pieces of one channel in a 4-trip loop's body: one all-gather per trip."""
+    """Two chained pieces of one channel in a 4-trip loop's body: one all-gather per trip.
+    One that XLA:TPU starts before the loop and continues in its body (a piece per trip,
+    as in the 2B config's chunked output layer) is one all-gather."""
     text = _module("  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body\n",
                    LOOP.replace("COMPARED", "%i, %n"))  # fmt: skip
     t = collectives.traffic(text)
     assert t.count == {"all-gather": 4} and t.unknown_trips == 0
     assert t.wire_bytes["all-gather"] == pytest.approx(4 * 64 * 3 / 4)
+    started = text.replace(
+        "  ROOT %w =", "  %s = bf16[4,8]{1,0} fusion(%a), kind=kCustom, calls=%piece\n  ROOT %w ="
+    )
+    t = collectives.traffic(started)
+    assert t.count == {"all-gather": 1}
+    assert t.wire_bytes["all-gather"] == pytest.approx(64 * 3 / 4)
     # A count down (n < i) has a length this does not read: once, and said so.
     t = collectives.traffic(text.replace("compare(%i, %n)", "compare(%n, %i)"))
     assert t.count == {"all-gather": 1} and t.unknown_trips == 1

@@ -11,7 +11,9 @@ bytes per device. Columns (GiB per device):
   optimizer  AdamW moments (+ step counters) this device holds
   temp       XLA's scratch for the step: activations kept for the backward pass, gradients,
              collectives' buffers
-  TFLOP      the compiled step's FLOPs on one device (XLA's cost analysis), in 1e12
+  TFLOP      the compiled step's FLOPs on one device (XLA's cost analysis), in 1e12; XLA
+             counts a loop's body once, so with train.microbatches = N it shows about 1/N
+             of the step (the 2-layer 2B cut on v5p-16: 9.14 with 1, 2.29 with 4)
   total      arguments + temp + outputs not aliased to arguments (the train step donates its
              state, so the new state reuses the old one's buffers); "OOM": XLA:TPU refused to
              compile it, temp then being what its temporaries would need
