@@ -485,7 +485,11 @@ def test_metrics_are_read_metrics_lag_steps_late_and_a_nan_still_restarts(
         )
         lost = sum(b - a for a, b in end["lost_spans"].get(str(p), []))
         assert merged + lost == 14, (p, merged, lost)
-    assert end["lost_steps"] > 0
+    # How many are left out depends on which offers went out before the NaN was read (its
+    # step's offers may have: metrics are read `lag` steps late), possibly none; the event
+    # counts the most any fragment lacks.
+    most = max((sum(b - a for a, b in s) for s in end["lost_spans"].values()), default=0)
+    assert end["lost_steps"] == most
     crashes = sum(e.get("lost_steps", 0) for e in events if e["event"] == "rejoin")
     assert summary["crash_lost_steps"] == crashes + end["lost_steps"]
     assert max(now - read for _, read, now in reads) == lag  # read only 3 steps late
