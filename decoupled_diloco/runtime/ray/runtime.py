@@ -232,10 +232,28 @@ class RayRuntime:
                     # again when the call failed or Ray restarted the process since
                     asked[m] = (self.learners[(m, 0)].interrupt.remote(), pid)
             self._collect(wait=self.run_cfg.ray.poll_seconds)
-        for actor in self.syncers:
-            for rec in _call(actor.finish)["records"]:
-                self.log.record(rec)
+        self._finish_syncers()
         raise self._stopped(self.now())
+
+    def _finish_syncers(self) -> list[dict]:
+        """Ends every syncer shard (its pending merges, its last save) and records its last
+        records: first those of a poll still in flight, which took them from the shard's
+        buffer (left unread, a merge Θ holds went missing from merges.jsonl), then the
+        shard's own. Returns the shards' stats."""
+        stats = []
+        for s, actor in enumerate(self.syncers):
+            ref = self._pending.pop(("syncer", s, 0), None)
+            if ref is not None:
+                try:
+                    for rec in ray.get(ref, timeout=60.0)["records"]:
+                        self.log.record(rec)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # (its process died: its records with it)
+            out = _call(actor.finish)
+            stats.append(out["stats"])
+            for rec in out["records"]:
+                self.log.record(rec)
+        return stats
 
     def _stopped(self, wall: float) -> RunInterruptedError:
         """The end of a run a Ctrl-C stopped (learners and syncer shards saved), with this
@@ -420,12 +438,7 @@ class RayRuntime:
         # it waits for them, then ends the run as interrupted (the same command summarises).
         with cli.interrupts_deferred(TAIL_NOTICE) as press:
             self._collect(wait=30.0)  # the last rows and records
-            stats = []
-            for actor in self.syncers:
-                out = _call(actor.finish)
-                stats.append(out["stats"])
-                for rec in out["records"]:
-                    self.log.record(rec)
+            stats = self._finish_syncers()
         if press.pressed:
             raise self._stopped(wall)
         final = self._final_eval()
