@@ -1027,11 +1027,7 @@ def test_a_rollback_a_learner_saw_is_not_counted_again_by_a_resume(small_config,
     them again as `resume_lost_steps` (36 of 32 steps were accounted for)."""
     from decoupled_diloco import checkpoint, fault_steps
 
-    cfg = small_config(**{"train.steps": 32, "train.checkpoint_every": 4, **DECOUPLED,
-                          "diloco.fragments": 1, "faults.unit": "steps",
-                          "faults.syncer_crashes": [9], "faults.syncer_restart_delay_s": 0.2,
-                          "faults.speed_factors": [2.0, 3.0],
-                          "diloco.syncer_checkpoint_seconds": 1000.0})  # fmt: skip
+    cfg = _restored_once(small_config)
     _halted(cfg, tmp_path, after=20)
     events = _read(tmp_path / "events.jsonl")
     (restore,) = [e for e in events if e["event"] == "syncer_restore" and e["after_failure"]]
@@ -1071,11 +1067,7 @@ def test_a_rollback_a_killed_learner_never_saw_is_not_counted_again_by_a_resume(
     from decoupled_diloco import checkpoint
     from decoupled_diloco.runtime.accounting import span_steps, spans_minus
 
-    cfg = small_config(**{"train.steps": 32, "train.checkpoint_every": 4, **DECOUPLED,
-                          "diloco.fragments": 1, "faults.unit": "steps",
-                          "faults.syncer_crashes": [9], "faults.syncer_restart_delay_s": 0.2,
-                          "faults.speed_factors": [2.0, 3.0],
-                          "diloco.syncer_checkpoint_seconds": 1000.0})  # fmt: skip
+    cfg = _restored_once(small_config)
     _halted(cfg, tmp_path, after=14)
     (first,) = _read(tmp_path / "attempts.jsonl")
     assert first["own"]["syncer_lost_steps"] > 0
@@ -1107,3 +1099,13 @@ def test_a_rollback_a_killed_learner_never_saw_is_not_counted_again_by_a_resume(
 def restore_versions(wd):
     (restore,) = [e for e in _read(wd / "events.jsonl") if e["event"] == "syncer_restore"]
     return restore["versions"]
+
+
+def _restored_once(small_config):
+    """Two learners of speeds 2 and 3 and a syncer crash at step 9, its checkpoints 1000 s
+    apart: the restore rolls back the merges made before the crash."""
+    return small_config(**{"train.steps": 32, "train.checkpoint_every": 4, **DECOUPLED,
+                           "diloco.fragments": 1, "faults.unit": "steps",
+                           "faults.syncer_crashes": [9], "faults.syncer_restart_delay_s": 0.2,
+                           "faults.speed_factors": [2.0, 3.0],
+                           "diloco.syncer_checkpoint_seconds": 1000.0})  # fmt: skip
