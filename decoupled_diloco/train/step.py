@@ -84,6 +84,13 @@ def _varying_axes(x: jax.Array) -> tuple[str, ...]:
     return tuple(sorted(manual.varying if manual is not None else getattr(t, "vma", ())))
 
 
+def _carry_like(tree, x: jax.Array):
+    """`tree` (a scan's initial carry) marked varying over the manual axes `x` varies over
+    (inside a shard_map; a carry must vary over the axes its updates vary over)."""
+    varying = _varying_axes(x)
+    return _vary(tree, varying) if varying else tree
+
+
 def _sum_chunks(model_cfg, embedding_VD, chunks) -> jax.Array:
     """The summed weighted NLL of `chunks` (x_KBCD, targets_KBC, weights_KBC), one chunk
     of positions at a time."""
@@ -96,10 +103,7 @@ def _sum_chunks(model_cfg, embedding_VD, chunks) -> jax.Array:
     def add_chunk(total, chunk):
         return total + chunk_nll(*chunk), None
 
-    total = jnp.zeros((), jnp.float32)
-    varying = _varying_axes(chunks[0])  # inside a shard_map: the rows' manual axes
-    if varying:  # (a scan's carry must vary over the axes its updates vary over)
-        total = _vary(total, varying)
+    total = _carry_like(jnp.zeros((), jnp.float32), chunks[0])
     return jax.lax.scan(add_chunk, total, chunks)[0]
 
 
@@ -214,10 +218,8 @@ def microbatched_value_and_grad(model_cfg, params, batch_BT1: jax.Array, microba
             out = grad_fn(model_cfg, params, microbatch_BT1)
             return jax.tree.map(jnp.add, acc, out), None
 
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        varying = _varying_axes(batch_NBT1)  # inside a shard_map: its manual axes
-        if varying:  # (a scan's carry must vary over the axes its updates vary over)
-            zeros = _vary(zeros, varying)
+        zeros = _carry_like(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                            batch_NBT1)  # fmt: skip
         summed, _ = jax.lax.scan(accumulate, zeros, batch_NBT1)
         return jax.tree.map(lambda x: x / microbatches, summed)
 
