@@ -235,12 +235,14 @@ class _Module:
                     total.count_one(kind, _wire(kind, out, n))
             if op.endswith("-done"):
                 continue  # (an async pair's computation is the start's)
-            branches = _BRANCHES.findall(line) or [" ".join(_PRED_BRANCHES.findall(line))]
-            branches = [re.findall(r"%?([\w.\-]+)", group) for group in branches]
-            if op == "conditional" and branches[0]:
+            if op == "conditional":
                 # One branch runs: the costliest, as the estimate.
-                ran = [self.traffic(b).resolved() for b in branches[0]]
-                total.add(max(ran, key=lambda t: (t.total_bytes, sum(t.count.values()))))
+                listed = _BRANCHES.search(line)
+                names = (re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed
+                         else _PRED_BRANCHES.findall(line))  # fmt: skip
+                ran = [self.traffic(b).resolved() for b in names]
+                if ran:
+                    total.add(max(ran, key=lambda t: (t.total_bytes, sum(t.count.values()))))
                 continue
             callees = _CALLS.findall(line)
             for group in _CALL_LISTS.findall(line):
@@ -262,12 +264,13 @@ def traffic(hlo_text: str) -> Traffic:
 
 
 def loops(hlo_text: str) -> list[tuple[str, int | None, Traffic]]:
-    """The entry computation's while loops: (name, trip count, one trip's collectives)."""
+    """The entry computation's while loops: (name, trip count, one trip's collectives,
+    a chained one counted whole in each trip that holds a piece of it)."""
     module = _Module(hlo_text)
     out = []
     for line in module.computations[module.entry]:
         m = _INSTR.match(line)
         if m and m.group(3) == "while":
             body = re.search(r"body=%([\w.\-]+)", line).group(1)
-            out.append((m.group(1), module.trip_count(line), module.traffic(body)))
+            out.append((m.group(1), module.trip_count(line), module.traffic(body).resolved()))
     return out
