@@ -174,7 +174,9 @@ def test_evaluation_requests_are_served_in_order_and_a_failed_one_is_reported():
     assert driver.result({"tag": 4, "eval_loss": 1.5}) is None and driver.results == {4: 1.5}
 
 
-def test_a_syncer_poll_in_flight_when_the_run_ends_keeps_its_records(monkeypatch):
+def test_a_syncer_poll_in_flight_when_the_run_ends_keeps_its_records(
+    monkeypatch, small_config, tmp_path
+):
     """The driver polls the syncer shard for its merge records; a poll still in flight when
     the run ends (a Ctrl-C's, or the end of training) has taken its records from the shard's
     buffer, so they are recorded before the shard's own last ones (a merge Θ held was
@@ -191,16 +193,65 @@ def test_a_syncer_poll_in_flight_when_the_run_ends_keeps_its_records(monkeypatch
     class Shard:
         finish = "finish"
 
-    rt = RayRuntime.__new__(RayRuntime)
+    rt = RayRuntime(config_lib.validate(_ray_config(small_config)), str(tmp_path), verbose=False)
     rt.syncers, rt.log = [Shard()], Log()
     rt._pending = {("syncer", 0, 0): "poll in flight", ("learner", 0, 0): "a learner's poll"}
-    replies = {"poll in flight": {"records": [{"version": 2}]}}
+    traffic = {"bytes_in": 10, "bytes_out": 20}
+    replies = {"poll in flight": {"records": [{"version": 2}], "traffic": traffic, **_AT}}
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: replies[ref])
-    last = {"stats": {"merges": 3}, "records": [{"version": 3}]}
+    last = {"stats": {"merges": 3, **traffic}, "records": [{"version": 3}], **_AT}
     monkeypatch.setattr(ray_runtime, "_call", lambda method: last)
-    assert rt._finish_syncers() == [{"merges": 3}]
+    assert rt._finish_syncers() == [{"merges": 3, **traffic}]
     assert rt.log.records == [2, 3]
     assert rt._pending == {("learner", 0, 0): "a learner's poll"}
+
+
+_AT = {"pid": 7, "node": "n0"}  # the process a fake reply comes from
+
+
+def test_the_traffic_of_a_syncer_process_ray_restarted_stays_counted(
+    monkeypatch, small_config, tmp_path
+):
+    """A syncer shard's process counts its bytes from 0: after Ray restarts it (a crash),
+    the run's traffic is every process's, in the attempt's heartbeat and in the summary's
+    stats (the last process's alone undercounted a run with a syncer crash)."""
+    from decoupled_diloco.runtime.ray import runtime as ray_runtime
+
+    class Log:
+        def record(self, rec):
+            pass
+
+    class Shard:
+        finish = poll = "shard"
+
+    rt = RayRuntime(config_lib.validate(_ray_config(small_config)), str(tmp_path), verbose=False)
+    rt.syncers, rt.log, rt.learners = [Shard()], Log(), {}
+    first = {"records": [], "traffic": {"bytes_in": 100, "bytes_out": 300}, "fatal": None,
+             "pid": 7, "node": "n0"}  # fmt: skip
+    replies = [first, {**first, "traffic": {"bytes_in": 150, "bytes_out": 400}},
+               {**first, "traffic": {"bytes_in": 5, "bytes_out": 6}, "pid": 9}]  # fmt: skip
+    calls = iter(range(len(replies)))
+    monkeypatch.setattr(rt, "_seen_pid", lambda *a: None)
+
+    class Remote:
+        @staticmethod
+        def remote():
+            return next(calls)  # the poll's ref
+
+    monkeypatch.setattr(Shard, "poll", Remote, raising=False)
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: (refs, []))
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: replies[ref])
+    rt._collect()
+    assert rt.bytes_communicated() == 400
+    rt._collect()  # the same process, later: its newer count replaces its older one
+    assert rt.bytes_communicated() == 550
+    rt._collect()  # a new process (Ray restarted it) counts from 0
+    assert rt.bytes_communicated() == 561
+    end = {"stats": {"merges": 4, "bytes_in": 7, "bytes_out": 8}, "records": [], "pid": 9,
+           "node": "n0"}  # fmt: skip
+    monkeypatch.setattr(ray_runtime, "_call", lambda method: end)
+    assert rt._finish_syncers() == [{"merges": 4, "bytes_in": 157, "bytes_out": 408}]
+    assert rt.bytes_communicated() == 565
 
 
 def test_ray_config_keys_are_validated(small_config):
@@ -438,6 +489,9 @@ def test_syncer_killed_mid_run_recovers_from_its_checkpoint(chaos_run):
     for m in range(3):
         assert _events(workdir, "learner_done", learner=m, step=STEPS)
     assert np.isfinite(summary["final_eval_loss"])
+    # The traffic of the killed process counts too (each process counts its own).
+    recorded = sum(r["bytes_in"] + r["bytes_out"] for r in merges)
+    assert summary["bytes_communicated"] >= recorded > 0
 
 
 def test_fault_schedule_crash_kills_a_real_learner_process(chaos_run):

@@ -71,7 +71,7 @@ def run(cfg: RunConfig, workdir: str, verbose: bool = True, force: bool = False)
             ledger = runtime.log.ledger
             ledger.seed_rolled(attempt.rolled_before)
             # (no local may hold the runtime or a bound method of it: the `finally` below
-            # drops the last reference; Ray's driver learns its traffic at the end only)
+            # drops the last reference)
             attempt.watch(
                 workdir_lib.counters_of(ledger, getattr(runtime, "bytes_communicated", None)),
                 runtime.fault_clock,

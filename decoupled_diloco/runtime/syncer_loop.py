@@ -193,8 +193,12 @@ class SyncerLoop:
     def bytes_communicated(self) -> int:
         """Bytes received and sent by every life of this loop's syncer so far (also while it
         is down)."""
+        return sum(self.traffic().values())
+
+    def traffic(self) -> dict:
+        """`bytes_in` / `bytes_out` of every life of this loop's syncer so far."""
         with self.lock:
-            return sum(self._traffic().values())
+            return self._traffic()
 
     def _traffic(self) -> dict:
         now = self.syncer.stats if self.syncer is not None else {}

@@ -254,8 +254,8 @@ def counters_of(ledger, bytes_communicated=None):
     """What an attempt's heartbeat records of a run's ledger (`Attempt.watch`): every
     counter summed over attempts (`ACCUMULATED`; wall time is the attempt's own clock), so
     a killed attempt's failures, lost steps and traffic count in the run's summary.
-    `bytes_communicated()`: the attempt's syncer traffic so far (None: not known before the
-    attempt's end, Ray's driver)."""
+    `bytes_communicated()`: the attempt's syncer traffic so far (None: a runtime without it;
+    a syncer in a process of its own reports it at the attempt's end)."""
     kept = [k for k in ACCUMULATED if k not in ("wall_seconds", "bytes_communicated")]
 
     def counters() -> dict:

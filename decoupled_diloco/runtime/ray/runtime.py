@@ -36,6 +36,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 
@@ -95,11 +96,34 @@ class RayRuntime:
         # a slice one of whose hosts restarted): their next pid is expected, not a failure.
         self._restarting: set[tuple] = set()
         self._pending: dict[tuple, object] = {}  # in-flight poll per actor
+        # (shard, pid, node) -> that process's syncer traffic at its last poll: a process
+        # Ray restarted counts from 0, and its predecessor's bytes stay the run's.
+        self._traffic: dict[tuple[int, int, str], dict] = {}
+        self._traffic_lock = threading.Lock()  # (the attempt's heartbeat reads it)
         self._fault_t = 0.0
         self.run_id: str | None = None  # set when the actors launch (and the clock starts)
 
     def now(self) -> float:
         return time.time() - self.t0
+
+    def bytes_communicated(self) -> int:
+        """Bytes the syncer shards received and sent so far in this attempt, every process
+        of theirs included; a killed one's up to its last poll (`ray.poll_seconds`)."""
+        with self._traffic_lock:
+            return sum(t.get("bytes_in", 0) + t.get("bytes_out", 0)
+                       for t in self._traffic.values())  # fmt: skip
+
+    def _note_traffic(self, shard: int, out: dict, traffic: dict) -> None:
+        """Shard `shard`'s process that answered `out` (a poll's or `finish`'s) has sent and
+        received `traffic` so far."""
+        with self._traffic_lock:
+            self._traffic[shard, out["pid"], out["node"]] = traffic
+
+    def _shard_traffic(self, shard: int) -> dict:
+        """Shard `shard`'s `bytes_in` / `bytes_out` summed over its processes."""
+        with self._traffic_lock:
+            lives = [t for (s, *_), t in self._traffic.items() if s == shard]
+        return {k: sum(t.get(k, 0) for t in lives) for k in ("bytes_in", "bytes_out")}
 
     def fault_clock(self) -> float:
         """Where the run stands on its fault timeline: the earlier attempts' seconds plus
@@ -239,20 +263,25 @@ class RayRuntime:
         """Ends every syncer shard (its pending merges, its last save) and records its last
         records: first those of a poll still in flight, which took them from the shard's
         buffer (left unread, a merge Θ holds went missing from merges.jsonl), then the
-        shard's own. Returns the shards' stats."""
+        shard's own. Returns the shards' stats, their traffic that of all their processes."""
         stats = []
         for s, actor in enumerate(self.syncers):
             ref = self._pending.pop(("syncer", s, 0), None)
             if ref is not None:
                 try:
-                    for rec in ray.get(ref, timeout=60.0)["records"]:
+                    last = ray.get(ref, timeout=60.0)
+                    for rec in last["records"]:
                         self.log.record(rec)
+                    self._note_traffic(s, last, last["traffic"])
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     pass  # (its process died: its records with it)
             out = _call(actor.finish)
-            stats.append(out["stats"])
             for rec in out["records"]:
                 self.log.record(rec)
+            own = out["stats"]
+            self._note_traffic(s, out, {k: own.get(k, 0) for k in ("bytes_in", "bytes_out")})
+            # The traffic of every process the shard ran in, not the last one's alone.
+            stats.append({**own, **self._shard_traffic(s)})
         return stats
 
     def _stopped(self, wall: float) -> RunInterruptedError:
@@ -295,6 +324,7 @@ class RayRuntime:
             if key[0] == "syncer":
                 for rec in out["records"]:
                     self.log.record(rec)
+                self._note_traffic(key[1], out, out["traffic"])
             elif key[2] == 0:
                 self._learner_report(key[1], out)
             if out.get("fatal"):  # learners log their own fatal_error event

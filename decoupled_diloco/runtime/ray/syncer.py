@@ -126,8 +126,11 @@ class SyncerActor:
 
         with self._records_lock:
             records, self._records = self._records, []
+        # Read after the records: the traffic then holds every merge they record.
+        traffic = {} if self.fatal else self.loop.traffic()
         return {
             "records": records,
+            "traffic": traffic,
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
             "fatal": self.fatal,
@@ -143,7 +146,10 @@ class SyncerActor:
         self._thread.join()
         with self._records_lock:
             records, self._records = self._records, []
-        return {"stats": self.loop.stats(), "records": records}
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return {"stats": self.loop.stats(), "records": records, "pid": os.getpid(), "node": node}
 
     # --- the serving thread ------------------------------------------------------------
     def _main(self) -> None:
