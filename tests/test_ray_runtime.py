@@ -254,6 +254,37 @@ def test_the_traffic_of_a_syncer_process_ray_restarted_stays_counted(
     assert rt.bytes_communicated() == 565
 
 
+def test_a_restarted_learner_process_counts_the_steps_its_dead_one_took_past_the_cut(
+    small_config, tmp_path
+):
+    """A learner process killed at step 25 whose new process goes on from step 24 (the
+    newest step Θ holds) lost step 25 as well, which only the driver saw: its rejoin counts
+    it with the cut's loss, in every fragment, as a crash's loss (crash_lost_steps). It had
+    been counted nowhere: merged + lost fell short of the steps trained."""
+    cfg = config_lib.validate(_ray_config(small_config, **{"diloco.fragments": 2}))
+    rt = RayRuntime(cfg, str(tmp_path), verbose=False)
+    rt.hosts = [1, 1, 1]  # (one process per learner)
+    rt.status[1] = {"step": 25, "done": False, "incarnation": 0}  # its last report
+    rt._seen_pid(("learner", 1, 0), 100, "n0")
+    rt._seen_pid(("learner", 1, 0), 200, "n0")  # a new process: the old one died at 25
+    cut = {"0": [[14, 24]], "1": [[20, 24]]}  # what Θ lacked up to the cut (its own count)
+    rejoin = {"event": "rejoin", "learner": 1, "step": 24, "incarnation": 1, "time": 1.0,
+              "process_restart": True, "lost_steps": 10, "lost_spans": cut}  # fmt: skip
+    rt._learner_event(1, rejoin)
+    (logged,) = _read(tmp_path / "events.jsonl")
+    assert logged["lost_spans"] == {"0": [[14, 24], [24, 25]], "1": [[20, 24], [24, 25]]}
+    assert (logged["lost_steps"], logged["unseen_lost_steps"]) == (11, 1)
+    assert (rt.ledger.crash_lost_steps, rt.ledger.resume_lost_steps) == (11, 0)
+    rt._learner_event(1, {**rejoin, "time": 2.0})  # a later restart with no death seen: as is
+    assert _read(tmp_path / "events.jsonl")[-1]["lost_steps"] == 10
+    # A step past the cut that a syncer restore rolled back is syncer_lost_steps already.
+    rt.ledger.seed_rolled({"1": {"0": [[23, 25]]}})
+    rt._died_at[1] = 25
+    rt._learner_event(1, {**rejoin, "time": 3.0})
+    last = _read(tmp_path / "events.jsonl")[-1]
+    assert (last["lost_steps"], last["rolled_back_steps"]) == (9, 2), last
+
+
 def test_ray_config_keys_are_validated(small_config):
     with pytest.raises(ValueError, match="ray.accelerator"):
         config_lib.validate(_ray_config(small_config, **{"ray.accelerator": "gpu"}))

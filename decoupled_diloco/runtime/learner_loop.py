@@ -436,10 +436,10 @@ class LearnerLoop:
         newest such step, so no step's work reaches Θ twice; steps after the oldest one
         that some fragment lacks are lost with the state that held them (a fragment whose
         clock has no entry for us holds none of our steps). Both are recorded
-        (`resume_cut`), and a loss is logged. Except the unmerged work an emulated crash or
-        NaN restart loses with its device state, when the learner goes on from its own step
-        (not from a checkpoint): the failure's expected cost, which its `rejoin` event
-        carries as `lost_steps`, unlogged."""
+        (`resume_cut`), and a loss is logged; a restarted process's loss is its crash's,
+        carried by its `rejoin` event as `lost_steps`. So is the unmerged work an emulated
+        crash or NaN restart loses with its device state, when the learner goes on from its
+        own step (not from a checkpoint): the failure's expected cost, unlogged."""
         by_fragment = {}
         for snap in snapshots:
             for p, clock in snap.merged.items():
@@ -465,9 +465,16 @@ class LearnerLoop:
         if not skipped and self.away in ("crash", "nan") and not from_checkpoint:
             self._crash_lost = (lost, spans)
             return
-        if skipped or lost:
-            self.sink.event(self._event("resume_cut", skipped_steps=skipped, lost_steps=lost,
-                                        lost_spans=spans))  # fmt: skip
+        restart = self.away == "process_restart"
+        if restart:
+            # A crash too: its loss goes with its rejoin (crash_lost_steps, as an emulated
+            # crash's), to which Ray's driver adds the steps it saw the dead process take
+            # past this cut (the new process cannot know them).
+            self._crash_lost = (lost, spans)
+        if skipped or (lost and not restart):
+            cut_lost, cut_spans = (0, {}) if restart else (lost, spans)
+            self.sink.event(self._event("resume_cut", skipped_steps=skipped,
+                                        lost_steps=cut_lost, lost_spans=cut_spans))  # fmt: skip
         if lost:
             logging.warning(
                 "learner %d: the syncer's Θ lacks up to %d of its steps (some fragment holds "

@@ -116,13 +116,13 @@ class RunLog:
         m, spans = rec.get("learner"), rec.get("lost_spans")
         if not isinstance(m, int):
             return rec
+        lost, own = rec.get("lost_steps") or 0, rec.get("lost_steps") or 0
+        if spans:  # (before the rewind: a dead process's spans may lie past its new step)
+            own = self.ledger.not_rolled_back(m, {int(p): s for p, s in spans.items()})
         self.ledger.rewound(m, int(rec.get("step", 0)))
-        if not spans or not rec.get("lost_steps"):
+        if own >= lost:
             return rec
-        own = self.ledger.not_rolled_back(m, {int(p): span for p, span in spans.items()})
-        if own >= rec["lost_steps"]:
-            return rec
-        return {**rec, "lost_steps": own, "rolled_back_steps": rec["lost_steps"] - own}
+        return {**rec, "lost_steps": own, "rolled_back_steps": lost - own}
 
     def step(self, m: int, seconds: float, t: float) -> None:
         self.ledger.step(m, seconds, t)

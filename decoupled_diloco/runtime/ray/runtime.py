@@ -100,6 +100,7 @@ class RayRuntime:
         # Ray restarted counts from 0, and its predecessor's bytes stay the run's.
         self._traffic: dict[tuple[int, int, str], dict] = {}
         self._traffic_lock = threading.Lock()  # (the attempt's heartbeat reads it)
+        self._died_at: dict[int, int] = {}  # learner -> the last step its dead process reported
         self._fault_t = 0.0
         self.run_id: str | None = None  # set when the actors launch (and the clock starts)
 
@@ -355,11 +356,30 @@ class RayRuntime:
             self.ledger.finish(m, out["finished_at"])
 
     def _learner_event(self, m: int, ev: dict) -> None:
+        if ev["event"] == "rejoin" and ev.get("process_restart"):
+            ev = self._with_unseen_loss(m, ev)
         self.log.event(ev)
         if ev["event"] == "learner_error":
             step = self.status[m]["step"] if ev.get("step") is None else ev["step"]
             if self.fates.error(m, ev["error"], step):
                 self._stop(m)
+
+    def _with_unseen_loss(self, m: int, ev: dict) -> dict:
+        """The `rejoin` of learner m's restarted process, whose loss (`lost_steps`, its cut's)
+        ends at the step it goes on from: the steps its dead predecessor took past that one
+        are lost too, in every fragment (none holds a step past the cut), as far as this
+        driver saw them (the dead process's last report; those after it are in no count,
+        trained or lost)."""
+        died_at, start = self._died_at.pop(m, None), ev["step"]
+        if died_at is None or died_at <= start:
+            return ev
+        from decoupled_diloco.diloco.fragments import model_plan
+
+        fragments = model_plan(self.run_cfg.model, self.run_cfg.diloco).num_fragments
+        cut = ev.get("lost_spans") or {}
+        spans = {str(p): [*cut.get(str(p), []), [start, died_at]] for p in range(fragments)}
+        lost = max(accounting.span_steps(s) for s in spans.values())
+        return {**ev, "lost_steps": lost, "lost_spans": spans, "unseen_lost_steps": died_at - start}
 
     def _stop(self, m: int) -> None:
         """Learner m failed the same way too often (failures.py): its processes go without
@@ -387,6 +407,8 @@ class RayRuntime:
         role, m, host = key
         if role != "learner" or old is None or old[0] == pid:
             return
+        if host == 0:  # (its new process's rejoin counts what the dead one trained past it)
+            self._died_at[m] = self.status[m]["step"]  # the dead process's last report
         if key in self._restarting:
             # Restarted because this driver took it down (with its slice): restarting its
             # siblings again would take this one down once more, and so on without end.
