@@ -907,6 +907,20 @@ def test_a_swapped_or_damaged_tokenizer_model_is_named(small_config, tmp_path, f
 
 
 @pytest.mark.slow
+def test_a_resume_evaluates_theta_where_the_earlier_attempt_left_off(small_config, tmp_path):
+    """A resumed run evaluated Θ at once and then once per watch turn until its evaluation
+    counter, started at train.eval_every again, caught up with the restored lead: global rows
+    for steps the earlier attempt had evaluated, several for one step."""
+    base = {**DECOUPLED, "train.steps": 16, "train.checkpoint_every": 4, "train.eval_every": 2}
+    _halted(small_config(**base), tmp_path, after=10)
+    launch.run(config_lib.validate(small_config(**base)), str(tmp_path), verbose=False)
+    steps = [r["step"] for r in _read(tmp_path / "metrics.jsonl") if r["learner"] == "global"]
+    assert steps == sorted(set(steps)), steps  # one row per evaluated step, in order
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    assert steps and min(gaps, default=2) >= 1 and steps[-1] == 16, steps
+
+
+@pytest.mark.slow
 def test_a_run_whose_checkpoints_are_gone_starts_over_without_doubling_its_rows(
     small_config, tmp_path, caplog
 ):

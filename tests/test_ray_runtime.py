@@ -254,6 +254,39 @@ def test_the_traffic_of_a_syncer_process_ray_restarted_stays_counted(
     assert rt.bytes_communicated() == 565
 
 
+def test_a_resume_drops_the_rows_its_learners_redo_once_each_says_where_it_starts(
+    small_config, tmp_path
+):
+    """A Ray resume after a kill logged the steps past the learners' checkpoints a second
+    time (metrics.jsonl held two rows for a step): each learner's first report of the
+    attempt says where it starts, and the rows past it go, as in the local runtime; the
+    global rows past the lead go once every learner has started."""
+    rows = [{"learner": m, "step": s} for s in (10, 20, 30) for m in (0, 1, 2)]
+    rows += [{"learner": "global", "step": s} for s in (10, 20, 30)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config_lib.validate(_ray_config(small_config, **{"train.eval_every": 10}))
+    rt = RayRuntime(cfg, str(tmp_path), verbose=False)
+
+    def report(m, start, new_rows=()):
+        out = {"steps": [], "events": [], "evals": [], "rows": list(new_rows), "step": start,
+               "done": False, "incarnation": 0, "start_step": start}  # fmt: skip
+        rt._learner_report(m, out)
+
+    def kept(who):
+        return [r["step"] for r in _read(tmp_path / "metrics.jsonl") if r["learner"] == who]
+
+    report(0, 20, [{"learner": 0, "step": 21}])
+    assert kept(0) == [10, 20, 21] and kept(1) == [10, 20, 30] and kept("global") == [10, 20, 30]
+    report(0, 20, [{"learner": 0, "step": 22}])  # only the first report of a learner counts
+    assert kept(0) == [10, 20, 21, 22]
+    report(1, 10)
+    assert kept(1) == [10] and kept("global") == [10, 20, 30] and not rt._all_started()
+    rt.lost.add(2)  # out of the run: not waited for
+    assert rt._all_started()
+    assert rt._evaluations_start() == 30  # (train.eval_every 10: next after the lead 20)
+    assert kept("global") == [10, 20]
+
+
 def test_a_restarted_learner_process_counts_the_steps_its_dead_one_took_past_the_cut(
     small_config, tmp_path
 ):

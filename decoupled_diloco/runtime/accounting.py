@@ -61,6 +61,13 @@ from absl import logging
 from decoupled_diloco import fault_steps, faults
 
 
+def next_eval_step(lead: int, every: int) -> int:
+    """The lead step at which Θ is next evaluated, after one at `lead`: the next multiple of
+    `train.eval_every` (0: never). A resumed run starts past the evaluations its earlier
+    attempts made, and one that fell behind evaluates once, not once per missed multiple."""
+    return (lead // every + 1) * every if every else 0
+
+
 def tolerance_steps(sync_every: int) -> int:
     """Steps without an advance that a healthy run does not reach: two sync periods, 2·H
     (data-parallel, H = 0: 1, every step advances)."""

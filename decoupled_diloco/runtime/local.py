@@ -406,7 +406,8 @@ class LocalRuntime:
     def _watch(self, learner_threads) -> None:
         """Main thread: periodic evaluation of the global model while learners train."""
         run = self.run_cfg
-        next_eval = run.train.eval_every
+        start = max(loop.step for loop in self.loops)  # (a resumed run's, its checkpoints')
+        next_eval = accounting.next_eval_step(start, run.train.eval_every)
         while any(t.is_alive() for t in learner_threads):
             for t in learner_threads:
                 t.join(timeout=0.2)
@@ -418,7 +419,7 @@ class LocalRuntime:
                 params = self.global_params()
                 if params is None:  # a syncer shard is down: evaluate Θ once it is back
                     continue
-                next_eval += run.train.eval_every
+                next_eval = accounting.next_eval_step(lead, run.train.eval_every)
                 self.log.row(
                     {
                         "learner": "global",

@@ -271,7 +271,10 @@ class LearnerActor:
         self.loop.restore(params_too=not self.restarted)
         self.loop.take_life(self.loop.incarnation)
         self.loop.away = "process_restart" if self.restarted else "start"
-        self._set_status()
+        # The step this process starts from (its checkpoint's): the driver drops the metrics
+        # rows an earlier attempt logged past it (the first process of a learner that reports
+        # it), which are logged again.
+        self._set_status(start_step=self.loop.step)
 
     def _slice_world(self) -> jax_world.World:
         """Process `host` of a world of this slice's hosts, coordinated by its TPU worker 0

@@ -100,7 +100,9 @@ class RayRuntime:
         # Ray restarted counts from 0, and its predecessor's bytes stay the run's.
         self._traffic: dict[tuple[int, int, str], dict] = {}
         self._traffic_lock = threading.Lock()  # (the attempt's heartbeat reads it)
+        self._started: dict[int, int] = {}  # learner -> the step this attempt started from
         self._died_at: dict[int, int] = {}  # learner -> the last step its dead process reported
+        self._earlier_rows = self.log.metrics.count()  # metrics rows of earlier attempts
         self._fault_t = 0.0
         self.run_id: str | None = None  # set when the actors launch (and the clock starts)
 
@@ -213,15 +215,17 @@ class RayRuntime:
     # --- watch ------------------------------------------------------------------------
     def _watch(self) -> None:
         run = self.run_cfg
-        next_eval = run.train.eval_every
+        next_eval = None  # once every learner said where it starts (`_started`)
         while not all(s["done"] or m in self.lost for m, s in enumerate(self.status)):
             time.sleep(run.ray.poll_seconds)
             cli.raise_pending_interrupt()  # one a callback swallowed (cli.py)
             self._collect()
             self._apply_faults()
             lead = max(s["step"] for s in self.status)
+            if next_eval is None and self._all_started():
+                next_eval = self._evaluations_start()
             if next_eval and lead >= next_eval and lead < run.train.steps:
-                next_eval += run.train.eval_every
+                next_eval = accounting.next_eval_step(lead, run.train.eval_every)
                 row = {
                     "learner": "global",
                     "step": lead,
@@ -334,7 +338,31 @@ class RayRuntime:
                                     "error": out["fatal"], "time": self.now()})  # fmt: skip
                 raise FatalRunError(out["fatal"])
 
+    def _learner_started(self, m: int, step: int) -> None:
+        """The first of learner m's processes in this attempt to report starts from `step`
+        (its checkpoint's; a restart's too when its predecessor never reported): the rows an
+        earlier attempt logged past it are redone (and logged again) now. (The local runtime
+        drops them before its learners start.)"""
+        self._started[m] = step
+        if self._earlier_rows:
+            self.log.metrics.retain(lambda r: r["learner"] != m or r.get("step", 0) <= step)
+
+    def _evaluations_start(self) -> int:
+        """Every learner has started (`_all_started`): the earlier attempts' global rows past
+        the lead go, and Θ is next evaluated at the first `train.eval_every` past it."""
+        lead = max(self._started.values(), default=0)
+        if self._earlier_rows:
+            self.log.metrics.retain(lambda r: r["learner"] != "global" or r.get("step", 0) <= lead)
+        return accounting.next_eval_step(lead, self.run_cfg.train.eval_every)
+
+    def _all_started(self) -> bool:
+        """Every learner's first process of this attempt has said where it starts (or the
+        learner is out of the run)."""
+        return all(m in self._started or m in self.lost for m in range(len(self.status)))
+
     def _learner_report(self, m: int, out: dict) -> None:
+        if "start_step" in out and m not in self._started:
+            self._learner_started(m, out["start_step"])
         for seconds, t in out["steps"]:
             self.ledger.step(m, seconds, t)
         for ev in out["events"]:
