@@ -318,6 +318,49 @@ def test_a_restarted_learner_process_counts_the_steps_its_dead_one_took_past_the
     assert (last["lost_steps"], last["rolled_back_steps"]) == (9, 2), last
 
 
+def test_a_syncer_checkpoint_commits_once_the_driver_took_the_records_of_its_merges(
+    monkeypatch,
+):
+    """Records the driver has not polled die with a killed syncer process; a checkpoint
+    committed meanwhile held their merges, so the restored Θ held merges merges.jsonl and
+    the work accounting never knew. The commit now waits for the poll (not at the end, and
+    not forever)."""
+    from decoupled_diloco.runtime.ray import syncer as ray_syncer
+
+    class Loop:
+        @staticmethod
+        def traffic():
+            return {}
+
+    class Context:
+        @staticmethod
+        def get_node_id():
+            return "n0"
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+    actor = ray_syncer.SyncerActor.__new__(ray_syncer.SyncerActor)
+    actor.shard, actor.fatal, actor.loop = 0, None, Loop()
+    actor._records, actor._records_lock, actor._made, actor._taken = [], threading.Lock(), 0, 0
+    actor._stop = threading.Event()
+    actor._record({"event": "merge", "version": 1})
+    committed = threading.Event()
+    saver = threading.Thread(target=lambda: (actor._delivered(), committed.set()))
+    saver.start()
+    assert not committed.wait(0.3)  # the merge's record is not the driver's yet
+    assert [r["version"] for r in actor.poll()["records"]] == [1]
+    assert committed.wait(5.0)
+    saver.join()
+    actor._record({"event": "merge", "version": 2})
+    monkeypatch.setattr(ray_syncer, "DELIVERY_WAIT_S", 0.2)
+    t0 = time.monotonic()
+    actor._delivered()  # no poll comes: it gives up (and says so) instead of never saving
+    assert 0.2 <= time.monotonic() - t0 < 5.0
+    actor._stop.set()
+    t0 = time.monotonic()
+    actor._delivered()  # the end of the run: `finish` hands the records over itself
+    assert time.monotonic() - t0 < 0.1
+
+
 def test_ray_config_keys_are_validated(small_config):
     with pytest.raises(ValueError, match="ray.accelerator"):
         config_lib.validate(_ray_config(small_config, **{"ray.accelerator": "gpu"}))
@@ -545,11 +588,14 @@ def test_syncer_killed_mid_run_recovers_from_its_checkpoint(chaos_run):
     merges = _read(workdir / "merges.jsonl")
     after = [r for r in merges if r["time"] > restore["time"]]
     assert len(after) >= 2
-    # No bound from the merges recorded before the kill: the records a process has not yet
-    # handed to the driver's poll die with it, and a checkpoint can hold such a merge.
+    # The records a process has not yet handed to the driver's poll die with it, but no
+    # checkpoint holds their merges (it commits once the driver took them): merges.jsonl
+    # has every merge the restored Θ holds.
     for p, version in restore["versions"].items():
         later = [r["version"] for r in after if r["fragment"] == int(p)]
         assert not later or min(later) == version + 1  # continues from the checkpoint
+        before = {r["version"] for r in merges if r["fragment"] == int(p) and r not in after}
+        assert set(range(1, version + 1)) <= before, (p, version, sorted(before))
     for m in range(3):
         assert _events(workdir, "learner_done", learner=m, step=STEPS)
     assert np.isfinite(summary["final_eval_loss"])

@@ -70,8 +70,12 @@ class SyncerLoop:
         *,
         emulate_outages: bool,
         restarted: bool = False,
+        before_commit=None,
     ):
+        """`before_commit()`: called before a checkpoint commits (Ray's actor waits there
+        until the driver has taken the records of the merges it holds)."""
         self.shard, self.run_cfg, self.plan, self.init_params = shard, run, plan, init_params
+        self.before_commit = before_commit
         self.link, self.ckpt, self.schedule, self.clock = link, ckpt, schedule, clock
         self.record, self.emulate_outages = record, emulate_outages
         self.lock = threading.Lock()  # around the Syncer: its loop vs. readers of Θ and stats
@@ -310,6 +314,8 @@ class SyncerLoop:
             if entries[p] is None:
                 return False
             versions[p] = info["version"]
+        if self.before_commit is not None:
+            self.before_commit()
         self.ckpt.commit(n, entries, meta)
         self._saved_key = tuple(sorted(versions.items())), registry
         return True

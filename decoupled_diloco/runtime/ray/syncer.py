@@ -7,8 +7,10 @@ sends every learner in its restored registry a snapshot. Learners hold what they
 deliver meanwhile (`links.SyncerPoster`).
 
 Merge and event records are buffered and collected by the driver's `poll`: the driver
-alone writes merges.jsonl and events.jsonl (records since the last poll die with the
-process). A fragment plan the shard cannot build is an error no restart fixes
+alone writes merges.jsonl and events.jsonl. Records since the last poll die with the
+process, but no checkpoint holds their merges: one commits once the driver has taken the
+records made before it (`_delivered`), so a restored Θ holds no merge merges.jsonl lacks.
+A fragment plan the shard cannot build is an error no restart fixes
 (`preflight.FatalRunError`): the shard stays up without serving and `poll` reports it, so
 the driver stops the run with the message.
 """
@@ -23,6 +25,10 @@ import traceback
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.preflight import FatalRunError, fatal_errors
 from decoupled_diloco.runtime import gil
+
+# Seconds a checkpoint waits for the driver to take the records of the merges it holds
+# (a poll every `ray.poll_seconds`; longer while the driver evaluates Θ).
+DELIVERY_WAIT_S = 120.0
 
 
 def initial_params(run: RunConfig) -> dict:
@@ -66,6 +72,7 @@ class SyncerActor:
         restarted = was_restarted()
         self._records: list[dict] = []
         self._records_lock = threading.Lock()
+        self._made = self._taken = 0  # records made, and taken by the driver's polls
         self.fatal = None
         try:
             with fatal_errors(f"syncer shard {shard}"):
@@ -88,6 +95,7 @@ class SyncerActor:
         self.loop = SyncerLoop(
             shard, run, plan, initial_params(run), link, ckpt,
             schedule, self.now, self._record, emulate_outages=False, restarted=restarted,
+            before_commit=self._delivered,
         )  # fmt: skip
         self._record(
             {
@@ -108,6 +116,27 @@ class SyncerActor:
     def _record(self, rec: dict) -> None:
         with self._records_lock:
             self._records.append(rec)
+            self._made += 1
+
+    def _delivered(self) -> None:
+        """Before a checkpoint commits: waits until the driver's polls have taken every record
+        made so far. Records not yet taken die with the process, and a checkpoint holding
+        their merges would restore a Θ that merges.jsonl and the work accounting do not
+        know of. Not at the end (`finish` hands the last records over itself), nor past
+        DELIVERY_WAIT_S without a poll (logged)."""
+        with self._records_lock:
+            made = self._made
+        deadline = time.monotonic() + DELIVERY_WAIT_S
+        while not self._stop.is_set():
+            with self._records_lock:
+                if self._taken >= made:
+                    return
+            if time.monotonic() > deadline:
+                print(f"syncer shard {self.shard}: the driver took no records for "
+                      f"{DELIVERY_WAIT_S:g} s; checkpointing merges it has not recorded",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return
+            time.sleep(0.01)
 
     # --- actor methods (other threads) -------------------------------------------------
     def pid(self) -> int:
@@ -126,6 +155,7 @@ class SyncerActor:
 
         with self._records_lock:
             records, self._records = self._records, []
+            self._taken += len(records)
         # Read after the records: the traffic then holds every merge they record.
         traffic = {} if self.fatal else self.loop.traffic()
         return {
