@@ -14,7 +14,9 @@ Where the shared-memory file system has no room for a new segment (a container's
 is often 64 MB), a message goes whole through the pipe instead: slower (pickled under the
 lock), never lost. A sender keeps up to `_MAX_IDLE` idle segments for reuse and unlinks the
 rest, and all of its own at `close` (a killed process's are unlinked by multiprocessing's
-resource tracker, or by `close(unlink_mapped=True)` on the peer); a receiver keeps up to
+resource tracker, or by `close(unlink_mapped=True)` on the peer; when the tracker was killed
+with it, a kill -9 of the whole process group, by the next run's `sweep_orphans`, which
+knows them by their names: `ddw_<pid namespace>_<owner pid>_<random>`); a receiver keeps up to
 `_MAX_MAPPED` of its peer's segments mapped, so a segment reused for the next fragment costs
 no page faults.
 
@@ -30,11 +32,13 @@ import math
 import os
 import pickle
 import queue
+import secrets
 import threading
 import time
 from multiprocessing import shared_memory
 
 import numpy as np
+from absl import logging
 
 INLINE_BYTES = 1 << 16  # smaller buffers stay inside the pickle
 _ALIGN = 64  # bytes: each buffer starts on a cache line of the segment
@@ -44,6 +48,56 @@ _SHM_HEADROOM = 16 << 20  # bytes of /dev/shm left to others when a segment is c
 _MAX_IDLE = 8  # idle segments a sender keeps for reuse; older ones are unlinked
 _MAX_MAPPED = 16  # segments of the peer a receiver keeps mapped
 _GRAIN = 1 << 20  # segment sizes are rounded up to this, so fragments of near sizes share them
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (an inode number; "0" where /proc has none): a segment
+    name's owner pid means something only inside it."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+_PREFIX = "ddw_"
+
+
+def _segment_name() -> str:
+    return f"{_PREFIX}{_pid_namespace()}_{os.getpid()}_{secrets.token_hex(4)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (someone else's process: alive)
+        return True
+    return True
+
+
+def sweep_orphans(shm_dir: str = _SHM_DIR) -> int:
+    """Unlinks the wire segments whose owner process is gone (killed together with its
+    resource tracker); only those of this pid namespace, whose pids this process can
+    check. Returns how many."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    gone, here = 0, _pid_namespace()
+    for name in names:
+        parts = name[len(_PREFIX) :].split("_") if name.startswith(_PREFIX) else []
+        if len(parts) != 3 or parts[0] != here or not parts[1].isdigit():
+            continue
+        if _alive(int(parts[1])):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(shm_dir, name))
+            gone += 1
+    if gone:
+        logging.info("removed %d shared-memory segments of killed processes from %s", gone,
+                     shm_dir)  # fmt: skip
+    return gone
 
 
 def _shm_free_bytes() -> float:
@@ -148,7 +202,7 @@ class Wire:
             else:
                 if _shm_free_bytes() < size + _SHM_HEADROOM:
                     return None
-                seg = shared_memory.SharedMemory(create=True, size=size)
+                seg = shared_memory.SharedMemory(_segment_name(), create=True, size=size)
             self._lent[seg.name] = seg
         return seg
 
