@@ -1,6 +1,8 @@
 """The local runtime's syncer in a process of its own (`local_syncer`): the wire between the
 two processes, the same run as with a syncer thread, a dead syncer process fails the run."""
 
+import collections
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -9,6 +11,7 @@ import threading
 import time
 from multiprocessing import shared_memory
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -127,6 +130,88 @@ def test_a_dead_peer_is_an_error_not_a_hang(echo):
     assert child.exitcode == 3
     with pytest.raises(WireClosedError):
         w.recv(timeout=30)
+
+
+def test_segments_a_killed_process_left_are_removed_by_the_next_run(echo, tmp_path):
+    """A kill -9 of a run's process group takes multiprocessing's resource tracker with it,
+    and its wire segments stayed in /dev/shm for good (a container's is often 64 MB). They
+    carry their owner's pid: a later run removes those whose owner is gone, of its own pid
+    namespace only (where the pid means that process), and nothing else."""
+    w, _ = echo
+    w.send("data", {"big": np.zeros(1 << 17, np.float32)})  # out of band: a segment
+    w.recv(timeout=60)
+    ns = wire_lib._pid_namespace()
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"ddw_{ns}_{os.getpid()}_")]
+    assert mine  # the name says whose it is
+    gone = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    gone.start()
+    gone.join()
+    names = {f"ddw_{ns}_{gone.pid}_0a1b2c3d": True,  # its owner is dead: removed
+             f"ddw_{ns}_{os.getpid()}_0a1b2c3d": False,  # alive
+             f"ddw_1{ns}_{gone.pid}_0a1b2c3d": False,  # another pid namespace's
+             f"psm_{gone.pid}": False, "ddw_notes": False}  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert wire_lib.sweep_orphans(str(tmp_path)) == 1
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n, removed in names.items() if not removed)
+
+
+def test_a_syncer_process_traffic_is_known_before_its_last_words():
+    """A killed attempt's heartbeat read the child's traffic as 0 (known only from its last
+    words): each reply now says the traffic so far, and the parent keeps the last."""
+    sp = SyncerProcess.__new__(SyncerProcess)
+    sp._final, sp._traffic, sp._error, sp._last_reply = None, {}, None, None
+    sp._answers, sp._answers_lock, sp._done = {}, threading.Lock(), threading.Event()
+    sent, seen = [], []
+
+    class Link:
+        def send(self, learner, msg):
+            sent.append((learner, msg))
+
+    traffic = {"bytes_in": 100, "bytes_out": 50}
+    last_words = {"params": {}, "stats": {"bytes_in": 300, "bytes_out": 90}}
+    messages = iter([("reply", {"learner": 0, "traffic": traffic}, "merged"),
+                     ("again", {"learner": 1, "traffic": {**traffic, "bytes_out": 80}}, None),
+                     ("done", {}, last_words)])  # fmt: skip
+
+    class FakeWire:
+        def recv(self):
+            seen.append(sp.bytes_communicated())
+            return next(messages)
+
+    sp.link, sp.wire = Link(), FakeWire()
+    sp._read()
+    assert sent == [(0, "merged"), (1, "merged")]
+    assert seen == [0, 150, 180] and sp.bytes_communicated() == 390
+
+
+def _report_sigint(out) -> None:
+    """Child: how SIGINT was handled when it started."""
+    import signal
+
+    out.put(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+
+
+def test_a_syncer_process_ignores_a_ctrl_c_from_its_first_instruction():
+    """A terminal's Ctrl-C reaches the whole process group: one that came while the syncer
+    process still imported (before it could ignore SIGINT itself) killed it, and the run
+    failed instead of stopping in order. It starts with SIGINT ignored; the parent keeps its
+    own handler."""
+    import signal
+
+    from decoupled_diloco.runtime import syncer_process
+
+    ctx = multiprocessing.get_context("spawn")
+    before = signal.getsignal(signal.SIGINT)
+    for ignored, started in ((True, syncer_process._sigint_ignored()),
+                             (False, contextlib.nullcontext())):  # fmt: skip
+        out = ctx.Queue()
+        child = ctx.Process(target=_report_sigint, args=(out,))
+        with started:
+            child.start()
+        assert out.get(timeout=120) is ignored
+        child.join(30)
+        assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_bad_local_syncer_fails_at_start_up(small_config):
@@ -253,11 +338,67 @@ def test_a_syncer_process_that_dies_fails_the_run_instead_of_hanging(small_confi
     assert time.monotonic() - start < 300
 
 
+def _orphaning_parent(run, ckpt: str, pids) -> None:
+    """Child: a run's parent side of a syncer process (no learners), which is then killed."""
+    from decoupled_diloco import faults, models
+    from decoupled_diloco.diloco.fragments import model_plan
+
+    class Link:
+        def receive(self, timeout):
+            time.sleep(timeout)
+            return []
+
+        def send(self, learner, msg):
+            pass
+
+    schedule = faults.FaultSchedule(run.faults, run.num_learners, faults.HORIZON_S, 0.0)
+    plan = model_plan(run.model, run.diloco)
+    sp = SyncerProcess(0, run, plan, Link(), ckpt, lambda rec: None, schedule)
+    init = models.flatten_params(models.init_params(run.model, jax.random.key(0)))
+    sp.start({k: np.asarray(v, np.float32) for k, v in init.items()}, time.monotonic())
+    assert sp.global_params() is not None  # (its loop serves)
+    pids.put(sp.process.pid)
+    time.sleep(600)
+
+
+def test_an_orphaned_syncer_process_commits_no_checkpoint(small_config, tmp_path):
+    """The run's process is killed: its syncer process ends its loop without the final
+    checkpoint, which would hold merges whose records went nowhere (it saved one)."""
+    import signal
+
+    run = _synchronous(small_config, **{"diloco.syncer_checkpoint_seconds": 3600.0})
+    ckpt = tmp_path / "syncer_0"
+    ctx = multiprocessing.get_context("spawn")
+    pids = ctx.Queue()
+    # (not a daemon: those may not start processes)
+    parent = ctx.Process(target=_orphaning_parent, args=(run, str(ckpt), pids))
+    parent.start()
+    try:
+        child = pids.get(timeout=300)
+        os.kill(parent.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break  # (an orphan's exit is reaped by init)
+            time.sleep(0.1)
+        else:
+            pytest.fail("the orphaned syncer process did not exit")
+    finally:
+        parent.kill()
+    committed = [d for d in ckpt.iterdir() if (d / "manifest.json").exists()]
+    assert not committed, committed  # (it saved Θ_0 before)
+
+
 @pytest.mark.slow
-def test_a_syncer_process_whose_parent_is_killed_saves_and_exits_quietly(tmp_path):
-    """kill -9 of the run's process: its syncer process, orphaned, finds the pipe closed,
-    merges what it holds and saves its checkpoint, and exits without a traceback (its
-    records and replies have nowhere to go: the parent and its learners are gone)."""
+def test_a_syncer_process_whose_parent_is_killed_exits_quietly_saving_nothing_more(tmp_path):
+    """kill -9 of the run's process: its syncer process, orphaned, finds the pipe closed and
+    exits without a traceback and without another checkpoint. It used to merge what it held
+    and save: the records of those merges had nowhere to go, so the checkpoint a resume
+    restores held merges merges.jsonl lacked (a missing version, steps in Θ the work
+    accounting never credited). As with a syncer thread, every merge a committed checkpoint
+    holds is recorded."""
     import signal
     import subprocess
     import sys
@@ -276,9 +417,16 @@ def test_a_syncer_process_whose_parent_is_killed_saves_and_exits_quietly(tmp_pat
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it was killed"
-    killed = time.time()
     os.kill(proc.pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)  # (the orphan holds stderr open until it exits)
     assert "Traceback" not in err and "Error" not in err, err[-3000:]
     ckpt = tmp_path / "checkpoints" / "syncer_0"
-    assert max(p.stat().st_mtime for p in ckpt.iterdir()) >= killed  # its last save
+    saves = sorted((int(d.name), d) for d in ckpt.iterdir() if (d / "manifest.json").exists())
+    assert saves, "no checkpoint"  # (one every second by default, the run took longer)
+    last = json.loads((saves[-1][1] / "manifest.json").read_text())
+    assert last["fragments"], last
+    recorded = collections.defaultdict(set)
+    for rec in _read(merges):
+        recorded[rec["fragment"]].add(rec["version"])
+    for p, frag in last["fragments"].items():
+        assert set(range(1, frag["version"] + 1)) <= recorded[int(p)], (p, frag["version"])

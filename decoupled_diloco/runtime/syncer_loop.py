@@ -72,8 +72,9 @@ class SyncerLoop:
         restarted: bool = False,
         before_commit=None,
     ):
-        """`before_commit()`: called before a checkpoint commits (Ray's actor waits there
-        until the driver has taken the records of the merges it holds)."""
+        """`before_commit()`: called before a checkpoint commits; False: it does not (Ray's
+        actor waits there until the driver has taken the records of the merges it holds; a
+        syncer process whose parent is gone refuses)."""
         self.shard, self.run_cfg, self.plan, self.init_params = shard, run, plan, init_params
         self.before_commit = before_commit
         self.link, self.ckpt, self.schedule, self.clock = link, ckpt, schedule, clock
@@ -314,8 +315,8 @@ class SyncerLoop:
             if entries[p] is None:
                 return False
             versions[p] = info["version"]
-        if self.before_commit is not None:
-            self.before_commit()
+        if self.before_commit is not None and not self.before_commit():
+            return False
         self.ckpt.commit(n, entries, meta)
         self._saved_key = tuple(sorted(versions.items())), registry
         return True

@@ -30,7 +30,10 @@ gives the same merges and loss to the bit (tests/test_syncer_process.py). Record
 to the parent, which writes them as a thread's would. The child is started with "spawn"
 (never fork a process whose threads run XLA) while the learners are built, so its imports
 overlap their compilation, and uses JAX, if at all, on the CPU: the learners' accelerator
-stays theirs.
+stays theirs. A child whose parent is gone (killed) ends without another checkpoint: the
+records of its last merges have nowhere to go, and a resume must not restore a Θ holding
+merges that merges.jsonl lacks. Its shared-memory segments, should the kill take
+multiprocessing's resource tracker with it, are removed by the next run (`wire.py`).
 """
 
 import contextlib
@@ -38,10 +41,12 @@ import itertools
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
 
+from decoupled_diloco.runtime import wire as wire_lib
 from decoupled_diloco.runtime.links import _drain
 from decoupled_diloco.runtime.wire import Wire, WireClosedError
 
@@ -66,6 +71,7 @@ class SyncerProcess:
         self.shard, self.link, self.record, self.schedule = shard, link, record, schedule
         self._outages_sent = 0
         self._freeze_sent = False
+        wire_lib.sweep_orphans()  # segments an earlier run's kill -9 left behind
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
@@ -74,7 +80,8 @@ class SyncerProcess:
             name=f"syncer{shard}",
             daemon=True,
         )
-        self.process.start()
+        with _sigint_ignored():
+            self.process.start()
         theirs.close()
         self.wire = Wire(ours)
         self._requests = itertools.count()
@@ -85,6 +92,7 @@ class SyncerProcess:
         self._error: str | None = None
         self._last_reply = None
         self._reader: threading.Thread | None = None
+        self._traffic: dict = {}  # the child's traffic as its last reply said
 
     # --- the run ----------------------------------------------------------------------
     def start(self, init_params: dict, t0: float) -> None:
@@ -139,6 +147,8 @@ class SyncerProcess:
         try:
             while True:
                 kind, meta, obj = self.wire.recv()
+                if kind in ("reply", "again"):
+                    self._traffic = meta.get("traffic", self._traffic)
                 if kind == "reply":
                     self._last_reply = obj
                     self.link.send(meta["learner"], obj)
@@ -192,8 +202,9 @@ class SyncerProcess:
         return {} if self._final is None else dict(self._final["stats"])
 
     def bytes_communicated(self) -> int:
-        """The child's traffic, known from its last words (0 before: its loop counts it)."""
-        stats = self.stats()
+        """The child's traffic: from its last words, before them as its last reply said (a
+        killed attempt's heartbeat keeps it)."""
+        stats = self.stats() or self._traffic
         return stats.get("bytes_in", 0) + stats.get("bytes_out", 0)
 
     def close(self) -> None:
@@ -208,6 +219,23 @@ class SyncerProcess:
         self.wire.close(unlink_mapped=self.process.exitcode != 0)
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Starts a child with SIGINT ignored from its first instruction: a terminal's Ctrl-C
+    reaches the whole process group, and one while the child still imports (before it can
+    ignore it itself) killed it, turning the run's orderly stop into a failure. (Python
+    keeps an ignore it inherits.) The parent's own handler is back at once; only its main
+    thread may change it, elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
 class _PipeSyncerLink:
     """The child's `SyncerLink`: messages the parent forwarded; replies back over the wire.
 
@@ -218,6 +246,7 @@ class _PipeSyncerLink:
         self.wire, self.inbox = wire, queue.Queue()
         self._last = None
         self._lock = threading.Lock()  # "again" refers to the previous send: one at a time
+        self.traffic = dict  # the loop's traffic so far (set once the loop exists)
 
     def receive(self, timeout: float) -> list:
         return _drain(self.inbox, timeout)
@@ -225,17 +254,16 @@ class _PipeSyncerLink:
     def send(self, learner: int, msg) -> None:
         """(Dropped once the parent is gone: its learners went with it.)"""
         with self._lock, contextlib.suppress(WireClosedError):
+            traffic = self.traffic()
             if msg is self._last:
-                self.wire.send("again", learner=learner)
+                self.wire.send("again", learner=learner, traffic=traffic)
             else:
-                self.wire.send("reply", msg, learner=learner)
+                self.wire.send("reply", msg, learner=learner, traffic=traffic)
                 self._last = msg
 
 
 def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
     """The child process: waits for Θ_0 and the clock, then runs the shard's loop."""
-    import signal
-
     import jax
 
     # A terminal's Ctrl-C reaches the whole process group: the parent stops the run (the
@@ -261,13 +289,18 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
             run.faults, run.num_learners, faults.HORIZON_S, meta["fault_offset_s"]
         )
 
+        # The parent is gone (killed): the records of merges made since have nowhere to
+        # go, so no checkpoint may hold those merges (a resume would restore a Θ that
+        # merges.jsonl and the work accounting do not know); the loop ends without saving.
+        parent_gone = threading.Event()
+
         def to_parent(kind: str, obj) -> bool:
-            """Sends to the parent; False once it is gone (killed: its records have nowhere
-            to go, and the loop still ends with its final merges and checkpoint)."""
+            """Sends to the parent; False once it is gone."""
             try:
                 wire.send(kind, obj)
                 return True
             except WireClosedError:
+                parent_gone.set()
                 return False
 
         loop = SyncerLoop(
@@ -275,7 +308,9 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
             lambda: time.monotonic() - t0,  # CLOCK_MONOTONIC: the parent's clock too
             lambda rec: to_parent("record", rec),
             emulate_outages=True,
+            before_commit=lambda: not parent_gone.is_set(),
         )  # fmt: skip
+        link.traffic = loop.traffic
         stop = threading.Event()
 
         def serve_parent() -> None:
@@ -293,8 +328,8 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
                         wire.send("answer", loop.global_params(), id=meta["id"])
                     elif kind == "stop":
                         break
-            except WireClosedError:
-                pass  # the parent is gone: finish as if told to
+            except WireClosedError:  # the parent is gone: end (saving nothing more)
+                parent_gone.set()
             except BaseException:  # nobody would read the parent's messages: end the process
                 with contextlib.suppress(WireClosedError):
                     wire.send("error", traceback.format_exc())

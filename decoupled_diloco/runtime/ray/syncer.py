@@ -118,25 +118,26 @@ class SyncerActor:
             self._records.append(rec)
             self._made += 1
 
-    def _delivered(self) -> None:
+    def _delivered(self) -> bool:
         """Before a checkpoint commits: waits until the driver's polls have taken every record
         made so far. Records not yet taken die with the process, and a checkpoint holding
         their merges would restore a Θ that merges.jsonl and the work accounting do not
         know of. Not at the end (`finish` hands the last records over itself), nor past
-        DELIVERY_WAIT_S without a poll (logged)."""
+        DELIVERY_WAIT_S without a poll (logged). True: the checkpoint commits."""
         with self._records_lock:
             made = self._made
         deadline = time.monotonic() + DELIVERY_WAIT_S
         while not self._stop.is_set():
             with self._records_lock:
                 if self._taken >= made:
-                    return
+                    return True
             if time.monotonic() > deadline:
                 print(f"syncer shard {self.shard}: the driver took no records for "
                       f"{DELIVERY_WAIT_S:g} s; checkpointing merges it has not recorded",
                       file=sys.stderr, flush=True)  # fmt: skip
-                return
+                return True
             time.sleep(0.01)
+        return True
 
     # --- actor methods (other threads) -------------------------------------------------
     def pid(self) -> int:
