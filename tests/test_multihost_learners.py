@@ -27,6 +27,7 @@ def _driver(hosts: int):
     ray_runtime = pytest.importorskip("decoupled_diloco.runtime.ray.runtime")
     driver = ray_runtime.RayRuntime.__new__(ray_runtime.RayRuntime)  # its pid bookkeeping
     driver.pids, driver._restarting, driver.hosts = {}, set(), [hosts]
+    driver.status, driver._died_at = [{"step": 0, "done": False}], {}
     driver.learners = {(0, h): _Process() for h in range(hosts)}
     return ray_runtime, driver
 
