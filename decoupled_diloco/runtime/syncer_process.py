@@ -224,7 +224,8 @@ def _sigint_ignored():
     """Starts a child with SIGINT ignored from its first instruction: a terminal's Ctrl-C
     reaches the whole process group, and one while the child still imports (before it can
     ignore it itself) killed it, turning the run's orderly stop into a failure. (Python
-    keeps an ignore it inherits.) The parent's own handler is back at once; only its main
+    keeps an ignore it inherits.) The parent's own handler is back once the child is
+    started (a Ctrl-C in those milliseconds is lost to the parent too); only its main
     thread may change it, elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
