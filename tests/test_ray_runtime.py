@@ -199,7 +199,8 @@ def test_a_syncer_poll_in_flight_when_the_run_ends_keeps_its_records(
     traffic = {"bytes_in": 10, "bytes_out": 20}
     replies = {"poll in flight": {"records": [{"version": 2}], "traffic": traffic, **_AT}}
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: replies[ref])
-    last = {"stats": {"merges": 3, **traffic}, "records": [{"version": 3}], **_AT}
+    last = {"stats": {"merges": 3, **traffic}, "traffic": traffic, "records": [{"version": 3}],
+            **_AT}  # fmt: skip
     monkeypatch.setattr(ray_runtime, "_call", lambda method: last)
     assert rt._finish_syncers() == [{"merges": 3, **traffic}]
     assert rt.log.records == [2, 3]
@@ -247,7 +248,8 @@ def test_the_traffic_of_a_syncer_process_ray_restarted_stays_counted(
     assert rt.bytes_communicated() == 550
     rt._collect()  # a new process (Ray restarted it) counts from 0
     assert rt.bytes_communicated() == 561
-    end = {"stats": {"merges": 4, "bytes_in": 7, "bytes_out": 8}, "records": [], "pid": 9,
+    own = {"bytes_in": 7, "bytes_out": 8}
+    end = {"stats": {"merges": 4, **own}, "traffic": own, "records": [], "pid": 9,
            "node": "n0"}  # fmt: skip
     monkeypatch.setattr(ray_runtime, "_call", lambda method: end)
     assert rt._finish_syncers() == [{"merges": 4, "bytes_in": 157, "bytes_out": 408}]

@@ -116,7 +116,7 @@ class RunLog:
         m, spans = rec.get("learner"), rec.get("lost_spans")
         if not isinstance(m, int):
             return rec
-        lost, own = rec.get("lost_steps") or 0, rec.get("lost_steps") or 0
+        lost = own = rec.get("lost_steps") or 0
         if spans:  # (before the rewind: a dead process's spans may lie past its new step)
             own = self.ledger.not_rolled_back(m, {int(p): s for p, s in spans.items()})
         self.ledger.rewound(m, int(rec.get("step", 0)))

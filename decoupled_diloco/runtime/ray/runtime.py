@@ -32,6 +32,7 @@ to restart the process. A step schedule (`faults.unit = "steps"`) fires within o
 cannot know when its predecessor died: no `restart_delay_s`); step membership is refused.
 """
 
+import contextlib
 import math
 import os
 import signal
@@ -273,21 +274,21 @@ class RayRuntime:
         for s, actor in enumerate(self.syncers):
             ref = self._pending.pop(("syncer", s, 0), None)
             if ref is not None:
-                try:
-                    last = ray.get(ref, timeout=60.0)
-                    for rec in last["records"]:
-                        self.log.record(rec)
-                    self._note_traffic(s, last, last["traffic"])
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                    pass  # (its process died: its records with it)
+                # (its process died: its records with it)
+                with contextlib.suppress(ray.exceptions.RayActorError,
+                                         ray.exceptions.GetTimeoutError):  # fmt: skip
+                    self._syncer_report(s, ray.get(ref, timeout=60.0))
             out = _call(actor.finish)
-            for rec in out["records"]:
-                self.log.record(rec)
-            own = out["stats"]
-            self._note_traffic(s, out, {k: own.get(k, 0) for k in ("bytes_in", "bytes_out")})
+            self._syncer_report(s, out)
             # The traffic of every process the shard ran in, not the last one's alone.
-            stats.append({**own, **self._shard_traffic(s)})
+            stats.append({**out["stats"], **self._shard_traffic(s)})
         return stats
+
+    def _syncer_report(self, shard: int, out: dict) -> None:
+        """A syncer shard's poll or `finish`: its records since the last, its traffic."""
+        for rec in out["records"]:
+            self.log.record(rec)
+        self._note_traffic(shard, out, out["traffic"])
 
     def _stopped(self, wall: float) -> RunInterruptedError:
         """The end of a run a Ctrl-C stopped (learners and syncer shards saved), with this
@@ -327,9 +328,7 @@ class RayRuntime:
                 continue  # down or restarting; the next poll tells
             self._seen_pid(key, out["pid"], out["node"])
             if key[0] == "syncer":
-                for rec in out["records"]:
-                    self.log.record(rec)
-                self._note_traffic(key[1], out, out["traffic"])
+                self._syncer_report(key[1], out)
             elif key[2] == 0:
                 self._learner_report(key[1], out)
             if out.get("fatal"):  # learners log their own fatal_error event

@@ -180,7 +180,8 @@ class SyncerActor:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        return {"stats": self.loop.stats(), "records": records, "pid": os.getpid(), "node": node}
+        return {"stats": self.loop.stats(), "traffic": self.loop.traffic(), "records": records,
+                "pid": os.getpid(), "node": node}  # fmt: skip
 
     # --- the serving thread ------------------------------------------------------------
     def _main(self) -> None:
