@@ -241,22 +241,29 @@ def interrupt_handled() -> None:
     _PENDING_INTERRUPT.clear()
 
 
-def _sigint_is_ours(over_any: bool) -> bool:
-    """Whether this thread may take SIGINT: only the main thread, over Python's own handler
-    (or, `over_any`, over any Python handler: one of ours)."""
+# The signals that stop a run as a Ctrl-C does: SIGINT (the terminal), SIGTERM (`kill`, a
+# scheduler or a VM shutting down; a launcher's background job, whose SIGINT a
+# non-interactive shell ignores, is stopped with it: scripts/tpu).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _ours(signum: int, over_any: bool) -> bool:
+    """Whether this thread may take `signum`: only the main thread, over the interpreter's
+    own disposition (SIGINT: Python's handler; SIGTERM: the default) or, `over_any`, over
+    any Python handler (one of ours). A signal someone ignores stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         return False
-    now = signal.getsignal(signal.SIGINT)
+    now = signal.getsignal(signum)
     if over_any:
         return now not in (signal.SIG_IGN, signal.SIG_DFL, None)
-    return now is signal.default_int_handler
+    return now is (signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
 
 @contextlib.contextmanager
-def _each_press(on_press):
-    """Inside: SIGINT calls `on_press()` once per Ctrl-C: a repeat within REPEAT_INTERRUPT_S
-    of the last press it took is the same one (`timeout -s INT` signals the process, then
-    its group)."""
+def _each_press(on_press, signals):
+    """Inside: each of `signals` calls `on_press()` once per press: a repeat within
+    REPEAT_INTERRUPT_S of the last press it took is the same one (`timeout -s INT` signals
+    the process, then its group; a Ctrl-C and a SIGTERM moments apart are one stop too)."""
     last = [-float("inf")]
 
     def handler(signum, frame):
@@ -265,11 +272,12 @@ def _each_press(on_press):
             last[0] = now
             on_press()
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler_before in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler_before is None else handler_before)
 
 
 @contextlib.contextmanager
@@ -283,7 +291,8 @@ def interrupts_deferred(notice: str, pressed: bool = False):
     import types
 
     state = types.SimpleNamespace(pressed=pressed)
-    if not _sigint_is_ours(over_any=True):
+    signals = [s for s in STOP_SIGNALS if _ours(s, over_any=True)]
+    if not signals:
         yield state
         return
 
@@ -293,16 +302,19 @@ def interrupts_deferred(notice: str, pressed: bool = False):
         state.pressed = True
         print(notice, file=sys.stderr, flush=True)
 
-    with _each_press(on_press):
+    with _each_press(on_press, signals):
         yield state
 
 
 @contextlib.contextmanager
-def one_interrupt_per_press():
+def one_interrupt_per_press(taken=STOP_SIGNALS):
     """Inside: SIGINT raises KeyboardInterrupt as Python's own handler does, except within
-    REPEAT_INTERRUPT_S of the last one it raised (the same Ctrl-C arriving again: ignored).
-    Only on the main thread, and only over Python's own handler (else a no-op)."""
-    if not _sigint_is_ours(over_any=False):
+    REPEAT_INTERRUPT_S of the last one it raised (the same Ctrl-C arriving again: ignored);
+    so does SIGTERM, which would otherwise end the process without a save (`taken`: the
+    signals to take). Only on the main thread, and for each signal only over the
+    interpreter's own disposition (else not it)."""
+    signals = [s for s in taken if _ours(s, over_any=False)]
+    if not signals:
         yield
         return
 
@@ -312,7 +324,7 @@ def one_interrupt_per_press():
 
     _PENDING_INTERRUPT.clear()
     try:
-        with _each_press(on_press):
+        with _each_press(on_press, signals):
             yield
     finally:
         _PENDING_INTERRUPT.clear()

@@ -75,7 +75,7 @@ def main(argv) -> None:
 
     _install_profiler(run)
     try:
-        with cli.one_interrupt_per_press():
+        with cli.one_interrupt_per_press(_stop_signals()):
             summary = launch.run(run, _WORKDIR.value, force=_FORCE.value)
     except (FatalRunError, ValueError, WorkdirBusyError, launch.ModelNotFiniteError) as e:
         sys.exit(f"error: {e}")  # bad data or run files; a workdir of another run or in use
@@ -173,6 +173,19 @@ def _install_profiler(run) -> None:
         sys.exit(f"error: {e}")
     directory = os.path.join(_WORKDIR.value, "profile")
     profiling.install(profiling.StepProfiler(directory, start, stop))
+
+
+def _stop_signals() -> tuple:
+    """The signals that stop the run in order (cli.one_interrupt_per_press). Not SIGTERM in
+    a `distributed.*` world: its processes would each stop after a step of their own (none
+    agrees with the others when to stop), and the one whose next step needs the others
+    would wait for them for ever; a `pkill` of every host ends the world as it always did,
+    losing what the last checkpoint does not hold."""
+    import signal
+
+    import jax
+
+    return cli.STOP_SIGNALS if jax.process_count() == 1 else (signal.SIGINT,)
 
 
 def join_world(config) -> None:

@@ -96,6 +96,48 @@ def test_a_ctrl_c_signalled_twice_at_once_interrupts_once():
     assert interrupts([0.0, 0.0]) == 2  # outside: Python's own handler
 
 
+def test_a_sigterm_stops_a_run_as_a_ctrl_c_does_even_with_sigint_ignored():
+    """`kill <pid>`, a scheduler's stop and a VM's shutdown send SIGTERM, which ended the
+    process at once (the work since the last checkpoints lost, half-written ones left). It
+    is one press now, as a Ctrl-C, also where SIGINT is ignored (a non-interactive shell's
+    background job: how scripts/tpu starts a run); a SIGINT and a SIGTERM moments apart are
+    one press; at the end of a run it is deferred as a Ctrl-C is."""
+    import signal
+    import time
+
+    def press(signum) -> bool:
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(0.05)  # the handler runs here
+        except KeyboardInterrupt:
+            return True
+        return False
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with cli.one_interrupt_per_press():
+        assert press(signal.SIGTERM)
+        assert not press(signal.SIGINT)  # the same stop, arriving twice
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with cli.one_interrupt_per_press():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # theirs: kept
+            assert press(signal.SIGTERM)
+            time.sleep(cli.REPEAT_INTERRUPT_S)
+            with cli.interrupts_deferred("noted") as state:
+                assert not press(signal.SIGTERM) and state.pressed
+                time.sleep(cli.REPEAT_INTERRUPT_S)
+                assert press(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ignored = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # someone's ignore: kept
+    try:
+        with cli.one_interrupt_per_press():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, ignored)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_ctrl_c_lost_in_a_finalizer_is_raised_again():
     """A KeyboardInterrupt raised while the main thread runs a finalizer (JAX's garbage-

@@ -152,3 +152,14 @@ def test_hosts_of_one_learner_take_duty_bound_saves_at_the_same_step(tmp_path):
         assert p.returncode == 0, out[-3000:]
     steps = sorted(int(s) for s in os.listdir(workdir / "checkpoints" / "learner_0"))
     assert steps[-1] == 40
+
+
+def test_a_world_of_several_processes_takes_no_sigterm_as_a_ctrl_c(monkeypatch):
+    """Its processes would stop after steps of their own (nothing makes them agree) and one
+    would wait for the others for ever; one process alone stops in order on a SIGTERM."""
+    import signal
+
+    monkeypatch.setattr("jax.process_count", lambda: 2)
+    assert entry._stop_signals() == (signal.SIGINT,)
+    monkeypatch.setattr("jax.process_count", lambda: 1)
+    assert set(entry._stop_signals()) == {signal.SIGINT, signal.SIGTERM}

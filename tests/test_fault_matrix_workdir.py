@@ -562,11 +562,21 @@ def test_a_syncer_run_that_merged_nothing_is_a_failed_run(small_config, tmp_path
     assert summary["merges"] == 0 and math.isfinite(summary["final_eval_loss"])
 
 
+def _sigint_ignored():
+    """In a child before its exec: SIGINT ignored, as a non-interactive shell's `cmd &`
+    starts it (Python keeps an ignore it inherits)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize(
     "runtime,signals",
     [
         ("thread", 1),
         pytest.param("thread", 2, marks=pytest.mark.slow),
+        pytest.param("thread", "term", marks=pytest.mark.slow),
+        pytest.param("process", "term", marks=pytest.mark.slow),
         pytest.param("process", 1, marks=pytest.mark.slow),
         pytest.param("ray", 1, marks=pytest.mark.ray),
     ],
@@ -581,7 +591,11 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path,
     syncer on a thread or in a process, or the Ray runtime on a local cluster of its own.
     `signals` 2: the signal arrives twice 20 ms apart (`timeout -s INT` signals the process
     and then its group), which is still one Ctrl-C (it was taken for a second, which stops
-    at once, and the interpreter's shutdown then aborted under threads inside XLA)."""
+    at once, and the interpreter's shutdown then aborted under threads inside XLA).
+    `signals` "term": a `kill <pid>` (SIGTERM, to the main process only) of a run started
+    as scripts/tpu starts one, a background job of a non-interactive shell whose SIGINT is
+    ignored; it stops as a Ctrl-C does (it killed the run, losing what the checkpoints did
+    not hold)."""
     import signal
     import subprocess
     import sys
@@ -601,8 +615,10 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path,
     else:
         args.append(f"--config.local_syncer={runtime}")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    term = signals == "term"
     proc = subprocess.Popen(args, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+                            text=True, start_new_session=True,
+                            preexec_fn=_sigint_ignored if term else None)  # fmt: skip
     metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         rows = _read(metrics) if metrics.exists() else []
@@ -611,7 +627,9 @@ def test_ctrl_c_saves_every_learners_work_and_the_same_command_resumes(tmp_path,
         if min(reached) >= 10:
             break
         time.sleep(0.2)
-    for i in range(signals):
+    if term:
+        os.kill(proc.pid, signal.SIGTERM)
+    for i in range(0 if term else signals):
         time.sleep(0.02 * i)
         os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=180)

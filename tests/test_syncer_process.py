@@ -185,33 +185,33 @@ def test_a_syncer_process_traffic_is_known_before_its_last_words():
     assert seen == [0, 150, 180] and sp.bytes_communicated() == 390
 
 
-def _report_sigint(out) -> None:
-    """Child: how SIGINT was handled when it started."""
+def _report_stop_signals(out) -> None:
+    """Child: whether SIGINT and SIGTERM were ignored when it started."""
     import signal
 
-    out.put(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+    out.put([signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)])
 
 
 def test_a_syncer_process_ignores_a_ctrl_c_from_its_first_instruction():
-    """A terminal's Ctrl-C reaches the whole process group: one that came while the syncer
-    process still imported (before it could ignore SIGINT itself) killed it, and the run
-    failed instead of stopping in order. It starts with SIGINT ignored; the parent keeps its
-    own handler."""
+    """A terminal's Ctrl-C reaches the whole process group (a scheduler's SIGTERM may too):
+    one that came while the syncer process still imported (before it could ignore the
+    signal itself) killed it, and the run failed instead of stopping in order. It starts
+    with both ignored; the parent keeps its own handlers."""
     import signal
 
     from decoupled_diloco.runtime import syncer_process
 
     ctx = multiprocessing.get_context("spawn")
-    before = signal.getsignal(signal.SIGINT)
-    for ignored, started in ((True, syncer_process._sigint_ignored()),
+    before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    for ignored, started in ((True, syncer_process._stop_signals_ignored()),
                              (False, contextlib.nullcontext())):  # fmt: skip
         out = ctx.Queue()
-        child = ctx.Process(target=_report_sigint, args=(out,))
+        child = ctx.Process(target=_report_stop_signals, args=(out,))
         with started:
             child.start()
-        assert out.get(timeout=120) is ignored
+        assert out.get(timeout=120) == [ignored, ignored]
         child.join(30)
-        assert signal.getsignal(signal.SIGINT) is before
+        assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == before
 
 
 def test_a_bad_local_syncer_fails_at_start_up(small_config):

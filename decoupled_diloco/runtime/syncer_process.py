@@ -80,7 +80,7 @@ class SyncerProcess:
             name=f"syncer{shard}",
             daemon=True,
         )
-        with _sigint_ignored():
+        with _stop_signals_ignored():
             self.process.start()
         theirs.close()
         self.wire = Wire(ours)
@@ -220,21 +220,24 @@ class SyncerProcess:
 
 
 @contextlib.contextmanager
-def _sigint_ignored():
-    """Starts a child with SIGINT ignored from its first instruction: a terminal's Ctrl-C
-    reaches the whole process group, and one while the child still imports (before it can
-    ignore it itself) killed it, turning the run's orderly stop into a failure. (Python
-    keeps an ignore it inherits.) The parent's own handler is back once the child is
-    started (a Ctrl-C in those milliseconds is lost to the parent too); only its main
-    thread may change it, elsewhere this does nothing."""
+def _stop_signals_ignored():
+    """Starts a child with SIGINT and SIGTERM ignored from its first instruction: a
+    terminal's Ctrl-C reaches the whole process group (a scheduler's SIGTERM may too), and
+    one while the child still imported (before it could ignore it itself) killed it,
+    turning the run's orderly stop into a failure. (Python keeps an ignore it inherits.)
+    The parent stops the run, then the child; a child whose parent is gone ends itself. The
+    parent's own handlers are back once the child is started (a signal in those
+    milliseconds is lost to the parent too); only its main thread may change them,
+    elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 class _PipeSyncerLink:
@@ -267,9 +270,11 @@ def _child_main(conn, shard: int, run, plan, ckpt_dir: str) -> None:
     """The child process: waits for Θ_0 and the clock, then runs the shard's loop."""
     import jax
 
-    # A terminal's Ctrl-C reaches the whole process group: the parent stops the run (the
-    # learners' final offers still need this shard), then stops this process itself.
+    # A terminal's Ctrl-C (or a SIGTERM to the group) reaches this process too: the parent
+    # stops the run (the learners' final offers still need this shard), then stops this
+    # process itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     jax.config.update("jax_platforms", "cpu")  # the learners' accelerator stays theirs
 
