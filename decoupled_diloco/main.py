@@ -37,6 +37,14 @@ _CHECK = flags.DEFINE_bool(
     "cluster joined; the learners' meshes are checked against this process's devices "
     "(set XLA_FLAGS=--xla_force_host_platform_device_count=N to check for N).",
 )
+_CHECK_HOSTS = flags.DEFINE_integer(
+    "check_hosts",
+    1,
+    "With --check_config: the hosts each learner spans (a multi-host TPU slice; a "
+    "distributed.* world's processes), each reading its own batch rows: the batch, the "
+    "devices and the batch mesh axes must split over them (scripts/tpu passes the slice's).",
+    lower_bound=1,
+)
 _PROFILE = flags.DEFINE_string(
     "profile",
     "",
@@ -129,11 +137,17 @@ def main(argv) -> None:
 def check_config(config) -> None:
     """`--check_config`: validation without running; exits 1 with the error."""
     from decoupled_diloco import config as config_lib
-    from decoupled_diloco.preflight import FatalRunError, check_fragments, warn_of_placement
+    from decoupled_diloco.preflight import (
+        FatalRunError,
+        check_fragments,
+        check_hosts,
+        warn_of_placement,
+    )
 
     try:
         run = config_lib.validate(config, require_packages=False)
         check_fragments(run)  # the plan needs no data: a run's start-up would refuse it
+        check_hosts(run, _CHECK_HOSTS.value)  # what a learner on its slice would refuse
         if _PROFILE.value:
             profiling.check_steps(_PROFILE.value, run)
     except (ValueError, FatalRunError) as e:

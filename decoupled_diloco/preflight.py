@@ -224,3 +224,40 @@ def check_fragments(run: RunConfig) -> None:
 def _one_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
+
+
+def check_hosts(run: RunConfig, hosts: int) -> None:
+    """What a learner (or a `distributed.*` world) spread over `hosts` hosts needs, each
+    host reading only its own batch rows: the batch and the learner's devices split by
+    host, and the batch mesh axes running across the hosts. The hosts are modelled as
+    consecutive blocks of the learner's devices in mesh order (device k of the mesh on host
+    k // (devices / hosts)), the order a slice lists them in; a learner checks the real
+    placement again as it starts. ValueError naming the keys."""
+    import numpy as np
+
+    from decoupled_diloco import sharding, transfer
+
+    per, batch = run.devices_per_learner, run.train.batch_size
+    if hosts < 1 or per % hosts:
+        raise ValueError(
+            f"devices_per_learner={per} cannot be split over {hosts} hosts: each host of a "
+            "learner brings the same number of devices"
+        )
+    if batch % hosts:
+        raise ValueError(
+            f"train.batch_size={batch} must be a multiple of the learner's {hosts} hosts "
+            "(each host reads its own rows)"
+        )
+    if hosts == 1:
+        return
+    shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(run.mesh, per), strict=True))
+    axes = sharding.LOGICAL_RULES["batch"]
+    ways = int(np.prod([shape[a] for a in axes]))
+    position = np.indices([shape[a] for a in sharding.MESH_AXES]).reshape(len(shape), -1).T
+    rows: dict[int, set] = {}
+    for k, coords in enumerate(position):
+        at = dict(zip(sharding.MESH_AXES, coords, strict=True))
+        block = int(np.ravel_multi_index([at[a] for a in axes], [shape[a] for a in axes]))
+        held = range(block * batch // ways, (block + 1) * batch // ways)
+        rows.setdefault(k // (per // hosts), set()).update(held)
+    transfer.check_rows_split_by_host(rows, batch, " (checked with hosts as consecutive devices)")

@@ -83,13 +83,24 @@ def _check_rows_split_by_process(sharding, global_shape) -> None:
     for device, index in sharding.devices_indices_map(global_shape).items():
         held = range(*index[0].indices(global_shape[0]))
         rows.setdefault(device.process_index, set()).update(held)
+    check_rows_split_by_host(rows, global_shape[0])
+
+
+def check_rows_split_by_host(rows: dict, batch_rows: int, where: str = "") -> None:
+    """ValueError unless the hosts (`rows`: host -> the batch rows its devices hold) hold
+    disjoint, equally many rows that make the whole batch: what per-host reading needs.
+    `where`: how the hosts were found, for the message."""
     sizes = {len(r) for r in rows.values()}
-    if (
-        sizes != {global_shape[0] // len(rows)}
-        or len(set().union(*rows.values())) != global_shape[0]
-    ):
+    if sizes != {batch_rows // len(rows)} or len(set().union(*rows.values())) != batch_rows:
         raise ValueError(
             "the batch sharding does not split the batch rows evenly across the learner's "
-            f"{len(rows)} hosts (rows per host: {sorted(len(r) for r in rows.values())}): put "
-            "the batch mesh axes across hosts (config mesh) to read per host"
+            f"{len(rows)} hosts{where} (rows per host: {sorted(len(r) for r in rows.values())}"
+            "): each host reads only its own rows, so the batch mesh axes (mesh.data, "
+            "mesh.fsdp, mesh.expert) must run across hosts and mesh.tensor stay within one "
+            "host's devices"
         )
+
+
+def check_batch_split(sharding, batch_rows: int) -> None:
+    """`_check_rows_split_by_process` before any batch is read (a learner's start-up)."""
+    _check_rows_split_by_process(sharding, (batch_rows,))

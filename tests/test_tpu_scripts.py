@@ -20,7 +20,7 @@ import tpu_provision as provision  # noqa: E402
 from tpu_slices import check_name, node_ids, parse_accelerator  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
-from decoupled_diloco import models, sharding  # noqa: E402
+from decoupled_diloco import models, preflight, sharding  # noqa: E402
 from decoupled_diloco.data.config import KNOWN_SPM_PIECES, T5_C4_SPM_MODEL  # noqa: E402
 
 
@@ -539,6 +539,14 @@ def test_launch_checks_the_runs_config_here_before_printing_or_running(tmp_path,
         launch.main([*DP_V5E, "--", "--config.train.batch_size=24"])
     assert "train.batch_size (24) must be divisible" in capsys.readouterr().err
 
+    # A v5litepod-16 is 4 hosts of 4 chips, each reading its own rows: a tensor axis of 8
+    # runs across two hosts, which the slice would refuse at its first batch.
+    with pytest.raises(SystemExit):
+        launch.main([*LAUNCH_V5E, "--", "--config.mesh.fsdp=2", "--config.mesh.tensor=8"])
+    assert "does not split the batch rows evenly across the learner's 4 hosts" in (
+        capsys.readouterr().err
+    )
+
 
 def test_a_config_check_that_hangs_is_one_line(monkeypatch, capsys):
     """A check that cannot finish (a gs:// tokenizer out of reach) is an error, not a
@@ -638,6 +646,7 @@ def test_tpu_configs(file, preset, accelerator, mesh):
     run = config_lib.validate(c)  # no TPU needed: the slice only enters through the mesh shape
     assert run.ray.checkpoint_dir == CKPT
     assert sharding.mesh_shape(run.mesh, run.devices_per_learner) == mesh
+    preflight.check_hosts(run, spec.hosts)  # each host of the slice reads its own rows
 
     params = jax.eval_shape(lambda: models.init_params(run.model, jax.random.key(0)))
     leaves = jax.tree.leaves(params)

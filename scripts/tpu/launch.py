@@ -233,7 +233,7 @@ def _check_command(args) -> tuple[list[str], dict, pathlib.Path | None]:
         cmd = dp.dp_main_command(args.config, args.workdir, spec, 0, ip, overrides, sys.executable)
         cmd = [f"--config={args.config}" if a.startswith("--config=") else a for a in cmd]
         cwd = None
-    return [*cmd, "--check_config"], env, cwd
+    return [*cmd, "--check_config", f"--check_hosts={spec.hosts}"], env, cwd
 
 
 def check_config(args) -> str:

@@ -216,7 +216,7 @@ class LearnerActor:
         if self.run.ray.accelerator == "tpu":  # this slice's hosts alone (jax_world.py)
             jax_world.initialize(self._slice_world(), timeout_s=COORDINATOR_WAIT_S)
 
-        from decoupled_diloco import faults, sharding
+        from decoupled_diloco import faults, sharding, transfer
         from decoupled_diloco.checkpoint import Checkpointer
         from decoupled_diloco.data import make_iterator
         from decoupled_diloco.diloco.fragments import model_plan
@@ -233,6 +233,8 @@ class LearnerActor:
                     f"{run.devices_per_learner}"
                 )
             self.mesh = sharding.make_mesh(devices[: run.devices_per_learner], run.mesh)
+            if self.hosts > 1:  # (else its first batch, in the prefetch thread: a restart)
+                transfer.check_batch_split(sharding.batch_sharding(self.mesh), run.train.batch_size)
             data = make_iterator(  # this host's rows only (transfer.batch_to_device)
                 run.data, "train", run.train.batch_size, m, M, self.host, self.hosts
             )
