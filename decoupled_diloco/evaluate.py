@@ -77,8 +77,36 @@ def evaluate(
                 "the run's corpus changed since it trained (%s): its eval split may no longer "
                 "be the run's held-out text, nor free of text the model trained on", changed,
             )  # fmt: skip
+    else:
+        own = dataclasses.replace(run.data, spm_model_path=data.spm_model_path)
+        trained = _trained_on(own, data)
+        if trained:
+            logging.warning(
+                "%d of the %d documents of this eval split are in the run's training split "
+                "(%s): the model trained on them, so this loss is not held-out (the "
+                "overrides cut the run's corpus another way; --text=PATH scores files of "
+                "your choosing)", *trained, ", ".join(f"--config.data.{k}" for k in
+                                                       sorted(data_overrides or {})),
+            )  # fmt: skip
     evaluator.check_host_memory(run.model)
     return evaluator(model.params), model.source
+
+
+def _trained_on(run_data, data) -> tuple[int, int] | None:
+    """(how many, of how many) documents of `data`'s eval split are in the training split
+    of the run's own corpus (`run_data`), or None: none, or it cannot tell (a TFDS source
+    names no documents; the run's files are not on this machine)."""
+    from decoupled_diloco.data import load_corpus
+
+    held = load_corpus(data).document_names["eval"]
+    if not held:
+        return None
+    try:
+        trained = set(load_corpus(run_data).document_names["train"])
+    except (OSError, ValueError):
+        return None
+    seen = sum(name in trained for name in held)
+    return (seen, len(held)) if seen else None
 
 
 def _warn_past_trained(seq_len: int, trained: int) -> None:

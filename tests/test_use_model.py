@@ -705,6 +705,37 @@ def test_evaluate_warns_when_the_runs_corpus_changed_since(small_config, tmp_pat
     assert "the run's corpus changed since it trained (" in caplog.text
 
 
+def test_evaluate_warns_when_overrides_put_trained_text_in_the_eval_split(
+    small_config, tmp_path, caplog
+):
+    """Another data.eval_fraction on the run's own files cuts them another way: the new eval
+    split holds files the model trained on, and its loss is no held-out loss. It said
+    nothing; it names how many (and nothing for a split of files the run never saw)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"f{i}.txt").write_text("".join(f"line {j} of file {i}\n" for j in range(60)))
+    cfg = small_config(**{"train.steps": 2, "data.path": str(corpus), "data.seq_len": 32,
+                          "data.eval_fraction": 0.1})  # fmt: skip
+    _run(cfg, tmp_path / "wd")
+    workdir = str(tmp_path / "wd")
+    with caplog.at_level(logging.WARNING):
+        evaluate(workdir, data_overrides={"eval_fraction": 0.1, "seq_len": 16})  # same cut
+        assert "training split" not in caplog.text
+        evaluate(workdir, data_overrides={"eval_fraction": 0.4})
+    warned = re.search(r"(\d+) of the 8 documents of this eval split are in the run's "
+                       r"training split \(--config.data.eval_fraction\)", caplog.text)  # fmt: skip
+    assert warned and int(warned.group(1)) >= 6, caplog.text  # 2 of the 8 were held out
+    caplog.clear()
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(4):
+        (other / f"g{i}.txt").write_text("".join(f"row {j} of g{i}\n" for j in range(80)))
+    with caplog.at_level(logging.WARNING):
+        evaluate(workdir, data_overrides={"path": str(other), "eval_fraction": 0.5})
+    assert "training split" not in caplog.text
+
+
 def test_a_run_config_reads_back_however_it_is_laid_out(small_config, tmp_path):
     """The digest covers the record's content, not its bytes: re-indented or re-ordered it
     reads back the same; without the digest (an older run's) it is read unchecked."""
