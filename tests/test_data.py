@@ -702,6 +702,36 @@ def test_tfds_separate_eval_split_and_resume(tfds_cfg):
     assert (fresh[0] == fresh[1]).all()  # deterministic from the start too
 
 
+def test_a_tfds_eval_split_sharing_records_with_the_train_split_is_refused(tfds_cfg):
+    """`train` with `train[:10%]` held out scored the model on text it trained on, and only
+    the identical spelling was refused. The specs are resolved as TFDS slices them (pieces,
+    percentages, negative ends), on the records each range actually reads."""
+    n = NUM_TRAIN_RECORDS
+    for train, held in (("train", "train[:10%]"), ("train[:80%]", "validation+train[70%:]"),
+                        ("train[5:]", "train[-3:]")):  # fmt: skip
+        cfg = dataclasses.replace(tfds_cfg, tfds_split=train, tfds_eval_split=held)
+        with pytest.raises(ValueError, match=r"data.tfds_eval_split=.* shares records with "
+                                             r"data.tfds_split=.*\(train \d+\.\.\d+"):  # fmt: skip
+            load_corpus(cfg)
+    cfg = dataclasses.replace(tfds_cfg, tfds_split="train[:75%]", tfds_eval_split="train[75%:]")
+    splits = load_corpus(cfg).splits
+    assert len(splits["train"]) + len(splits["eval"]) == n
+    # The train split read as a prefix (max_corpus_bytes) leaves the tail to the eval split.
+    cfg = dataclasses.replace(tfds_cfg, tfds_split="train", tfds_eval_split="train[-5:]",
+                              max_corpus_bytes=300)  # fmt: skip
+    splits = load_corpus(cfg).splits
+    assert splits["train"].stop <= n - 5 and len(splits["eval"]) >= 1
+
+
+def test_a_nul_inside_a_tfds_record_does_not_split_its_document():
+    """NUL is the byte tokenizer's document separator: one inside a record's text cut it in
+    two documents. It reads as U+FFFD, as in the in-memory sources."""
+    from decoupled_diloco.data.tfds_source import RecordRange
+
+    records = RecordRange([{"text": "one\0two"}, {"text": b"three\x00four"}], 0, 2, "text")
+    assert records.texts([0, 1]) == ["one\ufffdtwo", "three\ufffdfour"]
+
+
 def test_tfds_max_corpus_bytes_reads_a_prefix_of_records(tfds_cfg):
     cfg = dataclasses.replace(tfds_cfg, max_corpus_bytes=600)
     splits = load_corpus(cfg).splits

@@ -24,7 +24,9 @@ class DataConfig:
     path: str = ""  # source="path": a text file, a folder (all text files below, sorted), or a glob
     tfds_name: str = ""  # source="tfds", e.g. "lm1b" or "c4/en:3.1.0"
     tfds_split: str = "train"  # TFDS split (slicing such as "train[:10%]" works) for training
-    tfds_eval_split: str = ""  # "" -> hold out the last eval_fraction of the train records
+    # "" -> hold out the last eval_fraction of the train records; else a split (or slice)
+    # sharing no record with tfds_split (checked when the corpus opens)
+    tfds_eval_split: str = ""
     tfds_data_dir: str = ""  # TFDS data_dir on TPU hosts ("" -> TFDS default)
     tfds_text_key: str = "text"  # feature holding the document text
     tokenizer: str = "byte"  # "byte" (vocab 256) | "sentencepiece"

@@ -48,9 +48,11 @@ class RecordRange:
             )
         text = record[self.text_key]
         if isinstance(text, bytes):
-            return text.decode("utf-8", errors="replace")
+            text = text.decode("utf-8", errors="replace")
         if isinstance(text, str):
-            return text
+            # NUL is the byte tokenizer's document separator (id 0): one inside a record
+            # would cut it in two, as the in-memory sources' readers keep it from doing.
+            return text.replace("\0", "\ufffd")
         raise ValueError(
             f"data.tfds_text_key={self.text_key!r}: that feature holds "
             f"{type(text).__name__} values, not text (features: {sorted(record)})"
@@ -115,7 +117,16 @@ def open_tfds_splits(cfg: DataConfig) -> dict[str, RecordRange]:
 
     train = open_split(cfg.tfds_split)
     if cfg.tfds_eval_split:
-        return {"train": train, "eval": open_split(cfg.tfds_eval_split)}
+        held = open_split(cfg.tfds_eval_split)
+        shared = _shared_records(cfg.tfds_split, train, cfg.tfds_eval_split, held)
+        if shared:
+            raise ValueError(
+                f"data.tfds_eval_split={cfg.tfds_eval_split!r} shares records with "
+                f"data.tfds_split={cfg.tfds_split!r} ({shared}): the model would be scored on "
+                "text it trained on; give disjoint slices (e.g. 'train[:99%]' and "
+                "'train[99%:]') or another split"
+            )
+        return {"train": train, "eval": held}
     if len(train) < 2:
         raise ValueError(
             f"data.tfds_split={cfg.tfds_split!r}: need at least 2 records to hold some out "
@@ -133,3 +144,40 @@ def training_text(records: RecordRange, max_bytes: int) -> str:
     """Documents from the start of `records`, about `max_bytes` of them, newline-joined."""
     head = records.head(max_bytes)
     return "\n".join(head.text(i) for i in range(len(head)))
+
+
+def _records_read(spec: str, records: RecordRange) -> dict[str, list[tuple[int, int]]]:
+    """{split name: [(first, end) record intervals]} that `records`, opened from the split
+    `spec` (TFDS slicing, e.g. "train[:10%]+validation"), reads: the spec's pieces resolved
+    against the dataset's split sizes, concatenated as TFDS does, cut to [start, stop)."""
+    import tensorflow_datasets as tfds
+
+    splits = records.source.dataset_info.splits
+    out: dict[str, list[tuple[int, int]]] = {}
+    offset = 0
+    for piece in tfds.core.ReadInstruction.from_spec(spec).to_absolute(splits):
+        size = splits[piece.splitname].num_examples
+        first = 0 if piece.from_ is None else piece.from_
+        end = size if piece.to is None else piece.to
+        lo, hi = max(first, first + records.start - offset), min(end, first + records.stop - offset)
+        if lo < hi:
+            out.setdefault(piece.splitname, []).append((lo, hi))
+        offset += end - first
+    return out
+
+
+def _shared_records(train_spec: str, train: RecordRange, eval_spec: str, held: RecordRange) -> str:
+    """The records both ranges read ("train 0..3 (4 records)"), or "" if none or unknown (a
+    source without TFDS's split table, as a test's mock may be)."""
+    try:
+        a, b = _records_read(train_spec, train), _records_read(eval_spec, held)
+    except (AttributeError, KeyError, TypeError):
+        return ""
+    shared = []
+    for name in sorted(set(a) & set(b)):
+        for lo_a, hi_a in a[name]:
+            for lo_b, hi_b in b[name]:
+                lo, hi = max(lo_a, lo_b), min(hi_a, hi_b)
+                if lo < hi:
+                    shared.append(f"{name} {lo}..{hi - 1} ({hi - lo} records)")
+    return ", ".join(shared)
