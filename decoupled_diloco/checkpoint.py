@@ -212,10 +212,12 @@ def save_learner(ckpt: Checkpointer, state, data_state: dict, step: int, incarna
     it is down, or when this step is saved already)."""
     if state is None or ckpt.latest_step() == step:
         return
-    ckpt.save(step, state, {"step": step, "data": data_state, "incarnation": incarnation})
     host, hosts = _process()
-    if hosts > 1:
+    if hosts > 1:  # before the step commits: a committed step always has every host's
         _save_host_data(ckpt, step, data_state, host)
+    ckpt.save(step, state, {"step": step, "data": data_state, "incarnation": incarnation})
+    if hosts > 1:
+        _drop_host_data(ckpt, step, host)
 
 
 def _process() -> tuple[int, int]:
@@ -232,9 +234,17 @@ def _host_data(ckpt: Checkpointer) -> epath.Path:
 
 
 def _save_host_data(ckpt: Checkpointer, step: int, data_state: dict, host: int) -> None:
+    """Host `host`'s position at `step`, whole or not at all (written before the step's
+    checkpoint commits: a kill between the two left a committed step without it, which
+    the resume refused as another topology's)."""
     folder = _host_data(ckpt) / str(step)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{host}.json").write_text(json.dumps(data_state))
+    paths.write_atomic(folder / f"{host}.json", json.dumps(data_state))
+
+
+def _drop_host_data(ckpt: Checkpointer, step: int, host: int) -> None:
+    """Host `host`'s positions of the steps the checkpointer no longer keeps (and of saves
+    that never committed)."""
     kept = {str(s) for s in ckpt.manager.all_steps()} | {str(step)}
     for old in _host_data(ckpt).iterdir():  # each host drops its own of the dropped steps
         if old.name not in kept and (old / f"{host}.json").exists():

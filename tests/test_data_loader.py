@@ -119,6 +119,25 @@ def test_a_host_refuses_another_hosts_position(path_cfg):
         make_iterator(path_cfg, "train", 8, 0, 1, host_index=0, num_hosts=3)
 
 
+def test_a_hosts_position_is_on_disk_before_its_step_commits(tmp_path, monkeypatch):
+    """A multi-host learner killed between its checkpoint's commit and the write of its
+    host's data position left a committed step the resume refused ("written by N hosts:
+    resume on a slice of the same topology"). The position is written first, whole."""
+    ckpt = Checkpointer(str(tmp_path / "learner_0"))
+    monkeypatch.setattr(checkpoint, "_process", lambda: (1, 2))
+    seen = []
+
+    def save(step, arrays, meta, wait=True):  # the commit: what is on disk by then
+        seen.append((tmp_path / "learner_0.hosts" / str(step) / "1.json").exists())
+        raise KeyboardInterrupt  # killed as the step commits
+
+    monkeypatch.setattr(ckpt, "save", save)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_learner(ckpt, {"w": np.ones(3, np.float32)}, {"position": 5}, 4, 0)
+    assert seen == [True]
+    ckpt.close()
+
+
 def test_one_process_batch_to_device_is_the_whole_batch():
     mesh = sharding.make_mesh(jax.devices()[:4])
     batch_sharding = sharding.batch_sharding(mesh)
