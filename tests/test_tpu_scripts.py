@@ -117,6 +117,7 @@ def test_v5e_commands():
         "--runtime-version=v2-alpha-tpuv5-lite",
         "--zone=us-west4-a",
         "--project=my-proj",
+        "--scopes=cloud-platform",  # write access to the bucket (the default reads only)
         "--spot",
     ]
     qr_create = ["gcloud", "compute", "tpus", "queued-resources", "create"]
@@ -162,7 +163,7 @@ def test_v5p_commands():
             "gcloud", "compute", "tpus", "queued-resources", "create", f"dd-{i}-qr",
             f"--node-id=dd-{i}", "--accelerator-type=v5p-32",
             "--runtime-version=v2-alpha-tpuv5", "--zone=us-east5-a", "--project=my-proj",
-            "--reserved", "--valid-until-duration=6h",
+            "--scopes=cloud-platform", "--reserved", "--valid-until-duration=6h",
         ]
         for i in range(3)
     ]  # fmt: skip
@@ -274,6 +275,8 @@ def test_cli_zones_flag_reaches_every_slice_command(monkeypatch, capsys):
         "us-east5-a",  # + head
     ]
     assert printed[-1][3:5] == ["create", "dd-head"]
+    # Every VM may write to the bucket (a VM's default access scopes read Cloud Storage only).
+    assert all("--scopes=cloud-platform" in c for c in printed if "create" in c)
 
 
 def _apply(c, overrides):

@@ -14,6 +14,10 @@ from tpu_slices import (
 )
 
 QUEUED = ["gcloud", "compute", "tpus", "queued-resources"]
+# Every VM may call every Cloud API its service account's IAM roles allow: the default
+# access scopes of a Compute Engine VM read Cloud Storage only, and the syncer (head VM) and
+# the learners (TPU VMs) write checkpoints, the run's records and a tokenizer to the bucket.
+SCOPES = "--scopes=cloud-platform"
 TPU_VM = ["gcloud", "compute", "tpus", "tpu-vm"]
 INSTANCES = ["gcloud", "compute", "instances"]
 
@@ -83,7 +87,7 @@ def queued_resource_commands(
         f"--accelerator-type={spec.accelerator_type}",
         f"--runtime-version={runtime_version or spec.runtime_version}",
     ]
-    extra = ["--spot"] if spot else []
+    extra = [SCOPES, "--spot"] if spot else [SCOPES]
     extra += ["--reserved"] if reserved else []
     extra += [f"--valid-until-duration={valid_until_duration}"] if valid_until_duration else []
     qrs = queued_resource_ids(name, num_slices)
@@ -100,7 +104,7 @@ def head_vm_command(name: str, cloud: Cloud, machine_type: str, disk_size: str) 
     global parameters Θ and the outer optimizer state, and only checkpoints protect them."""
     image = ["--image-family=ubuntu-2204-lts", "--image-project=ubuntu-os-cloud"]
     size = [f"--machine-type={machine_type}", f"--boot-disk-size={disk_size}"]
-    return [*INSTANCES, "create", head_vm_name(name), *cloud.flags, *size, *image]
+    return [*INSTANCES, "create", head_vm_name(name), *cloud.flags, *size, *image, SCOPES]
 
 
 def head_ssh(name: str, cloud: Cloud, script: str) -> list[str]:
