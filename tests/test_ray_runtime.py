@@ -120,6 +120,9 @@ def test_tpu_slices_are_found_from_node_resources():
     assert "resources" not in ray_cluster.syncer_options({"CPU": 2.0}, 1, 3)
     env = ray_cluster.learner_options("cpu", 2, 3)["runtime_env"]["env_vars"]
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    # From 11 slices on, learner m is still on dd-m (a string sort put dd-10 second).
+    many = ray_cluster.tpu_slices([_tpu_node(f"dd-{i}", 0) for i in reversed(range(12))])
+    assert list(many) == [f"dd-{i}" for i in range(12)]
 
 
 def test_multi_host_learner_processes_are_pinned_to_their_tpu_workers():

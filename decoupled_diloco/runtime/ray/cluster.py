@@ -20,6 +20,7 @@ Importing this module does not import Ray; the runtime imports it lazily.
 
 import contextlib
 import os
+import re
 import sys
 import time
 import warnings
@@ -192,8 +193,9 @@ def tpu_slices(nodes: list[dict]) -> dict[str, dict]:
 
     A TPU host's slice id is its one custom resource besides the standard ones, Ray's
     per-node `node:<ip>` / `accelerator_type:*` and the `TPU-*-head` marker. Sorted by id,
-    so learner m gets the m-th slice. The hosts of a multi-host slice must carry the worker
-    ids 0..h-1 (`WORKER_ID_LABEL`): learner processes are pinned to them.
+    numbers by value, so learner m gets the m-th slice (`dd-2` before `dd-10`). The hosts of
+    a multi-host slice must carry the worker ids 0..h-1 (`WORKER_ID_LABEL`): learner
+    processes are pinned to them.
     """
     out: dict[str, dict] = {}
     workers: dict[str, list] = {}
@@ -221,7 +223,12 @@ def tpu_slices(nodes: list[dict]) -> dict[str, dict]:
                 f"labels {found}, expected 0..{entry['hosts'] - 1} (Ray reads them from the "
                 "TPU VM metadata; a slice whose hosts have not all joined is incomplete)"
             )
-    return dict(sorted(out.items()))
+    return dict(sorted(out.items(), key=lambda item: _natural(item[0])))
+
+
+def _natural(slice_id: str) -> list:
+    """A sort key that orders the numbers inside names by value: dd-2 before dd-10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", slice_id)]
 
 
 def learner_hosts(slices: dict[str, dict], num_learners: int, chips: int) -> list[dict]:
