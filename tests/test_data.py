@@ -533,6 +533,11 @@ def test_a_corpus_without_text_is_refused(tmp_path):
         (folder / f"e{i}.txt").write_text("")
     with pytest.raises(ValueError, match="train split of .* holds no text: its 49 document"):
         load_corpus(DataConfig(source="path", path=str(folder), seq_len=4))
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "a.jsonl").write_text("")  # no records at all: the key is named
+    with pytest.raises(ValueError, match=r"data.path='.*records': its files hold no documents"):
+        load_corpus(DataConfig(source="path", path=str(records), seq_len=4))
 
 
 def test_json_lines_at_the_byte_cap_with_a_bom_and_lone_surrogates(tmp_path, monkeypatch):

@@ -43,6 +43,9 @@ def _corpus_key(cfg: DataConfig) -> DataConfig:
 def text_splits(cfg: DataConfig) -> dict[str, list[sources.Document]]:
     """{"train": docs, "eval": docs} of an in-memory source, held out by document."""
     docs = sources.read_documents(sources.corpus_files(cfg), cfg.max_corpus_bytes)
+    if not docs:  # e.g. only empty .jsonl files
+        where = f"data.path={cfg.path!r}" if cfg.path else f"data.source={cfg.source!r}"
+        raise ValueError(f"{where}: its files hold no documents")
     train, eval_ = sources.hold_out(docs, cfg.eval_fraction)
     for split, held in (("train", train), ("eval", eval_)):
         if not any(d.text for d in held):  # windows of separators alone
