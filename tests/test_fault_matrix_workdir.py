@@ -579,6 +579,7 @@ def _sigint_ignored():
         pytest.param("process", "term", marks=pytest.mark.slow),
         pytest.param("process", 1, marks=pytest.mark.slow),
         pytest.param("ray", 1, marks=pytest.mark.ray),
+        pytest.param("ray", "term", marks=pytest.mark.ray),  # scripts/tpu's driver
     ],
 )
 @pytest.mark.slow

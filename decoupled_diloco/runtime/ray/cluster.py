@@ -57,7 +57,7 @@ def connect(
     attempts = len(waits_s) + 1
     for attempt in range(1, attempts + 1):
         try:
-            with warnings.catch_warnings(), _loopback_only(not cfg.address):
+            with warnings.catch_warnings(), _loopback_only(not cfg.address), _sigterm_kept():
                 # Ray starts its daemons with fork+exec, which JAX (already up in the driver)
                 # warns about; the children exec at once and never run JAX.
                 warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
@@ -102,6 +102,24 @@ def init_kwargs(cfg: RayConfig, verbose: bool) -> dict:
         _system_config={"enable_metrics_collection": False},
         **kw,
     )
+
+
+@contextlib.contextmanager
+def _sigterm_kept():
+    """`ray.init` makes a SIGTERM exit the driver at once (its handler calls sys.exit, and
+    its core worker's logs the signal first): the run's own, which stops it as a Ctrl-C
+    does (cli.STOP_SIGNALS), is put back. Main thread only (elsewhere Ray sets none)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 @contextlib.contextmanager
