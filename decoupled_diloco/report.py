@@ -88,31 +88,127 @@ def _rows(workdir: str, name: str) -> list[dict]:
     return out
 
 
-def run_time(rows: list[dict], attempt_seconds: list[float] | None = None) -> list[dict]:
-    """`rows` (one file's records, in file order) with `time` on the run's clock. Each
-    attempt of a resumed run counts time from its own start, so a record whose time falls
-    far below the latest of its attempt opens the next attempt; attempt k's records move by
-    the wall seconds of the attempts before it (`attempt_seconds`, attempts.jsonl), or by
-    the latest time of each earlier attempt's records when those are not known."""
-    out, offset, latest, k = [], 0.0, 0.0, 0
-    for r in rows:
+# How far a killed attempt's records may run past its wall seconds in attempts.jsonl: its
+# heartbeat (workdir.Attempt, every 5 s) writes them, so the last reading is up to that short.
+HEARTBEAT_S = 5.0
+
+
+def attempt_of(
+    rows: list[dict], seconds: list[float] | None = None, pids: list[int | None] | None = None
+) -> list[int]:
+    """Which attempt of a resumed run wrote each of `rows` (one file's records, in file
+    order: attempt k's records all come before attempt k+1's). Records carry no attempt
+    number, so a record opens a later attempt when it
+      - carries the `pid` of a later attempt's process (`pids`, attempts.jsonl: a learner's
+        start event on the local runtime), or is a syncer shard restoring its checkpoint
+        other than after a failure (a resumed run's shards do that first thing, once each);
+      - is later than its attempt lived to write (`seconds`, each attempt's wall seconds
+        from attempts.jsonl, known to within the heartbeat);
+      - is a learner's metrics row earlier than that learner's row before it (one thread
+        writes them, on one clock), or falls far below the latest time of its attempt (a
+        new clock from 0: records of several threads may land slightly out of order).
+    Records after the latest one of an attempt, with times below it, just before a later
+    attempt's pid are that attempt's first ones (a syncer's joins precede the learners'
+    start events)."""
+    marker = {pid: k for k, pid in enumerate(pids or ()) if pid is not None}
+    out, k, latest, peak = [], 0, 0.0, -1
+    restored: set | None = set()  # shards the attempt restored, while it wrote nothing else
+    last_row: dict = {}  # learner -> the time of its latest metrics row in the attempt
+
+    def opens(i: int, later: int) -> None:
+        nonlocal k, latest, peak, restored
+        k, latest, peak, restored = later, 0.0, i - 1, set()
+        last_row.clear()
+
+    for i, r in enumerate(rows):
         t = r.get("time")
-        if isinstance(t, int | float):
-            if t < 0.5 * latest and latest - t > 1.0:  # the next attempt's clock
-                known = attempt_seconds is not None and k < len(attempt_seconds)
-                offset += attempt_seconds[k] if known else latest
-                latest, k = 0.0, k + 1
-            latest = max(latest, t)
-            r = {**r, "time": t + offset}
-        out.append(r)
+        if not isinstance(t, int | float):
+            out.append(k)
+            continue
+        later = marker.get(r.get("pid"), -1)
+        writer = r["learner"] if "learner" in r and "event" not in r else None  # a row
+        resumed = r.get("event") == "syncer_restore" and r.get("after_failure") is False
+        if resumed and (k == 0 or restored is None or r.get("shard") in restored):
+            later = max(later, k + 1)  # (attempt 0 is a fresh run: it restores nothing)
+        if later > k:
+            for j in range(peak + 1, i):  # the new attempt's records before its marker
+                tj = rows[j].get("time")
+                if out[j] == k and isinstance(tj, int | float) and tj < latest and tj <= t:
+                    out[j] = later
+            opens(i, later)
+        elif t < last_row.get(writer, t) or (t < 0.5 * latest and latest - t > 1.0):
+            opens(i, k + 1)  # the next attempt's clock
+        while seconds and k < len(seconds) - 1 and t > seconds[k] + HEARTBEAT_S:
+            opens(i, k + 1)  # past what attempt k lived to write
+        restored = restored | {r.get("shard")} if resumed and restored is not None else None
+        if t >= latest:
+            latest, peak = t, i
+        if writer is not None:
+            last_row[writer] = t
+        out.append(k)
     return out
 
 
-def _attempt_seconds(workdir: str) -> list[float] | None:
+def attempt_offsets(
+    files: list[list[dict]], owners: list[list[int]], seconds: list[float] | None = None
+) -> list[float]:
+    """Where each attempt starts on the run's clock: after the attempts before it, each
+    lasting its wall seconds (attempts.jsonl) or its latest record in any of `files`
+    (`owners`: each record's attempt), whichever is longer, so attempts never overlap."""
+    n = max([len(seconds or ())] + [max(o, default=0) + 1 for o in owners])
+    span = [(seconds[k] if seconds and k < len(seconds) else 0.0) for k in range(n)]
+    for rows, owner in zip(files, owners, strict=True):
+        for r, k in zip(rows, owner, strict=True):
+            if isinstance(r.get("time"), int | float):
+                span[k] = max(span[k], r["time"])
+    offsets = [0.0]
+    for k in range(n - 1):
+        offsets.append(offsets[-1] + span[k])
+    return offsets
+
+
+def run_time(
+    rows: list[dict],
+    attempt_seconds: list[float] | None = None,
+    pids: list[int | None] | None = None,
+) -> list[dict]:
+    """`rows` (one file's records, in file order) with `time` on the run's clock: each
+    attempt of a resumed run counts time from its own start (`attempt_of`), and moves by the
+    attempts before it (`attempt_offsets`)."""
+    return on_one_clock([rows], attempt_seconds, pids)[0]
+
+
+def on_one_clock(
+    files: list[list[dict]],
+    attempt_seconds: list[float] | None = None,
+    pids: list[int | None] | None = None,
+) -> list[list[dict]]:
+    """Several files of one run (`run_time`) on one clock: an attempt moves by the same
+    offset in every file."""
+    owners = [attempt_of(rows, attempt_seconds, pids) for rows in files]
+    offsets = attempt_offsets(files, owners, attempt_seconds)
+    return [
+        [{**r, "time": r["time"] + offsets[k]} if isinstance(r.get("time"), int | float) else r
+         for r, k in zip(rows, owner, strict=True)]
+        for rows, owner in zip(files, owners, strict=True)
+    ]  # fmt: skip
+
+
+def run_records(workdir: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """The run's metrics, merges and events records, a resumed run's on one clock."""
+    files = [_rows(workdir, f"{name}.jsonl") for name in ("metrics", "merges", "events")]
+    metrics, merges, events = on_one_clock(files, *_attempts(workdir))
+    return metrics, merges, events
+
+
+def _attempts(workdir: str) -> tuple[list[float] | None, list[int | None] | None]:
+    """Each attempt's wall seconds and process id from attempts.jsonl (None: not known)."""
     records = _rows(workdir, "attempts.jsonl")
     seconds = [(r.get("own") if isinstance(r.get("own"), dict) else {}).get("wall_seconds")
                for r in records]  # fmt: skip
-    return seconds if records and all(isinstance(x, int | float) for x in seconds) else None
+    known = records and all(isinstance(x, int | float) for x in seconds)
+    pids = [r.get("pid") if isinstance(r.get("pid"), int) else None for r in records]
+    return (seconds if known else None), (pids if records else None)
 
 
 def _marks(ax, events: list[dict]) -> None:
@@ -175,9 +271,7 @@ def plot(workdir: str, out: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    attempts = _attempt_seconds(workdir)  # a resumed run: one clock across its attempts
-    metrics, merges, events = (run_time(_rows(workdir, f"{name}.jsonl"), attempts)
-                               for name in ("metrics", "merges", "events"))  # fmt: skip
+    metrics, merges, events = run_records(workdir)
     moe = [r for r in metrics if "expert_load" in r]
     panels = 2 + (2 if merges else 0) + (1 if moe else 0)  # no merge panels for DP runs
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.2))
