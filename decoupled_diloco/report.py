@@ -48,8 +48,9 @@ def _numbers(name: str, r: dict) -> tuple[str, ...]:
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
-def _number(x):
-    """`x` as a float or int when it is one (or a non-finite float's str), else None."""
+def number(x):
+    """`x` as a float or int when it is one (or a non-finite float's str, as run files
+    write them), else None."""
     if isinstance(x, bool):
         return None
     if isinstance(x, int | float):
@@ -72,7 +73,7 @@ def _rows(workdir: str, name: str) -> list[dict]:
         if name == "metrics.jsonl" and "learner" not in r:
             raise ValueError(f"{path}: record {i} names no learner")
         for key in _numbers(name, r):
-            value = _number(r.get(key))
+            value = number(r.get(key))
             if value is None:
                 how = f": {key} is {r[key]!r}, not a number" if key in r else f" has no {key}"
                 raise ValueError(f"{path}: record {i}{how}")
@@ -81,7 +82,7 @@ def _rows(workdir: str, name: str) -> list[dict]:
             isinstance(r.get("learners"), list)
             and isinstance(r.get("staleness"), list)
             and r["staleness"]
-            and all(_number(x) is not None for x in r["staleness"])
+            and all(number(x) is not None for x in r["staleness"])
         ):
             raise ValueError(f"{path}: record {i} lacks its learners or staleness list")
         out.append(r)
@@ -303,7 +304,7 @@ def plot(workdir: str, out: str) -> list[str]:
     if moe:
         _expert_load(fig, axes[-1], moe)
     summary = _summary(workdir)
-    loss = _number(summary.get("final_eval_loss"))
+    loss = number(summary.get("final_eval_loss"))
     fig.suptitle(
         f"{summary.get('name', paths.resolve(workdir).name)}: final eval loss "
         f"{float('nan') if loss is None else loss:.4f}"

@@ -20,8 +20,6 @@ Run directories (metrics.jsonl, merges.jsonl, events.jsonl) go to --workdir/<arm
 """
 
 import importlib.util
-import json
-import math
 import pathlib
 import shutil
 import threading
@@ -37,6 +35,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from outputs import results_dir  # noqa: E402
+from tables import json_text, numbers  # noqa: E402
 
 from decoupled_diloco import compile_cache  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
@@ -74,8 +73,9 @@ def make_config(arm: str, quick: bool):
 
 
 def _rows(workdir: pathlib.Path, name: str) -> list[dict]:
+    """A run file's records; a diverged run's "nan" losses as floats (tables.numbers)."""
     path = workdir / name
-    return parse_jsonl(path.read_text(encoding="utf-8"), str(path))
+    return [numbers(r) for r in parse_jsonl(path.read_text(encoding="utf-8"), str(path))]
 
 
 def run_with_budget(run, workdir: pathlib.Path, budget_s: float, label: str = "") -> dict:
@@ -126,14 +126,14 @@ def run_arm(arm: str, quick: bool, workdir: pathlib.Path, budget_s: float) -> di
     return {"summary": summary, "curve": curve, "crashes": crashes, "first_step": first_step}
 
 
-def loss_at(curve: list[tuple[float, float]], t: float) -> float:
-    """The last evaluation at or before wall time t (nan if none)."""
+def loss_at(curve: list[tuple[float, float]], t: float) -> float | None:
+    """The last evaluation at or before wall time t (None if none; nan if it diverged)."""
     before = [loss for time_s, loss in curve if time_s <= t + 1e-9]
-    return before[-1] if before else float("nan")
+    return before[-1] if before else None
 
 
-def _loss_cell(loss: float) -> str:
-    return f"{loss:.3f}" if math.isfinite(loss) else "- (no evaluation yet)"
+def _loss_cell(loss: float | None) -> str:
+    return "- (no evaluation yet)" if loss is None else f"{loss:.3f}"
 
 
 def markdown(results: dict, quick: bool, budget_s: float) -> str:
@@ -200,7 +200,7 @@ def main(argv):
     }
     table = markdown(results, FLAGS.quick, budget)
     (out / "chaos_crashes.md").write_text(table)
-    (out / "chaos_crashes.json").write_text(json.dumps(results, indent=1))
+    (out / "chaos_crashes.json").write_text(json_text(results))
     plot(results, out / "chaos_crashes.png")
     print(table)
     print(f"wrote {out}/chaos_crashes.{{md,json,png}}")

@@ -60,17 +60,21 @@ from tables import (  # noqa: E402
     by_arm,
     eval_curve,
     fmt,
+    json_text,
     loss_ratio,
     paired,
     plot_bars,
     plot_curves,
+    read_summary,
     rows,
+    start_below_lowest,
     stat,
     table,
 )
 
 __all__ = ["FULL", "QUICK", "SMOKE", "Arm", "arm_colors", "by_arm", "eval_curve", "fmt",
-           "loss_ratio", "paired", "plot_bars", "plot_curves", "rows", "stat", "table"]  # fmt: skip
+           "loss_ratio", "paired", "plot_bars", "plot_curves", "rows", "start_below_lowest",
+           "stat", "table"]  # fmt: skip
 PROGRESS_EVERY_S = 60.0  # a progress line at least this often, even when steps stall
 PROGRESS_MIN_S = 3.0  # ...and at most this often (a 10% tick of a short run is a blink)
 WARM_UP_WAIT_S = 5.0  # a warm-up learner's final sync waits at most this long
@@ -381,8 +385,11 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
                 launch.run(run, str(rundir), verbose=True)
             # The tables need only the logs; orbax checkpoints are MBs per run.
             shutil.rmtree(rundir / "checkpoints", ignore_errors=True)
+        # A diverged run's loss is nan (a float, `read_summary`), shown as such; the stamp
+        # comes after the summary is read, so a run whose summary cannot be is run again.
+        summary = read_summary(rundir)
+        if not cached:
             (rundir / "experiment.json").write_text(json.dumps(stamp, indent=1))
-        summary = json.loads((rundir / "summary.json").read_text())
         results.append(Result(arm, seed, summary, rundir, c))
         elapsed = time.time() - t0
         eta = elapsed / i * (len(todo) - i)
@@ -418,6 +425,6 @@ def write(out: pathlib.Path, name: str, markdown: str, fig, results: list[Result
     fig.savefig(out / f"{name}.png", dpi=120)
     plt.close(fig)
     dump = [{"arm": r.arm.name, "seed": r.seed, "summary": r.summary} for r in results]
-    (out / f"{name}.json").write_text(json.dumps(dump, indent=1))
+    (out / f"{name}.json").write_text(json_text(dump))
     print(markdown)
     print(f"wrote {out}/{name}.{{md,png,json}}", flush=True)

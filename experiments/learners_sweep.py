@@ -88,8 +88,7 @@ def main(argv):
         b, [g[0].arm.label for g in groups.values()],
         [[r.summary["final_eval_loss"] for r in g] for g in groups.values()], "final eval loss",
     )  # fmt: skip
-    lo = min(r.summary["final_eval_loss"] for r in results)
-    b.set_ylim(lo * 0.95, None)
+    harness.start_below_lowest(b, [r.summary["final_eval_loss"] for r in results], 0.95)
     fig.suptitle("Number of learners at equal tokens")
     harness.write(out, "learners_sweep", markdown(results), fig, results)
 

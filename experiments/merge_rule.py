@@ -78,7 +78,7 @@ def main(argv):
     harness.plot_bars(b, [g[0].arm.label for g in groups],
                       [[r.summary["final_eval_loss"] for r in g] for g in groups],
                       "final eval loss")  # fmt: skip
-    b.set_ylim(min(r.summary["final_eval_loss"] for r in results) * 0.97, None)
+    harness.start_below_lowest(b, [r.summary["final_eval_loss"] for r in results], 0.97)
     fig.suptitle("Merge rule: plain mean vs radial-directional averaging")
     harness.write(out, "merge_rule", markdown(results), fig, results)
 

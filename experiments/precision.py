@@ -83,7 +83,7 @@ def main(argv):
     harness.plot_bars(b, [g[0].arm.label for g in groups],
                       [[r.summary["final_eval_loss"] for r in g] for g in groups],
                       "final eval loss")  # fmt: skip
-    b.set_ylim(min(r.summary["final_eval_loss"] for r in results) * 0.97, None)
+    harness.start_below_lowest(b, [r.summary["final_eval_loss"] for r in results], 0.97)
     fig.suptitle("Wire precision of offers and merged fragments")
     harness.write(out, "precision", markdown(results), fig, results)
 

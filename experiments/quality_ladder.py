@@ -38,6 +38,8 @@ learners per merge, and offers dropped. With --scale=mid the per-learner batch i
 tokens and runs last 1000 steps (300 with --quick), on whatever devices exist.
 """
 
+import math
+
 import arm_config
 import harness
 from absl import flags
@@ -117,7 +119,8 @@ def spread(runs) -> str:
     losses = [r.summary["final_eval_loss"] for r in runs]
     if len(losses) < 2:
         return "-"
-    return f"{(max(losses) - min(losses)) / harness.stat(losses)[0]:.3f}"
+    mean = harness.stat(losses)[0]  # (nan where a seed diverged: max and min would skip it)
+    return f"{(max(losses) - min(losses)) / mean if math.isfinite(mean) else mean:.3f}"
 
 
 def markdown(results) -> str:

@@ -86,7 +86,7 @@ def main(argv):
                       "learners per merge")  # fmt: skip
     harness.plot_bars(b, names, [[r.summary["final_eval_loss"] for r in g] for g in groups],
                       "final eval loss")  # fmt: skip
-    b.set_ylim(min(r.summary["final_eval_loss"] for r in results) * 0.97, None)
+    harness.start_below_lowest(b, [r.summary["final_eval_loss"] for r in results], 0.97)
     fig.suptitle(f"Quorum K and grace window (M = {M}, heterogeneous speeds)")
     harness.write(out, "quorum_grace", markdown(results), fig, results)
 

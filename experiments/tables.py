@@ -4,6 +4,8 @@ paired by seed, mean ± sample std, markdown tables, eval curves and bars."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import pathlib
 import statistics
 from typing import TYPE_CHECKING
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from decoupled_diloco.metrics import read_jsonl
+from decoupled_diloco.report import number
 
 if TYPE_CHECKING:
     from arm_config import Arm
@@ -27,8 +30,30 @@ class Result:
     config: object  # the ConfigDict the run used (ml_collections)
 
 
+def numbers(record: dict) -> dict:
+    """`record` with the non-finite floats that run files write as strs ("nan", "inf",
+    metrics.write_json) as floats again: a diverged run's loss is nan in every ratio and
+    table, not a str that breaks them."""
+    return {k: _number_or_self(v) for k, v in record.items()}
+
+
+def _number_or_self(x):
+    if isinstance(x, dict):
+        return numbers(x)
+    if isinstance(x, list):
+        return [_number_or_self(v) for v in x]
+    value = number(x) if isinstance(x, str) else None
+    return x if value is None else value
+
+
+def read_summary(rundir: pathlib.Path) -> dict:
+    """The run's summary.json, non-finite numbers as floats (`numbers`)."""
+    return numbers(json.loads((rundir / "summary.json").read_text()))
+
+
 def rows(rundir: pathlib.Path, name: str) -> list[dict]:
-    return read_jsonl(rundir / name)  # (a run killed mid-line: its torn last line left out)
+    """A run file's records (`numbers`); a run killed mid-line: its torn last line left out."""
+    return [numbers(r) for r in read_jsonl(rundir / name)]
 
 
 def eval_curve(r: Result) -> list[tuple[float, int, float]]:
@@ -62,11 +87,35 @@ def loss_ratio(runs: list[Result], refs: list[Result]) -> list[float]:
 
 
 def stat(values: list[float]) -> tuple[float, float]:
-    """(mean, sample std with ddof = 1; 0 for a single value)."""
+    """(mean, sample std with ddof = 1; 0 for a single value); nan where a value is nan or
+    infinite (a diverged seed)."""
     values = [float(v) for v in values]
     if not values:
         return float("nan"), float("nan")
+    if not all(math.isfinite(v) for v in values):  # (statistics.stdev fails on them)
+        return sum(values) / len(values), float("nan") if len(values) > 1 else 0.0
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def start_below_lowest(ax, values: list[float], factor: float) -> None:
+    """Starts ax's y axis at `factor` x the lowest finite value, so bars of close losses
+    differ visibly; left alone where none is finite (every run diverged)."""
+    low = min((v for v in values if math.isfinite(v)), default=None)
+    if low is not None:
+        ax.set_ylim(low * factor, None)
+
+
+def json_text(obj) -> str:
+    """`obj` as JSON, non-finite floats as their strs, as run files write them."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        return [clean(v) for v in x] if isinstance(x, list | tuple) else x
+
+    return json.dumps(clean(obj), indent=1)
 
 
 def fmt(values: list[float], digits: int = 4, scale: float = 1.0) -> str:

@@ -1,0 +1,125 @@
+"""The experiment scripts' plumbing (experiments/harness.py, tables.py and the scripts' table
+code) where runs go wrong: a diverged arm, a damaged stamp, a changed package."""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import tables  # noqa: E402
+from arm_config import Arm  # noqa: E402
+
+
+def _script(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter in the checkout (a script's absl flags are global)."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _cells(markdown: str) -> dict[str, list[str]]:
+    """A markdown table's rows by their first cell (the header's too)."""
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    rows = ([c.strip() for c in line.strip("|").split("|")] for line in lines)
+    return {cells[0]: cells for cells in rows}
+
+
+# --- a diverged run ----------------------------------------------------------------------
+def test_a_diverged_runs_summary_reads_as_nan_floats(tmp_path):
+    """summary.json holds a non-finite loss as the str "nan" (metrics.write_json); read back,
+    it is a float again, in nested records too, while other strs stay strs."""
+    summary = {"final_eval_loss": "nan", "goodput": 0.9, "name": "dp_s0",
+               "this_attempt": {"bytes": "inf"}, "losses": ["-inf", 1.0]}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    read = tables.read_summary(tmp_path)
+    assert math.isnan(read["final_eval_loss"]) and read["goodput"] == 0.9
+    assert read["name"] == "dp_s0" and read["this_attempt"]["bytes"] == math.inf
+    assert read["losses"] == [-math.inf, 1.0]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"learner": 0, "eval_loss": "nan"}) + "\n")
+    assert math.isnan(tables.rows(tmp_path, "metrics.jsonl")[0]["eval_loss"])
+
+
+def test_a_diverged_seed_is_nan_in_ratios_and_tables():
+    arm = Arm("decoupled", "tiny_decoupled")
+    runs = [tables.Result(arm, s, {"final_eval_loss": v}, None, None)
+            for s, v in ((0, math.nan), (1, 2.0))]  # fmt: skip
+    refs = [tables.Result(arm, s, {"final_eval_loss": 1.0}, None, None) for s in (0, 1)]
+    ratio = tables.loss_ratio(runs, refs)
+    assert math.isnan(ratio[0]) and ratio[1] == 2.0
+    assert tables.fmt(ratio) == "nan ± nan" and tables.fmt([math.nan]) == "nan"
+    assert tables.fmt([1.0, 3.0], 1) == "2.0 ± 1.4"
+
+
+def test_a_bar_charts_axis_starts_below_the_lowest_finite_loss():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.bar([0, 1, 2], [4.0, 2.0, 3.0])
+    tables.start_below_lowest(ax, [math.nan, 2.0, 3.0], 0.5)
+    assert ax.get_ylim()[0] == 1.0
+    before = ax.get_ylim()
+    tables.start_below_lowest(ax, [math.nan, math.inf], 0.5)  # every run diverged
+    assert ax.get_ylim() == before
+    plt.close(fig)
+
+
+LADDER_NAN = """
+import json, pathlib, sys
+sys.path.insert(0, "experiments")
+sys.argv = ["quality_ladder.py", "--smoke", "--seeds=0,1"]
+import quality_ladder as q
+from absl import flags
+from tables import Result, read_summary
+flags.FLAGS(sys.argv)
+arms = {a.name: a for a in q.arms()}
+out = []
+for name, seed, loss in [("dp", 0, 1.0), ("dp", 1, 1.0), ("diloco", 0, "nan"),
+                         ("diloco", 1, 1.2), ("streaming", 0, 1.1), ("streaming", 1, 1.1)]:
+    rundir = pathlib.Path("%s") / f"{name}_s{seed}"
+    rundir.mkdir(parents=True)
+    summary = {"final_eval_loss": loss, "mean_learners_per_merge": 4.0, "dropped_offers": 0,
+               "tokens": 1000}
+    (rundir / "summary.json").write_text(json.dumps(summary))
+    out.append(Result(arms[name], seed, read_summary(rundir), rundir, None))
+print(q.markdown(out))
+"""
+
+
+def test_the_ladders_table_shows_a_diverged_rung_as_nan(tmp_path):
+    """A rung with a diverged seed (its summary says "nan") is nan in its loss, ratios and
+    seed spread; the rungs beside it keep their numbers."""
+    rows = _cells(_script(LADDER_NAN % tmp_path).stdout)
+    head = rows["rung"]
+    loss, dp, below, spread = (head.index(k) for k in ("final eval loss", "÷ DP",
+                                                        "÷ rung below", "seed spread"))  # fmt: skip
+    diloco, streaming = rows["DiLoCo (P=1, K=M, wait)"], rows["+ P=6 fragments"]
+    assert diloco[loss] == "nan ± nan" and diloco[dp] == "nan ± nan"
+    assert diloco[spread] == "nan"
+    assert streaming[dp] == "1.1000 ± 0.0000" and streaming[spread] == "0.000"
+    assert streaming[below].startswith("nan")
+
+
+@pytest.mark.slow
+def test_a_diverging_arm_writes_its_table_and_is_reused(tmp_path):
+    """The reviewer's case: lr 1e12 drives the loss to nan. The sweep writes its table with
+    nan in it, and a second invocation reuses the run instead of failing on it again."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "quality_ladder.py"), "--smoke",
+           "--arms=dp", "--set=train.learning_rate=1e12", f"--out={tmp_path}"]  # fmt: skip
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _cells((tmp_path / "quality_ladder.md").read_text())["data-parallel"][1] == "nan"
+    dump = json.loads((tmp_path / "quality_ladder.json").read_text())
+    assert dump[0]["summary"]["final_eval_loss"] == "nan"  # strict JSON, as summary.json
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(cached): eval nan" in again.stdout
