@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 
-from decoupled_diloco import cli  # noqa: E402  (imports no JAX)
+from decoupled_diloco import cli, paths  # noqa: E402  (import no JAX)
 
 cli.xla_flags()  # before JAX starts: 8 fake CPU devices, no CUDA graphs
 
@@ -255,7 +255,13 @@ def _reusable(rundir: pathlib.Path, stamp: dict) -> bool:
     FLAGS, path = flags.FLAGS, rundir / "experiment.json"
     if FLAGS.fresh or not (rundir / "summary.json").exists() or not path.exists():
         return False
-    prior = json.loads(path.read_text())
+    try:
+        prior = json.loads(path.read_text())
+    except ValueError:  # (JSONDecodeError, UnicodeDecodeError: cut short, damaged)
+        prior = None
+    if not isinstance(prior, dict):
+        print(f"  {rundir.name}: its {path.name} is unreadable, rerunning", flush=True)
+        return False
     if prior.get("hash") != stamp["hash"]:
         print(f"  {rundir.name}: cached run has another config, rerunning", flush=True)
         return False
@@ -388,8 +394,8 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
         # A diverged run's loss is nan (a float, `read_summary`), shown as such; the stamp
         # comes after the summary is read, so a run whose summary cannot be is run again.
         summary = read_summary(rundir)
-        if not cached:
-            (rundir / "experiment.json").write_text(json.dumps(stamp, indent=1))
+        if not cached:  # (whole or not at all, as summary.json: a kill never cuts it short)
+            paths.write_atomic(rundir / "experiment.json", json.dumps(stamp, indent=1))
         results.append(Result(arm, seed, summary, rundir, c))
         elapsed = time.time() - t0
         eta = elapsed / i * (len(todo) - i)

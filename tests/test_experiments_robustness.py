@@ -123,3 +123,29 @@ def test_a_diverging_arm_writes_its_table_and_is_reused(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(cached): eval nan" in again.stdout
+
+
+# --- a damaged stamp ---------------------------------------------------------------------
+STAMP = """
+import json, pathlib, sys
+sys.path.insert(0, "experiments")
+sys.argv = ["precision.py", "--smoke"]
+import harness, precision
+from absl import flags
+flags.FLAGS(sys.argv)
+rundir = pathlib.Path("%s")
+rundir.mkdir()
+(rundir / "summary.json").write_text("{}")
+stamp = {"hash": "0123456789abcdef", "code": "fedcba9876543210"}
+for text in ('{"hash": "0123', "", "[1, 2]", json.dumps(stamp)):
+    (rundir / "experiment.json").write_text(text)
+    print(harness._reusable(rundir, stamp))
+"""
+
+
+def test_an_unreadable_stamp_reruns_its_run(tmp_path):
+    """A stamp cut short (a kill while writing it), empty or not an object: the run is run
+    again, saying so, instead of a JSONDecodeError ending the experiment."""
+    out = _script(STAMP % (tmp_path / "run")).stdout.splitlines()
+    assert [line for line in out if line in ("True", "False")] == ["False"] * 3 + ["True"]
+    assert out.count("  run: its experiment.json is unreadable, rerunning") == 3
