@@ -20,6 +20,7 @@ it gets from one checkpoint to the next, it redoes the same steps without end.
 Writes goodput_failures.{md,png,json} into --out.
 """
 
+import hashlib
 import json
 import pathlib
 import subprocess
@@ -28,7 +29,7 @@ import sys
 import harness
 import numpy as np
 
-from decoupled_diloco import cli
+from decoupled_diloco import cli, paths
 
 harness.define_flags("experiments/results/goodput_failures", "0,1")
 # Lengths keep configs/chaos_crashes.py's batches (DP: 4x a learner's) and eval set.
@@ -108,14 +109,28 @@ def simulator_table(out: pathlib.Path) -> str:
     FLAGS = harness.flags.FLAGS
     if not harness.is_full():
         cmd.append("--quick")
-    # Reuse the simulator's table only if it was made with these very arguments.
+    # Reuse the simulator's table only if these very arguments made it with today's code.
     stamp, done = sim_out / "command.json", sim_out / "goodput.md"
-    same = stamp.exists() and json.loads(stamp.read_text()) == cmd[2:]
+    key = {"command": cmd[2:], "code": simulator_fingerprint()}
+    try:
+        same = json.loads(stamp.read_text()) == key
+    except (OSError, ValueError):  # none yet, or damaged
+        same = False
     if not (done.exists() and same) or FLAGS.fresh:
         print("simulator:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        stamp.write_text(json.dumps(cmd[2:]))
+        paths.write_atomic(stamp, json.dumps(key))
     return done.read_text()
+
+
+def simulator_fingerprint() -> str:
+    """What made the simulator's table besides its arguments: the package (as for the CPU
+    runs, harness.code_fingerprint) and the table's scripts."""
+    here = pathlib.Path(__file__).parent
+    h = hashlib.sha256(harness.code_fingerprint().encode())
+    for name in ("goodput_table.py", "goodput_cells.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def markdown(results, sim_md: str) -> tuple[str, dict]:

@@ -149,3 +149,36 @@ def test_an_unreadable_stamp_reruns_its_run(tmp_path):
     out = _script(STAMP % (tmp_path / "run")).stdout.splitlines()
     assert [line for line in out if line in ("True", "False")] == ["False"] * 3 + ["True"]
     assert out.count("  run: its experiment.json is unreadable, rerunning") == 3
+
+
+# --- a stale simulator table -------------------------------------------------------------
+SIMULATOR = """
+import pathlib, sys
+sys.path.insert(0, "experiments")
+sys.argv = ["goodput_failures.py", "--smoke"]
+import goodput_failures as g, harness
+from absl import flags
+flags.FLAGS(sys.argv)
+out = pathlib.Path("%s")
+made = []
+
+def simulate(cmd, **kwargs):  # stands for goodput_table.py: writes its table
+    made.append(cmd)
+    (out / "simulator").mkdir(parents=True, exist_ok=True)
+    (out / "simulator" / "goodput.md").write_text(f"table {len(made)}")
+
+g.subprocess.run = simulate
+print(g.simulator_table(out), g.simulator_table(out))
+harness.code_fingerprint = lambda: "0123456789abcdef"  # the package changed since
+print(g.simulator_table(out), g.simulator_table(out))
+"""
+
+
+def test_the_simulator_table_is_made_again_after_the_code_changed(tmp_path):
+    """goodput_failures reuses the simulator's table for the same arguments, but not once
+    the code that made it changed (as the CPU runs: harness.code_fingerprint)."""
+    out = _script(SIMULATOR % tmp_path).stdout.splitlines()
+    assert [line for line in out if line.startswith("table")] == [
+        "table 1 table 1",
+        "table 2 table 2",
+    ]
