@@ -72,10 +72,11 @@ def markdown(results, step_s: float) -> str:
     for name, runs in harness.by_arm(results).items():
         s = [r.summary for r in runs]
         per_step = [x["bytes_communicated"] / (x["learners"] * x["steps"]) for x in s]
-        if name == "dp":
-            per_step = [dp_bytes(PARAMS["tiny"][0])] * len(s)
-            comm = dp_bytes(PARAMS["tiny"][0]) * 8 / FAR_BPS + 2 * (M - 1) * FAR_LATENCY_S
-            wall = harness.fmt([x["wall_seconds"] + x["steps"] * comm for x in s], 0)
+        if name == "dp":  # (the model the arm trained: tiny, `mid` or --set model.*)
+            per_step = [dp_bytes(harness.param_count(r)) for r in runs]
+            comm = [b * 8 / FAR_BPS + 2 * (M - 1) * FAR_LATENCY_S for b in per_step]
+            model = [x["wall_seconds"] + x["steps"] * c for x, c in zip(s, comm, strict=True)]
+            wall = harness.fmt(model, 0)
         else:
             wall = "-"
         body.append(

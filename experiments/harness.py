@@ -63,6 +63,7 @@ from tables import (  # noqa: E402
     json_text,
     loss_ratio,
     paired,
+    param_count,
     plot_bars,
     plot_curves,
     read_summary,
@@ -73,8 +74,8 @@ from tables import (  # noqa: E402
 )
 
 __all__ = ["FULL", "QUICK", "SMOKE", "Arm", "arm_colors", "by_arm", "eval_curve", "fmt",
-           "loss_ratio", "paired", "plot_bars", "plot_curves", "rows", "start_below_lowest",
-           "stat", "table"]  # fmt: skip
+           "loss_ratio", "paired", "param_count", "plot_bars", "plot_curves", "rows",
+           "start_below_lowest", "stat", "table"]  # fmt: skip
 PROGRESS_EVERY_S = 60.0  # a progress line at least this often, even when steps stall
 PROGRESS_MIN_S = 3.0  # ...and at most this often (a 10% tick of a short run is a blink)
 WARM_UP_WAIT_S = 5.0  # a warm-up learner's final sync waits at most this long

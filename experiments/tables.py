@@ -67,6 +67,17 @@ def eval_curve(r: Result) -> list[tuple[float, int, float]]:
     return sorted(curve)
 
 
+def param_count(r: Result) -> int:
+    """The number of parameters of the model the run trained (its config's, at any scale)."""
+    import jax
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco import models
+
+    shapes = models.param_shapes(config_lib.validate(r.config).model)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
 def by_arm(results: list[Result]) -> dict[str, list[Result]]:
     out: dict[str, list[Result]] = {}
     for r in results:

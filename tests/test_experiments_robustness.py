@@ -182,3 +182,44 @@ def test_the_simulator_table_is_made_again_after_the_code_changed(tmp_path):
         "table 1 table 1",
         "table 2 table 2",
     ]
+
+
+# --- cross-region DP bytes ---------------------------------------------------------------
+CROSS_REGION = """
+import sys
+sys.path.insert(0, "experiments")
+sys.argv = ["cross_region.py", "--smoke"]
+import math
+import cross_region as x, harness, jax
+from absl import flags
+from decoupled_diloco import config as config_lib, models
+from tables import Result
+flags.FLAGS(sys.argv)
+summary = {"final_eval_loss": 2.0, "wall_seconds": 10.0, "steps": 6, "learners": 1,
+           "bytes_communicated": 0}
+for scale in ("cpu", "mid"):
+    flags.FLAGS.scale = scale
+    dp = next(a for a in x.arms() if a.name == "dp")
+    r = Result(dp, 0, summary, None, harness.config_for(dp, 0, harness.QUICK, harness.FULL))
+    shapes = models.param_shapes(config_lib.validate(r.config).model)
+    print(scale, sum(math.prod(s.shape) for s in jax.tree.leaves(shapes)))
+    print(x.markdown([r], 1.0))
+"""
+
+
+def test_cross_regions_dp_bytes_are_those_of_the_model_it_trained():
+    """DP's all-reduce bytes per step and its modelled cross-region wall time come from the
+    DP arm's own parameter count: the `mid` model's at --scale=mid, not the tiny one's."""
+    out = _script(CROSS_REGION).stdout
+    counts = dict(line.split() for line in out.splitlines() if line.startswith(("cpu ", "mid ")))
+    tables_of = [_cells(part)["data-parallel"] for part in out.split("Cross-region")[1:]]
+    head = _cells(out.split("Cross-region")[1])["arm"]
+    kb, wall = head.index("kB / learner step"), head.index("wall (s), DP across regions (model)")
+    for scale, row in zip(("cpu", "mid"), tables_of, strict=True):
+        n = int(counts[scale])
+        ring = 2 * 3 / 4 * 4 * n  # M = 4 replicas, fp32 gradients
+        assert float(row[kb]) == pytest.approx(ring / 1e3, abs=0.05)
+        per_step = ring * 8 / 10e6 + 2 * 3 * 0.15  # 10 Mbit/s, 150 ms away
+        assert float(row[wall]) == pytest.approx(10.0 + 6 * per_step, abs=0.5)
+    assert int(counts["cpu"]) == 139_840  # the tiny model (cross_region.PARAMS)
+    assert int(counts["mid"]) > 100 * int(counts["cpu"])
