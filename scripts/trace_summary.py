@@ -26,6 +26,7 @@ import gzip
 import json
 import pathlib
 import sys
+import zlib
 
 from absl import app, flags
 
@@ -73,6 +74,26 @@ def find_trace(path: str) -> pathlib.Path:
     if not found:
         raise FileNotFoundError(f"no *.trace.json.gz under {p} (a run with --profile writes one)")
     return found[-1]
+
+
+def load_trace(path: pathlib.Path) -> dict:
+    """The Chrome trace in the gzipped file `path` as its object form: the JSON array form
+    (a list of events, also valid Chrome trace format) becomes {"traceEvents": [...]}. A
+    file cut short or not a trace is a ValueError naming it."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            trace = json.load(f)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # (a profile still being written)
+        raise ValueError(f"{path}: not a whole gzip file, cut short or damaged ({e})") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not a JSON trace ({e})") from e
+    if isinstance(trace, list):
+        trace = {"traceEvents": trace}
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents", []), list):
+        raise ValueError(f"{path}: not a Chrome trace (an object with traceEvents or a list)")
+    if not all(isinstance(e, dict) for e in trace.get("traceEvents", [])):
+        raise ValueError(f"{path}: a trace event that is not a JSON object")
+    return trace
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -131,7 +152,7 @@ def summarize(trace: dict, top: int = 6, min_share: float = 0.01) -> list[str]:
     if not events:
         return ["the trace holds no timed events"]
     process, thread = {}, {}
-    for e in trace["traceEvents"]:
+    for e in trace.get("traceEvents", []):
         if e.get("ph") == "M" and e.get("name") == "process_name":
             process[e["pid"]] = e.get("args", {}).get("name", str(e["pid"]))
         if e.get("ph") == "M" and e.get("name") == "thread_name":
@@ -183,8 +204,7 @@ def main(argv):
         raise app.UsageError("one argument: a run's workdir, its profile folder or a trace file")
     try:
         path = find_trace(argv[1])
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            trace = json.load(f)
+        trace = load_trace(path)
     except (OSError, ValueError) as e:
         print(f"trace_summary: {e}", file=sys.stderr)
         return 2

@@ -223,3 +223,43 @@ def test_cross_regions_dp_bytes_are_those_of_the_model_it_trained():
         assert float(row[wall]) == pytest.approx(10.0 + 6 * per_step, abs=0.5)
     assert int(counts["cpu"]) == 139_840  # the tiny model (cross_region.PARAMS)
     assert int(counts["mid"]) > 100 * int(counts["cpu"])
+
+
+# --- scripts/trace_summary.py ------------------------------------------------------------
+def _trace_summary(path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "scripts" / "trace_summary.py"), str(path)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_trace_summary_reads_a_trace_in_the_json_array_form(tmp_path):
+    """A Chrome trace may be a bare list of events (the format's array form)."""
+    import gzip
+
+    events = [
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 2, "tid": 1, "name": "fusion", "ts": 0, "dur": 250},
+        {"ph": "X", "pid": 1, "tid": 9, "name": "PjitFunction(step)", "ts": 0, "dur": 1000},
+    ]
+    path = tmp_path / "host.trace.json.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump(events, f)
+    proc = _trace_summary(path)
+    assert proc.returncode == 0, proc.stderr
+    assert "window 1.0 ms" in proc.stdout
+    assert "/device:GPU:0: busy 25.0% of the window" in proc.stdout
+
+
+def test_trace_summary_names_a_trace_cut_short(tmp_path):
+    """A .trace.json.gz cut short (a profile still being written, a copy interrupted) or
+    holding no trace is an error naming the file, not a traceback."""
+    import gzip
+
+    whole = gzip.compress(json.dumps({"traceEvents": []}).encode() * 50)
+    cases = {"cut.trace.json.gz": whole[: len(whole) // 2],
+             "text.trace.json.gz": gzip.compress(b"not json"),
+             "number.trace.json.gz": gzip.compress(b"42")}  # fmt: skip
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        proc = _trace_summary(tmp_path / name)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith(f"trace_summary: {tmp_path / name}: "), proc.stderr
