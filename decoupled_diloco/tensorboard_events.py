@@ -6,14 +6,17 @@
 `tensorboard --logdir=<workdir>/tensorboard` (local or gs://) shows one run per learner plus
 "global": every numeric field of a metrics.jsonl row is a scalar of the same name (loss,
 eval_loss, tokens_per_second, ...) at the row's step. Each process writes files of its own
-(a resumed run starts new ones; TensorBoard drops the older points of redone steps).
+(a resumed run starts new ones). A run's first row in a file, and a row whose step is
+before the last one (a restarted learner process), comes after a SessionLog START at its
+step, at which TensorBoard drops the points its earlier files hold at that step and after:
+the steps a resume redoes are drawn once.
 
 The format is small enough to write directly: a file is a sequence of TFRecords (u64 length,
 masked CRC-32C of the length, the bytes, masked CRC-32C of the bytes) each holding an `Event`
 protobuf (tensorboard/compat/proto/event.proto); the first says which file version it is.
 Only the fields written here are encoded: Event {1: wall_time double, 2: step int64,
-3: file_version string, 5: summary Summary}, Summary {1: repeated Value}, Value {1: tag
-string, 2: simple_value float}.
+3: file_version string, 5: summary Summary, 7: session_log SessionLog}, Summary {1: repeated
+Value}, Value {1: tag string, 2: simple_value float}, SessionLog {1: status enum, START=1}.
 """
 
 import math
@@ -76,11 +79,21 @@ def _field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
-def event(wall_time: float, step: int = 0, scalars: dict | None = None, version=b"") -> bytes:
-    """A serialised Event: the file-version header, or `scalars` {tag: value} at `step`."""
+def event(
+    wall_time: float,
+    step: int = 0,
+    scalars: dict | None = None,
+    version=b"",
+    start: bool = False,
+) -> bytes:
+    """A serialised Event: the file-version header, `scalars` {tag: value} at `step`, or
+    (`start`) a SessionLog START at `step`: TensorBoard drops the points the run's earlier
+    files hold at `step` and after (a resumed run redoes those steps)."""
     out = b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step)
     if version:
         out += _field(3, version)
+    if start:
+        out += _field(7, b"\x08\x01")  # session_log {status: START}
     if scalars:
         values = b"".join(
             _field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", value))
@@ -111,12 +124,21 @@ class EventFile:
         with EventFile._count_lock:  # two files of one process in one second stay apart
             EventFile._count += 1
             n = EventFile._count
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{n}"
+        # TensorBoard reads a run's files in name order: a process's files in the order it
+        # made them (the count zero-padded), a resumed run's after the earlier ones' (time).
+        name = (
+            f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{n:06d}"
+        )
         self.file = paths.AppendFile(paths.resolve(folder) / name)
         self.file.append(record(event(time.time(), version=FILE_VERSION)))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self.file.append(record(event(time.time(), step, values)))
+
+    def start(self, step: int) -> None:
+        """Points at `step` and after, written before (this run's earlier files, or this
+        one), are superseded: a SessionLog START, which TensorBoard purges them at."""
+        self.file.append(record(event(time.time(), step, start=True)))
 
     def close(self) -> None:
         self.file.close()
@@ -128,6 +150,7 @@ class RunWriter:
     def __init__(self, workdir):
         self.root = paths.resolve(workdir) / "tensorboard"
         self._files: dict[str, EventFile] = {}
+        self._last: dict[str, int] = {}  # run -> the last step written to its file
         self._lock = threading.Lock()
 
     def row(self, row: dict) -> None:
@@ -136,10 +159,17 @@ class RunWriter:
         if learner is None or "step" not in row or not values:
             return
         run = "global" if learner == "global" else f"learner_{learner}"
+        step = int(row["step"])
         with self._lock:
             if run not in self._files:
                 self._files[run] = EventFile(self.root / run)
-            self._files[run].scalars(int(row["step"]), values)
+            if run not in self._last or step < self._last[run]:
+                # A (re)start: this process's first row of the run (a resume redoes the
+                # steps past its checkpoints, which earlier files may hold), or a step back
+                # (a restarted Ray learner process): TensorBoard drops the older points.
+                self._files[run].start(step)
+            self._last[run] = step
+            self._files[run].scalars(step, values)
 
     def close(self) -> None:
         with self._lock:

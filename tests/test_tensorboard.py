@@ -51,6 +51,28 @@ def test_tensorboard_itself_reads_the_files(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("eval_loss")] == [(3, 0.25)]
 
 
+def test_the_steps_a_resume_redoes_are_drawn_once(tmp_path):
+    """A resumed run (a new process, new files) logs again the steps past its checkpoints,
+    and a restarted Ray learner process those past its restore: TensorBoard drew both
+    points of each such step. Its first row, and a step back, now come after a SessionLog
+    START, at which TensorBoard drops the older points."""
+    from tensorboard.backend.event_processing import event_accumulator as accumulator
+
+    w = tbe.RunWriter(tmp_path)
+    for step in [*range(1, 11), 8, 9]:  # a restart within the process: back to 8
+        w.row({"learner": 0, "step": step, "loss": float(step)})
+    w.close()
+    for _ in range(12):  # more files of this process than one digit counts (name order)
+        tbe.EventFile(tmp_path / "elsewhere").close()
+    w = tbe.RunWriter(tmp_path)  # the resume, from step 6
+    for step in range(6, 13):
+        w.row({"learner": 0, "step": step, "loss": 100.0 + step})
+    w.close()
+    acc = accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "learner_0")).Reload()
+    drawn = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert drawn == [(s, float(s)) for s in range(1, 6)] + [(s, 100.0 + s) for s in range(6, 13)]
+
+
 def _events(workdir, run: str) -> dict[tuple[int, str], float]:
     out = {}
     for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", run, "events.out.*"))):
