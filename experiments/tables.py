@@ -56,15 +56,32 @@ def rows(rundir: pathlib.Path, name: str) -> list[dict]:
     return [numbers(r) for r in read_jsonl(rundir / name)]
 
 
+def _evaluations(r: Result) -> list[dict]:
+    """The metrics rows evaluating the global model (DP: its only learner), in file order."""
+    no_syncer = not r.summary.get("merges") and r.summary.get("learners", 1) == 1
+    ours = ("global", 0) if no_syncer else ("global",)
+    return [x for x in rows(r.rundir, "metrics.jsonl") if "eval_loss" in x and x["learner"] in ours]
+
+
 def eval_curve(r: Result) -> list[tuple[float, int, float]]:
     """(wall s, tokens, eval loss) of the global model (DP: its only learner), time-sorted."""
-    no_syncer = not r.summary.get("merges") and r.summary.get("learners", 1) == 1
-    curve = {
-        (x["time"], x["tokens"], x["eval_loss"])
-        for x in rows(r.rundir, "metrics.jsonl")
-        if "eval_loss" in x and (x["learner"] == "global" or (no_syncer and x["learner"] == 0))
-    }
-    return sorted(curve)
+    return sorted({(x["time"], x["tokens"], x["eval_loss"]) for x in _evaluations(r)})
+
+
+def eval_slots(r: Result) -> dict[int, tuple[float, int, float]]:
+    """The run's evaluations (`eval_curve`'s) by the multiple of train.eval_every each was
+    made for (step // eval_every: Θ is evaluated once the lead learner reaches it, a step
+    or two past it on some seeds); a slot evaluated again (steps redone after a crash)
+    keeps its last evaluation."""
+    train = r.config.train if r.config is not None else None
+    every, steps = (train.eval_every or 1, train.steps) if train else (1, 0)
+    out = {}
+    for x in sorted(_evaluations(r), key=lambda x: x["time"]):
+        step = int(x["step"])
+        # (the final evaluation has a slot of its own where the steps end between two)
+        slot = -(-step // every) if steps and step >= steps else step // every
+        out[slot] = (x["time"], x["tokens"], x["eval_loss"])
+    return out
 
 
 def param_count(r: Result) -> int:
@@ -143,12 +160,14 @@ def table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def mean_curve(curves: list[list[tuple[float, float]]]):
-    """Point-by-point mean, min and max of several (x, y) curves (seeds of one arm: their
-    evals fall at the same steps), over the length of the shortest."""
-    n = min(len(c) for c in curves)
-    xs = np.array([[c[i][0] for i in range(n)] for c in curves])
-    ys = np.array([[c[i][1] for i in range(n)] for c in curves])
+def mean_curve(curves: list[dict[int, tuple[float, float]]]):
+    """Mean, min and max of several (x, y) curves keyed by evaluation slot (`eval_slots`;
+    seeds of one arm), over the slots every curve has: seeds pair by step, never by
+    position, so a seed that evaluated a slot twice or skipped one does not shift the
+    others. Returns (x mean, y mean, y min, y max), in slot order."""
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    xs = np.array([[c[k][0] for k in common] for c in curves]).reshape(len(curves), -1)
+    ys = np.array([[c[k][1] for k in common] for c in curves]).reshape(len(curves), -1)
     return xs.mean(0), ys.mean(0), ys.min(0), ys.max(0)
 
 
@@ -164,9 +183,10 @@ def plot_curves(ax, results: list[Result], x: str = "tokens") -> None:
     for i, (name, runs) in enumerate(by_arm(results).items()):
         curves = []
         for r in runs:
-            curve = eval_curve(r)
-            if curve:
-                curves.append([(t if x == "time" else tok / 1e6, loss) for t, tok, loss in curve])
+            slots = eval_slots(r)
+            if slots:
+                curves.append({k: (t if x == "time" else tok / 1e6, loss)
+                               for k, (t, tok, loss) in slots.items()})  # fmt: skip
         if not curves:
             continue
         seeds = max(seeds, len(curves))

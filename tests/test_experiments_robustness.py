@@ -263,3 +263,38 @@ def test_trace_summary_names_a_trace_cut_short(tmp_path):
         proc = _trace_summary(tmp_path / name)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith(f"trace_summary: {tmp_path / name}: "), proc.stderr
+
+
+# --- eval curves over seeds --------------------------------------------------------------
+def _seed_run(rundir, evals, eval_every=40, steps=160):
+    import ml_collections
+
+    rundir.mkdir(parents=True)
+    (rundir / "metrics.jsonl").write_text("".join(
+        json.dumps({"learner": 0, "step": s, "tokens": 100 * s, "eval_loss": loss, "time": t})
+        + "\n" for t, (s, loss) in enumerate(evals, 1)))  # fmt: skip
+    config = ml_collections.ConfigDict({"train": {"eval_every": eval_every, "steps": steps}})
+    arm = Arm("dp", "tiny_dense")
+    return tables.Result(arm, len(evals), {"learners": 1, "merges": 0}, rundir, config)
+
+
+def test_seeds_eval_curves_are_averaged_step_by_step(tmp_path):
+    """Seed 0 crashed and evaluated step 80 again when it redid it; seed 1 evaluated its
+    slots a step past the multiple (the lead learner got there first). The mean pairs the
+    seeds' evaluations by step (the last one of a step evaluated twice), not by position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = _seed_run(tmp_path / "s0", [(40, 3.0), (80, 2.5), (80, 2.4), (120, 2.0), (160, 1.8)])
+    b = _seed_run(tmp_path / "s1", [(41, 3.2), (82, 2.6), (121, 2.2), (160, 2.0)])
+    fig, ax = plt.subplots()
+    tables.plot_curves(ax, [a, b])
+    (line,) = ax.lines
+    assert list(line.get_ydata()) == pytest.approx([3.1, 2.5, 2.1, 1.9])
+    assert list(line.get_xdata()) == pytest.approx([0.00405, 0.0081, 0.01205, 0.016])
+    plt.close(fig)
+    # The last evaluation has a slot of its own where the steps end between two.
+    c = _seed_run(tmp_path / "s2", [(40, 3.0), (50, 2.9)], eval_every=40, steps=50)
+    assert sorted(tables.eval_slots(c)) == [1, 2]
