@@ -58,6 +58,7 @@ from tables import (  # noqa: E402
     Result,
     arm_colors,
     by_arm,
+    equal_tokens,
     eval_curve,
     fmt,
     json_text,
@@ -71,11 +72,12 @@ from tables import (  # noqa: E402
     start_below_lowest,
     stat,
     table,
+    tokens_per_run,
 )
 
-__all__ = ["FULL", "QUICK", "SMOKE", "Arm", "arm_colors", "by_arm", "eval_curve", "fmt",
-           "loss_ratio", "paired", "param_count", "plot_bars", "plot_curves", "rows",
-           "start_below_lowest", "stat", "table"]  # fmt: skip
+__all__ = ["FULL", "QUICK", "SMOKE", "Arm", "arm_colors", "by_arm", "equal_tokens", "eval_curve",
+           "fmt", "loss_ratio", "paired", "param_count", "plot_bars", "plot_curves", "rows",
+           "start_below_lowest", "stat", "table", "tokens_per_run"]  # fmt: skip
 PROGRESS_EVERY_S = 60.0  # a progress line at least this often, even when steps stall
 PROGRESS_MIN_S = 3.0  # ...and at most this often (a 10% tick of a short run is a blink)
 WARM_UP_WAIT_S = 5.0  # a warm-up learner's final sync waits at most this long

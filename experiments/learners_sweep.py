@@ -6,10 +6,11 @@ r"""Experiment 2 — number of learners M in {2, 4, 8, 16}: quality and goodput 
 
 Runtimes are for an idle 2-core machine (flags: experiments/harness.py). Every arm processes
 64 (--quick: 32) sequences x 128 tokens per step in total (DP: one learner; M learners:
-64 / M each), so at equal steps all see equal tokens, and all are scored on the same held-out
-sequences (256; --quick 64). Decoupled arms are
-configs/tiny_decoupled.py (K = 1, grace, token weights, RDA) with M learners; M <= 8 get
-8 / M fake devices each, M = 16 shares the 8 devices round-robin (devices_per_learner=1).
+64 / M each), so at equal steps all see equal tokens (not under --smoke, whose batch every
+learner takes), and all are scored on the same held-out sequences (256; --quick 64).
+Decoupled arms are configs/tiny_decoupled.py (K = 1, grace, token weights, RDA) with M
+learners; M <= 8 get 8 / M fake devices each, M = 16 shares the 8 devices round-robin
+(devices_per_learner=1).
 Writes learners_sweep.{md,png,json} into --out (default experiments/results/learners_sweep).
 """
 
@@ -68,10 +69,12 @@ def markdown(results) -> str:
         )
     header = ["arm", "final eval loss", "ratio to DP", "learners / merge", "goodput (%)",
               "paper goodput @1.2M chips (sim)", "tokens", "wall (s)"]  # fmt: skip
+    tokens = harness.tokens_per_run(results)
+    if harness.equal_tokens(results) is not None:  # (not under --smoke: see equal_tokens)
+        tokens = f"{total_batch()} sequences per step in total for every arm, {tokens}"
     return (
-        f"Number of learners ({harness.mode_note()}); {total_batch()} sequences per step in "
-        "total for every arm; no faults, so goodput here is only the merge accounting.\n\n"
-        + harness.table(header, body)
+        f"Number of learners ({harness.mode_note()}); {tokens}; no faults, so goodput here "
+        "is only the merge accounting.\n\n" + harness.table(header, body)
     )
 
 

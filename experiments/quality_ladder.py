@@ -9,7 +9,8 @@ r"""Where quality goes: from synchronous DiLoCo to Decoupled DiLoCo, one change 
     python experiments/quality_ladder.py --latency_s=0.5 --speed_noise=0.1  # late replies
 
 Every rung keeps the one below and changes one thing (M = 4 learners, equal tokens: each
-processes a quarter of DP's batch per step, for the same number of steps):
+processes a quarter of DP's batch per step, for the same number of steps; not under --smoke,
+whose batch every learner takes):
 
   dp         one learner, the whole batch (the reference)
   diloco     DiLoCo: P = 1, K = M, τ = 0, learners wait for every merge, plain mean
@@ -152,7 +153,7 @@ def markdown(results) -> str:
     faults = f"; link latency {lag[0]} s, speed noise {lag[1]}" if any(lag) else ""
     note = (
         f"The ladder ({harness.mode_note()}); {outer}{faults}; "
-        f"{results[0].summary['tokens']:,} tokens per run; eval loss in nats per token on "
+        f"{harness.tokens_per_run(results)}; eval loss in nats per token on "
         "the same held-out sequences. Ratios per seed, then averaged; seed spread = (max − "
         "min) / mean of the final loss.\n\n"
     )

@@ -154,6 +154,23 @@ def fmt(values: list[float], digits: int = 4, scale: float = 1.0) -> str:
     return f"{mean:.{digits}f}" if len(values) < 2 else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def equal_tokens(results: list[Result]) -> int | None:
+    """The tokens every run processed; None where they differ: --smoke lengths give every
+    learner one batch size, not its arm's share of a total (DP then sees fewer tokens than
+    M learners), and a budget or a crash may stop a run early."""
+    tokens = {r.summary["tokens"] for r in results}
+    return tokens.pop() if len(tokens) == 1 else None
+
+
+def tokens_per_run(results: list[Result]) -> str:
+    """'N tokens per run' (`equal_tokens`), or how far apart the runs' tokens are."""
+    same = equal_tokens(results)
+    if same is not None:
+        return f"{same:,} tokens per run"
+    tokens = sorted(r.summary["tokens"] for r in results)
+    return f"tokens per run differ between arms ({tokens[0]:,} to {tokens[-1]:,}: not equal tokens)"
+
+
 def table(header: list[str], body: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]

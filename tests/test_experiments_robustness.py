@@ -298,3 +298,60 @@ def test_seeds_eval_curves_are_averaged_step_by_step(tmp_path):
     # The last evaluation has a slot of its own where the steps end between two.
     c = _seed_run(tmp_path / "s2", [(40, 3.0), (50, 2.9)], eval_every=40, steps=50)
     assert sorted(tables.eval_slots(c)) == [1, 2]
+
+
+# --- what the tables and the README say -------------------------------------------------
+SWEEP_TOKENS = """
+import sys
+sys.path.insert(0, "experiments")
+sys.argv = ["%s.py", "--smoke"]
+w = __import__(sys.argv[0][:-3])
+from absl import flags
+from tables import Result
+flags.FLAGS(sys.argv)
+arms = {a.name: a for a in w.arms()}
+def run(name, tokens):
+    summary = {"final_eval_loss": 2.0, "mean_learners_per_merge": 2.0, "goodput": 1.0,
+               "tokens": tokens, "wall_seconds": 5.0, "dropped_offers": 0}
+    return Result(arms[name], 0, summary, None, None)
+other = "M4" if "M4" in arms else "diloco"
+print(w.markdown([run("dp", 6144), run(other, 24576)]).splitlines()[0])
+print(w.markdown([run("dp", 6144), run(other, 6144)]).splitlines()[0])
+"""
+
+
+def test_a_smoke_tables_note_claims_no_equal_tokens():
+    """Under --smoke every learner takes the smoke batch (DP included), so the arms' tokens
+    differ; the note says so instead of "32 sequences per step in total for every arm"."""
+    unequal, equal = _script(SWEEP_TOKENS % "learners_sweep").stdout.splitlines()[-2:]
+    assert "in total for every arm" not in unequal
+    assert "tokens per run differ between arms (6,144 to 24,576: not equal tokens)" in unequal
+    assert "32 sequences per step in total for every arm, 6,144 tokens per run" in equal
+    unequal, equal = _script(SWEEP_TOKENS % "quality_ladder").stdout.splitlines()[-2:]
+    assert "tokens per run differ between arms" in unequal and "tokens per run;" not in unequal
+    assert "; 6,144 tokens per run;" in equal
+
+
+def test_the_readme_promises_only_columns_the_ladder_prints():
+    """experiments/README.md's quality-ladder section lists the table's columns; each one it
+    names is one quality_ladder.py prints."""
+    code = """
+import sys
+sys.path.insert(0, "experiments")
+sys.argv = ["quality_ladder.py", "--smoke"]
+import quality_ladder as q
+from absl import flags
+from tables import Result
+flags.FLAGS(sys.argv)
+summary = {"final_eval_loss": 2.0, "mean_learners_per_merge": 2.0, "dropped_offers": 0,
+           "tokens": 10}
+print(q.markdown([Result(q.arms()[1], 0, summary, None, None)]))
+"""
+    header = _cells(_script(code).stdout)["rung"]
+    readme = (ROOT / "experiments" / "README.md").read_text()
+    section = readme.split("## 0. The quality ladder")[1].split("![ladder]")[0]
+    columns = {"seed spread": "seed spread", "learners per merge": "learners / merge",
+               "offers dropped": "dropped offers", "merge delay": "merge delay"}  # fmt: skip
+    promised = [column for phrase, column in columns.items() if phrase in section]
+    assert "dropped offers" in promised
+    assert [c for c in promised if c not in header] == []
