@@ -5,7 +5,11 @@ import threading
 import numpy as np
 import pytest
 
-from decoupled_diloco.diloco import chunks, merge, outer
+from decoupled_diloco.diloco import chunks, compression, merge, outer
+from decoupled_diloco.diloco.config import DilocoConfig
+from decoupled_diloco.diloco.fragments import make_fragment_plan
+from decoupled_diloco.diloco.messages import Join, Offer
+from decoupled_diloco.diloco.syncer import Syncer
 
 SHAPES = {"attn/q": (6, 5), "ffw/down": (33,), "norm/scale": ()}
 
@@ -441,3 +445,38 @@ def test_momentum_0_steps_theta_bit_for_bit_and_leaves_the_buffer(
     merge.merge_outer_step({k: x.copy() for k, x in theta.items()}, vs, w, "rda", moved,
                            0.7, 0.5, clock=clock, work=0.5, inplace=True)  # fmt: skip
     assert not np.array_equal(moved.momentum["ffw/down"], buffers["ffw/down"])
+
+
+def test_rda_turns_theta_by_each_offers_share_of_the_work():
+    """RDA normalises each offer, so the steps an outer gradient holds are gone from its
+    direction: with the roster's per-learner weights alone a 1-step offer (a rejoin's, a
+    final one) merged beside a 24-step one turned Θ's step as much as it (cos 0.72 with
+    each), moving Θ along its own gradient by twice that gradient's norm. Its direction
+    weight is now its work, c_tokens²/c_steps (its share, 1/25); its radius stays linear."""
+    assert list(merge.direction_weights([24 * 64, 64], [24, 1], "tokens", "roster")) == [
+        24 * 64**2, 64**2
+    ]  # fmt: skip
+    assert list(merge.direction_weights([24 * 64, 64], [24, 1], "uniform", "roster")) == [24, 1]
+    assert list(merge.direction_weights([24 * 64, 64], [24, 1], "uniform", "merged")) == [1, 1]
+    plan = make_fragment_plan({"w": (64,)}, 1, "balanced", sync_every=24)
+    cfg = DilocoConfig(learners=2, sync_every=24, quorum=2, grace_gamma=0.0, merge="rda",
+                       outer_lr=1.0, outer_momentum=0.0, max_wait=-1.0)  # fmt: skip
+    theta = {"w": np.zeros(64, np.float32)}
+    s = Syncer(cfg, plan, theta)
+    rng = np.random.default_rng(0)
+    v_a = rng.standard_normal(64).astype(np.float32)  # 24 steps of work
+    v_b = (0.2 * rng.standard_normal(64)).astype(np.float32)  # one step
+    for m in (0, 1):
+        s.handle(Join(m, 0, 0.0), 0.0)
+    s.handle(Offer(0, 0, 0, 24, 24, 64 * 24, 0, 0.0, compression.encode({"w": v_a}, "none")), 1.0)
+    s.handle(Offer(1, 0, 0, 24, 1, 64, 0, 0.0, compression.encode({"w": v_b}, "none")), 1.0)
+    assert s.version[0] == 1
+    delta = -s.theta[0]["w"].astype(np.float64)  # Θ_new = Θ_0 − Δ (outer lr 1, no momentum)
+
+    def unit(x):
+        return x / np.linalg.norm(x)
+
+    u = unit(24 * unit(v_a) + unit(v_b))  # directions weighed by work
+    np.testing.assert_allclose(unit(delta), u, atol=1e-5)
+    # The radius: each offer's norm at its roster share (q / Q = 1/2 each), as the mean.
+    assert np.linalg.norm(delta) == pytest.approx((np.linalg.norm(v_a) + np.linalg.norm(v_b)) / 2)

@@ -22,6 +22,13 @@ with its quantity factor c_steps carried by v_m itself), 1 for "uniform". normal
 "merged" is the paper's formula taken literally: weights c_tokens²/c_steps normalised over
 the merged offers, so a merge of one learner moves Θ as far as a round of all of them and
 work counts with weight ∝ its size.
+
+RDA normalises each offer (φ(v_m) = v_m/‖v_m‖), so there the quantity v_m carries is gone
+from the direction: its direction weights are q_m · c_steps (`direction_weights`; the
+paper's c_tokens²/c_steps for "tokens"), while its radius stays Σ q_m‖v_m‖ / Q, linear in
+each offer's norm as the mean is in v_m. A 1-step offer merged beside an H-step one then
+turns Θ's step by its share of the work, not by half (with q_m alone both directions
+weighed the same, and one step of work moved Θ about twice its own norm).
 """
 
 from __future__ import annotations
@@ -72,6 +79,20 @@ def learner_weight(tokens_per_step: float, mode: str) -> float:
     if mode not in WEIGHTINGS:
         raise ValueError(f"diloco.weights={mode!r}; expected one of {WEIGHTINGS}")
     return float(tokens_per_step) ** 2 if mode == "tokens" else 1.0
+
+
+def direction_weights(
+    c_tokens: Sequence[float], c_steps: Sequence[float], mode: str, normalize: str
+) -> np.ndarray:
+    """RDA's direction weights [M] for offers with these counters (module docstring): the
+    work each offer holds, q_m · c_steps, under "roster" (c_tokens²/c_steps for "tokens",
+    c_steps for "uniform"); the merge weights themselves under "merged"."""
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"diloco.normalize={normalize!r}; expected one of {NORMALIZATIONS}")
+    w = token_weights(c_tokens, c_steps, mode)
+    if normalize == "roster" and mode == "uniform":
+        return np.where(w > 0, np.asarray(c_steps, np.float64), 0.0)
+    return w
 
 
 def weigh(
@@ -125,6 +146,13 @@ def _contributors(vs: list[dict], w, sq_norms=None) -> tuple[list[dict], np.ndar
 
     Returns (kept offers, their normalised weights, their `sq_norms` entries or Nones).
     """
+    kept, w_hat, norms, _ = _contributors_with(vs, w, sq_norms, None)
+    return kept, w_hat, norms
+
+
+def _contributors_with(vs: list[dict], w, sq_norms, direction):
+    """`_contributors`, and the kept offers' `direction` weights normalised to sum 1 (the
+    normalised w where `direction` is None)."""
     if not vs:
         raise ValueError("merge needs at least one offer")
     w = np.asarray(w, np.float64)
@@ -139,7 +167,13 @@ def _contributors(vs: list[dict], w, sq_norms=None) -> tuple[list[dict], np.ndar
         raise ValueError(f"sq_norms has {len(sq_norms)} entries for {len(vs)} offers")
     keep = np.flatnonzero(w > 0)
     norms = [None if sq_norms is None else sq_norms[i] for i in keep]
-    return [vs[i] for i in keep], w[keep] / w[keep].sum(), norms
+    w_hat = w[keep] / w[keep].sum()
+    if direction is None:
+        return [vs[i] for i in keep], w_hat, norms, w_hat
+    d = np.asarray(direction, np.float64)
+    if d.shape != w.shape or not np.all(np.isfinite(d)) or np.any(d[keep] <= 0):
+        raise ValueError(f"direction weights must be finite and > 0 where w > 0, got {d}")
+    return [vs[i] for i in keep], w_hat, norms, d[keep] / d[keep].sum()
 
 
 def merge_mean(vs: list[dict], w: np.ndarray) -> dict:
@@ -150,22 +184,23 @@ def merge_mean(vs: list[dict], w: np.ndarray) -> dict:
 
 def _rda_direction(
     leaves: list, w_hat, eps: float, sq_norms: list, threads: int | None = 1,
-    scratch: Scratch | None = None,
+    scratch: Scratch | None = None, d_hat=None,
 ) -> tuple[np.ndarray, float]:  # fmt: skip
     """(u, scale) with RDA's Δ = scale · u for one leaf.
 
-    u = Σ ŵ_m φ(v_m) is the weighted mean direction (a new float32 array, or a view into
-    `scratch`) and scale =
+    u = Σ d̂_m φ(v_m) is the weighted mean direction (d̂: the direction weights, ŵ if None;
+    a new float32 array, or a view into `scratch`) and scale =
     (Σ ŵ_m ‖v_m‖) / ‖u‖, or 0 when u vanishes (φ(0) = 0). Costs two read passes over the
     offers, one if `sq_norms` (‖v_m‖², None where unknown) are given. A single offer is
     its own RDA (‖v‖·φ(φ(v)) = v): then u is that offer itself.
     """
+    d_hat = w_hat if d_hat is None else d_hat
     known = zip(leaves, sq_norms, strict=True)
     norms = np.sqrt([sq_norm(x, threads) if q is None else q for x, q in known])
     if len(leaves) == 1:
         return leaves[0], (1.0 if norms[0] > eps else 0.0)
     radius = float(np.dot(w_hat, norms))
-    a = np.where(norms > eps, w_hat / np.where(norms > eps, norms, 1.0), 0.0)
+    a = np.where(norms > eps, d_hat / np.where(norms > eps, norms, 1.0), 0.0)
     out = None if scratch is None else scratch.array(np.shape(leaves[0]))
     u, u_sq_norm = weighted_sum(leaves, a, threads, out)
     u_norm = np.sqrt(u_sq_norm)
@@ -173,30 +208,37 @@ def _rda_direction(
 
 
 def merge_rda(
-    vs: list[dict], w: np.ndarray, eps: float = 1e-12, *, sq_norms: list[dict] | None = None
+    vs: list[dict],
+    w: np.ndarray,
+    eps: float = 1e-12,
+    *,
+    sq_norms: list[dict] | None = None,
+    direction: np.ndarray | None = None,
 ) -> dict:
     """Radial-directional averaging per leaf, float32.
 
-    Δ = (Σ w‖v‖ / Σw) · φ(Σ w φ(v) / Σw), φ(x) = x / ‖x‖, φ(0) = 0. The norm of Δ is the
+    Δ = (Σ w‖v‖ / Σw) · φ(Σ d φ(v) / Σd), φ(x) = x / ‖x‖, φ(0) = 0, with direction weights
+    d = w unless `direction` gives them (`direction_weights`). The norm of Δ is the
     weighted mean norm of the offers however many are merged (unless their directions
     cancel exactly, then Δ = 0); plain averaging would shrink it for diverse directions.
     `sq_norms[m]` = `offer_sq_norms(vs[m])`, if already known, saves a pass.
     """
-    vs, w_hat, norms = _contributors(vs, w, sq_norms)
+    vs, w_hat, norms, d_hat = _contributors_with(vs, w, sq_norms, direction)
     out = {}
     for k in vs[0]:
         known = [None if n is None else n[k] for n in norms]
-        u, scale = _rda_direction([v[k] for v in vs], w_hat, eps, known)
+        u, scale = _rda_direction([v[k] for v in vs], w_hat, eps, known, d_hat=d_hat)
         owned = len(vs) > 1  # else u is the caller's offer: never overwrite it
         out[k] = np.multiply(u, _F32(scale), out=u if owned else None, dtype=_F32)
     return out
 
 
-def merge(vs: list[dict], w: np.ndarray, rule: str) -> dict:
-    """Merged outer gradient Δ of offers `vs` with weights `w` by `rule` ("rda" | "mean")."""
+def merge(vs: list[dict], w: np.ndarray, rule: str, direction: np.ndarray | None = None) -> dict:
+    """Merged outer gradient Δ of offers `vs` with weights `w` by `rule` ("rda" | "mean");
+    `direction`: RDA's direction weights (`merge_rda`)."""
     if rule not in RULES:
         raise ValueError(f"diloco.merge={rule!r}; expected one of {RULES}")
-    return merge_rda(vs, w) if rule == "rda" else merge_mean(vs, w)
+    return merge_rda(vs, w, direction=direction) if rule == "rda" else merge_mean(vs, w)
 
 
 OuterState = outer.OuterState  # re-exported: the syncer's per-fragment optimizer state
@@ -222,9 +264,10 @@ def merge_outer_step(
     threads: int | None = 1,
     scratch: Scratch | None = None,
     theta_copy: dict | None = None,
+    direction: np.ndarray | None = None,
 ) -> tuple[dict, outer.OuterState] | tuple[dict, outer.OuterState, float]:
-    """`outer.outer_step(theta, scale · merge(vs, w, rule), state, lr, momentum, nesterov,
-    work=work, clock=clock)`, fused.
+    """`outer.outer_step(theta, scale · merge(vs, w, rule, direction), state, lr, momentum,
+    nesterov, work=work, clock=clock)`, fused.
 
     Same float32 operations, so the same result, but Δ is formed chunk by chunk inside the
     outer step instead of as a fragment-sized array (RDA still materialises its direction
@@ -242,7 +285,7 @@ def merge_outer_step(
         raise ValueError(f"diloco.merge={rule!r}; expected one of {RULES}")
     if not np.isfinite(scale) or scale < 0:
         raise ValueError(f"scale must be finite and >= 0, got {scale}")
-    vs, w_hat, norms = _contributors(vs, w, sq_norms)
+    vs, w_hat, norms, d_hat = _contributors_with(vs, w, sq_norms, direction)
     check_same_leaves([theta, vs[0]])
     if theta_copy is not None and set(theta_copy) != set(theta):
         raise ValueError(f"theta_copy leaves differ: {sorted(set(theta_copy) ^ set(theta))[:5]}")
@@ -259,7 +302,7 @@ def merge_outer_step(
             )
         else:  # one leaf's direction u at a time bounds the extra memory
             known = [None if n is None else n[k] for n in norms]
-            u, s = _rda_direction(leaves, w_hat, eps, known, threads, scratch)
+            u, s = _rda_direction(leaves, w_hat, eps, known, threads, scratch, d_hat)
             delta_sq_norm += outer.apply_outer(
                 leaf, [u], [s * scale], lr, decay, look, nesterov, **also
             )

@@ -416,6 +416,7 @@ class Syncer:
         others = self._others_weight(kept, now)
         H = self.plan.sync_every
         w, scale, work = merge.weigh(tokens, steps, cfg.weights, cfg.normalize, H, others)
+        direction = merge.direction_weights(tokens, steps, cfg.weights, cfg.normalize)
         embedding = p in self.plan.embedding_fragments
         rule = self.cfg.embedding_merge if embedding else self.cfg.merge
         # Against Θ before this step: the router the offers' outer gradients started from.
@@ -430,7 +431,7 @@ class Syncer:
         self.theta[p], self.outer[p], delta_norm = merge.merge_outer_step(
             self.theta[p], vs, w, rule, self.outer[p], **outer, inplace=True,
             sq_norms=sq_norms, return_delta_norm=True, threads=cfg.merge_threads,
-            scratch=self._scratch, theta_copy=copy,
+            scratch=self._scratch, theta_copy=copy, direction=direction,
         )  # fmt: skip
         self.version[p] = version + 1
         slots = [self.slot(o) for o in kept]
