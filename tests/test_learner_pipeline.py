@@ -838,3 +838,19 @@ def test_learner_checkpoints_take_at_most_their_duty_of_the_time(
         assert [s for s, _ in periodic] == sorted({s for s, _ in periodic})
     else:
         assert [s for s, _ in periodic] == list(range(every, steps, every))
+
+
+def test_a_step_with_a_finite_loss_and_a_non_finite_gradient_has_diverged():
+    """A backward pass that overflows under a finite forward (or an MoE router's auxiliary
+    loss that does) makes the update, and so the parameters, NaN: the learner's check read
+    the cross-entropy alone and trained on a step later."""
+    import numpy as np
+
+    from decoupled_diloco.runtime.learner_loop import diverged
+
+    fine = {"loss": np.float32(2.5), "total_loss": np.float32(2.6), "grad_norm": np.float32(1.0)}
+    assert not diverged(fine)
+    for key in ("loss", "total_loss", "grad_norm"):
+        for bad in (np.nan, np.inf):
+            assert diverged({**fine, key: np.float32(bad)}), key
+    assert not diverged({"loss": np.float32(1.0)})  # (rows without the other keys)

@@ -37,6 +37,17 @@ _MOE_KEYS = ("moe_aux_loss", "load_balance_loss", "router_z_loss", "dropped_frac
 POLL_S = 0.02  # seconds between checks while a learner is down
 
 
+# A step's metrics that must be finite for its update to be: its cross-entropy, the loss it
+# took the gradient of (MoE: with the router's auxiliary loss), and the gradient's norm (a
+# backward pass that overflowed with a finite forward makes NaN parameters all the same).
+FINITE_METRICS = ("loss", "total_loss", "grad_norm")
+
+
+def diverged(metrics: dict) -> bool:
+    """A step whose metrics (host values) show a non-finite loss or gradient."""
+    return any(k in metrics and not np.all(np.isfinite(metrics[k])) for k in FINITE_METRICS)
+
+
 class RunAbortedError(Exception):
     """A learner stops waiting for the syncer: its runtime saw the run fail elsewhere."""
 
@@ -641,7 +652,7 @@ class LearnerLoop:
         step, metrics = finished
         with self.times.reading_device():
             host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
-        if not np.isfinite(host["loss"]) and self.plan is not None:
+        if diverged(host) and self.plan is not None:
             return True
         run = self.run_cfg
         every = run.train.eval_every
