@@ -98,8 +98,9 @@ def attempt_of(
     rows: list[dict], seconds: list[float] | None = None, pids: list[int | None] | None = None
 ) -> list[int]:
     """Which attempt of a resumed run wrote each of `rows` (one file's records, in file
-    order: attempt k's records all come before attempt k+1's). Records carry no attempt
-    number, so a record opens a later attempt when it
+    order: attempt k's records all come before attempt k+1's): the `attempt` each record
+    carries, where all do. Records of runs before 2026-12-01 carry none, and then a record
+    opens a later attempt when it
       - carries the `pid` of a later attempt's process (`pids`, attempts.jsonl: a learner's
         start event on the local runtime), or is a syncer shard restoring its checkpoint
         other than after a failure (a resumed run's shards do that first thing, once each);
@@ -111,6 +112,8 @@ def attempt_of(
     Records after the latest one of an attempt, with times below it, just before a later
     attempt's pid are that attempt's first ones (a syncer's joins precede the learners'
     start events)."""
+    if rows and all(isinstance(r.get("attempt"), int) for r in rows):
+        return [r["attempt"] for r in rows]  # stamped by the run (RunLog), since 2026-12-01
     marker = {pid: k for k, pid in enumerate(pids or ()) if pid is not None}
     out, k, latest, peak = [], 0, 0.0, -1
     restored: set | None = set()  # shards the attempt restored, while it wrote nothing else

@@ -104,10 +104,10 @@ def event(
 
 
 def scalars_of(row: dict) -> dict[str, float]:
-    """The numeric fields of a metrics row (not its learner or step), as floats."""
+    """The numeric fields of a metrics row (not its learner, step or attempt), as floats."""
     out = {}
     for key, value in row.items():
-        if key in ("learner", "step") or isinstance(value, bool):
+        if key in ("learner", "step", "attempt") or isinstance(value, bool):
             continue
         if isinstance(value, int | float) and not (isinstance(value, int) and abs(value) > 2**53):
             out[key] = float(value)

@@ -47,7 +47,8 @@ def _halted(cfg, wd, after):
         attempt = workdir.Attempt(str(wd), [], forced=False)
         rt = LocalRuntime(run, str(wd), verbose=False, halt_after=after,
                           fault_offset_s=attempt.fault_offset,
-                          fault_steps=attempt.fault_steps_checked)  # fmt: skip
+                          fault_steps=attempt.fault_steps_checked,
+                          attempt=attempt.number)  # fmt: skip
         rt.log.ledger.seed_rolled(attempt.rolled_before)
         attempt.watch(workdir.counters_of(rt.log.ledger, rt.bytes_communicated), rt.fault_clock,
                       rt.schedule.steps_checked, rt.log.ledger.rolled_spans)  # fmt: skip
@@ -132,6 +133,10 @@ def test_a_decoupled_resume_meets_the_syncer_at_one_cut(small_config, tmp_path):
         for m, c in zip(rec["learners"], rec["c_steps"], strict=True):
             merged[(m, rec["fragment"])] += c
     assert merged and max(merged.values()) <= 20, merged
+    # Every record says which attempt wrote it (each counts time from its own start).
+    for name in ("metrics", "merges", "events"):
+        attempts = [r["attempt"] for r in _read(tmp_path / f"{name}.jsonl")]
+        assert attempts == sorted(attempts) and set(attempts) == {0, 1}, name
 
 
 @pytest.mark.slow

@@ -72,3 +72,29 @@ def test_a_learners_rows_going_back_in_time_open_the_next_attempt():
     rows = [_row(1, 5.0, 0), _row(1, 4.9, 1), _row(2, 6.0, 0), _row(3, 5.5, 0), _row(4, 7.0, 0)]
     assert report.attempt_of(rows) == [0, 0, 0, 1, 1]
     assert [r["time"] for r in report.run_time(rows)] == [5.0, 4.9, 6.0, 11.5, 13.0]
+
+
+def test_records_carry_their_attempt_and_the_report_reads_it(tmp_path):
+    """A run's records carry the attempt that wrote them (RunLog), which the report takes as
+    it is: here attempt 1's first records come at times attempt 0 also reached, with no pid
+    and no syncer restore to tell them apart, where the markers alone would keep them in
+    attempt 0."""
+    from decoupled_diloco.runtime import accounting
+    from decoupled_diloco.runtime.records import RunLog
+
+    for k in (0, 1):
+        log = RunLog(str(tmp_path), accounting.Ledger(1), attempt=k)
+        log.row(_row(1 + 4 * k, 2.0 + k))
+        log.record({**_merge(3.0), "c_steps": [4], "steps": [4 + 4 * k], "fragment": 0,
+                    "version": 1 + k})  # fmt: skip
+        log.event({"event": "join", "learner": 0, "time": 4.0})
+        log.close()
+    for name in ("metrics", "merges", "events"):
+        rows = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["attempt"] for r in rows] == [0, 1], name
+        assert report.attempt_of(rows, [10.0, 10.0]) == [0, 1], name
+    _write(tmp_path / "attempts.jsonl", [_attempt(0, 100, 10.0, False),
+                                        _attempt(1, 200, 10.0, True)])  # fmt: skip
+    metrics, merges, events = report.run_records(str(tmp_path))
+    assert [r["time"] for r in merges] == [3.0, 13.0]
+    assert [r["time"] for r in events] == [4.0, 14.0]

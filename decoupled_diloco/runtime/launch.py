@@ -112,7 +112,8 @@ def records_dir(cfg: RunConfig, workdir: str) -> str:
 
 
 def _runtime(cfg: RunConfig, workdir: str, verbose: bool, ckpt_dir: str, attempt):
-    where = dict(fault_offset_s=attempt.fault_offset, fault_steps=attempt.fault_steps_checked)
+    where = dict(fault_offset_s=attempt.fault_offset, fault_steps=attempt.fault_steps_checked,
+                 attempt=attempt.number)  # fmt: skip
     if cfg.runtime == "ray":
         from decoupled_diloco.runtime.ray.runtime import RayRuntime
 

@@ -91,6 +91,7 @@ class LocalRuntime:
         replica=Replica,
         fault_offset_s: float = 0.0,
         fault_steps: dict | None = None,
+        attempt: int | None = None,
     ):
         """`halt_after`: stop every learner abruptly after that many steps, with no final
         checkpoint or summary (tests use it to emulate a killed job). `ckpt_dir`: default
@@ -103,7 +104,7 @@ class LocalRuntime:
         self._replica = replica
         self.halt_after = halt_after
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
-        self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard, attempt)
         self.schedule = faults.FaultSchedule(
             run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s, fault_steps
         )

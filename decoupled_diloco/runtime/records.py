@@ -26,10 +26,19 @@ _COUNTED = frozenset({"learner_down", "nan_restart", "rejoin", "syncer_crash", "
 
 
 class RunLog:
-    def __init__(self, workdir: str, ledger: accounting.Ledger, tensorboard: bool = False):
+    def __init__(
+        self,
+        workdir: str,
+        ledger: accounting.Ledger,
+        tensorboard: bool = False,
+        attempt: int | None = None,
+    ):
         """`tensorboard`: metrics rows also go to TensorBoard event files (per learner and
-        global) under <workdir>/tensorboard/."""
+        global) under <workdir>/tensorboard/. `attempt`: which attempt of the run this is
+        (attempts.jsonl's line, from 0), written on every record as `attempt` (each attempt
+        keeps a clock of its own: report.py puts them on one)."""
         root = paths.resolve(workdir)
+        self.attempt = attempt
         self.metrics = JsonlWriter(root / "metrics.jsonl")
         self.merges = JsonlWriter(root / "merges.jsonl")
         self.events = JsonlWriter(root / "events.jsonl")
@@ -40,7 +49,11 @@ class RunLog:
         # a crash keeps its count).
         self.on_counted = None
 
+    def _stamped(self, rec: dict) -> dict:
+        return rec if self.attempt is None else {**rec, "attempt": self.attempt}
+
     def row(self, rec: dict) -> None:
+        rec = self._stamped(rec)
         self.metrics.write(rec)
         self.ledger.row(rec)
         if self.tensorboard is not None:
@@ -60,6 +73,7 @@ class RunLog:
     def record(self, rec: dict) -> None:
         """A syncer record: merges to merges.jsonl (and the ledger), the rest are events."""
         if rec.get("event") == "merge":
+            rec = self._stamped(rec)
             self.merges.write(rec)
             self.ledger.merge(rec)
         else:
@@ -70,6 +84,7 @@ class RunLog:
         ledger = self.ledger
         if kind in ("rejoin", "resume_cut", "nan_at_end"):
             rec = self._not_counted_twice(rec)
+        rec = self._stamped(rec)
         self.events.write(rec)
         counted = not rec.get("earlier_attempt")  # an outage an earlier attempt counted
         if kind in ("learner_down", "nan_restart"):

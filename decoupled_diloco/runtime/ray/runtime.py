@@ -68,14 +68,16 @@ from decoupled_diloco.train.evaluate import Evaluator
 
 class RayRuntime:
     def __init__(self, run: RunConfig, workdir: str, verbose: bool = True,
-                 fault_offset_s: float = 0.0, fault_steps: dict | None = None):  # fmt: skip
+                 fault_offset_s: float = 0.0, fault_steps: dict | None = None,
+                 attempt: int | None = None):  # fmt: skip
         """`fault_offset_s`: where this attempt starts on the fault timeline
         (`workdir.Attempt.fault_offset`; every actor draws the timeline from it);
         `fault_steps`: how far earlier attempts checked a schedule in steps, which the
-        driver applies (`workdir.Attempt.fault_steps`)."""
+        driver applies (`workdir.Attempt.fault_steps`); `attempt`: its number, on every
+        record (`RunLog`)."""
         self.run_cfg, self.workdir, self.verbose = run, workdir, verbose
         paths.resolve(workdir).mkdir(parents=True, exist_ok=True)
-        self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard)
+        self.log = RunLog(workdir, accounting.Ledger.of_run(run), run.train.tensorboard, attempt)
         self.ledger = self.log.ledger
         self.schedule = faults.FaultSchedule(
             run.faults, run.num_learners, faults.HORIZON_S, fault_offset_s, fault_steps
