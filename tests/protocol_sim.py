@@ -26,6 +26,7 @@ from decoupled_diloco.runtime.boundary import (
     MergeStager,
     apply_and_beat,
     apply_updates,
+    beat,
     final_offers,
     handle,
     offer_and_receive,
@@ -314,7 +315,11 @@ class Sim:
         resolved ones did not hold (boundary.finish)."""
         for lr in self.learners:
             if lr.steps_left == 0 and lr.link.inbox:
+                lives = lr.proto.resyncs
                 apply_updates(lr.replica, lr.proto.handle(lr.link.receive()))
+                if lr.proto.resyncs != lives:  # a restored syncer's snapshot: as finish()
+                    beat(lr.proto, lr.outbox)  # does, admit this life, then leave again
+                    lr.outbox.send(lr.proto.leave(True))
                 apply_updates(lr.replica, lr.proto.apply_due(final=True))
                 final_offers(lr.proto, lr.replica, lr.outbox)
 

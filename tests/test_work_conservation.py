@@ -371,12 +371,14 @@ def test_the_reference_equivalence_needs_learners_to_apply_merges(monkeypatch):
     assert max(float(np.abs(theta[k] - want[k]).max()) for k in theta) > 1e-3
 
 
-def test_syncer_restore_replays_no_lost_progress(monkeypatch):
+@pytest.mark.parametrize("restore_at", [20, 32])
+def test_syncer_restore_replays_no_lost_progress(monkeypatch, restore_at):
     """A syncer restored from an older checkpoint loses the merges made since. Learners
     rebase on the restored Θ: the lost progress leaves them too, and only their own work
     that no version they applied held is offered again, once. (Re-offering Θ_restored − θ,
     as before, replayed the lost progress as fresh outer gradients: with outer momentum
-    0.9, about 7 times.)"""
+    0.9, about 7 times.) `restore_at` 32: the faster learner has finished its steps and
+    waits in its final sync; it admits the restored life and leaves again (finish())."""
     steps = 32
     c = cfg(learners=2, fragments=1, sync_every=4, overlap=0)
     sim = Sim(c, steps, step_time=[1.0, 1.3])
@@ -395,7 +397,7 @@ def test_syncer_restore_replays_no_lost_progress(monkeypatch):
         if lead == 10 and "state" not in saved:
             saved["state"] = copy.deepcopy(sim.syncer.state_dict())
             saved["meta"] = copy.deepcopy(sim.syncer.meta_dict())
-        if lead == 20 and "theta" not in saved:  # the syncer dies; a new life restores
+        if lead >= restore_at and "theta" not in saved:  # the syncer dies; a new life restores
             syncer = type(sim.syncer)(c, sim.plan, sim.theta0, record=sim.records.append, epoch=7)
             syncer.load_state_dict(saved["state"], saved["meta"], sim.t)
             saved["theta"] = {k: v.astype(np.float64) for k, v in syncer.global_params().items()}
