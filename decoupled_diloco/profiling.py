@@ -62,6 +62,8 @@ class StepProfiler:
             if self.owner is None and self.start <= step < self.stop:
                 import jax
 
+                if ready is not None:  # the steps before START have run: not in the trace
+                    ready()
                 jax.profiler.start_trace(self.directory)
                 self.owner = m
             elif self.owner == m and step >= self.stop:
@@ -70,10 +72,20 @@ class StepProfiler:
                 self._stop()
 
     def close(self) -> None:
-        """Stops a trace the run ended inside (fewer steps than STOP, a lost learner)."""
+        """Stops a trace the run ended inside (fewer steps than STOP, a lost learner); says
+        so when no trace began (every learner resumed past START, or stopped before it)."""
         with self._lock:
             if self.tracing:
                 self._stop()
+            elif self.owner is None and not self.done:
+                from absl import logging
+
+                logging.warning(
+                    "--profile=%d:%d: no learner of this process took a step in that window "
+                    "(resumed past it, or stopped before it): no trace was written",
+                    self.start, self.stop,
+                )  # fmt: skip
+                self.done = True
 
     def _stop(self) -> None:
         import jax

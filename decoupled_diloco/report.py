@@ -378,17 +378,20 @@ def table(workdir: str) -> str:
         lines = ["(no summary.json: the run has not finished; the rows so far follow)"]
     metrics = _rows(workdir, "metrics.jsonl")
     learners = sorted({r["learner"] for r in metrics if isinstance(r["learner"], int)})
-    # host share / CPU share: medians of the rows' host_share and host_cpu_share (the share
-    # of its steps the learner's thread worked on the host instead of waiting for its device,
-    # and of that the share it ran on a CPU; runtime/step_times.py).
-    head = ("| learner | last step | last train loss | mean tokens/s | merge delay (steps) "
+    # tokens/s: the median of the rows' rates (each over the steps since the row before:
+    # a life's first row holds its compile, a row after an outage its restart; a mean of
+    # rates over unequal times weighed fast rows too much). host share / CPU share: medians
+    # of the rows' host_share and host_cpu_share (the share of its steps the learner's
+    # thread worked on the host instead of waiting for its device, and of that the share it
+    # ran on a CPU; runtime/step_times.py).
+    head = ("| learner | last step | last train loss | median tokens/s | merge delay (steps) "
             "| host share / CPU share |")  # fmt: skip
     lines += ["", head, "|---|---|---|---|---|---|"]
     for m in learners:
         rows = [r for r in metrics if r["learner"] == m and "loss" in r]
         if not rows:  # evaluation rows only (no runtime writes such a learner)
             continue
-        rate = sum(r["tokens_per_second"] for r in rows) / max(len(rows), 1)
+        rate = statistics.median(r["tokens_per_second"] for r in rows)
         delay = mean_merge_delay(rows)
         delay = "-" if delay is None else f"{delay:.2f}"
         shares = " / ".join(_median_of(rows, k) for k in ("host_share", "host_cpu_share"))

@@ -854,3 +854,54 @@ def test_a_step_with_a_finite_loss_and_a_non_finite_gradient_has_diverged():
         for bad in (np.nan, np.inf):
             assert diverged({**fine, key: np.float32(bad)}), key
     assert not diverged({"loss": np.float32(1.0)})  # (rows without the other keys)
+
+
+def _learner_rows(workdir, m=0):
+    import json
+
+    with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return [r for r in rows if r.get("learner") == m and "loss" in r]
+
+
+def test_a_rows_tokens_per_second_is_over_its_training_time_only(
+    small_config, tmp_path, monkeypatch
+):
+    """A row's rate (and mfu) is the steps since the row before over their time. A data-
+    parallel learner's evaluation (here 1.5 s) fell into the next row's window (5,696 tok/s
+    between rows of 12,494 and 11,373); a restarted DiLoCo learner's first row held its
+    3 s outage (748 against ~13k); a DiLoCo learner's first row read 0.0 with log_every 1."""
+    import statistics
+    import time
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime.local import LocalRuntime
+    from decoupled_diloco.train.evaluate import Evaluator
+
+    call = Evaluator.__call__
+
+    def slow_evaluation(self, params):
+        time.sleep(1.5)
+        return call(self, params)
+
+    monkeypatch.setattr(Evaluator, "__call__", slow_evaluation)
+    dp = {"train.steps": 30, "train.log_every": 5, "train.eval_every": 15,
+          "train.checkpoint_every": 0}  # fmt: skip
+    LocalRuntime(config_lib.validate(small_config(**dp)), str(tmp_path / "dp"), verbose=False).run()
+    rows = _learner_rows(tmp_path / "dp")
+    rates = {r["step"]: r["tokens_per_second"] for r in rows}
+    steady = statistics.median(rates[s] for s in (10, 15, 25, 30))
+    assert rates[20] > 0.3 * steady, rates  # the row after the step-15 evaluation
+
+    crash = {"diloco.learners": 2, "diloco.sync_every": 4, "diloco.fragments": 2,
+             "train.steps": 24, "train.log_every": 1, "train.eval_every": 0,
+             "train.checkpoint_every": 0, "faults.unit": "steps", "faults.crashes": [[0, 12]],
+             "faults.restart_delay_s": 3.0}  # fmt: skip
+    run = config_lib.validate(small_config(**crash))
+    LocalRuntime(run, str(tmp_path / "dec"), verbose=False).run()
+    rows = _learner_rows(tmp_path / "dec")
+    assert rows[0]["step"] == 1 and rows[0]["tokens_per_second"] > 0
+    rates = [r["tokens_per_second"] for r in rows if r["step"] > 4]
+    steady = statistics.median(rates)
+    # Before the fix the row after the outage read 3 s for one step: far below 0.1 x.
+    assert min(rates) > 0.1 * steady, rates

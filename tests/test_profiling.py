@@ -36,7 +36,8 @@ def test_trace_of_a_few_steps_is_written(tmp_path):
     finally:
         profiling.close()
     assert seen == [False, False, True, True, False, False]
-    assert readied == [4]  # once, before the trace stopped at step 4
+    # Before the trace starts (the steps before START are not in it) and before it stops.
+    assert readied == [2, 4]
     assert profiler.owner == 1 and profiler.done
     files = _trace_files(directory)
     assert files and all(os.path.getsize(p) > 0 for p in files)
@@ -52,11 +53,41 @@ def test_close_stops_a_trace_the_run_ended_inside(tmp_path):
     profiling.step(0, 1)  # uninstalled: a no-op
 
 
-def test_a_resumed_learner_past_the_window_never_traces(tmp_path):
+def test_a_resumed_learner_past_the_window_never_traces(tmp_path, caplog):
     profiler = profiling.StepProfiler(str(tmp_path), start=2, stop=4)
     profiler.step(0, 7)
-    profiler.close()
+    with caplog.at_level("WARNING"):
+        profiler.close()
     assert profiler.owner is None and not _trace_files(str(tmp_path))
+    assert "--profile=2:4: no learner of this process took a step in that window" in caplog.text
+
+
+def test_a_window_ending_at_the_last_step_stops_with_it(small_config, tmp_path, monkeypatch):
+    """--profile=START:train.steps: the learner never reaches step STOP before a dispatch,
+    so the trace ran on through the final sync, evaluation and checkpoint saves (5 s and
+    the profiler's event cap for a 2-step window) until the entry point closed it. The
+    learner stops it when its loop ends."""
+    import threading
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.runtime.local import LocalRuntime
+
+    stopped_by, stop = [], jax.profiler.stop_trace
+
+    def recording_stop():
+        stopped_by.append(threading.current_thread().name)
+        stop()
+
+    monkeypatch.setattr(jax.profiler, "stop_trace", recording_stop)
+    run = config_lib.validate(small_config(**{"train.steps": 6, "train.eval_every": 0}))
+    profiler = profiling.StepProfiler(str(tmp_path / "profile"), start=4, stop=6)
+    profiling.install(profiler)
+    try:
+        LocalRuntime(run, str(tmp_path / "run"), verbose=False).run()
+        assert profiler.done and stopped_by and stopped_by[0] != "MainThread", stopped_by
+    finally:
+        profiling.close()
+    assert _trace_files(str(tmp_path / "profile"))
 
 
 @pytest.mark.parametrize("text", ["10", "a:b", "5:5", "-1:3", "1:2:3"])

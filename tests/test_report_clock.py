@@ -98,3 +98,14 @@ def test_records_carry_their_attempt_and_the_report_reads_it(tmp_path):
     metrics, merges, events = report.run_records(str(tmp_path))
     assert [r["time"] for r in merges] == [3.0, 13.0]
     assert [r["time"] for r in events] == [4.0, 14.0]
+
+
+def test_the_tables_learner_rate_is_the_median_of_its_rows(tmp_path):
+    """A learner's rows cover equal steps over unequal times (the first holds compilation,
+    one after a crash its restart): their mean rate weighed the fast rows too much (7,616
+    against 2,853 tokens over time)."""
+    rates = [150.0, 9000.0, 10000.0, 11000.0, 700.0, 10000.0, 40000.0]
+    _write(tmp_path / "metrics.jsonl", [{**_row(i + 1, float(i)), "tokens_per_second": r}
+                                        for i, r in enumerate(rates)])  # fmt: skip
+    (line,) = [x for x in report.table(str(tmp_path)).splitlines() if x.startswith("| 0 |")]
+    assert "| 10,000 |" in line, line

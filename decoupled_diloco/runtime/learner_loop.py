@@ -275,8 +275,9 @@ class LearnerLoop:
                 continue
             if self.replica.state is None:
                 self._start()
-                if self.proto is None:  # a first row's rate: since this life's first step
-                    self._rate = (self.clock(), self.step)  # (its compile included)
+                # A life's first row's rate: since its first step (its compile included,
+                # not the outage before it).
+                self._rate = (self.clock(), self.step)
                 if self.step >= run.train.steps:
                     break  # resumed in its final sync, and Θ holds every step: none to take
             self.times.begin()
@@ -330,6 +331,9 @@ class LearnerLoop:
             if self.between_steps is not None:
                 self.between_steps()
         diverged = self._read(unread, keep=0) or diverged
+        # A --profile window ending at train.steps ends with the last step, not with the
+        # final sync, evaluation and saves after it.
+        profiling.step(m, self.step, self.replica.ready)
         if isinstance(self.data, Prefetch):
             self.data.close()
         self.sink.finished(m, self.clock())  # training ends; the tail is not allocation
@@ -666,6 +670,7 @@ class LearnerLoop:
             params = self.replica.state.params
             rec["eval_loss"], seconds = self.times.time_evaluation(lambda: self.evaluate(params))
             self.sink.idle(self.m, seconds)  # evaluation is not training
+            self._rate = (self._rate[0] + seconds, step)  # nor in the next row's rate
         self.sink.row(rec)
         return False
 
@@ -676,7 +681,7 @@ class LearnerLoop:
         if last_t is None or now <= last_t or step <= last_step:
             seconds = self.proto.step_seconds if self.proto is not None else 0.0
             rate = self.tokens_per_step / max(seconds, 1e-9) if seconds else 0.0
-        else:
+        else:  # the steps since the last row (or this life's start) over their time
             rate = (step - last_step) * self.tokens_per_step / (now - last_t)
         rec = {
             "learner": self.m,
