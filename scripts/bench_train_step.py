@@ -3,8 +3,11 @@
 Each cell is a pure data-parallel mesh over the first n devices, the same jit the learner
 uses (explicit in/out shardings, donated state) on one fixed batch, so only the step is
 timed: compile and warm up first, then `--steps` steps each ended by block_until_ready;
-the median is reported. tiny and tiny_moe have equal activated parameters (~140k), so
-their rows compare dense and MoE at equal compute per token.
+the median is reported. tiny and tiny_moe have equal activated parameters (~140k), not
+equal compute per token: XLA counts 1.11e6 FLOPs per training token for tiny, 1.68e6 for
+tiny_moe's capacity path (its dispatch and combine einsums, 1.25x capacity slots) and 2.91e6
+dropless (ragged_dot lowers to a dense dot on CPU); the MoE / dense column compares the
+two presets, not MoE's cost at equal work.
 
 Memory: the process's peak RSS so far (ru_maxrss; monotone, so a row reads "peak up to
 this cell"), the train state bytes held per device, and each device's peak bytes from

@@ -38,6 +38,21 @@ def test_a_steps_waits_for_the_device_and_merges_are_not_host_work():
     assert times.shares() == {}  # counted anew from each row
 
 
+def test_a_wait_for_the_protocols_background_compile_is_not_host_work():
+    """A step that waits 100 ms for its fragment ops' compile (`Replica.compile_waited`) and
+    works 50 ms: the wait reads as a wait, not as host work (rows at start-up read
+    host_share 0.98-0.99 with host_cpu_share 0.001-0.004: a host-bound learner)."""
+    waited = [0.0]
+    times = StepTimes(lambda: waited[0])
+    times.begin()
+    time.sleep(0.1)
+    waited[0] += 0.1  # what the replica counted of that sleep
+    _busy(0.05)
+    times.end()
+    shares = times.shares()
+    assert 0.15 < shares["host_share"] < 0.55, shares  # about a third, not all
+
+
 def test_a_steps_wait_for_its_data_is_not_compute():
     """A step that waits 100 ms for its batch and works 50 ms: its compute time (what
     goodput counts as useful) leaves the data wait out; the row shows it as data_share."""

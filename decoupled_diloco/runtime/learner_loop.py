@@ -151,7 +151,8 @@ class LearnerLoop:
         # the checkpoints (`checkpoint.save_counted`), for a resume.
         self._counted: dict[int, list[tuple[int, int]]] = {}
         self.away = "start"  # why the learner is about to (re)start
-        self.times = StepTimes()  # where its steps' time goes (rows' host_share)
+        # Where its steps' time goes (rows' host_share).
+        self.times = StepTimes(getattr(replica, "compile_waited", None))
         self.saves = SaveSchedule(run.train.checkpoint_every, run.train.checkpoint_duty)
         self.steps_since_start = 0
         self._rate = (None, 0)  # (time, step) of the previous row

@@ -28,6 +28,7 @@ class _Mark(NamedTuple):  # the clocks and totals at a step's start
     device_wait: float
     idle_cpu: float
     launch_wait: float
+    compile_wait: float
 
 
 class StepTimes:
@@ -35,7 +36,11 @@ class StepTimes:
     reads included), `reading_device()` and `time_evaluation(fn)` around the waits,
     `shares()` at each row."""
 
-    def __init__(self):
+    def __init__(self, compile_waited=None):
+        """`compile_waited()`: the thread's seconds so far waiting for its protocol ops'
+        background compile (`Replica.compile_waited`), a wait as the device's is, not host
+        work (a learner waiting on it read host_share 0.99 with host_cpu_share 0.004)."""
+        self._compile_waited = compile_waited or (lambda: 0.0)
         self.merge_wait = 0.0  # seconds blocked on late merges, all told
         self.evaluation = 0.0  # seconds evaluating (data-parallel), all told
         self.data_wait = 0.0  # seconds reading or waiting for batches, all told
@@ -51,7 +56,8 @@ class StepTimes:
     def begin(self) -> None:
         totals = (self.merge_wait, self.evaluation, self.data_wait, self.device_wait,
                   self.idle_cpu)  # fmt: skip
-        self._mark = _Mark(time.perf_counter(), time.thread_time(), *totals, dispatch_waited())
+        self._mark = _Mark(time.perf_counter(), time.thread_time(), *totals, dispatch_waited(),
+                           self._compile_waited())  # fmt: skip
         self._off = 0.0
 
     def end(self) -> float:
@@ -65,6 +71,7 @@ class StepTimes:
         self._data += data
         self._wall += time.perf_counter() - mark.wall - evaluating
         self._blocked += blocked + device_wait + (dispatch_waited() - mark.launch_wait)
+        self._blocked += self._compile_waited() - mark.compile_wait
         self._cpu += time.thread_time() - mark.cpu - (self.idle_cpu - mark.idle_cpu)
         return device_wait
 
