@@ -236,6 +236,7 @@ def check_hosts(run: RunConfig, hosts: int) -> None:
     import numpy as np
 
     from decoupled_diloco import sharding, transfer
+    from decoupled_diloco.data.pipeline import rows_per_host
 
     per, batch = run.devices_per_learner, run.train.batch_size
     if hosts < 1 or per % hosts:
@@ -243,11 +244,7 @@ def check_hosts(run: RunConfig, hosts: int) -> None:
             f"devices_per_learner={per} cannot be split over {hosts} hosts: each host of a "
             "learner brings the same number of devices"
         )
-    if batch % hosts:
-        raise ValueError(
-            f"train.batch_size={batch} must be a multiple of the learner's {hosts} hosts "
-            "(each host reads its own rows)"
-        )
+    rows_per_host(batch, hosts, "train.batch_size")
     if hosts == 1:
         return
     shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(run.mesh, per), strict=True))

@@ -846,7 +846,7 @@ def test_a_step_with_a_finite_loss_and_a_non_finite_gradient_has_diverged():
     the cross-entropy alone and trained on a step later."""
     import numpy as np
 
-    from decoupled_diloco.runtime.learner_loop import diverged
+    from decoupled_diloco.runtime.learner_loop import metrics_diverged as diverged
 
     fine = {"loss": np.float32(2.5), "total_loss": np.float32(2.6), "grad_norm": np.float32(1.0)}
     assert not diverged(fine)

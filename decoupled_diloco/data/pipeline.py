@@ -15,6 +15,17 @@ SPLITS = ("train", "eval")
 EVAL_SEED = 0
 
 
+def rows_per_host(batch_size: int, num_hosts: int, name: str = "batch_size") -> int:
+    """The rows of a batch each of a learner's hosts reads (its own); ValueError naming
+    `name` unless the batch splits evenly over the hosts."""
+    if batch_size % num_hosts:
+        raise ValueError(
+            f"{name}={batch_size} must be a multiple of the learner's {num_hosts} hosts "
+            "(each host reads its own rows)"
+        )
+    return batch_size // num_hosts
+
+
 def make_iterator(
     cfg: DataConfig,
     split: str,
@@ -41,16 +52,11 @@ def make_iterator(
         raise ValueError(f"shard_index={shard_index} must lie in [0, num_shards={num_shards})")
     if num_hosts < 1 or not 0 <= host_index < num_hosts:
         raise ValueError(f"host_index={host_index} must lie in [0, num_hosts={num_hosts})")
-    if batch_size % num_hosts:
-        raise ValueError(
-            f"batch_size={batch_size} must be a multiple of the learner's {num_hosts} hosts "
-            "(each host reads its own rows)"
-        )
+    rows = rows_per_host(batch_size, num_hosts)
     corpus = load_corpus(cfg)
     data = corpus.splits[split]
     seed = cfg.seed if split == "train" else EVAL_SEED
     shard, shards = shard_index * num_hosts + host_index, num_shards * num_hosts
-    rows = batch_size // num_hosts
     remedies = ["a larger data.eval_fraction"] if split == "eval" else []
     if cfg.max_corpus_bytes:  # (what the errors raised if the split is too small advise)
         cap = cfg.max_corpus_bytes

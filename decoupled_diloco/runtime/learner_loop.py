@@ -43,7 +43,7 @@ POLL_S = 0.02  # seconds between checks while a learner is down
 FINITE_METRICS = ("loss", "total_loss", "grad_norm")
 
 
-def diverged(metrics: dict) -> bool:
+def metrics_diverged(metrics: dict) -> bool:
     """A step whose metrics (host values) show a non-finite loss or gradient."""
     return any(k in metrics and not np.all(np.isfinite(metrics[k])) for k in FINITE_METRICS)
 
@@ -657,7 +657,7 @@ class LearnerLoop:
         step, metrics = finished
         with self.times.reading_device():
             host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
-        if diverged(host) and self.plan is not None:
+        if metrics_diverged(host) and self.plan is not None:
             return True
         run = self.run_cfg
         every = run.train.eval_every
