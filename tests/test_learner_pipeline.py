@@ -824,10 +824,12 @@ def test_learner_checkpoints_take_at_most_their_duty_of_the_time(
     if duty < 1:
         # From the third save on, the shorter of the last two (20 ms) sets the gap: 20 ms of
         # saving and 60 ms of steps between starts, counted in steps at the mean step time
-        # since the last save (steps after it may run faster: one gap of 69.95 ms was seen),
-        # and over the run saves take about a quarter of the time.
+        # since the last save (steps after it may run faster: one gap of 69.95 ms was seen,
+        # and 59.8 ms on a loaded machine), and over the run saves take about a quarter of
+        # the time. The bound 50 ms keeps a margin under the 80 ms asked for and stays well
+        # above the 30 ms of a save at every step (every = 1 without the duty).
         gaps = np.diff([t for _, t in periodic])[1:]
-        assert len(periodic) >= 4 and gaps.min() >= 0.06, gaps
+        assert len(periodic) >= 4 and gaps.min() >= 0.05, gaps
         assert 0.02 / gaps.mean() <= duty * 1.1, gaps
         # Most due saves were folded into later ones, where steps are shorter than the gap
         # (a host whose steps take 60 ms or more owes a save at every one).
