@@ -222,7 +222,7 @@ class _Module:
                 continue
             shape, op = m.group(2), m.group(3)
             kind = op.removesuffix("-start")
-            if kind in KINDS and not op.endswith("-done"):
+            if kind in KINDS and not op.endswith(("-update", "-done")):
                 out = _result_bytes(shape, op)
                 sliced = self.sliced_by_root(name, m.group(1))
                 if kind == "all-reduce" and sliced is not None:
@@ -233,8 +233,8 @@ class _Module:
                     total.add_piece(chained.group(1), kind, _wire(kind, out, n))
                 else:
                     total.count_one(kind, _wire(kind, out, n))
-            if op.endswith("-done"):
-                continue  # (an async pair's computation is the start's)
+            if op.endswith(("-update", "-done")):
+                continue  # (an async op's computation is its start's, run once)
             if op == "conditional":
                 # One branch runs: the costliest, as the estimate.
                 listed = _BRANCHES.search(line)

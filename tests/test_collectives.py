@@ -148,8 +148,9 @@ def _module(body: str, *computations: str) -> str:
 
 def test_async_forms_count_their_results():
     """all-reduce-start's shape is its results (two combined operands: both), a scalar's
-    too; an all-gather-start's tuple is (operand, result); an async wrapper whose done op
-    names the computation too runs it once."""
+    too; an all-gather-start's tuple is (operand, result); an async wrapper whose update
+    and done ops name the computation too (XLA prints `calls=` on each without its syntax
+    sugar) runs it once."""
     combined = _module(f"""  %a = f32[1024]{{0}} parameter(0)
   %s = (f32[1024]{{0}}, f32[1024]{{0}}) all-reduce-start(%a, %a), channel_id=1, {GROUP}
   %d = (f32[1024]{{0}}, f32[1024]{{0}}) all-reduce-done(%s)
@@ -165,7 +166,8 @@ def test_async_forms_count_their_results():
     wrapped = _module(
         """  %a = f32[1024]{0} parameter(0)
   %st = ((f32[1024]{0}), f32[256]{0}, u32[]) async-start(%a), calls=%rs
-  ROOT %dn = f32[256]{0} async-done(%st), calls=%rs
+  %up = ((f32[1024]{0}), f32[256]{0}, u32[]) async-update(%st), calls=%rs
+  ROOT %dn = f32[256]{0} async-done(%up), calls=%rs
 """,
         f"""%rs (p: f32[1024]) -> f32[256] {{
   %p = f32[1024]{{0}} parameter(0)
