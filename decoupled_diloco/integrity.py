@@ -146,9 +146,13 @@ def seal(arrays: Any, meta: dict) -> dict:
 def check_meta(meta: dict) -> str:
     """Why the side-car JSON cannot be trusted ("" if it can). Checkpoints written before
     checksums existed carry none and pass (their arrays are still checked for finiteness)."""
+    if not isinstance(meta, dict):
+        return f"is not a JSON object but {type(meta).__name__}"
     sealed = meta.get(KEY)
     if sealed is None:
         return ""
+    if not isinstance(sealed, dict):
+        return f"has a malformed {KEY!r} entry ({type(sealed).__name__})"
     if _meta_hash(meta) != sealed.get("meta"):
         return "its metadata does not match its checksum"
     return ""

@@ -303,6 +303,22 @@ def test_when_no_save_verifies_every_one_stays_and_a_retry_fails_alike(tmp_path)
         assert not (tmp_path / "corrupt").exists()
 
 
+@pytest.mark.parametrize("text", ["[1]", '"x"', "null", '{"_integrity": 5}'])
+def test_a_manifest_that_parses_but_is_no_object_is_refused_and_the_older_step_restored(
+    tmp_path, text
+):
+    run = Run(tmp_path)
+    run.merge(0, seed=1)
+    assert run.loop.save()
+    run.merge(3, seed=2)
+    assert run.loop.save()
+    (tmp_path / "2" / "manifest.json").write_text(text)
+    ckpt = FragmentCheckpointer(str(tmp_path))
+    ckpt.restore()
+    assert [(step, moved is not None) for step, _, moved in ckpt.refused] == [(2, True)]
+    assert "manifest" in ckpt.refused[0][1]
+
+
 @pytest.mark.parametrize("bad", ["manifest", "missing"])
 def test_an_unreadable_manifest_is_refused(tmp_path, bad):
     run = Run(tmp_path)
