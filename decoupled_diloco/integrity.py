@@ -143,7 +143,7 @@ def seal(arrays: Any, meta: dict) -> dict:
     return {**meta, KEY: {"leaves": sums, "meta": _meta_hash(meta)}}
 
 
-def check_meta(meta: dict) -> str:
+def check_meta(meta: Any) -> str:
     """Why the side-car JSON cannot be trusted ("" if it can). Checkpoints written before
     checksums existed carry none and pass (their arrays are still checked for finiteness)."""
     if not isinstance(meta, dict):
