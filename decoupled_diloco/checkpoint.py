@@ -255,7 +255,20 @@ def _restore_host_data(ckpt: Checkpointer, step: int, host: int) -> dict:
     path = _host_data(ckpt) / str(step) / f"{host}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no data position of host {host} at step {step}")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:  # written atomically, so damaged after the fact
+        raise ValueError(
+            f"{path}: the data position of host {host} at step {step} does not parse ({e}); "
+            "the step's checkpoint cannot be resumed without it: restore it from a copy, or "
+            "move the step aside to resume the one before"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: the data position of host {host} at step {step} is a "
+            f"{type(data).__name__}, not a JSON object"
+        )
+    return data
 
 
 def restore_learner(ckpt: Checkpointer, abstract_state, params_too: bool):

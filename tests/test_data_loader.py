@@ -166,6 +166,15 @@ def test_each_host_of_a_learner_checkpoints_its_own_position(tmp_path, monkeypat
     monkeypatch.setattr(checkpoint, "_process", lambda: (2, 3))
     with pytest.raises(ValueError, match="no data position of host 2 .*same topology"):
         checkpoint.restore_learner(ckpt, None, params_too=False)
+    # A damaged position is named with its file and step (it was a bare JSONDecodeError).
+    monkeypatch.setattr(checkpoint, "_process", lambda: (1, 2))
+    position = tmp_path / "learner_0.hosts" / "4" / "1.json"
+    for damage, why in (('{"position": 7', "does not parse"), ("[7]", "is a list")):
+        position.write_text(damage)
+        with pytest.raises(
+            ValueError, match=f"1.json: the data position of host 1 at step 4 {why}"
+        ):
+            checkpoint.restore_learner(ckpt, None, params_too=False)
     ckpt.close()
 
 
