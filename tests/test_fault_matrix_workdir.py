@@ -739,6 +739,7 @@ def test_a_learner_killed_in_its_final_sync_before_its_last_save_resumes_to_its_
     assert cuts == {0: (12, 4), 1: (12, 4)}
 
 
+@pytest.mark.slow  # a whole run: ~13 s on 2 cores
 def test_a_stop_request_reaches_a_learner_out_of_the_membership(small_config, tmp_path):
     """Ray's Ctrl-C asks each learner to stop through its inbox: learner 1, between two
     membership windows (out from the run's step 8 to its step 3000), must see the request

@@ -866,6 +866,7 @@ def _learner_rows(workdir, m=0):
     return [r for r in rows if r.get("learner") == m and "loss" in r]
 
 
+@pytest.mark.slow  # two whole runs with a 1.5 s evaluation and a 3 s outage: ~17 s on 2 cores
 def test_a_rows_tokens_per_second_is_over_its_training_time_only(
     small_config, tmp_path, monkeypatch
 ):

@@ -361,6 +361,7 @@ def _orphaning_parent(run, ckpt: str, pids) -> None:
     time.sleep(600)
 
 
+@pytest.mark.slow  # a spawned run killed: ~9 s on 2 cores
 def test_an_orphaned_syncer_process_commits_no_checkpoint(small_config, tmp_path):
     """The run's process is killed: its syncer process ends its loop without the final
     checkpoint, which would hold merges whose records went nowhere (it saved one)."""
