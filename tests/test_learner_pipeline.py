@@ -662,6 +662,7 @@ def test_an_emulated_slow_chip_is_slow_despite_the_pipeline(small_config, tmp_pa
     assert ratio >= 3.0, per_step  # 3.8-4.6 measured (batches of 32); 2.3-2.4 sleeping too early
 
 
+@pytest.mark.slow  # a whole run with sleeps: ~7 s on 2 cores
 def test_host_cpu_share_counts_the_threads_cpu_not_its_waits(small_config, tmp_path, monkeypatch):
     """A learner row's host_cpu_share is the share of the step the learner thread ran on a
     CPU: host work that sleeps (an interpreter lock held elsewhere, a slow read) counts in

@@ -62,6 +62,7 @@ def test_a_resumed_learner_past_the_window_never_traces(tmp_path, caplog):
     assert "--profile=2:4: no learner of this process took a step in that window" in caplog.text
 
 
+@pytest.mark.slow  # a whole run: ~6 s on 2 cores
 def test_a_window_ending_at_the_last_step_stops_with_it(small_config, tmp_path, monkeypatch):
     """--profile=START:train.steps: the learner never reaches step STOP before a dispatch,
     so the trace ran on through the final sync, evaluation and checkpoint saves (5 s and
