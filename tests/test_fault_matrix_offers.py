@@ -308,3 +308,31 @@ def test_an_honest_run_with_a_straggler_refuses_nothing(small_config, tmp_path):
         assert summary[key] == 0, key
     for key in ("rejections_by_reason", "offer_drops_by_reason", "message_drops_by_reason"):
         assert summary[key] == {}, key
+
+
+def test_a_lost_lifes_offer_is_dropped_whoever_its_learner_is_to_the_new_life():
+    """An offer made before a syncer restore reaches the restored life as an epoch drop,
+    also when its learner has not joined that life yet or restarted since its checkpoint
+    (it was rejected as from an unknown learner or a wrong incarnation). A malformed or
+    impossible sender is still rejected."""
+    run = Run()
+    old = run.offer(0)
+    log: list[dict] = []
+    restored = Syncer(CFG, run.plan, run.params, record=log.append, bounds=BOUNDS, epoch=1)
+    restored.load_state_dict(run.syncer.state_dict(), run.syncer.meta_dict(), run.now)
+    fresh = Syncer(CFG, run.plan, run.params, record=log.append, bounds=BOUNDS, epoch=1)
+    before = {k: v.copy() for k, v in restored.global_params().items()}
+    for syncer, offer in (
+        (restored, old),  # known, at the offer's incarnation
+        (restored, dataclasses.replace(old, incarnation=1)),  # known at an older one
+        (fresh, old),  # not joined to this life yet
+    ):
+        syncer.handle(offer, run.now)
+    assert [r["kind"] for r in log if r["event"] in ("reject", "drop_offer")] == ["epoch"] * 3
+    assert all(s.stats["rejected_offers"] == 0 for s in (restored, fresh))
+    for offer, kind in ((dataclasses.replace(old, learner=7), "sender"),
+                        (dataclasses.replace(old, epoch="0"), "envelope")):  # fmt: skip
+        restored.handle(offer, run.now)
+        assert log[-1]["event"] == "reject" and log[-1]["kind"] == kind
+    for k, v in restored.global_params().items():
+        np.testing.assert_array_equal(v, before[k])

@@ -81,9 +81,8 @@ def has_kind(v, kind: str) -> bool:
     return isinstance(v, int | float | np.integer | np.floating) and math.isfinite(v)
 
 
-def check_sender(offer, info, num_learners: int, owned) -> Reason | None:
-    """The offer's learner, life and fragment (`info`: the registry entry or None). A learner
-    that left may still offer: its final offers carry work its earlier offers did not."""
+def check_envelope(offer) -> Reason | None:
+    """The offer's integer fields, time and size are of their kinds."""
     for field in INTEGER_FIELDS:
         v = getattr(offer, field, None)
         if not has_kind(v, "int"):
@@ -93,6 +92,16 @@ def check_sender(offer, info, num_learners: int, owned) -> Reason | None:
         return Reason("envelope", f"time must be a finite number, got {t!r}")
     if offer.nbytes < 0:
         return Reason("envelope", f"nbytes must be >= 0, got {offer.nbytes}")
+    return None
+
+
+def check_sender(offer, info, num_learners: int, owned) -> Reason | None:
+    """The offer's envelope, learner, life and fragment (`info`: the registry entry or None).
+    A learner that left may still offer: its final offers carry work its earlier offers did
+    not."""
+    reason = check_envelope(offer)
+    if reason:
+        return reason
     if not 0 <= offer.learner < num_learners or info is None:
         return Reason("sender", f"unknown learner {offer.learner}")
     if offer.incarnation != info.incarnation:

@@ -204,18 +204,22 @@ class Syncer:
         self.stats["offers"] += 1
         offer = plain(offer)
         info = self.registry.get(getattr(offer, "learner", None))
-        reason = checks.check_sender(offer, info, self.num_learners, self.version)
+        reason = checks.check_envelope(offer)
+        if not reason and offer.epoch != self.epoch and 0 <= offer.learner < self.num_learners:
+            # Made before this syncer life's snapshot reached the learner: its base version
+            # belongs to a lost life. The learner rebases on the snapshot and offers again.
+            # (Before its sender's checks: the learner may not have joined this life yet, or
+            # be known to it at another incarnation; neither makes the offer a bad one.)
+            self.stats["bytes_in"] += offer.nbytes
+            why = f"epoch {offer.epoch}: made before the syncer restore"
+            self.refusals.drop_offer(offer, Reason("epoch", why), now)
+            return
+        reason = reason or checks.check_sender(offer, info, self.num_learners, self.version)
         if reason:
             self.refusals.reject(offer, reason, now)
             return
         self.stats["bytes_in"] += offer.nbytes
         p = offer.fragment
-        if offer.epoch != self.epoch:
-            # Made before this syncer life's snapshot reached the learner: its base version
-            # belongs to a lost life. The learner rebases on the snapshot and offers again.
-            why = f"epoch {offer.epoch}: made before the syncer restore"
-            self.refusals.drop_offer(offer, Reason("epoch", why), now)
-            return
         merged = self.merged_into[p].get(offer.learner)
         cfg, bounds = self.cfg, self.bounds
         version, H = self.version[p], self.plan.sync_every
