@@ -66,6 +66,13 @@ def validate(spec, max_step: int | None = None, num_learners: int | None = None)
             fail("membership", f"needs joins {last}: {entry!r} would never join")
     if num_learners is not None and spec.membership:
         _check_someone_trains(spec, num_learners, max_step, fail)
+    gone = {}  # learner -> the step its last membership window ends
+    for i, _, leave in spec.membership:
+        gone[int(i)] = max(gone.get(int(i), 0), leave)
+    for entry in spec.crashes:  # a learner's own step never passes the run's lead step
+        if int(entry[0]) in gone and entry[1] > gone[int(entry[0])]:
+            fail("crashes", f"has {entry!r} after learner {int(entry[0])}'s last membership "
+                 f"window ends (step {gone[int(entry[0])]:g}): it would never happen")  # fmt: skip
     for s in spec.syncer_crashes:
         if not _integral(s) or s < 1:
             fail("syncer_crashes", f"needs whole steps >= 1, got {spec.syncer_crashes}")

@@ -306,6 +306,22 @@ def test_a_step_schedule_past_the_runs_end_is_refused(fields, match):
                                   membership=((1, 59, 80),)), 2, max_step=60)  # fmt: skip
 
 
+def test_a_step_crash_after_its_learners_last_window_is_refused():
+    """A learner's own step never passes the run's lead step, so a crash at a step after
+    its last membership window ends would never happen (it was accepted, and silently
+    never fired). Up to the window's end, or with a later window, it may."""
+    members = ((0, 0, 20), (1, 0, 60))
+    with pytest.raises(ValueError, match=r"faults.crashes .* has \(0, 30\) after learner 0's last "
+                       r"membership window ends \(step 20\)"):  # fmt: skip
+        validate_fault_spec(FaultSpec(unit="steps", crashes=((0, 30),), membership=members),
+                            2, max_step=60)  # fmt: skip
+    for crashes, membership in ((((0, 20),), members),
+                                (((0, 30),), members + ((0, 40, 50),)),
+                                (((1, 30),), members)):  # fmt: skip
+        validate_fault_spec(FaultSpec(unit="steps", crashes=crashes, membership=membership),
+                            2, max_step=60)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "membership, match",
     [
