@@ -177,15 +177,23 @@ class StepTriggers:
         for i, a, b in spec.membership:
             self.windows.setdefault(int(i), []).append((a, b))
         self.windows = {i: merge_windows(w) for i, w in self.windows.items()}
-        # Membership changes still to come: (step, 0 = leave / 1 = join, learner).
+        # Membership changes still to come: (step, 0 = leave / 1 = join, learner). Those up
+        # to the earlier attempts' lead step happened there: a resume starts in the state
+        # they set (`opened_at_start`), and they do not fire again.
         self._member = sorted(
             (s, kind, i)
             for i, wins in self.windows.items()
             for a, b in wins
             for s, kind in ((a, 1), (b, 0))
-            if s > 0
+            if s > max(self._checked_lead, 0)
         )
         self.lead = 0  # the run's lead step
+
+    def opened_at_start(self, m: int) -> bool:
+        """Whether learner m (with windows) is a member when this attempt starts: at step 0
+        of a fresh run, at the earlier attempts' lead step of a resumed one."""
+        lead = max(self._checked_lead, 0)
+        return any(a <= lead < b for a, b in self.windows[m])
 
     def learner_reached(self, m: int, step: int) -> bool:
         """Learner m has completed `step` steps: whether one of its crashes fires now."""

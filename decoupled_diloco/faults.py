@@ -154,9 +154,10 @@ class FaultSchedule:
         windows: dict[int, list] = {}
         for learner, join, leave in spec.membership if self.steps is None else ():
             windows.setdefault(int(learner), []).append((float(join), float(leave)))
-        if self.steps is not None:  # in steps: only a window from step 0 is open at the start
-            for learner, wins in self.steps.windows.items():
-                windows[learner] = [(0.0, math.inf)] if wins[0][0] == 0 else []
+        if self.steps is not None:  # in steps: the windows open at the start (a resume's:
+            # as the earlier attempts left them, before any learner of this one can start)
+            for learner in self.steps.windows:
+                windows[learner] = [(0.0, math.inf)] if self.steps.opened_at_start(learner) else []
         self.member_windows = [merge_intervals(windows.get(i, [(0.0, math.inf)])) for i in range(m)]
 
         events: list[FaultEvent] = []

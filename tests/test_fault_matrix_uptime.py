@@ -174,6 +174,24 @@ def test_a_resumed_run_does_not_replay_the_syncer_crashes_its_lead_passed():
     assert resumed.syncer_down == [(50.0, 51.0)]
 
 
+def test_a_resume_starts_in_the_membership_the_earlier_attempts_left():
+    """Resumed at lead step 30 of a step schedule: learner 0, whose window ended at step 20,
+    is no member from the start (it was one until some learner's first step applied the
+    leave, and in that race it started, rejoined and trained a step), learner 1, who joined
+    at 25, is one, and neither change fires again; those after 30 still do."""
+    spec = FaultSpec(unit="steps", membership=((0, 0, 20), (0, 40, 60), (1, 25, 60),
+                                               (2, 0, 60)))  # fmt: skip
+    s = FaultSchedule(spec, 3, 1e6, steps_checked={"learners": [20, 30, 30], "lead": 30})
+    assert [s.is_member(m, 0.0) for m in range(3)] == [False, True, True]
+    s.run_reached(31, 1.0)
+    assert [(e.kind, e.learner) for e in s.events if e.kind in ("join", "leave")] == []
+    s.run_reached(40, 2.0)
+    assert [(e.kind, e.learner) for e in s.events if e.kind in ("join", "leave")] == [("join", 0)]
+    assert s.is_member(0, 2.0) and not s.never_member_again(0, 2.0, 60)
+    fresh = FaultSchedule(spec, 3, 1e6)  # a fresh run: the windows from step 0
+    assert [fresh.is_member(m, 0.0) for m in range(3)] == [True, False, True]
+
+
 def test_a_resume_fires_exactly_the_step_faults_no_attempt_checked():
     """attempts.jsonl records how far each learner checked its step schedule (and the lead,
     the syncer's): a resume replays nothing that fired and drops nothing that did not.
