@@ -486,6 +486,37 @@ def test_merges_a_syncer_restore_rolls_back_are_no_longer_useful_work(tmp_path, 
     log.close()
 
 
+def test_a_learner_down_when_its_membership_ends_counts_what_its_crash_lost(tmp_path):
+    """Learner 0's life began at step 8; it crashed at step 28 and its window ended while
+    it was down, so no rejoin counts the loss (it counted none). Fragment 0 holds its
+    steps up to 24, fragment 1 up to 16: 12 steps are lost, as crash losses; an offer of
+    fragment 1 in flight at the crash, merged later, brings it down to 4. Steps a syncer
+    restore rolled back stay syncer losses."""
+    from decoupled_diloco.runtime.records import RunLog
+
+    log = RunLog(str(tmp_path), Ledger(2, sync_every=8, fragments=2))
+
+    def merge(fragment, version, step):
+        log.record({"event": "merge", "fragment": fragment, "version": version,
+                    "learners": [0], "c_steps": [8], "steps": [step], "share": 1.0,
+                    "time": 1.0})  # fmt: skip
+
+    for fragment, version, step in [(0, 1, 16), (0, 2, 24), (1, 1, 16)]:
+        merge(fragment, version, step)
+    log.event({"event": "learner_down", "learner": 0, "step": 28, "time": 2.0})
+    assert log.ledger.crash_lost_steps == 0  # it may yet rejoin and count it there
+    log.event({"event": "learner_gone", "learner": 0, "step": 28, "life_start": 8, "time": 3.0})
+    assert log.ledger.crash_lost_steps == 12
+    assert log.ledger.summary(wall=4.0, uses_syncer=True, learner_steps=[28, 0])[
+        "crash_lost_steps"] == 12  # fmt: skip
+    merge(1, 2, 24)
+    assert log.ledger.crash_lost_steps == 4
+    log.event({"event": "syncer_restore", "shard": 0, "versions": {"0": 1},
+               "after_failure": True, "time": 5.0})  # fmt: skip
+    assert (log.ledger.crash_lost_steps, log.ledger.syncer_lost_steps) == (4, 8)
+    log.close()
+
+
 def test_a_crash_does_not_count_the_steps_a_syncer_restore_rolled_back(tmp_path):
     """Learner 0's offers of steps 1-4 and 5-8 were merged, then rolled back by a restore;
     it had not seen the second merge when it crashed at step 10, so its rejoin finds Θ

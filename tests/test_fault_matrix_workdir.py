@@ -808,6 +808,31 @@ def test_a_learner_that_leaves_for_good_is_not_allocated_after_it(small_config, 
     assert summary["goodput"] > 0.9, summary["goodput"]
 
 
+def test_a_learner_whose_membership_ends_while_it_is_down_counts_its_crash_loss(
+    small_config, tmp_path
+):
+    """Learner 0 crashes after step 6 and its window ends at the run's step 12 while it is
+    down (a 30 s restart): no rejoin counts what the crash lost, so its `learner_gone` does,
+    as a crash loss, from what Θ holds of its steps at the end (it counted none). Learner 1
+    steps at half the speed, so that it does not reach step 12 first (learner 0 would then
+    leave before its crash)."""
+    cfg = small_config(**{"train.steps": 24, **DECOUPLED, "faults.unit": "steps",
+                          "faults.membership": [[0, 0, 12], [1, 0, 24]],
+                          "faults.speed_factors": [1.0, 2.0],
+                          "faults.crashes": [[0, 6]], "faults.restart_delay_s": 30.0})  # fmt: skip
+    summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    events = _read(tmp_path / "events.jsonl")
+    gone = [e for e in events if e["event"] == "learner_gone"]
+    assert [(e["learner"], e["step"], e["life_start"]) for e in gone] == [(0, 6, 0)]
+    held = {p: 0 for p in range(2)}
+    for rec in _read(tmp_path / "merges.jsonl"):
+        for m, step in zip(rec["learners"], rec["steps"], strict=True):
+            if m == 0:
+                held[rec["fragment"]] = max(held[rec["fragment"]], step)
+    assert summary["crash_lost_steps"] == max(6 - h for h in held.values()) > 0, held
+    assert summary["syncer_lost_steps"] == 0 and summary["resume_lost_steps"] == 0
+
+
 @pytest.mark.slow
 def test_a_final_sync_that_runs_out_of_time_says_what_it_did_not_see_merged(small_config, tmp_path):
     cfg = small_config(**{"train.steps": 12, **DECOUPLED, "diloco.final_wait": 0.0,

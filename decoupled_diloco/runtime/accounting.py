@@ -146,8 +146,13 @@ class Ledger:
         # summed over learners: trained, then lost (`resume_cut` events).
         self.resume_lost_steps = 0
         # Steps of unmerged work emulated crashes lost with the learners' device state,
-        # summed over learners (`rejoin` events' `lost_steps`).
-        self.crash_lost_steps = 0
+        # summed over learners (`rejoin` events' `lost_steps`); `crash_lost_steps` adds
+        # those of learners that crashed and never came back (`_left_down`).
+        self.counted_crash_lost = 0
+        # Learners whose membership ended while they were down after a crash (or a NaN
+        # restart), never rejoining to count their loss at a cut (`learner_gone` events):
+        # learner -> (the first step of the life that crashed, its step at the crash).
+        self._left_down: dict[int, tuple[int, int]] = {}
         # (learner, fragment) -> the step spans (lo, hi] of the merges a restore rolled
         # back (`syncer_lost_steps`): a crash or cut that finds Θ lacking them does not
         # count them again.
@@ -245,6 +250,30 @@ class Ledger:
                 if (m, p) not in self._rolled:
                     most[m] = max(most.get(m, 0), c)
             self._lost_unspanned += sum(most.values())
+
+    def left_down(self, m: int, life_start: int, step: int) -> None:
+        """Learner m crashed at `step` in the life that began at `life_start` and will not
+        rejoin: what Θ lacks of that life is lost (`crash_lost_steps`)."""
+        with self._lock:
+            self._left_down[m] = (int(life_start), int(step))
+
+    @property
+    def crash_lost_steps(self) -> int:
+        """Steps of unmerged work crashes lost: those counted at the rejoins (and at NaNs in
+        the last steps), and, of each learner that crashed and never came back, the most
+        steps of its last life any fragment lacks now (no merge holds them, no syncer
+        restore's rollback counted them), its offers in flight at the crash being merged
+        or not by now."""
+        with self._lock:
+            gone = dict(self._left_down)
+            lacking = {}
+            for m, (start, end) in gone.items():
+                lacking[m] = {
+                    p: spans_minus(start, end, [(lo, hi) for _, credit in self._credited.get(p, ())
+                                                for mm, lo, hi in credit[5] if mm == m])
+                    for p in range(self.fragments)
+                }  # fmt: skip
+        return self.counted_crash_lost + sum(self.not_rolled_back(m, lacking[m]) for m in gone)
 
     @property
     def syncer_lost_steps(self) -> int:

@@ -145,6 +145,7 @@ class LearnerLoop:
         self._stop = None  # the runtime's stop event, while `run` trains
         # (steps of work the last emulated crash lost, their spans per fragment) (`_cut`)
         self._crash_lost: tuple | None = None
+        self._life_start: int | None = None  # the step this life (with a syncer) began at
         # Per fragment, the spans (lo, hi] of our steps counted lost already, by a crash or
         # a cut (`lost_steps`) or by a syncer restore rolling back versions we saw holding
         # them (`syncer_lost_steps`): a later cut does not count them again. Kept beside
@@ -266,6 +267,10 @@ class LearnerLoop:
             if down:
                 diverged = self._read(unread, keep=0)
                 if not self._down(t, diverged, crash=fired or missed):
+                    if self.away in ("crash", "nan") and self._life_start is not None:
+                        # Down when its membership ended: no rejoin's cut will count what
+                        # the crash lost; the run's ledger does (the merges are not all in).
+                        self.sink.event(self._event("learner_gone", life_start=self._life_start))
                     self.sink.finished(m, t)  # left for good (scavenging): no longer allocated
                     return
                 if self.link is not None and not self.outbox.inline:
@@ -383,6 +388,7 @@ class LearnerLoop:
         else:
             self._join_syncer()
         self.restored = None
+        self._life_start = self.step if self.plan is not None else None
         late = self.away == "start" and self.schedule.joins_late(self.m)
         if self.away == "start" and not late:
             event = "learner_start"

@@ -6,6 +6,7 @@ Learner events (runtime/learner_loop.py): learner_start (its first start), rejoi
 crash, a NaN restart or a restarted process), member_join (back after leaving the
 membership), learner_down (a crash: emitted where the crash happens, by the learner loop
 when crashes are emulated, by the Ray driver when it kills the process), learner_leave,
+learner_gone (down after a crash or NaN restart when its membership ended: it never rejoins),
 nan_restart, nan_at_end (its last steps diverged: it left without offering them),
 learner_done, learner_error, learner_lost (Ray: restarts exhausted), learner_stopped (Ray:
 the same error `ray.max_same_failures` times in a row).
@@ -22,7 +23,7 @@ from decoupled_diloco.tensorboard_events import RunWriter
 
 # Events that change the counters an attempt's record keeps (workdir.ACCUMULATED).
 _COUNTED = frozenset({"learner_down", "nan_restart", "rejoin", "syncer_crash", "syncer_restore",
-                      "resume_cut", "nan_at_end"})  # fmt: skip
+                      "resume_cut", "nan_at_end", "learner_gone"})  # fmt: skip
 
 
 class RunLog:
@@ -93,9 +94,11 @@ class RunLog:
             if not ledger.is_down(rec["learner"]):  # a process that died by itself
                 ledger.failure(rec["learner"], t)
             ledger.restart(rec["learner"], t)
-            ledger.crash_lost_steps += rec.get("lost_steps", 0)
+            ledger.counted_crash_lost += rec.get("lost_steps", 0)
         elif kind == "nan_at_end":  # (its last steps diverged: not offered, lost)
-            ledger.crash_lost_steps += rec.get("lost_steps", 0)
+            ledger.counted_crash_lost += rec.get("lost_steps", 0)
+        elif kind == "learner_gone":  # (down for good: what Θ lacks of its life is lost)
+            ledger.left_down(rec["learner"], rec["life_start"], rec["step"])
         elif kind == "syncer_crash":
             ledger.failure(("syncer", rec["shard"]), t, counted)
         elif kind == "syncer_restore":
