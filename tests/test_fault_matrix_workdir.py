@@ -808,6 +808,23 @@ def test_a_learner_that_leaves_for_good_is_not_allocated_after_it(small_config, 
     assert summary["goodput"] > 0.9, summary["goodput"]
 
 
+@pytest.mark.slow  # a whole run: ~6 s on 2 cores
+def test_a_run_whose_members_all_leave_early_warns_that_it_ended_short(
+    small_config, tmp_path, caplog
+):
+    """Windows in seconds cannot be checked against train.steps at start-up (the steps'
+    version of this schedule is refused there): every learner gone after 3 s ends the run
+    short of its 100000 steps, with exit 0, and that is said (it was silent)."""
+    import logging
+
+    cfg = small_config(**{"train.steps": 100_000, **DECOUPLED,
+                          "faults.membership": [[0, 0, 3.0], [1, 0, 3.0]]})  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        summary = LocalRuntime(config_lib.validate(cfg), str(tmp_path), verbose=False).run()
+    assert 0 < summary["steps"] < 100_000
+    assert f"the run ended at step {summary['steps']}, short of train.steps (100000)" in caplog.text
+
+
 def test_a_learner_whose_membership_ends_while_it_is_down_counts_its_crash_loss(
     small_config, tmp_path
 ):

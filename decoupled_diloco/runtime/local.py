@@ -460,6 +460,12 @@ class LocalRuntime:
         else:
             final = self.evaluator(lead.replica.state.params)
         steps = max(loop.step for loop in self.loops)
+        if steps < run.train.steps and not self.stop.is_set():
+            logging.warning(
+                "the run ended at step %d, short of train.steps (%d): every learner left the "
+                "membership for good (faults.membership) before it got there", steps,
+                run.train.steps,
+            )  # fmt: skip
         self.log.row(
             {
                 "learner": "global",
