@@ -69,10 +69,12 @@ def validate(spec, max_step: int | None = None, num_learners: int | None = None)
     gone = {}  # learner -> the step its last membership window ends
     for i, _, leave in spec.membership:
         gone[int(i)] = max(gone.get(int(i), 0), leave)
-    for entry in spec.crashes:  # a learner's own step never passes the run's lead step
-        if int(entry[0]) in gone and entry[1] > gone[int(entry[0])]:
-            fail("crashes", f"has {entry!r} after learner {int(entry[0])}'s last membership "
-                 f"window ends (step {gone[int(entry[0])]:g}): it would never happen")  # fmt: skip
+    for entry in spec.crashes:  # a learner's own step never passes the run's lead step,
+        # and at its window's last step the leave comes first (the window is [join, leave))
+        if int(entry[0]) in gone and entry[1] >= gone[int(entry[0])]:
+            fail("crashes", f"has {entry!r} at or after the end of learner {int(entry[0])}'s "
+                 f"last membership window (step {gone[int(entry[0])]:g}): it would never "
+                 "happen")  # fmt: skip
     for s in spec.syncer_crashes:
         if not _integral(s) or s < 1:
             fail("syncer_crashes", f"needs whole steps >= 1, got {spec.syncer_crashes}")

@@ -154,10 +154,16 @@ class FaultSchedule:
         windows: dict[int, list] = {}
         for learner, join, leave in spec.membership if self.steps is None else ():
             windows.setdefault(int(learner), []).append((float(join), float(leave)))
+        # A resumed step schedule's late joiners that joined in an earlier attempt: when is
+        # not recorded, so their random crashes are placed from this attempt's start on.
+        joined_before = set()
         if self.steps is not None:  # in steps: the windows open at the start (a resume's:
             # as the earlier attempts left them, before any learner of this one can start)
-            for learner in self.steps.windows:
-                windows[learner] = [(0.0, math.inf)] if self.steps.opened_at_start(learner) else []
+            for learner, wins in self.steps.windows.items():
+                opened = self.steps.opened_at_start(learner)
+                windows[learner] = [(0.0, math.inf)] if opened else []
+                if opened and wins[0][0] > 0:
+                    joined_before.add(learner)
         self.member_windows = [merge_intervals(windows.get(i, [(0.0, math.inf)])) for i in range(m)]
 
         events: list[FaultEvent] = []
@@ -168,6 +174,8 @@ class FaultSchedule:
             if self.steps is not None and not self.member_windows[learner]:
                 self._unplaced.setdefault(learner, []).append(t)
                 continue
+            if learner in joined_before and t < self.offset:
+                continue  # (perhaps before its join: no crash of a learner not yet there)
             events += self._crash_events(learner, t)
         self.straggles = self._sample_straggles()
         for learner, episodes in enumerate(self.straggles):

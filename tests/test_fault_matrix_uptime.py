@@ -325,19 +325,39 @@ def test_a_step_schedule_past_the_runs_end_is_refused(fields, match):
 
 
 def test_a_step_crash_after_its_learners_last_window_is_refused():
-    """A learner's own step never passes the run's lead step, so a crash at a step after
-    its last membership window ends would never happen (it was accepted, and silently
-    never fired). Up to the window's end, or with a later window, it may."""
+    """A learner's own step never passes the run's lead step, so a crash at a step at or
+    after its last membership window's end would never happen (the leave at that step comes
+    before the crash; it was accepted, and silently never fired). Before the window's end,
+    or with a later window, it may."""
     members = ((0, 0, 20), (1, 0, 60))
-    with pytest.raises(ValueError, match=r"faults.crashes .* has \(0, 30\) after learner 0's last "
-                       r"membership window ends \(step 20\)"):  # fmt: skip
-        validate_fault_spec(FaultSpec(unit="steps", crashes=((0, 30),), membership=members),
-                            2, max_step=60)  # fmt: skip
-    for crashes, membership in ((((0, 20),), members),
+    for step in (20, 30):
+        match = (rf"faults.crashes .* has \(0, {step}\) at or after the end of learner 0's "
+                 r"last membership window \(step 20\)")  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            validate_fault_spec(FaultSpec(unit="steps", crashes=((0, step),),
+                                          membership=members), 2, max_step=60)  # fmt: skip
+    for crashes, membership in ((((0, 19),), members),
                                 (((0, 30),), members + ((0, 40, 50),)),
                                 (((1, 30),), members)):  # fmt: skip
         validate_fault_spec(FaultSpec(unit="steps", crashes=crashes, membership=membership),
                             2, max_step=60)  # fmt: skip
+
+
+def test_a_resumed_late_joiner_has_no_random_crash_from_before_this_attempt():
+    """Learner 1 joined at the run's step 25, in an earlier attempt; the run resumes at
+    run time 200 (lead 30). When it joined is not recorded, so its random crashes are
+    placed from the resume on: one at run time 85 (before it could have joined; a fresh run
+    leaves those unplaced until the join) put it down from the start and hid later ones."""
+    spec = FaultSpec(unit="steps", membership=((0, 0, 60), (1, 25, 60)), chip_mtbf_hours=0.02,
+                     chips_per_learner=1, restart_delay_s=200.0, seed=3)  # fmt: skip
+    fresh = FaultSchedule(spec, 2, 1e4)
+    assert not fresh.down[1] and any(t < 200 for t in fresh._unplaced[1])
+    resumed = FaultSchedule(spec, 2, 1e4, offset_s=200.0,
+                            steps_checked={"learners": [30, 30], "lead": 30})  # fmt: skip
+    assert resumed.is_member(1, 0.0) and resumed.down_since(1, 0.0) is None
+    later = [t for t in fresh._unplaced[1] if t >= 200]
+    assert resumed.down[1] and resumed.down[1][0][0] == later[0]
+    assert resumed.down[0] == fresh.down[0]  # a member from step 0: as in the fresh run
 
 
 @pytest.mark.parametrize(
