@@ -265,14 +265,11 @@ class Ledger:
         restore's rollback counted them), its offers in flight at the crash being merged
         or not by now."""
         with self._lock:
-            gone = dict(self._left_down)
-            lacking = {}
-            for m, (start, end) in gone.items():
-                lacking[m] = {
-                    p: spans_minus(start, end, [(lo, hi) for _, credit in self._credited.get(p, ())
-                                                for mm, lo, hi in credit[5] if mm == m])
-                    for p in range(self.fragments)
-                }  # fmt: skip
+            gone, held = dict(self._left_down), self._held()
+            lacking = {
+                m: {p: spans_minus(start, end, held.get((m, p), ())) for p in range(self.fragments)}
+                for m, (start, end) in gone.items()
+            }
         return self.counted_crash_lost + sum(self.not_rolled_back(m, lacking[m]) for m in gone)
 
     @property
@@ -288,13 +285,18 @@ class Ledger:
                 most[m] = max(most.get(m, 0), span_steps(gone))
             return self._lost_unspanned + sum(most.values())
 
-    def _gone(self) -> dict[tuple[int, int], list[tuple[int, int]]]:
-        """(learner, fragment) -> the rolled-back spans no merge holds since (lock held)."""
+    def _held(self) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """(learner, fragment) -> the step spans of the merges Θ holds (lock held)."""
         held: dict[tuple[int, int], list] = {}
         for p, credits in self._credited.items():
             for _, credit in credits:
                 for m, lo, hi in credit[5]:
                     held.setdefault((m, int(p)), []).append((lo, hi))
+        return held
+
+    def _gone(self) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """(learner, fragment) -> the rolled-back spans no merge holds since (lock held)."""
+        held = self._held()
         gone = {}
         for (m, p), rolled in self._rolled.items():
             kept = held.get((m, p), ())
