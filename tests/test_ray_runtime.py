@@ -323,6 +323,56 @@ def test_a_restarted_learner_process_counts_the_steps_its_dead_one_took_past_the
     assert (last["lost_steps"], last["rolled_back_steps"]) == (9, 2), last
 
 
+def test_a_learner_process_that_dies_and_never_rejoins_counts_what_its_life_lost(
+    small_config, tmp_path
+):
+    """Learner 1's life began at step 8; its process died at step 25, and the restarted one
+    finished without rejoining (its membership had ended): no rejoin's cut counted the
+    loss, so the driver emits `learner_gone` for it and the ledger counts what Θ lacks of
+    that life (fragment 0 holds up to 16, fragment 1 up to 24: 9 steps). A learner lost
+    for good (its restarts exhausted) counts its last life up to its last report; one that
+    left gracefully (its final sync offered its work) counts none."""
+    cfg = config_lib.validate(_ray_config(small_config, **{"diloco.fragments": 2}))
+    rt = RayRuntime(cfg, str(tmp_path), verbose=False)
+    rt.hosts = [1, 1, 1]
+
+    def report(m, step, events=(), done=False):
+        out = {"steps": [], "events": list(events), "evals": [], "rows": [], "step": step,
+               "done": done, "incarnation": 0, "finished_at": 9.0}  # fmt: skip
+        rt._learner_report(m, out)
+
+    for p, step in [(0, 16), (1, 24)]:
+        rt.log.record({"event": "merge", "fragment": p, "version": 1, "learners": [1],
+                       "c_steps": [8], "steps": [step], "share": 1.0, "time": 1.0})  # fmt: skip
+    report(1, 8, [{"event": "rejoin", "learner": 1, "step": 8, "incarnation": 1, "time": 0.5}])
+    report(1, 25)
+    rt._seen_pid(("learner", 1, 0), 100, "n0")
+    rt._seen_pid(("learner", 1, 0), 200, "n0")  # a new process: the old one died at 25
+    report(1, 20)  # (the new one restored its checkpoint)
+    assert rt.ledger.crash_lost_steps == 0
+    report(1, 20, done=True)  # out of its membership: it never rejoins
+    gone = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "learner_gone"]
+    assert [(e["learner"], e["step"], e["life_start"]) for e in gone] == [(1, 25, 8)]
+    assert rt.ledger.crash_lost_steps == 9
+    # Learner 2: started at 0, reported step 6, then Ray could not restart it.
+    report(2, 0, [{"event": "learner_start", "learner": 2, "step": 0, "incarnation": 0,
+                   "time": 0.1}])  # fmt: skip
+    report(2, 6)
+    rt._remove(2, stopped=False, error="ActorDiedError")
+    rt._remove(2, stopped=False, error="ActorDiedError")  # (once)
+    gone = [e for e in _read(tmp_path / "events.jsonl") if e["event"] == "learner_gone"]
+    assert [(e["learner"], e["step"], e["life_start"]) for e in gone][1:] == [(2, 6, 0)]
+    assert rt.ledger.crash_lost_steps == 9 + 6
+    # Learner 0 left gracefully, then its process died: nothing of it is lost.
+    report(0, 0, [{"event": "learner_start", "learner": 0, "step": 0, "incarnation": 0,
+                   "time": 0.1}, {"event": "learner_leave", "learner": 0, "step": 12,
+                   "incarnation": 0, "time": 2.0}])  # fmt: skip
+    rt._seen_pid(("learner", 0, 0), 300, "n0")
+    rt._seen_pid(("learner", 0, 0), 301, "n0")
+    report(0, 12, done=True)
+    assert len([e for e in _read(tmp_path / "events.jsonl") if e["event"] == "learner_gone"]) == 2
+
+
 def test_a_syncer_checkpoint_commits_once_the_driver_took_the_records_of_its_merges(
     monkeypatch,
 ):

@@ -6,7 +6,9 @@ Learner events (runtime/learner_loop.py): learner_start (its first start), rejoi
 crash, a NaN restart or a restarted process), member_join (back after leaving the
 membership), learner_down (a crash: emitted where the crash happens, by the learner loop
 when crashes are emulated, by the Ray driver when it kills the process), learner_leave,
-learner_gone (down after a crash or NaN restart when its membership ended: it never rejoins),
+learner_gone (down after a crash or NaN restart when its membership ended: it never rejoins;
+under Ray the driver emits it, for a process that died and whose restart finished without
+rejoining, and for a learner lost or stopped for good),
 nan_restart, nan_at_end (its last steps diverged: it left without offering them),
 learner_done, learner_error, learner_lost (Ray: restarts exhausted), learner_stopped (Ray:
 the same error `ray.max_same_failures` times in a row).

@@ -105,6 +105,9 @@ class RayRuntime:
         self._traffic_lock = threading.Lock()  # (the attempt's heartbeat reads it)
         self._started: dict[int, int] = {}  # learner -> the step this attempt started from
         self._died_at: dict[int, int] = {}  # learner -> the last step its dead process reported
+        # learner -> the step its current life began (its start, rejoin or member_join; a
+        # leave ends it): what Θ lacks of that life is lost if no rejoin ever cuts it.
+        self._life_at: dict[int, int] = {}
         self._earlier_rows = self.log.metrics.count()  # metrics rows of earlier attempts
         self._fault_t = 0.0
         self.run_id: str | None = None  # set when the actors launch (and the clock starts)
@@ -324,7 +327,7 @@ class RayRuntime:
                 if key[0] == "learner" and key[1] not in self.lost:
                     m = key[1]
                     self._leave(m)
-                    self.fates.remove(m, self.status[m]["step"], self.now(), False, str(e))
+                    self._remove(m, False, str(e))
                 continue
             except ray.exceptions.RayActorError:
                 continue  # down or restarting; the next poll tells
@@ -382,12 +385,18 @@ class RayRuntime:
         self.status[m] = {k: out[k] for k in ("step", "done", "incarnation")}
         self.fates.repeats.progressed(m, out["step"])
         if out["done"]:
+            if m in self._died_at:  # restarted, and done without a rejoin: out of membership
+                self._gone(m, self._died_at.pop(m))
             self.ledger.finish(m, out["finished_at"])
 
     def _learner_event(self, m: int, ev: dict) -> None:
         if ev["event"] == "rejoin" and ev.get("process_restart"):
             ev = self._with_unseen_loss(m, ev)
         self.log.event(ev)
+        if ev["event"] in ("learner_start", "rejoin", "member_join"):
+            self._life_at[m] = ev["step"]
+        elif ev["event"] == "learner_leave":  # (its final sync offered its work)
+            self._life_at.pop(m, None)
         if ev["event"] == "learner_error":
             step = self.status[m]["step"] if ev.get("step") is None else ev["step"]
             if self.fates.error(m, ev["error"], step):
@@ -410,13 +419,32 @@ class RayRuntime:
         lost = max(accounting.span_steps(s) for s in spans.values())
         return {**ev, "lost_steps": lost, "lost_spans": spans, "unseen_lost_steps": died_at - start}
 
+    def _gone(self, m: int, step: int) -> None:
+        """Learner m's process died at `step` and no process of it will rejoin (its
+        membership ended while it was down, or it is out of the run): no rejoin's cut counts
+        what the death lost, so `learner_gone` has the ledger count what Θ lacks of the
+        life that died (the local runtime's learner loop emits it itself)."""
+        start = self._life_at.pop(m, None)
+        if start is None:
+            return  # (it never started, or left gracefully: nothing unmerged was lost)
+        self.log.event({"event": "learner_gone", "learner": m, "step": step,
+                        "life_start": start, "time": self.now()})  # fmt: skip
+
     def _stop(self, m: int) -> None:
         """Learner m failed the same way too often (failures.py): its processes go without
         a restart, and it leaves the syncer shards' membership."""
         for h in range(self.hosts[m]):
             ray.kill(self.learners[(m, h)], no_restart=True)
         self._leave(m)
-        self.fates.remove(m, self.status[m]["step"], self.now(), stopped=True)
+        self._remove(m, stopped=True)
+
+    def _remove(self, m: int, stopped: bool, error: str = "") -> None:
+        """Learner m is out of the run for good (failures.py); the life it was in is lost."""
+        if m in self.lost:
+            return
+        step = self._died_at.pop(m, self.status[m]["step"])
+        self.fates.remove(m, self.status[m]["step"], self.now(), stopped, error)
+        self._gone(m, step)
 
     def _leave(self, m: int) -> None:
         """Learner m's process is gone (killed here, or out for good): every syncer shard
