@@ -56,10 +56,16 @@ def evaluate(
                          "it trained with (its ids are the model's vocabulary)")  # fmt: skip
     model = load(path, step)
     run = model.config
-    if overrides.get("path") and "source" not in overrides:  # as in a run: path alone selects it
-        overrides["source"] = "path"
+    if "source" not in overrides:  # as in a run: a path (or a TFDS name) alone selects it
+        if overrides.get("path"):
+            overrides["source"] = "path"
+        elif overrides.get("tfds_name"):
+            overrides["source"] = "tfds"
     if overrides.get("source", "path") != "path" and "path" not in overrides:
         overrides["path"] = ""  # another source: the run's own corpus path no longer applies
+    if overrides.get("source", "tfds") != "tfds":  # nor its TFDS dataset
+        for key in ("tfds_name", "tfds_eval_split", "tfds_data_dir"):
+            overrides.setdefault(key, "")
     if run.data.tokenizer == "sentencepiece":  # the run's model file, never one trained anew
         overrides["spm_model_path"] = str(epath.Path(path) / run_files.TOKENIZER)
     data = dataclasses.replace(run.data, **overrides)
@@ -93,19 +99,24 @@ def evaluate(
 
 
 def _trained_on(run_data, data) -> tuple[int, int] | None:
-    """(how many, of how many) documents of `data`'s eval split are in the training split
-    of the run's own corpus (`run_data`), or None: none, or it cannot tell (a TFDS source
-    names no documents; the run's files are not on this machine)."""
-    from decoupled_diloco.data import load_corpus
+    """(how many, of how many) documents of `data`'s eval split hold text of the training
+    split of the run's own corpus (`run_data`), or None: none, or it cannot tell (a TFDS
+    source names no documents; the run's files are not on this machine). A document split by
+    characters (one file, or every file's last part) has a train prefix and an eval suffix:
+    it counts when the new eval part starts before the run's train part ends."""
+    from decoupled_diloco.data import corpus, load_corpus, sources
 
-    held = load_corpus(data).document_names["eval"]
-    if not held:
+    if not load_corpus(data).document_names["eval"]:
         return None
     try:
-        trained = set(load_corpus(run_data).document_names["train"])
+        trained = {d.name: len(d.text) for d in corpus.text_splits(run_data)["train"]}
     except (OSError, ValueError):
         return None
-    seen = sum(name in trained for name in held)
+    docs = sources.read_documents(sources.corpus_files(data), data.max_corpus_bytes)
+    whole = {d.name: len(d.text) for d in docs}
+    _, held = sources.hold_out(docs, data.eval_fraction)
+    # Offsets in the file's text: a byte cap keeps a prefix, so both runs' agree.
+    seen = sum(d.name in trained and whole[d.name] - len(d.text) < trained[d.name] for d in held)
     return (seen, len(held)) if seen else None
 
 

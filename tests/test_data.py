@@ -5,6 +5,7 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import random
@@ -107,6 +108,32 @@ def test_sentencepiece_round_trip_and_cache(tmp_path, monkeypatch):
     assert list((tmp_path / "spm").glob("*.model")) == [model]
     from_file = build_tokenizer(dataclasses.replace(cfg, spm_model_path=str(model)))
     assert from_file.encode(corpus[:200]).tolist() == tok.encode(corpus[:200]).tolist()
+
+
+def test_a_damaged_cached_tokenizer_is_trained_again_and_a_bad_cache_dir_is_named(tmp_path, caplog):
+    """A cache file cut short (a full disk, a copy) stopped every run on that corpus with
+    sentencepiece's own parse error, naming no file; a cache_dir that is a file raised a
+    bare NotADirectoryError after training."""
+    pytest.importorskip("sentencepiece")
+    rng = random.Random(0)
+    lexicon = _words(rng, 30).split()
+    corpus = "\n".join(" ".join(rng.choices(lexicon, k=20)) for _ in range(300))
+    cfg = DataConfig(tokenizer="sentencepiece", spm_vocab_size=300, cache_dir=str(tmp_path))
+    good = build_tokenizer(cfg, lambda: corpus).encode(corpus[:300]).tolist()
+    (model,) = (tmp_path / "spm").glob("*.model")
+    whole = model.read_bytes()
+    for damaged in (whole[:100], b""):
+        model.write_bytes(damaged)
+        with caplog.at_level(logging.WARNING):
+            assert build_tokenizer(cfg, lambda: corpus).encode(corpus[:300]).tolist() == good
+        assert f"the cached sentencepiece model {model} is not readable" in caplog.text
+        assert model.read_bytes() == whole  # replaced by the model trained again
+        caplog.clear()
+    not_a_dir = tmp_path / "a_file"
+    not_a_dir.write_text("")
+    cfg = dataclasses.replace(cfg, cache_dir=str(not_a_dir))
+    with pytest.raises(ValueError, match=r"data.cache_dir=.*a_file.*cannot keep the trained"):
+        build_tokenizer(cfg, lambda: corpus)
 
 
 def test_sentencepiece_corpus_too_small_names_vocab_size(tmp_path):
@@ -781,6 +808,13 @@ def test_a_wrong_tfds_text_key_fails_when_the_corpus_opens(tfds_cfg, key, match)
         (dict(seq_len=0), "data.seq_len"),
         (dict(max_corpus_bytes=-1), "data.max_corpus_bytes"),
         (dict(seed=-3), "data.seed"),
+        # What names a corpus or a tokenizer file is never silently ignored (they trained on
+        # the stdlib with bytes instead).
+        (dict(source="stdlib", tfds_name="lm1b"), "data.tfds_name"),
+        (dict(path="/some/corpus.txt", tfds_name="lm1b"), "data.tfds_name"),
+        (dict(source="shakespeare", tfds_eval_split="test"), "data.tfds_eval_split"),
+        (dict(tfds_data_dir="/data/tfds"), "data.tfds_data_dir"),
+        (dict(spm_model_path="/some/tokenizer.model"), "data.spm_model_path"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -789,6 +823,13 @@ def test_bad_config_names_the_field(overrides, field):
         validate_data_config(cfg)
     with pytest.raises(ValueError, match=field):
         make_iterator(cfg, "train", 1)
+
+
+def test_a_tfds_name_alone_selects_the_tfds_source():
+    """As data.path alone selects the path source (it trained on the stdlib instead)."""
+    assert DataConfig(tfds_name="lm1b").source == "tfds"
+    assert DataConfig(path="a.txt").source == "path" and DataConfig().source == "stdlib"
+    validate_data_config(DataConfig(tfds_name="lm1b", tfds_eval_split="test"))
 
 
 def test_missing_path_names_the_field(tmp_path):

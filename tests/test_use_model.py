@@ -736,6 +736,27 @@ def test_evaluate_warns_when_overrides_put_trained_text_in_the_eval_split(
     assert "training split" not in caplog.text
 
 
+def test_evaluate_tells_trained_text_by_position_in_a_corpus_split_by_characters(
+    small_config, tmp_path, caplog
+):
+    """One file is split by characters: the run trained on its first 90%. Scoring its last
+    5% is held-out text, though the file's name is in both splits (it warned that the model
+    trained on it, comparing names); its last 30% holds text the model trained on."""
+    one = tmp_path / "one.txt"
+    one.write_text("".join(f"line {j} of the only file\n" for j in range(600)))
+    cfg = small_config(**{"train.steps": 2, "data.path": str(one), "data.seq_len": 32,
+                          "data.eval_fraction": 0.1})  # fmt: skip
+    _run(cfg, tmp_path / "wd")
+    workdir = str(tmp_path / "wd")
+    with caplog.at_level(logging.WARNING):
+        evaluate(workdir, data_overrides={"eval_fraction": 0.05})
+        assert "training split" not in caplog.text
+        evaluate(workdir, data_overrides={"eval_fraction": 0.3})
+    assert "1 of the 1 documents of this eval split are in the run's training split" in (
+        caplog.text
+    )
+
+
 def test_a_run_config_reads_back_however_it_is_laid_out(small_config, tmp_path):
     """The digest covers the record's content, not its bytes: re-indented or re-ordered it
     reads back the same; without the digest (an older run's) it is read unchecked."""

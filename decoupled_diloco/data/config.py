@@ -43,10 +43,12 @@ class DataConfig:
     # config passes its top-level `seed` unless data.seed is set: decoupled_diloco/config.py)
 
     def __post_init__(self):
-        # A path names a corpus: given without a source it selects the "path" source (a
-        # given path is never silently ignored; with another source it is an error).
+        # A path or a TFDS name names a corpus: given without a source it selects its source
+        # (the path first); what names a corpus is never silently ignored: with another
+        # source it is an error (validate_data_config), as is a tokenizer file with bytes.
         if self.source == "":
-            object.__setattr__(self, "source", "path" if self.path else "stdlib")
+            source = "path" if self.path else "tfds" if self.tfds_name else "stdlib"
+            object.__setattr__(self, "source", source)
 
 
 def _fail(field: str, value, why: str) -> ValueError:
@@ -70,6 +72,16 @@ def validate_data_config(cfg: DataConfig) -> None:
             f"a corpus path is only read with data.source='path', but data.source is "
             f"{cfg.source!r}: drop one of the two (data.path alone selects the path source)",
         )
+    if cfg.source != "tfds":
+        # (tfds_split and tfds_text_key have defaults: only fields left empty by default tell)
+        for field in ("tfds_name", "tfds_eval_split", "tfds_data_dir"):
+            if getattr(cfg, field):
+                raise _fail(
+                    field,
+                    getattr(cfg, field),
+                    f"only read with data.source='tfds', but data.source is {cfg.source!r}: "
+                    "drop one of the two (data.tfds_name alone selects the tfds source)",
+                )
     if cfg.source == "tfds":
         if not cfg.tfds_name:
             raise _fail("tfds_name", cfg.tfds_name, "source='tfds' needs a dataset name")
@@ -81,6 +93,13 @@ def validate_data_config(cfg: DataConfig) -> None:
             raise _fail("tfds_eval_split", cfg.tfds_eval_split, "must differ from tfds_split")
     if cfg.tokenizer not in TOKENIZERS:
         raise _fail("tokenizer", cfg.tokenizer, f"unknown tokenizer; choose one of {TOKENIZERS}")
+    if cfg.spm_model_path and cfg.tokenizer != "sentencepiece":
+        raise _fail(
+            "spm_model_path",
+            cfg.spm_model_path,
+            f"a sentencepiece model is only read with data.tokenizer='sentencepiece', but "
+            f"data.tokenizer is {cfg.tokenizer!r}: set it, or drop the model file",
+        )
     trains_spm = cfg.tokenizer == "sentencepiece" and not cfg.spm_model_path
     if trains_spm and (not _is_int(cfg.spm_vocab_size) or cfg.spm_vocab_size < MIN_SPM_VOCAB_SIZE):
         raise _fail(

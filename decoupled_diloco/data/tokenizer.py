@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+from absl import logging
 from etils import epath
 
 from decoupled_diloco import paths
@@ -142,7 +143,20 @@ def train_sentencepiece(text: str, vocab_size: int, cache_dir: epath.Path) -> by
     digest = hashlib.sha256(f"{_SPM_RECIPE}/{vocab_size}/".encode() + text.encode()).hexdigest()
     model_path = cache_dir / "spm" / f"bpe{vocab_size}-{digest[:16]}.model"
     if model_path.exists():
-        return model_path.read_bytes()
+        cached = model_path.read_bytes()
+        try:
+            spm.SentencePieceProcessor().LoadFromSerializedProto(cached)
+            return cached
+        except RuntimeError as e:  # (a damaged cache file: trained again, and replaced)
+            logging.warning("the cached sentencepiece model %s is not readable (%s): training "
+                            "it again", model_path, str(e).splitlines()[0][:200])  # fmt: skip
+    try:  # before training (minutes on a big corpus): somewhere to keep the model
+        model_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"data.cache_dir={str(cache_dir)!r}: cannot keep the trained tokenizer in "
+            f"{model_path.parent}: {e}"
+        ) from e
     lines = list(_training_lines(text))
     proto = io.BytesIO()
     try:
@@ -171,8 +185,13 @@ def train_sentencepiece(text: str, vocab_size: int, cache_dir: epath.Path) -> by
             f"data.spm_vocab_size={vocab_size}: sentencepiece could not train on this corpus "
             f"({len(text)} characters): {e}"
         ) from e
-    model_path.parent.mkdir(parents=True, exist_ok=True)
-    paths.write_atomic(model_path, proto.getvalue())  # processes may train it at once
+    try:
+        paths.write_atomic(model_path, proto.getvalue())  # processes may train it at once
+    except OSError as e:
+        raise ValueError(
+            f"data.cache_dir={str(cache_dir)!r}: cannot write the trained tokenizer to "
+            f"{model_path}: {e}"
+        ) from e
     return proto.getvalue()
 
 
