@@ -2,8 +2,9 @@
 
     python -m decoupled_diloco.tokenizer --config=configs/tpu_dense_multislice.py \\
         --config.data.tfds_data_dir=gs://BUCKET/tensorflow_datasets \\
-        --out=gs://BUCKET/tokenizers/bpe32k.model
+        --config.data.spm_model_path= --out=gs://BUCKET/tokenizers/bpe32k.model
 
+(the TPU configs name T5's published model: the empty `spm_model_path` asks for a new one),
 then run with `--config.data.spm_model_path=gs://BUCKET/tokenizers/bpe32k.model`. The model
 is the one a run of that config would train (`data.spm_vocab_size` pieces on the first
 16 MiB of its training split, decoupled_diloco/data/corpus.py); `--out` may be local or gs://.
