@@ -42,9 +42,8 @@ def evaluate(
     """(mean held-out loss, where Θ came from) of the model at `path` on its eval split, or
     on the corpus `data_overrides` (DataConfig fields) describes."""
     from absl import logging
-    from etils import epath
 
-    from decoupled_diloco import run_files
+    from decoupled_diloco import paths, run_files
     from decoupled_diloco.data import validate_data_config
     from decoupled_diloco.loading import load
     from decoupled_diloco.train.evaluate import Evaluator
@@ -67,7 +66,7 @@ def evaluate(
         for key in ("tfds_name", "tfds_eval_split", "tfds_data_dir"):
             overrides.setdefault(key, "")
     if run.data.tokenizer == "sentencepiece":  # the run's model file, never one trained anew
-        overrides["spm_model_path"] = str(epath.Path(path) / run_files.TOKENIZER)
+        overrides["spm_model_path"] = str(paths.resolve(path) / run_files.TOKENIZER)
     data = dataclasses.replace(run.data, **overrides)
     validate_data_config(data)
     mesh = _learner0_mesh(run)
@@ -77,7 +76,7 @@ def evaluate(
     _warn_past_trained(data.seq_len, run.data.seq_len)
     evaluator = Evaluator(run.model, data, mesh, run.train.batch_size, batches)
     if set(overrides) <= {"spm_model_path", "seq_len"}:  # the run's own eval split
-        changed = run_files.corpus_changed(path, data)
+        changed = run_files.corpus_changed(str(paths.resolve(path)), data)
         if changed:
             logging.warning(
                 "the run's corpus changed since it trained (%s): its eval split may no longer "
@@ -137,8 +136,21 @@ def _learner0_mesh(run):
 
     from decoupled_diloco import sharding
 
-    per = min(run.devices_per_learner, jax.device_count())
-    return sharding.make_mesh(sharding.learner_devices(jax.devices(), per, 0), run.mesh)
+    # On a machine with fewer devices than the run's learner had, the most that the mesh
+    # takes and that split the batch evenly (3 of 8 do not split a batch of 32).
+    most = min(run.devices_per_learner, jax.device_count())
+    for n in range(most, 0, -1):
+        try:
+            mesh = sharding.make_mesh(sharding.learner_devices(jax.devices(), n, 0), run.mesh)
+        except ValueError:
+            continue  # (the mesh's fixed axes need another count)
+        if run.train.batch_size % sharding.batch_axis_size(mesh) == 0:
+            return mesh
+    raise ValueError(
+        f"the run's mesh ({run.mesh}) fits no number of this machine's {jax.device_count()} "
+        f"devices up to the run's {run.devices_per_learner} per learner that divides its batch "
+        f"of {run.train.batch_size}: score it on a machine with {run.devices_per_learner}"
+    )
 
 
 def evaluate_text(

@@ -57,7 +57,9 @@ def export(workdir: str, out: str, step: int | None = None) -> str:
     manager.close()
     # The learner step the parameters hold (not the --step asked for: the newest save at or
     # before it), so `load(export, step)` can say whether the export is at or before `step`.
-    info = {"source": f"{workdir}: {model.source}", "step": model.step, "leaves": len(model.params)}
+    # (the workdir resolved: a relative one means nothing read from elsewhere)
+    where = f"{paths.resolve(workdir)}: {model.source}"
+    info = {"source": where, "step": model.step, "leaves": len(model.params)}
     (root / EXPORT_MARKER).write_text(json.dumps(info, indent=1))
     return model.source
 

@@ -14,6 +14,7 @@ learner's parameters (`checkpoints/learner_0/`). Checkpoints keep the last two s
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -103,16 +104,18 @@ def load(path: str, step: int | None = None) -> Model:
         raise TypeError(f"step must be a learner step (an int) or None, not {step!r}")
     if step is not None and step < 0:
         raise ValueError(f"step must be >= 0, not {step}")
-    root = paths.resolve(path)  # absolute: orbax refuses a relative checkpoint path
+    # Absolute (orbax refuses a relative checkpoint path), with ~ expanded: every read below
+    # goes through it.
+    root = paths.resolve(path)
     if (root / EXPORT_MARKER).exists():
-        return _load_export(root, step)
+        return _checked(_load_export(root, step), root)
     if (root / PARAMS).exists() and not (root / "checkpoints").exists():
         raise ValueError(
             f"{path} is an unfinished export (its {EXPORT_MARKER}, written last, is missing): "
             "export the run again"
         )
-    config = run_files.read_config(path)
-    tokenizer = run_files.read_tokenizer(path, config.data)
+    config = run_files.read_config(str(root))
+    tokenizer = run_files.read_tokenizer(str(root), config.data)
     # Where the run saved: a Ray run's actors under `ray.checkpoint_dir` when it is set, the
     # local runtime always under the workdir (it reads no ray.* key).
     ray_dir = config.ray.checkpoint_dir if config.runtime == "ray" else ""
@@ -121,7 +124,30 @@ def load(path: str, step: int | None = None) -> Model:
         params, source, reached = _syncer_theta(ckpt_dir, config, step)
     else:
         params, source, reached = _learner_params(ckpt_dir / "learner_0", config, step)
-    return Model(config, tokenizer, params, source, reached)
+    return _checked(Model(config, tokenizer, params, source, reached), root)
+
+
+def _checked(model: Model, root: epath.Path) -> Model:
+    """The model, once its parameters are those its config's model has, leaf for leaf and
+    shape for shape: a Θ or an export read without a target tree (and a config edited
+    since) ran a truncated model without a word (extra leaves are ignored by `forward`) or
+    failed deep in it."""
+    want = {k: tuple(v.shape) for k, v in models.flatten_params(
+        models.param_shapes(model.config.model)).items()}  # fmt: skip
+    got = {k: tuple(np.shape(v)) for k, v in model.params.items()}
+    if got == want:
+        return model
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    shaped = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+    parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+             f"{len(extra)} not in the model (e.g. {extra[0]})" if extra else "",
+             f"{len(shaped)} of another shape (e.g. {shaped[0]}: {got[shaped[0]]}, the model's "
+             f"{want[shaped[0]]})" if shaped else ""]  # fmt: skip
+    raise ValueError(
+        f"{root}: the parameters of {model.source} do not fit the model its run_config.json "
+        f"describes: {'; '.join(p for p in parts if p)} (a config or a checkpoint from "
+        "another run?)"
+    )
 
 
 def _at_or_before(step: int | None) -> str:
@@ -250,9 +276,21 @@ def _learner_params(directory: epath.Path, config: RunConfig, step: int | None):
         source = f"learner step {n}" + _refused_note(refused)
         return {k: np.asarray(v, np.float32) for k, v in flat.items()}, source, n
     manager.close()
+    if refused and all(_MISFIT.search(why) for why in refused):
+        raise ValueError(
+            f"{directory}: the learner checkpoints{_at_or_before(step)} hold parameters that "
+            f"do not fit the model its run_config.json describes (a config or a checkpoint "
+            f"from another run?): " + "; ".join(refused)
+        )
     raise CorruptCheckpointError(
         f"no learner checkpoint{_at_or_before(step)} can be trusted: " + "; ".join(refused)
     )
+
+
+# How orbax (0.11-0.12) refuses a restore into another tree or other shapes than it saved:
+# intact files of another model, not damage (the error says so; another wording reads as
+# damage, as before).
+_MISFIT = re.compile(r"tree structures do not match|is not compatible with the stored shape")
 
 
 def _load_export(root: epath.Path, step: int | None) -> Model:
@@ -263,6 +301,9 @@ def _load_export(root: epath.Path, step: int | None) -> Model:
     if not isinstance(info, dict):
         raise ValueError(f"{root / EXPORT_MARKER} is not the export's record (not an object)")
     exported = info.get("step")
+    if exported is not None and (isinstance(exported, bool) or not isinstance(exported, int)):
+        raise ValueError(f"{root / EXPORT_MARKER}: its step must be an int or null, got "
+                         f"{exported!r}")  # fmt: skip
     if step is not None and exported is None:
         raise ValueError(f"{root} does not record the step it holds: load it without --step")
     if step is not None and exported > step:

@@ -7,8 +7,8 @@
 
 The run's own model (dense or MoE, its attention pattern and soft-caps) decodes with a KV
 cache, one jitted step per token (decoupled_diloco/models/decode.py). MoE layers with a
-capacity (`capacity_factor > 0`) route each step's tokens on their own, so their drops can
-differ from those of a whole-sequence forward pass.
+capacity (`capacity_factor > 0`) keep each row's claimed expert slots in the cache, so a
+sample drops the tokens a whole-sequence forward pass of its training length would drop.
 """
 
 from decoupled_diloco import cli
@@ -30,15 +30,29 @@ def sample(
     num_samples: int = 1,
     step: int | None = None,
 ):
-    """[(prompt, completion text)] for every prompt, `num_samples` times each."""
+    """[(prompt, completion text)] for every prompt (a str is one prompt), `num_samples`
+    times each."""
     import math
 
     import jax
     from absl import logging
 
     from decoupled_diloco.loading import load
-    from decoupled_diloco.models.decode import generate
+    from decoupled_diloco.models.decode import cache_bytes, free_bytes, generate
 
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"--prompt: give one or more prompts as text (\"\" starts a "
+                         f"document), got {prompts!r}")  # fmt: skip
+    for p in prompts:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:  # (bytes the shell passed that are not UTF-8)
+            raise ValueError(f"--prompt={p!r} is not valid UTF-8 text ({e.reason})") from e
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed),
+                        ("num_samples", num_samples)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"--{name} must be an int, got {value!r}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     if not isinstance(num_samples, int) or num_samples < 1:
@@ -56,6 +70,16 @@ def sample(
     if top_k > vocab:
         raise ValueError(f"--top_k={top_k} is more than the model's vocabulary ({vocab}); "
                          "0 samples from all of it")  # fmt: skip
+    # Rows x their least length in KV cache, before the lists of them are made (a count of
+    # samples in the billions made them, gigabytes, before `generate` held its plan).
+    rows, shortest = len(prompts) * num_samples, 1 + max_new_tokens
+    least, free = cache_bytes(model.config.model, rows, shortest), free_bytes(jax.devices()[0])
+    if free is not None and least > free:
+        raise ValueError(
+            f"{len(prompts)} prompt(s) x --num_samples={num_samples} x at least {shortest} "
+            f"tokens need {least / 2**30:.1f} GiB of KV cache, more than the "
+            f"{free / 2**30:.1f} GiB free: fewer --num_samples or --max_new_tokens"
+        )
     batch = [p for p in prompts for _ in range(num_samples)]
     # An empty prompt starts a document: the separator the corpus's documents follow.
     encoded = {p: [int(i) for i in tok.encode(p)] or [int(tok.eos_id)] for p in prompts}

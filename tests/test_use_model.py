@@ -222,9 +222,85 @@ def test_relative_paths_load_export_and_evaluate(runs, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):  # nothing to export: no folder is left behind
         export(str(tmp_path / "no_run"), "never")
     assert not (tmp_path / "never").exists()
+    # The record names the workdir resolved: a relative one meant nothing read elsewhere.
+    monkeypatch.chdir(workdir.parent)
+    export(workdir.name, str(tmp_path / "from_relative"))
+    assert decoupled_diloco.load(str(tmp_path / "from_relative")).source.startswith(
+        f"export of {workdir}: learner step"
+    )
+    record = tmp_path / "from_relative" / "export.json"  # a step edited by hand is named
+    record.write_text(json.dumps({**json.loads(record.read_text()), "step": "abc"}))
+    with pytest.raises(ValueError, match=r"export.json: its step must be an int or null"):
+        decoupled_diloco.load(str(tmp_path / "from_relative"), step=5)
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "exported" / "export.json").unlink()  # an export that died before its end
     with pytest.raises(ValueError, match="exported is an unfinished export"):
         decoupled_diloco.load("exported")
+
+
+def test_a_workdir_under_the_home_folder_loads_by_tilde(runs, tmp_path, monkeypatch):
+    """`--workdir=~/wd` read the run's config from a folder named "~" (not found), though an
+    export loaded that way."""
+    import shutil
+
+    workdir, summary = runs["dp"]
+    shutil.copytree(workdir, tmp_path / "wd")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert decoupled_diloco.load("~/wd").step == decoupled_diloco.load(str(workdir)).step
+    assert evaluate("~/wd")[0] == pytest.approx(summary["final_eval_loss"])
+
+
+@pytest.mark.parametrize("name", ["dp", "dec"])
+def test_parameters_that_do_not_fit_the_runs_model_are_refused(runs, tmp_path, name):
+    """Θ and an export are read without a target tree: with a config that says one layer
+    (edited, or copied from another run) the model ran its first layer alone without a word
+    (the other layers' parameters were ignored), or died deep in `forward`."""
+    import shutil
+
+    from decoupled_diloco import run_files
+
+    workdir = tmp_path / name
+    shutil.copytree(runs[name][0], workdir)
+    file = workdir / "run_config.json"
+    original = file.read_text()
+
+    def edited(key, value):
+        record = json.loads(original)
+        record["model"][key] = value
+        record["sha256"] = run_files._digest(record)
+        file.write_text(json.dumps(record, indent=1))
+
+    # (a data-parallel run's learner checkpoint restores into the model's tree: orbax refuses
+    # it, which read as damage: "no learner checkpoint can be trusted")
+    fewer = r"\d+ not in the model \(e.g. block_1/" if name == "dec" else "tree structures"
+    edited("num_layers", 1)
+    with pytest.raises(ValueError, match=r"do not fit the model its run_config.json describes"
+                       rf".*{fewer}"):  # fmt: skip
+        decoupled_diloco.load(str(workdir))
+    edited("ffw_hidden", 2 * json.loads(original)["model"]["ffw_hidden"])
+    other = r"\d+ of another shape \(e.g. block_0/" if name == "dec" else "stored shape"
+    with pytest.raises(ValueError, match=other):
+        decoupled_diloco.load(str(workdir))
+    file.write_text(original)
+    decoupled_diloco.load(str(workdir))  # (as the run wrote it: loads)
+
+
+def test_evaluate_on_fewer_devices_takes_as_many_as_split_the_batch(small_config, monkeypatch):
+    """A run of 8 devices per learner scored on a machine of 3: 3 do not split its batch of
+    8 and the evaluation died in a sharding error; it takes 2. A mesh whose fixed axes need
+    more devices than there are is refused naming both."""
+    import jax
+
+    from decoupled_diloco.evaluate import _learner0_mesh
+
+    run = config_lib.validate(small_config(**{"devices_per_learner": 8}))
+    fsdp = config_lib.validate(small_config(**{"devices_per_learner": 8, "mesh.fsdp": 4}))
+    three = jax.devices()[:3]
+    monkeypatch.setattr(jax, "devices", lambda *a: three)
+    monkeypatch.setattr(jax, "device_count", lambda *a: len(three))
+    assert _learner0_mesh(run).devices.size == 2
+    with pytest.raises(ValueError, match=r"this machine's 3 devices .* batch of 8"):
+        _learner0_mesh(fsdp)
 
 
 def test_checkpoints_are_read_where_the_runtime_wrote_them(runs, tmp_path, monkeypatch):
@@ -368,10 +444,13 @@ def test_sampling_is_deterministic_per_seed(runs):
                         ({"top_k": -1}, "--top_k must be >= 0"),
                         ({"seed": 10**20}, r"--seed must be an int in \[0, 2\*\*63\)"),
                         ({"max_new_tokens": 0}, "--max_new_tokens must be >= 1, got 0"),
-                        # a KV cache past the device's memory (the OOM killer took it)
-                        ({"max_new_tokens": 10**10}, "GiB KV cache, the prompts' attention"),
+                        # a KV cache past the device's memory (the OOM killer took it),
+                        # refused from its least size before the prefill's plan
+                        ({"max_new_tokens": 10**10}, "at least 10000000001 tokens need"),
                         # a million samples (they ran for minutes before any check)
-                        ({"num_samples": 10**6}, r"1000000 sequence\(s\) of up to 8")]:  # fmt: skip
+                        # (its KV cache fits here, 3.8 GiB: the prefill's plan does not)
+                        ({"num_samples": 10**6}, r"1000000 sequence\(s\) of up to 8|"
+                                                 r"--num_samples=1000000 x at least 5")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             sample(str(workdir), ["def "], **{"max_new_tokens": 4, **kwargs})
 
@@ -382,11 +461,34 @@ def test_sample_refuses_what_the_free_memory_cannot_hold(runs, monkeypatch):
     from decoupled_diloco.models import decode
 
     workdir, _ = runs["dp"]
-    monkeypatch.setattr(decode, "available_host_bytes", lambda: 1000)
+    cfg = decoupled_diloco.load(str(workdir)).config.model
+    # (room for the least KV cache the sample checks first: the prefill's plan needs more)
+    monkeypatch.setattr(decode, "available_host_bytes", lambda: decode.cache_bytes(cfg, 1, 5))
     with pytest.raises(ValueError, match=r"need [0-9.]+ GiB .* more than the 0\.0 GiB free"):
         sample(str(workdir), ["def "], 4)
     monkeypatch.setattr(decode, "available_host_bytes", lambda: 2**40)
     assert len(sample(str(workdir), ["def "], 4)[0][1]) == 4
+    # A count of samples whose KV cache alone is past the memory is refused before the
+    # batch's lists are made (a billion samples made gigabytes of them first).
+    with pytest.raises(ValueError, match=r"--num_samples=1000000000 x at least 5 tokens need"):
+        sample(str(workdir), ["def "], 4, num_samples=10**9)
+
+
+def test_sample_takes_one_prompt_as_text_and_refuses_bad_arguments_by_name(runs):
+    """A str was read as a list of one-character prompts; an empty list failed in max()
+    after loading the model; a float count failed deep in JAX; text that is not UTF-8 said
+    nothing of --prompt."""
+    workdir = str(runs["dp"][0])
+    assert [p for p, _ in sample(workdir, "def ", 2)] == ["def "]
+    for prompts in ([], [b"def"]):
+        with pytest.raises(ValueError, match="--prompt: give one or more prompts as text"):
+            sample(workdir, prompts, 2)
+    with pytest.raises(ValueError, match=r"--prompt='\\udcff' is not valid UTF-8"):
+        sample(workdir, ["\udcff"], 2)
+    for name in ("max_new_tokens", "top_k", "seed", "num_samples"):
+        args = {"max_new_tokens": 2, name: 2.0}
+        with pytest.raises(ValueError, match=f"--{name} must be an int, got 2.0"):
+            sample(workdir, ["a"], **args)
 
 
 def test_every_sample_has_max_new_tokens_whatever_its_prompts_length(runs, monkeypatch):
