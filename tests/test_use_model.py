@@ -429,6 +429,11 @@ def test_decoding_puts_the_parameters_on_the_device_once(monkeypatch):
     assert seen == [True] * 3
 
 
+# A million samples: refused by the prefill's plan, or, where even their KV cache is past
+# the free memory (3.8 GiB), before it.
+MILLION_SAMPLES = r"1000000 sequence\(s\) of up to 8|--num_samples=1000000 x at least 5"
+
+
 def test_sampling_is_deterministic_per_seed(runs):
     workdir, _ = runs["dp"]
     greedy = [sample(str(workdir), ["def "], 16, temperature=0.0) for _ in range(2)]
@@ -449,8 +454,7 @@ def test_sampling_is_deterministic_per_seed(runs):
                         ({"max_new_tokens": 10**10}, "at least 10000000001 tokens need"),
                         # a million samples (they ran for minutes before any check)
                         # (its KV cache fits here, 3.8 GiB: the prefill's plan does not)
-                        ({"num_samples": 10**6}, r"1000000 sequence\(s\) of up to 8|"
-                                                 r"--num_samples=1000000 x at least 5")]:  # fmt: skip
+                        ({"num_samples": 10**6}, MILLION_SAMPLES)]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             sample(str(workdir), ["def "], **{"max_new_tokens": 4, **kwargs})
 
