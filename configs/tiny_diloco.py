@@ -16,7 +16,7 @@ def get_config(arg=None):
     c = tiny_cpu_config("tiny_diloco", learners=4)
     c.diloco.fragments = 1  # P: the whole model is one fragment
     c.diloco.overlap = 0  # tau: the merge is applied at the step it was offered
-    c.diloco.quorum = 4  # K = M
+    c.diloco.quorum = c.diloco.get_ref("learners")  # K = M, whatever M is set to
     c.diloco.grace_gamma = 0.0  # no grace window (K = M already waits for all)
     c.diloco.max_wait = -1.0  # wait forever: synchronous
     c.diloco.weights = "uniform"

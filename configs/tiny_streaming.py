@@ -19,7 +19,7 @@ def get_config(arg=None):
     c.diloco.overlap = 1  # tau (Streaming DiLoCo: 1)
     c.diloco.apply = "overwrite"  # Streaming DiLoCo's rule, with its mixing:
     c.diloco.alpha = 0.5  # theta <- 0.5 theta + 0.5 merged (Streaming DiLoCo)
-    c.diloco.quorum = 4  # K = M
+    c.diloco.quorum = c.diloco.get_ref("learners")  # K = M, whatever M is set to
     c.diloco.grace_gamma = 0.0
     c.diloco.max_wait = -1.0  # wait forever: synchronous
     c.diloco.weights = "uniform"

@@ -189,6 +189,16 @@ def test_a_vocabulary_larger_than_the_embedding_names_the_value_to_set(small_con
         config_lib.validate(c, require_packages=False)
 
 
+@pytest.mark.parametrize("name", ["tiny_diloco.py", "tiny_streaming.py", "heterogeneous.py"])
+def test_the_synchronous_configs_stay_synchronous_for_any_number_of_learners(name):
+    """K = M whatever diloco.learners is set to: K stayed 4 (8 in heterogeneous:sync), and
+    `--config.diloco.learners=8` ran an asynchronous K = 4 of 8 under the name DiLoCo."""
+    c = _load(os.path.join(CONFIG_DIR, name)).get_config(*(["sync"] if "hetero" in name else []))
+    for m in (2, 8):
+        c.update_from_flattened_dict({"diloco.learners": m, "devices_per_learner": 1})
+        assert config_lib.validate(c).diloco.quorum == m
+
+
 def test_the_cpu_configs_warmup_and_evaluations_follow_an_override_of_their_steps():
     """A tenth of the steps of warmup and three evaluations, whatever train.steps is set
     to (they stayed those of 300 steps: a 4-step run trained at 4/30 of its peak lr); set
