@@ -37,6 +37,7 @@ def sample(
     import jax
     from absl import logging
 
+    from decoupled_diloco import seeds
     from decoupled_diloco.loading import load
     from decoupled_diloco.models.decode import cache_bytes, free_bytes, generate
 
@@ -100,7 +101,7 @@ def sample(
         max_new_tokens,
         temperature,
         top_k,
-        jax.random.key(seed),
+        seeds.key(seed),
         vocab,
         moe_group=trained,  # a capacity MoE routes a sample as it routed a training row
     )

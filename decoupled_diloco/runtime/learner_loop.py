@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import checkpoint, fault_steps, faults, mfu, profiling
+from decoupled_diloco import checkpoint, fault_steps, faults, mfu, profiling, seeds
 from decoupled_diloco.data.prefetch import Prefetch
 from decoupled_diloco.diloco.learner import Learner, materialize
 from decoupled_diloco.diloco.messages import Leave, Snapshot
@@ -413,7 +413,7 @@ class LearnerLoop:
         if self.restored is not None:
             self.replica.state = self.restored
         else:
-            self.replica.init_from_rng(jax.random.key(self.run_cfg.train.seed), self.step)
+            self.replica.init_from_rng(seeds.key(self.run_cfg.train.seed), self.step)
 
     def revive_if_down(self) -> None:
         """A data-parallel run stopped (a wall-clock budget) while its job was down: what

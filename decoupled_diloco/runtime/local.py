@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from decoupled_diloco import cli, faults, paths, run_files, sharding
+from decoupled_diloco import cli, faults, paths, run_files, seeds, sharding
 from decoupled_diloco.checkpoint import Checkpointer
 from decoupled_diloco.config import RunConfig
 from decoupled_diloco.data import make_iterator
@@ -227,7 +227,7 @@ class LocalRuntime:
         run = self.run_cfg
         # Θ_0: learner 0's sharded init from the run's seed (every runtime starts there).
         seed = self.loops[0].replica
-        seed.init_from_rng(jax.random.key(run.train.seed))
+        seed.init_from_rng(seeds.key(run.train.seed))
         init = seed.host_params()
         seed.drop()
         self.init_params = init  # Θ_0

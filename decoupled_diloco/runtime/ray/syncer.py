@@ -40,9 +40,9 @@ def initial_params(run: RunConfig) -> dict:
     import jax
     import numpy as np
 
-    from decoupled_diloco import models
+    from decoupled_diloco import models, seeds
 
-    params = jax.jit(lambda r: models.init_params(run.model, r))(jax.random.key(run.train.seed))
+    params = jax.jit(lambda r: models.init_params(run.model, r))(seeds.key(run.train.seed))
     return {k: np.asarray(v, np.float32) for k, v in models.flatten_params(params).items()}
 
 
