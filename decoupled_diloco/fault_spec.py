@@ -35,7 +35,7 @@ class FaultSpec:
     straggler_rate_per_hour: float = 0.0  # Poisson rate of slowdown episodes per learner
     straggler_duration_s: float = 10.0  # seconds each slowdown episode lasts
     straggler_slowdown: float = 2.0  # step-time multiplier during an episode
-    speed_factors: tuple[float, ...] = ()  # per-learner step-time multiplier; () = all 1
+    speed_factors: tuple[float, ...] = ()  # per-learner step-time multiplier >= 1; () = all 1
     slow_fraction: float = 0.0  # alternative to speed_factors: the last this-fraction...
     slow_factor: float = 1.0  # ...of learners get this step-time multiplier (1.18 = 18% slower)
     speed_noise: float = 0.0  # std of the multiplicative per-step log-normal noise (0.10)
@@ -164,8 +164,10 @@ def validate_fault_spec(
         _fail("straggler_slowdown", f"must be >= 1 (a slowdown), got {spec.straggler_slowdown}")
     if not 0 <= spec.slow_fraction <= 1:
         _fail("slow_fraction", f"must be in [0, 1], got {spec.slow_fraction}")
-    if not spec.slow_factor > 0:
-        _fail("slow_factor", f"must be > 0, got {spec.slow_factor}")
+    # A learner runs at its device's pace or slower: the runtime sleeps to slow one down and
+    # cannot speed one up, so a factor below 1 ran at 1 (the simulator took it as asked).
+    if not spec.slow_factor >= 1:
+        _fail("slow_factor", f"must be >= 1 (a slowdown), got {spec.slow_factor}")
     slow = spec.slow_fraction * m
     if spec.slow_factor != 1 and abs(slow - round(slow)) > 1e-9:  # (rounding made 0.5 of 1 none)
         _fail("slow_fraction", f"of {m} learner(s) is {slow:g} learners: use a multiple of 1/{m}")
@@ -175,8 +177,10 @@ def validate_fault_spec(
         values = getattr(spec, field)
         if values and len(values) != m:
             _fail(field, f"needs one value per learner ({m}) or none, got {len(values)}")
-    if any(not f > 0 for f in spec.speed_factors):
-        _fail("speed_factors", f"must all be > 0, got {spec.speed_factors}")
+    if any(not f >= 1 for f in spec.speed_factors):
+        _fail("speed_factors", f"must all be >= 1 (slowdowns: a learner runs at its "
+              f"device's pace or slower; scale them so the fastest is 1), got "
+              f"{spec.speed_factors}")  # fmt: skip
     if any(not x >= 0 for x in spec.link_latency_s + spec.link_bandwidth_bps):
         _fail("link_latency_s", "and faults.link_bandwidth_bps values must be >= 0")
     for entry in spec.membership:

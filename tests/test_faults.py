@@ -99,8 +99,8 @@ def test_membership_windows_and_crashes_only_hit_members():
 def test_slow_fraction_applies_to_the_last_learners():
     sched = FaultSchedule(FaultSpec(slow_fraction=0.5, slow_factor=1.18), 4, 100.0)
     assert [sched.step_time_factor(i, 3, 1.0) for i in range(4)] == [1.0, 1.0, 1.18, 1.18]
-    sched = FaultSchedule(FaultSpec(speed_factors=(1.0, 2.0, 0.5)), 3, 100.0)
-    assert [sched.step_time_factor(i, 0, 0.0) for i in range(3)] == [1.0, 2.0, 0.5]
+    sched = FaultSchedule(FaultSpec(speed_factors=(1.0, 2.0, 1.5)), 3, 100.0)
+    assert [sched.step_time_factor(i, 0, 0.0) for i in range(3)] == [1.0, 2.0, 1.5]
 
 
 def test_noise_is_a_function_of_learner_and_step_only():
@@ -173,6 +173,9 @@ def test_fault_spec_from_dict_round_trip_and_unknown_key():
         ({"speed_factors": (1.0, 1.0), "slow_fraction": 0.5}, "faults.speed_factors"),
         ({"slow_fraction": 1.5}, "faults.slow_fraction"),
         ({"slow_factor": 0.0}, "faults.slow_factor"),
+        # a learner cannot run faster than its device: below 1 ran at 1
+        ({"slow_fraction": 0.5, "slow_factor": 0.5}, r"faults.slow_factor must be >= 1"),
+        ({"speed_factors": (0.25, 1.0)}, r"faults.speed_factors must all be >= 1"),
         ({"speed_noise": -0.1}, "faults.speed_noise"),
         ({"link_latency_s": (0.1, 0.1, 0.1)}, "faults.link_latency_s"),
         ({"link_bandwidth_bps": (-1.0, 1.0)}, "faults.link_bandwidth_bps"),
