@@ -403,6 +403,13 @@ def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> Run
     _check_fragments_fit_the_period(diloco_cfg)
     _check_an_offer_is_made(diloco_cfg, train_cfg.steps)
     m = diloco_cfg.learners
+    if c.runtime == "ray" and c.ray.get("accelerator") == "tpu" and c.devices_per_learner == 0:
+        # (0 divides this process's devices, the driver's: a learner's are its slice's chips)
+        raise ValueError(
+            "devices_per_learner=0 with ray.accelerator='tpu': set it to the chips of one "
+            "learner's slice (scripts/tpu/tpu_cluster.py passes them); this machine's "
+            f"{jax.device_count()} devices are not a slice's"
+        )
     per = _devices_per_learner(c.devices_per_learner, m, c.runtime, jax.device_count())
     mesh_cfg = _dataclass_from(sharding.MeshConfig, c.mesh, "mesh")
     shape = sharding.mesh_shape(mesh_cfg, per)

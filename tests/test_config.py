@@ -210,3 +210,13 @@ def test_the_cpu_configs_warmup_and_evaluations_follow_an_override_of_their_step
     assert (run.train.warmup_steps, run.train.eval_every) == (1, 2)
     c.update_from_flattened_dict({"train.warmup_steps": 3, "train.steps": 50})
     assert (c.train.warmup_steps, c.train.eval_every) == (3, 17)
+
+
+def test_a_ray_tpu_run_names_the_chips_of_a_slice():
+    """devices_per_learner=0 divided the driver's (or the checking machine's) devices: 8
+    fake CPUs made "4 learners x 2 devices" of a TPU config, and a real run failed later in
+    the cluster's placement, asking whether every host had joined."""
+    c = _load(os.path.join(CONFIG_DIR, "tpu_dense_multislice.py")).get_config()
+    c.ray.checkpoint_dir = "gs://bucket/run"
+    with pytest.raises(ValueError, match=r"devices_per_learner=0 with ray.accelerator='tpu'"):
+        config_lib.validate(c, require_packages=False)
