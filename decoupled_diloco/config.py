@@ -366,10 +366,53 @@ def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> Run
     config is checked on one machine for a run on another)."""
     import jax
 
+    checked = check_before_world(c, require_packages)
+    model_cfg, train_cfg = checked["model"], checked["train"]
+    m = checked.pop("learners")
+    if c.runtime == "ray" and c.ray.get("accelerator") == "tpu" and c.devices_per_learner == 0:
+        # (0 divides this process's devices, the driver's: a learner's are its slice's chips)
+        raise ValueError(
+            "devices_per_learner=0 with ray.accelerator='tpu': set it to the chips of one "
+            "learner's slice (scripts/tpu/tpu_cluster.py passes them); this machine's "
+            f"{jax.device_count()} devices are not a slice's"
+        )
+    per = _devices_per_learner(c.devices_per_learner, m, c.runtime, jax.device_count())
+    mesh_cfg = _dataclass_from(sharding.MeshConfig, c.mesh, "mesh")
+    shape = sharding.mesh_shape(mesh_cfg, per)
+    experts = shape[sharding.MESH_AXES.index("expert")]
+    if model_cfg.num_experts and experts > 1 and model_cfg.num_experts % experts:
+        raise ValueError(
+            f"mesh.expert ({experts}) must divide model.num_experts ({model_cfg.num_experts}): "
+            "else every expert is copied whole onto each of the axis' devices"
+        )
+    batch_ways = math.prod(
+        s for a, s in zip(sharding.MESH_AXES, shape, strict=True) if a != "tensor"
+    )
+    if train_cfg.batch_size % batch_ways:
+        raise ValueError(
+            f"train.batch_size ({train_cfg.batch_size}) must be divisible by the learner's "
+            f"batch-parallel devices ({batch_ways} = mesh data*fsdp*expert)"
+        )
+    _check_microbatches(train_cfg, batch_ways)
+
+    return RunConfig(
+        **checked,
+        mesh=mesh_cfg,
+        devices_per_learner=per,
+        runtime=c.runtime,
+        name=c.name,
+    )
+
+
+def check_before_world(c: ml_collections.ConfigDict, require_packages: bool = True) -> dict:
+    """The checks of `validate` that need no devices, and so start no JAX backend: the
+    entry point runs them before it joins a multi-host world (`distributed.*`), which waits
+    for every host up to distributed.initialization_timeout, then aborts the process; a bad
+    config was named only after that. Returns the sections checked (RunConfig's fields)."""
     if c.runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {RUNTIMES}, got {c.runtime!r}")
     if not isinstance(c.seed, int) or isinstance(c.seed, bool) or not 0 <= c.seed < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2**63), got {c.seed!r}")  # (jax: int64)
+        raise ValueError(f"seed must be an int in [0, 2**63), got {c.seed!r}")  # (seeds.key)
     gil_ms = c.get("gil_switch_ms", GIL_SWITCH_MS)
     # Python keeps whole microseconds of it: a positive value below 1 µs would become 0.
     number = isinstance(gil_ms, (int, float)) and not isinstance(gil_ms, bool)
@@ -403,31 +446,6 @@ def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> Run
     _check_fragments_fit_the_period(diloco_cfg)
     _check_an_offer_is_made(diloco_cfg, train_cfg.steps)
     m = diloco_cfg.learners
-    if c.runtime == "ray" and c.ray.get("accelerator") == "tpu" and c.devices_per_learner == 0:
-        # (0 divides this process's devices, the driver's: a learner's are its slice's chips)
-        raise ValueError(
-            "devices_per_learner=0 with ray.accelerator='tpu': set it to the chips of one "
-            "learner's slice (scripts/tpu/tpu_cluster.py passes them); this machine's "
-            f"{jax.device_count()} devices are not a slice's"
-        )
-    per = _devices_per_learner(c.devices_per_learner, m, c.runtime, jax.device_count())
-    mesh_cfg = _dataclass_from(sharding.MeshConfig, c.mesh, "mesh")
-    shape = sharding.mesh_shape(mesh_cfg, per)
-    experts = shape[sharding.MESH_AXES.index("expert")]
-    if model_cfg.num_experts and experts > 1 and model_cfg.num_experts % experts:
-        raise ValueError(
-            f"mesh.expert ({experts}) must divide model.num_experts ({model_cfg.num_experts}): "
-            "else every expert is copied whole onto each of the axis' devices"
-        )
-    batch_ways = math.prod(
-        s for a, s in zip(sharding.MESH_AXES, shape, strict=True) if a != "tensor"
-    )
-    if train_cfg.batch_size % batch_ways:
-        raise ValueError(
-            f"train.batch_size ({train_cfg.batch_size}) must be divisible by the learner's "
-            f"batch-parallel devices ({batch_ways} = mesh data*fsdp*expert)"
-        )
-    _check_microbatches(train_cfg, batch_ways)
 
     fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults", **_seed_of(c.faults, c.seed))
     faults.validate_fault_spec(fault_spec, m, max_step=train_cfg.steps)
@@ -457,20 +475,17 @@ def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> Run
             "of its own slice's hosts)"
         )
 
-    return RunConfig(
+    return dict(
         model=model_cfg,
         data=data_cfg,
         train=train_cfg,
-        mesh=mesh_cfg,
         diloco=diloco_cfg,
         faults=fault_spec,
-        devices_per_learner=per,
-        runtime=c.runtime,
-        name=c.name,
         ray=ray_cfg,
         distributed=dist_cfg,
         gil_switch_ms=float(gil_ms),
         local_syncer=local_syncer,
+        learners=m,
     )
 
 

@@ -73,6 +73,7 @@ def main(argv) -> None:
     from decoupled_diloco.runtime import launch
 
     try:
+        config_lib.check_before_world(config)  # (a join waits for every host: minutes)
         join_world(config)
         run = config_lib.validate(config)
     except ValueError as e:

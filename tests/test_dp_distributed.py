@@ -58,6 +58,22 @@ def test_distributed_is_for_the_data_parallel_baseline_only(small_config):
             config_lib.validate(_dp(small_config, **world, **bad))
 
 
+def test_a_bad_config_is_named_before_the_world_is_joined(tmp_path):
+    """The entry point joined the world first: process 0 of 2 waited for a host that would
+    never come (distributed.initialization_timeout, 300 s by default), then XLA aborted the
+    process without naming the config's error. It is named at once now."""
+    args = [sys.executable, "-m", "decoupled_diloco.main", "--config=configs/tiny_dense.py",
+            f"--workdir={tmp_path / 'w'}", "--config.distributed.num_processes=2",
+            f"--config.distributed.coordinator_address=127.0.0.1:{_free_port()}",
+            "--config.distributed.initialization_timeout=120"]  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for bad, named in (("--config.train.steps=0", "train.steps"),
+                       ("--config.diloco.sync_every=4", "data-parallel baseline")):  # fmt: skip
+        out = subprocess.run([*args, bad], cwd=root, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "config error: " in out.stderr, out.stderr[-2000:]
+        assert named in out.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
