@@ -15,6 +15,7 @@ import os
 import typing
 
 import ml_collections
+from absl import logging
 
 from decoupled_diloco import faults, models, sharding
 from decoupled_diloco.data import DataConfig, validate_data_config
@@ -445,6 +446,7 @@ def check_before_world(c: ml_collections.ConfigDict, require_packages: bool = Tr
     diloco_cfg.validate()
     _check_fragments_fit_the_period(diloco_cfg)
     _check_an_offer_is_made(diloco_cfg, train_cfg.steps)
+    _warn_of_syncer_keys_without_one(diloco_cfg, local_syncer)
     m = diloco_cfg.learners
 
     fault_spec = _dataclass_from(faults.FaultSpec, c.faults, "faults", **_seed_of(c.faults, c.seed))
@@ -519,6 +521,27 @@ def _check_fragments_fit_the_period(d: DilocoConfig) -> None:
             "fragments are synced at staggered offsets p*H/P of each H-step period, and with "
             "fewer steps than fragments several would be due on the same step"
         )
+
+
+def _warn_of_syncer_keys_without_one(d: DilocoConfig, local_syncer: str) -> None:
+    """A data-parallel run (diloco.sync_every = 0) reads no other diloco.* key: one set off
+    its default is ignored, and said so (a run that forgot sync_every trained plain
+    data-parallel without a word). A warning, not an error: a data-parallel arm derived
+    from a DiLoCo config (experiments/, scripts/tpu) carries that config's keys."""
+    if d.uses_syncer:
+        return
+    default = DilocoConfig()
+    ignored = [f"diloco.{f.name}" for f in dataclasses.fields(DilocoConfig)
+               if f.name not in ("learners", "sync_every")
+               and getattr(d, f.name) != getattr(default, f.name)]  # fmt: skip
+    if local_syncer != LOCAL_SYNCERS[0]:
+        ignored.append("local_syncer")
+    if ignored:
+        logging.warning(
+            "diloco.sync_every=0 (data-parallel: no syncer, no outer step): %s %s ignored; "
+            "set diloco.sync_every (H) for a DiLoCo-family run", ", ".join(ignored),
+            "is" if len(ignored) == 1 else "are",
+        )  # fmt: skip
 
 
 def _check_an_offer_is_made(d: DilocoConfig, steps: int) -> None:

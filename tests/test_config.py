@@ -220,3 +220,20 @@ def test_a_ray_tpu_run_names_the_chips_of_a_slice():
     c.ray.checkpoint_dir = "gs://bucket/run"
     with pytest.raises(ValueError, match=r"devices_per_learner=0 with ray.accelerator='tpu'"):
         config_lib.validate(c, require_packages=False)
+
+
+def test_a_data_parallel_run_says_which_syncer_keys_it_ignores(small_config, caplog):
+    """diloco.sync_every=0 reads no other diloco.* key: a run that forgot sync_every trained
+    plain data-parallel, its fragments and outer lr ignored without a word. The shipped
+    data-parallel configs set none."""
+    import logging
+
+    dp = {"diloco.learners": 1, "diloco.sync_every": 0}
+    with caplog.at_level(logging.WARNING):
+        config_lib.validate(small_config(**dp))
+        for name in ("tiny_dense.py", "tiny_dense_4x.py"):
+            config_lib.validate(_load(os.path.join(CONFIG_DIR, name)).get_config())
+        assert "ignored" not in caplog.text
+        config_lib.validate(small_config(**dp, **{"diloco.fragments": 6,
+                                                  "diloco.outer_lr": 0.5}))  # fmt: skip
+    assert "diloco.fragments, diloco.outer_lr are ignored; set diloco.sync_every" in caplog.text
