@@ -203,6 +203,9 @@ def test_a_run_that_took_no_step_starts_over_with_a_changed_config(small_config,
     (tmp_path / "checkpoints" / "learner_0" / "4").mkdir()
     with pytest.raises(ValueError, match="another config .differs in data.seq_len, model.d"):
         workdir.check_resume(str(tmp_path), smaller, False, False)
+    # How often Python threads switch is speed, not math: free to change on a resume.
+    faster = config_lib.validate(small_config(**{"data.seq_len": 4096, "gil_switch_ms": 1.0}))
+    assert workdir.check_resume(str(tmp_path), faster, True, False) == ["gil_switch_ms"]
     (tmp_path / "checkpoints" / "learner_0" / "4").rmdir()
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert workdir.trained(str(tmp_path), smaller)

@@ -57,6 +57,7 @@ FREE_TO_CHANGE = frozenset(
         "train.tensorboard",
         "train.prefetch",
         "train.metrics_lag",
+        "gil_switch_ms",  # (how often Python threads switch: speed, not math)
         "diloco.stage_merges",
         "diloco.device_rebase",
         "diloco.merge_threads",
