@@ -196,8 +196,31 @@ def _dataclass_from(dc, section: ml_collections.ConfigDict, prefix: str, **extra
         if isinstance(v, list):
             v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
         values[k] = v
+    if dc in (DilocoConfig, RayConfig):  # (other sections check their types themselves)
+        _check_types(dc, values, prefix)
     values.update(extra)
     return dc(**values)
+
+
+def _check_types(dc, values: dict, prefix: str) -> None:
+    """Values of a config file (absl's flags are typed already) against the fields' types:
+    None for a bool turned diloco.final_sync off (the unmerged tail dropped), None for a
+    number failed deep in validation with a TypeError, True counted as 1 learner."""
+    hints = typing.get_type_hints(dc)
+    for k, v in values.items():
+        want = hints.get(k)
+        if want is bool:
+            ok = isinstance(v, bool)
+        elif want is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif want is float:
+            ok = isinstance(v, int | float) and not isinstance(v, bool)
+        elif want is str:
+            ok = isinstance(v, str)
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"{prefix}.{k} must be a {want.__name__}, got {v!r}")
 
 
 def tiny_cpu_config(
@@ -441,6 +464,13 @@ def check_before_world(c: ml_collections.ConfigDict, require_packages: bool = Tr
 
     train_cfg = _dataclass_from(TrainConfig, c.train, "train", seed=c.seed)
     _check_train(train_cfg)
+    if train_cfg.warmup_steps > train_cfg.steps:
+        logging.warning(
+            "train.warmup_steps (%d) is past train.steps (%d): the learning rate never reaches "
+            "its peak (it ends at %.0f%% of train.lr) and never decays",
+            train_cfg.warmup_steps, train_cfg.steps,
+            100 * train_cfg.steps / train_cfg.warmup_steps,
+        )  # fmt: skip
 
     diloco_cfg = _dataclass_from(DilocoConfig, c.diloco, "diloco")
     diloco_cfg.validate()

@@ -237,3 +237,35 @@ def test_a_data_parallel_run_says_which_syncer_keys_it_ignores(small_config, cap
         config_lib.validate(small_config(**dp, **{"diloco.fragments": 6,
                                                   "diloco.outer_lr": 0.5}))  # fmt: skip
     assert "diloco.fragments, diloco.outer_lr are ignored; set diloco.sync_every" in caplog.text
+
+
+def test_a_warmup_past_the_run_is_warned_of(small_config, caplog):
+    """A TPU config's 1000 warmup steps kept by a 200-step run: the lr peaked at 0.2x."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        config_lib.validate(small_config(**{"train.steps": 200, "train.warmup_steps": 200}))
+        assert "warmup_steps" not in caplog.text
+        config_lib.validate(small_config(**{"train.steps": 200, "train.warmup_steps": 1000}))
+    assert "train.warmup_steps (1000) is past train.steps (200)" in caplog.text
+    assert "it ends at 20% of train.lr" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "key, value, want",
+    [
+        ("diloco.final_sync", None, "bool"),  # (it turned the final sync off)
+        ("diloco.max_wait", None, "float"),  # (a TypeError deep in validation)
+        ("diloco.learners", True, "int"),  # (ran as "True learner")
+        ("ray.poll_seconds", None, "float"),
+    ],
+)
+def test_a_config_files_values_of_the_wrong_type_are_named(small_config, key, value, want):
+    """absl types the values of flags, and ml_collections refuses another type over a typed
+    value, but not None, nor a bool for an int: a config file's were taken as they came."""
+    c = small_config(**{"diloco.learners": 2, "diloco.sync_every": 4})
+    section, name = key.split(".")
+    with c.unlocked():  # (a config file's own value: no FieldReference type to pass)
+        c[section][name] = value
+    with pytest.raises(ValueError, match=rf"{key} must be a {want}, got {value!r}"):
+        config_lib.validate(c)
