@@ -28,6 +28,9 @@ RAY_ACCELERATORS = ("cpu", "tpu")
 RAY_EVALUATE = ("driver", "learner", "off")  # where Θ is evaluated (runtime/ray/eval.py)
 
 
+MAX_RAY_TEMP_DIR = 40  # characters (RayConfig.validate)
+
+
 @dataclasses.dataclass(frozen=True)
 class RayConfig:
     """The `ray.*` section, read only by runtime = "ray" (runtime/ray/)."""
@@ -66,6 +69,15 @@ class RayConfig:
             raise ValueError(f"ray.poll_seconds must be > 0, got {self.poll_seconds}")
         if self.evaluate not in RAY_EVALUATE:
             raise ValueError(f"ray.evaluate must be one of {RAY_EVALUATE}, got {self.evaluate!r}")
+        # A local cluster's sockets lie at <temp_dir>/session_<date>_<time>_<us>_<pid>/
+        # sockets/plasma_store: ~66 characters past temp_dir, within AF_UNIX's 107.
+        where = os.path.abspath(os.path.expanduser(self.temp_dir))
+        if runtime == "ray" and not self.address and len(where) > MAX_RAY_TEMP_DIR:
+            raise ValueError(
+                f"ray.temp_dir={self.temp_dir!r} is {len(where)} characters long: a local Ray "
+                f"cluster's socket paths below it would pass the 107 a Unix socket may have; "
+                f"use one of at most {MAX_RAY_TEMP_DIR} (the default is /tmp/ray_dd)"
+            )
         shared = "://" in self.checkpoint_dir or os.path.isabs(self.checkpoint_dir)
         if runtime == "ray" and self.accelerator == "tpu" and not shared:
             raise ValueError(

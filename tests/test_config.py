@@ -269,3 +269,17 @@ def test_a_config_files_values_of_the_wrong_type_are_named(small_config, key, va
         c[section][name] = value
     with pytest.raises(ValueError, match=rf"{key} must be a {want}, got {value!r}"):
         config_lib.validate(c)
+
+
+def test_a_ray_temp_dir_too_long_for_its_sockets_is_refused_at_start_up():
+    """A local cluster's socket paths lie ~66 characters below ray.temp_dir, within 107: a
+    long one passed the check, made the workdir, retried Ray for ~20 s and then advised
+    freeing CPU and memory."""
+    from decoupled_diloco.config import MAX_RAY_TEMP_DIR, RayConfig
+
+    long = "/tmp/" + "d" * 60
+    with pytest.raises(ValueError, match=rf"ray.temp_dir=.* at most {MAX_RAY_TEMP_DIR}"):
+        RayConfig(temp_dir=long).validate("ray")
+    RayConfig(temp_dir=long).validate("local")  # (not read)
+    RayConfig(temp_dir=long, address="10.0.0.1:6379").validate("ray")  # (a cluster's own)
+    RayConfig().validate("ray")
