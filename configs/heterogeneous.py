@@ -33,7 +33,9 @@ def get_config(arg="k1_grace"):
     c.faults.speed_noise = 0.10  # log-normal per-step noise on every learner
 
     if arg == "sync":
-        c.diloco.quorum = c.diloco.get_ref("learners")  # K = M, whatever M is set to
+        # K = M, whatever M is set to (+ 0: a value derived from learners, not the same
+        # one: a quorum set alone leaves learners as they are)
+        c.diloco.quorum = c.diloco.get_ref("learners") + 0
         c.diloco.grace_gamma = 0.0
         c.diloco.max_wait = -1.0  # wait at t + tau until the merge is there
     else:

@@ -16,7 +16,9 @@ def get_config(arg=None):
     c = tiny_cpu_config("tiny_diloco", learners=4)
     c.diloco.fragments = 1  # P: the whole model is one fragment
     c.diloco.overlap = 0  # tau: the merge is applied at the step it was offered
-    c.diloco.quorum = c.diloco.get_ref("learners")  # K = M, whatever M is set to
+    # K = M, whatever M is set to (+ 0: a value derived from learners, not the same
+    # one: a quorum set alone leaves learners as they are)
+    c.diloco.quorum = c.diloco.get_ref("learners") + 0
     c.diloco.grace_gamma = 0.0  # no grace window (K = M already waits for all)
     c.diloco.max_wait = -1.0  # wait forever: synchronous
     c.diloco.weights = "uniform"

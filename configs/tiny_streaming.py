@@ -19,7 +19,9 @@ def get_config(arg=None):
     c.diloco.overlap = 1  # tau (Streaming DiLoCo: 1)
     c.diloco.apply = "overwrite"  # Streaming DiLoCo's rule, with its mixing:
     c.diloco.alpha = 0.5  # theta <- 0.5 theta + 0.5 merged (Streaming DiLoCo)
-    c.diloco.quorum = c.diloco.get_ref("learners")  # K = M, whatever M is set to
+    # K = M, whatever M is set to (+ 0: a value derived from learners, not the same
+    # one: a quorum set alone leaves learners as they are)
+    c.diloco.quorum = c.diloco.get_ref("learners") + 0
     c.diloco.grace_gamma = 0.0
     c.diloco.max_wait = -1.0  # wait forever: synchronous
     c.diloco.weights = "uniform"

@@ -197,6 +197,9 @@ def test_the_synchronous_configs_stay_synchronous_for_any_number_of_learners(nam
     for m in (2, 8):
         c.update_from_flattened_dict({"diloco.learners": m, "devices_per_learner": 1})
         assert config_lib.validate(c).diloco.quorum == m
+    # (derived from learners, not one value with it: a quorum set alone leaves M as it is)
+    c.update_from_flattened_dict({"diloco.quorum": 2})
+    assert (c.diloco.learners, config_lib.validate(c).diloco.quorum) == (8, 2)
 
 
 def test_the_cpu_configs_warmup_and_evaluations_follow_an_override_of_their_steps():
