@@ -371,6 +371,20 @@ def test_a_learner_process_that_dies_and_never_rejoins_counts_what_its_life_lost
     rt._seen_pid(("learner", 0, 0), 301, "n0")
     report(0, 12, done=True)
     assert len([e for e in _read(tmp_path / "events.jsonl") if e["event"] == "learner_gone"]) == 2
+    # Learner 2 of a fresh driver finished, then its process died and was restarted (a
+    # preemption while others train), or could not be: a finished learner lost nothing.
+    rt = RayRuntime(cfg, str(tmp_path / "done"), verbose=False)
+    rt.hosts = [1, 1, 1]
+    report(2, 0, [{"event": "learner_start", "learner": 2, "step": 0, "incarnation": 0,
+                   "time": 0.1}])  # fmt: skip
+    rt._seen_pid(("learner", 2, 0), 100, "n0")
+    report(2, 24, [{"event": "learner_done", "learner": 2, "step": 24, "time": 5.0}], done=True)
+    rt._seen_pid(("learner", 2, 0), 200, "n0")
+    report(2, 24, done=True)
+    rt._remove(2, stopped=False, error="ActorDiedError")
+    events = _read(tmp_path / "done" / "events.jsonl")
+    assert not [e for e in events if e["event"] == "learner_gone"]
+    assert rt.ledger.crash_lost_steps == 0
 
 
 def test_a_syncer_checkpoint_commits_once_the_driver_took_the_records_of_its_merges(

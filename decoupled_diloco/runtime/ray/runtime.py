@@ -444,7 +444,8 @@ class RayRuntime:
             return
         step = self._died_at.pop(m, self.status[m]["step"])
         self.fates.remove(m, self.status[m]["step"], self.now(), stopped, error)
-        self._gone(m, step)
+        if not self.status[m]["done"]:  # (a finished learner's work is all offered)
+            self._gone(m, step)
 
     def _leave(self, m: int) -> None:
         """Learner m's process is gone (killed here, or out for good): every syncer shard
@@ -464,7 +465,8 @@ class RayRuntime:
         role, m, host = key
         if role != "learner" or old is None or old[0] == pid:
             return
-        if host == 0:  # (its new process's rejoin counts what the dead one trained past it)
+        if host == 0 and not self.status[m]["done"]:  # (a finished one lost nothing)
+            # Its new process's rejoin counts what the dead one trained past it.
             self._died_at[m] = self.status[m]["step"]  # the dead process's last report
         if key in self._restarting:
             # Restarted because this driver took it down (with its slice): restarting its
