@@ -396,13 +396,16 @@ def _check_faults_fit_the_run(spec: faults.FaultSpec, d: DilocoConfig) -> None:
         )
 
 
-def validate(c: ml_collections.ConfigDict, require_packages: bool = True) -> RunConfig:
+def validate(
+    c: ml_collections.ConfigDict, require_packages: bool = True, checked: dict | None = None
+) -> RunConfig:
     """Checks every section and returns the frozen RunConfig; ValueError names the key.
     `require_packages=False`: a package the runtime needs (Ray) may be missing here (the
-    config is checked on one machine for a run on another)."""
+    config is checked on one machine for a run on another). `checked`: what
+    `check_before_world(c)` returned, when the caller ran it (its warnings said once)."""
     import jax
 
-    checked = check_before_world(c, require_packages)
+    checked = dict(checked or check_before_world(c, require_packages))
     model_cfg, train_cfg = checked["model"], checked["train"]
     m = checked.pop("learners")
     if c.runtime == "ray" and c.ray.get("accelerator") == "tpu" and c.devices_per_learner == 0:

@@ -73,9 +73,9 @@ def main(argv) -> None:
     from decoupled_diloco.runtime import launch
 
     try:
-        config_lib.check_before_world(config)  # (a join waits for every host: minutes)
+        checked = config_lib.check_before_world(config)  # (a join waits for every host)
         join_world(config)
-        run = config_lib.validate(config)
+        run = config_lib.validate(config, checked=checked)
     except ValueError as e:
         sys.exit(f"config error: {e}")
     from decoupled_diloco.checkpoint import CorruptCheckpointError

@@ -240,6 +240,12 @@ def test_a_data_parallel_run_says_which_syncer_keys_it_ignores(small_config, cap
         config_lib.validate(small_config(**dp, **{"diloco.fragments": 6,
                                                   "diloco.outer_lr": 0.5}))  # fmt: skip
     assert "diloco.fragments, diloco.outer_lr are ignored; set diloco.sync_every" in caplog.text
+    # The entry point checks before joining a world, then validates: each warning once.
+    caplog.clear()
+    c = small_config(**dp, **{"diloco.fragments": 6})
+    with caplog.at_level(logging.WARNING):
+        config_lib.validate(c, checked=config_lib.check_before_world(c))
+    assert caplog.text.count("diloco.fragments is ignored") == 1
 
 
 def test_a_warmup_past_the_run_is_warned_of(small_config, caplog):
