@@ -68,6 +68,13 @@ def evaluate(
     if run.data.tokenizer == "sentencepiece":  # the run's model file, never one trained anew
         overrides["spm_model_path"] = str(paths.resolve(path) / run_files.TOKENIZER)
     data = dataclasses.replace(run.data, **overrides)
+    # What the run never read, which a run of before 2026-12-02 may record (a tokenizer file
+    # with bytes, TFDS keys with another source; refused since): not the user's to mend.
+    given = set(data_overrides or {})
+    stale = {"spm_model_path": ""} if data.tokenizer != "sentencepiece" else {}
+    if data.source != "tfds":
+        stale.update(dict.fromkeys(("tfds_name", "tfds_eval_split", "tfds_data_dir"), ""))
+    data = dataclasses.replace(data, **{k: v for k, v in stale.items() if k not in given})
     validate_data_config(data)
     mesh = _learner0_mesh(run)
     if eval_batches is not None and (not isinstance(eval_batches, int) or eval_batches < 1):

@@ -285,6 +285,25 @@ def test_parameters_that_do_not_fit_the_runs_model_are_refused(runs, tmp_path, n
     decoupled_diloco.load(str(workdir))  # (as the run wrote it: loads)
 
 
+def test_evaluate_reads_a_run_that_recorded_keys_it_never_read(runs, tmp_path):
+    """A run of before 2026-12-02 could record a tokenizer file with the byte tokenizer, or a
+    TFDS folder with another source (ignored then, refused at start-up since): evaluating it
+    was refused for keys the user cannot override."""
+    import shutil
+
+    from decoupled_diloco import run_files
+
+    workdir, summary = runs["dp"]
+    for key, value in (("spm_model_path", "/nowhere/t5.model"), ("tfds_data_dir", "/nowhere")):
+        copy = tmp_path / key
+        shutil.copytree(workdir, copy)
+        record = json.loads((copy / "run_config.json").read_text())
+        record["data"][key] = value
+        record["sha256"] = run_files._digest(record)
+        (copy / "run_config.json").write_text(json.dumps(record, indent=1))
+        assert evaluate(str(copy))[0] == pytest.approx(summary["final_eval_loss"])
+
+
 def test_evaluate_on_fewer_devices_takes_as_many_as_split_the_batch(small_config, monkeypatch):
     """A run of 8 devices per learner scored on a machine of 3: 3 do not split its batch of
     8 and the evaluation died in a sharding error; it takes 2. A mesh whose fixed axes need
