@@ -29,6 +29,7 @@ import ray  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
+from decoupled_diloco import seeds  # noqa: E402
 from decoupled_diloco.config import RayConfig  # noqa: E402
 from decoupled_diloco.runtime.ray import cluster as ray_cluster  # noqa: E402
 
@@ -88,7 +89,7 @@ class PlainTrainer:
         mesh = make_mesh(jax.devices()[: run.devices_per_learner], run.mesh)
         data = make_iterator(run.data, "train", run.train.batch_size, m, run.num_learners)
         replica = Replica(run.model, run.train, mesh)
-        replica.init_from_rng(jax.random.key(run.train.seed))
+        replica.init_from_rng(seeds.key(run.train.seed))
         for step in range(run.train.steps):
             jax.device_get(replica.step(next(data)))
             self.step = step + 1
