@@ -51,6 +51,16 @@ class DataConfig:
             object.__setattr__(self, "source", source)
 
 
+# (field, the key that selects what reads it, that reader, how to mend a conflict)
+_ALONE = "drop one of the two (data.{} alone selects the {} source)"
+_READ_ONLY_WITH = (
+    ("path", "source", "path", _ALONE.format("path", "path")),
+    *((f, "source", "tfds", _ALONE.format("tfds_name", "tfds"))
+      for f in ("tfds_name", "tfds_eval_split", "tfds_data_dir")),
+    ("spm_model_path", "tokenizer", "sentencepiece", "set it, or drop the model file"),
+)  # fmt: skip
+
+
 def _fail(field: str, value, why: str) -> ValueError:
     return ValueError(f"data.{field}={value!r}: {why}")
 
@@ -65,23 +75,6 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise _fail("source", cfg.source, f"unknown source; choose one of {SOURCES}")
     if cfg.source == "path" and not cfg.path:
         raise _fail("path", cfg.path, "source='path' needs a file, folder or glob")
-    if cfg.path and cfg.source != "path":
-        raise _fail(
-            "path",
-            cfg.path,
-            f"a corpus path is only read with data.source='path', but data.source is "
-            f"{cfg.source!r}: drop one of the two (data.path alone selects the path source)",
-        )
-    if cfg.source != "tfds":
-        # (tfds_split and tfds_text_key have defaults: only fields left empty by default tell)
-        for field in ("tfds_name", "tfds_eval_split", "tfds_data_dir"):
-            if getattr(cfg, field):
-                raise _fail(
-                    field,
-                    getattr(cfg, field),
-                    f"only read with data.source='tfds', but data.source is {cfg.source!r}: "
-                    "drop one of the two (data.tfds_name alone selects the tfds source)",
-                )
     if cfg.source == "tfds":
         if not cfg.tfds_name:
             raise _fail("tfds_name", cfg.tfds_name, "source='tfds' needs a dataset name")
@@ -93,13 +86,14 @@ def validate_data_config(cfg: DataConfig) -> None:
             raise _fail("tfds_eval_split", cfg.tfds_eval_split, "must differ from tfds_split")
     if cfg.tokenizer not in TOKENIZERS:
         raise _fail("tokenizer", cfg.tokenizer, f"unknown tokenizer; choose one of {TOKENIZERS}")
-    if cfg.spm_model_path and cfg.tokenizer != "sentencepiece":
-        raise _fail(
-            "spm_model_path",
-            cfg.spm_model_path,
-            f"a sentencepiece model is only read with data.tokenizer='sentencepiece', but "
-            f"data.tokenizer is {cfg.tokenizer!r}: set it, or drop the model file",
-        )
+    # What names a corpus or a tokenizer file is never silently ignored: each is read under
+    # one source or tokenizer only. (tfds_split and tfds_text_key have defaults: only the
+    # fields left empty by default tell.)
+    for field, key, reader, fix in _READ_ONLY_WITH:
+        value, chosen = getattr(cfg, field), getattr(cfg, key)
+        if value and chosen != reader:
+            raise _fail(field, value, f"only read with data.{key}={reader!r}, but data.{key} "
+                        f"is {chosen!r}: {fix}")  # fmt: skip
     trains_spm = cfg.tokenizer == "sentencepiece" and not cfg.spm_model_path
     if trains_spm and (not _is_int(cfg.spm_vocab_size) or cfg.spm_vocab_size < MIN_SPM_VOCAB_SIZE):
         raise _fail(
