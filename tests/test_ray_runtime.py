@@ -979,7 +979,11 @@ def test_bad_offers_are_rejected_as_in_process(cluster, small_config, tmp_path):
 def test_a_cluster_short_of_slices_leaves_no_run_in_the_workdir(cluster, small_config, tmp_path):
     """A TPU run on a cluster without the slices fails before its workdir records a run:
     the next start there, with another config or corpus, is a new run, not a refused one."""
-    over = {"ray.accelerator": "tpu", "ray.checkpoint_dir": str(tmp_path / "ck")}
+    over = {
+        "ray.accelerator": "tpu",
+        "ray.checkpoint_dir": str(tmp_path / "ck"),
+        "devices_per_learner": 4,
+    }  # (a slice's chips: 0 is refused for TPU runs)
     run = config_lib.validate(_ray_config(small_config, **over))
     with pytest.raises(ValueError, match="the Ray cluster has 0 TPU slices"):
         RayRuntime(run, str(tmp_path / "run"), verbose=False).run()
