@@ -405,9 +405,8 @@ def validate(
     `check_before_world(c)` returned, when the caller ran it (its warnings said once)."""
     import jax
 
-    checked = dict(checked or check_before_world(c, require_packages))
-    model_cfg, train_cfg = checked["model"], checked["train"]
-    m = checked.pop("learners")
+    checked = checked or check_before_world(c, require_packages)
+    model_cfg, train_cfg, m = checked["model"], checked["train"], checked["diloco"].learners
     if c.runtime == "ray" and c.ray.get("accelerator") == "tpu" and c.devices_per_learner == 0:
         # (0 divides this process's devices, the driver's: a learner's are its slice's chips)
         raise ValueError(
@@ -532,7 +531,6 @@ def check_before_world(c: ml_collections.ConfigDict, require_packages: bool = Tr
         distributed=dist_cfg,
         gil_switch_ms=float(gil_ms),
         local_syncer=local_syncer,
-        learners=m,
     )
 
 

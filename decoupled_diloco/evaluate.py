@@ -45,6 +45,7 @@ def evaluate(
 
     from decoupled_diloco import paths, run_files
     from decoupled_diloco.data import validate_data_config
+    from decoupled_diloco.data.config import unread_fields
     from decoupled_diloco.loading import load
     from decoupled_diloco.train.evaluate import Evaluator
 
@@ -60,21 +61,14 @@ def evaluate(
             overrides["source"] = "path"
         elif overrides.get("tfds_name"):
             overrides["source"] = "tfds"
-    if overrides.get("source", "path") != "path" and "path" not in overrides:
-        overrides["path"] = ""  # another source: the run's own corpus path no longer applies
-    if overrides.get("source", "tfds") != "tfds":  # nor its TFDS dataset
-        for key in ("tfds_name", "tfds_eval_split", "tfds_data_dir"):
-            overrides.setdefault(key, "")
     if run.data.tokenizer == "sentencepiece":  # the run's model file, never one trained anew
         overrides["spm_model_path"] = str(paths.resolve(path) / run_files.TOKENIZER)
     data = dataclasses.replace(run.data, **overrides)
-    # What the run never read, which a run of before 2026-12-02 may record (a tokenizer file
-    # with bytes, TFDS keys with another source; refused since): not the user's to mend.
+    # What the data now read never reads, unless the user gave it (then it is refused): the
+    # run's corpus path or TFDS dataset under another source, and what a run of before
+    # 2026-12-02 may record though it never read it (a tokenizer file with bytes).
     given = set(data_overrides or {})
-    stale = {"spm_model_path": ""} if data.tokenizer != "sentencepiece" else {}
-    if data.source != "tfds":
-        stale.update(dict.fromkeys(("tfds_name", "tfds_eval_split", "tfds_data_dir"), ""))
-    data = dataclasses.replace(data, **{k: v for k, v in stale.items() if k not in given})
+    data = dataclasses.replace(data, **{f: "" for f, _ in unread_fields(data) if f not in given})
     validate_data_config(data)
     mesh = _learner0_mesh(run)
     if eval_batches is not None and (not isinstance(eval_batches, int) or eval_batches < 1):

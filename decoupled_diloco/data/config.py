@@ -61,6 +61,19 @@ _READ_ONLY_WITH = (
 )  # fmt: skip
 
 
+def unread_fields(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(field, why) of the fields set that cfg's source or tokenizer never reads: each is
+    read under one source or tokenizer only. (tfds_split and tfds_text_key have defaults:
+    only the fields left empty by default tell.)"""
+    out = []
+    for field, key, reader, fix in _READ_ONLY_WITH:
+        chosen = getattr(cfg, key)
+        if getattr(cfg, field) and chosen != reader:
+            why = f"only read with data.{key}={reader!r}, but data.{key} is {chosen!r}: {fix}"
+            out.append((field, why))
+    return out
+
+
 def _fail(field: str, value, why: str) -> ValueError:
     return ValueError(f"data.{field}={value!r}: {why}")
 
@@ -86,14 +99,9 @@ def validate_data_config(cfg: DataConfig) -> None:
             raise _fail("tfds_eval_split", cfg.tfds_eval_split, "must differ from tfds_split")
     if cfg.tokenizer not in TOKENIZERS:
         raise _fail("tokenizer", cfg.tokenizer, f"unknown tokenizer; choose one of {TOKENIZERS}")
-    # What names a corpus or a tokenizer file is never silently ignored: each is read under
-    # one source or tokenizer only. (tfds_split and tfds_text_key have defaults: only the
-    # fields left empty by default tell.)
-    for field, key, reader, fix in _READ_ONLY_WITH:
-        value, chosen = getattr(cfg, field), getattr(cfg, key)
-        if value and chosen != reader:
-            raise _fail(field, value, f"only read with data.{key}={reader!r}, but data.{key} "
-                        f"is {chosen!r}: {fix}")  # fmt: skip
+    # What names a corpus or a tokenizer file is never silently ignored.
+    for field, why in unread_fields(cfg):
+        raise _fail(field, getattr(cfg, field), why)
     trains_spm = cfg.tokenizer == "sentencepiece" and not cfg.spm_model_path
     if trains_spm and (not _is_int(cfg.spm_vocab_size) or cfg.spm_vocab_size < MIN_SPM_VOCAB_SIZE):
         raise _fail(
