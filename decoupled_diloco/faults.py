@@ -375,10 +375,17 @@ class FaultSchedule:
 
     def step_time_factor(self, learner: int, step: int, t: float) -> float:
         """Step-time multiplier: constant speed * active straggle * hashed per-step noise."""
-        factor = float(self.speed[learner]) * self.straggle_factor(learner, t)
+        steady, noise = self.step_time_parts(learner, step, t)
+        return steady * noise
+
+    def step_time_parts(self, learner: int, step: int, t: float) -> tuple[float, float]:
+        """`step_time_factor` as (constant speed * active straggle, per-step noise): the
+        first is at least 1, the second has mean one (`SlowdownDebt` emulates each)."""
+        steady = float(self.speed[learner]) * self.straggle_factor(learner, t)
+        noise = 1.0
         if self.spec.speed_noise > 0:
-            factor *= float(self.step_noise(np.asarray(learner), np.asarray(step)))
-        return factor
+            noise = float(self.step_noise(np.asarray(learner), np.asarray(step)))
+        return steady, noise
 
     def step_noise(self, learner, step) -> np.ndarray:
         """Mean-one log-normal noise exp(s*z - s^2/2), z hashed from (seed, learner, step)."""
@@ -430,3 +437,31 @@ class FaultSchedule:
     def to_json(self) -> list[dict]:
         """The timeline as JSON-ready dicts (for the run's event log), in run times."""
         return [e._asdict() for e in self.events]
+
+
+class SlowdownDebt:
+    """How long a learner sleeps after a step to run at `step_time_parts` of its speed.
+
+    A real step cannot be made faster, so a noise draw below one cannot be emulated on the
+    step that drew it: sleeping `max(0, factor - 1)` of each step would make mean-one noise
+    a slowdown (about 4% at the paper's std 0.10). Instead the noise's share is a running
+    balance: a fast draw earns credit that later slow draws spend before anything is slept,
+    so over many steps the emulated time tends to the noise's mean (the sleep exceeds it by
+    the balance's running maximum, which grows like the square root of the steps, not like
+    their number). The steady part (a slower chip, a straggler episode) is at least one and
+    is slept in full, never paid from the noise's credit: an episode is as slow as its
+    factor says however lucky the steps before it were.
+    """
+
+    def __init__(self):
+        self.balance = 0.0  # seconds of noise slowdown owed (> 0) or earned (< 0)
+
+    def owed(self, steady: float, noise: float, seconds: float) -> float:
+        """Seconds to sleep after a step of `seconds` compute whose factor is steady*noise."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return 0.0
+        sleep = (steady - 1.0) * seconds  # the steady factor of the step's own compute
+        self.balance += steady * (noise - 1.0) * seconds
+        if self.balance > 0:
+            sleep, self.balance = sleep + self.balance, 0.0
+        return max(sleep, 0.0)

@@ -10,6 +10,7 @@ from decoupled_diloco.faults import (
     HORIZON_S,
     FaultSchedule,
     FaultSpec,
+    SlowdownDebt,
     fault_spec_from_dict,
     validate_fault_spec,
 )
@@ -115,6 +116,33 @@ def test_noise_is_a_function_of_learner_and_step_only():
     assert f.shape == (3, 20000)
     assert abs(f.mean() - 1.0) < 0.005 and abs(np.log(f).std() - 0.1) < 0.005
     assert f[2, 123] == pytest.approx(a.step_time_factor(2, 123, 0.0))
+
+
+def _emulated_slowdown(spec, learner, steps, seconds=0.1):
+    """Mean emulated step time / compute over `steps` steps slept by a `SlowdownDebt`."""
+    sched, debt = FaultSchedule(spec, 2, 100.0), SlowdownDebt()
+    slept = sum(debt.owed(*sched.step_time_parts(learner, i, 0.0), seconds) for i in steps)
+    return 1.0 + slept / (len(steps) * seconds)
+
+
+def test_emulated_noise_keeps_its_mean_and_a_slow_chip_its_factor():
+    # A step cannot run faster than its compute: sleeping only the draws above one would
+    # make mean-one noise of std 0.1 a 4% slowdown. The balance repays fast draws.
+    steps = range(1, 20001)
+    noisy = FaultSpec(seed=3, speed_noise=0.1)
+    assert abs(_emulated_slowdown(noisy, 0, steps) - 1.0) < 0.01
+    slow = FaultSpec(seed=3, speed_noise=0.1, speed_factors=(1.0, 1.18))
+    assert _emulated_slowdown(slow, 1, steps) == pytest.approx(1.18, abs=0.01)
+    assert _emulated_slowdown(FaultSpec(speed_factors=(1.0, 1.5)), 1, steps) == pytest.approx(1.5)
+
+
+def test_noise_credit_never_shortens_a_slowdown_episode():
+    debt = SlowdownDebt()
+    for _ in range(50):  # lucky steps earn credit
+        assert debt.owed(1.0, 0.8, 1.0) == 0.0
+    assert debt.owed(3.0, 1.0, 1.0) == pytest.approx(2.0)  # an episode is slept in full
+    assert debt.owed(1.0, 1.5, 1.0) == 0.0  # a slow draw is paid from the credit
+    assert debt.owed(1.0, 1.0, float("nan")) == 0.0
 
 
 def test_straggler_episodes_multiply_the_step_time():

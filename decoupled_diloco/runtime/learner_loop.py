@@ -156,6 +156,7 @@ class LearnerLoop:
         self.times = StepTimes(getattr(replica, "compile_waited", None))
         self.saves = SaveSchedule(run.train.checkpoint_every, run.train.checkpoint_duty)
         self.steps_since_start = 0
+        self.slowdown = faults.SlowdownDebt()  # the emulated step-time noise's balance
         self._rate = (None, 0)  # (time, step) of the previous row
         self._delays = (0, 0)  # the protocol's (delay_steps, delays) at the previous row
         self._initial_data = data.get_state()
@@ -630,17 +631,20 @@ class LearnerLoop:
             self.incarnation = next_life(self.lives, self.m, self.host, floor)
 
     def _straggle(self, unread: collections.deque, seconds: float) -> None:
-        """Sleeps to emulate a slower chip or a straggler episode: this step takes `factor`
-        times its compute. The device first finishes the steps still queued for it, which
-        are part of that compute (a sleep while it computes would hide the slowness behind
-        the pipeline). The first step of an incarnation is compilation, which a slower chip
+        """Sleeps to emulate a slower chip, a straggler episode or step-time noise: this
+        step takes its factor times its compute (noise below one is repaid by later steps:
+        `SlowdownDebt`). The device first finishes the steps still queued for it, which are
+        part of that compute (a sleep while it computes would hide the slowness behind the
+        pipeline). The first step of an incarnation is compilation, which a slower chip
         would not stretch alike."""
-        factor = self.schedule.step_time_factor(self.m, self.step, self.clock())
-        if factor > 1.0 and self.steps_since_start > 0:
+        steady, noise = self.schedule.step_time_parts(self.m, self.step, self.clock())
+        if (steady > 1.0 or noise != 1.0) and self.steps_since_start > 0:
             t0 = time.perf_counter()
-            if unread:
+            if unread and (steady > 1.0 or noise > 1.0):  # else nothing is slept
                 jax.block_until_ready(unread[-1][1])
-            time.sleep((factor - 1.0) * (seconds + time.perf_counter() - t0))
+            sleep = self.slowdown.owed(steady, noise, seconds + time.perf_counter() - t0)
+            if sleep > 0:
+                time.sleep(sleep)
 
     # --- outputs ----------------------------------------------------------------------
     def _event(self, name: str, **fields) -> dict:
