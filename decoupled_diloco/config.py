@@ -506,6 +506,7 @@ def check_before_world(c: ml_collections.ConfigDict, require_packages: bool = Tr
             "(data-parallel training without a syncer uses runtime='local')"
         )
     _check_faults_fit_the_run(fault_spec, diloco_cfg)
+    _warn_of_unread_keys(c.runtime, model_over, model_cfg, fault_spec, ray_cfg, local_syncer)
     if c.runtime == "ray" and fault_spec.unit == "steps" and fault_spec.membership:
         raise ValueError(
             'faults.membership with faults.unit="steps" needs the local runtime: a Ray '
@@ -585,6 +586,29 @@ def _warn_of_syncer_keys_without_one(d: DilocoConfig, local_syncer: str) -> None
             "set diloco.sync_every (H) for a DiLoCo-family run", ", ".join(ignored),
             "is" if len(ignored) == 1 else "are",
         )  # fmt: skip
+
+
+def _warn_of_unread_keys(
+    runtime: str, model_over: dict, model_cfg, fault_spec, ray_cfg: RayConfig, local_syncer: str
+) -> None:
+    """Keys set that this run never reads, said once each: a fault knob whose fault is off,
+    a sliding window with no local layer, the ray.* section of a local run and local_syncer
+    of a Ray run. Warnings, not errors: an arm derived from another config (experiments/,
+    scripts/tpu) carries that config's keys."""
+    unread = [(f"faults.{f}", why) for f, why in faults.unread_fields(fault_spec)]
+    if "sliding_window" in model_over and not any(
+        model_cfg.attention_kind(i) == "local" for i in range(model_cfg.num_layers)
+    ):
+        unread.append(("model.sliding_window", "no layer of model.attention_pattern is local"))
+    if runtime != "ray":
+        default = RayConfig()
+        unread += [(f"ray.{f.name}", f"only read with runtime='ray' (this is {runtime!r})")
+                   for f in dataclasses.fields(RayConfig)
+                   if getattr(ray_cfg, f.name) != getattr(default, f.name)]  # fmt: skip
+    elif local_syncer != LOCAL_SYNCERS[0]:
+        unread.append(("local_syncer", "only read with runtime='local' (a Ray syncer is an actor)"))
+    for key, why in unread:
+        logging.warning("%s is ignored: %s", key, why)
 
 
 def _check_an_offer_is_made(d: DilocoConfig, steps: int) -> None:

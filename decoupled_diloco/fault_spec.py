@@ -225,6 +225,37 @@ def _check_bounds(spec: FaultSpec) -> None:
               f"bits/s, got {slow[0]:g}")  # fmt: skip
 
 
+# (field, the fields that make it read, when they do, what to set): a field off its default
+# is read only when its reader is on; otherwise the run does not do what it seems to ask.
+_READ_ONLY_WITH = (
+    ("slow_factor", "slow_fraction", lambda s: s.slow_fraction > 0,
+     "set faults.slow_fraction, the share of learners it slows"),
+    ("chips_per_learner", "chip_mtbf_hours", lambda s: s.chip_mtbf_hours > 0,
+     "set faults.chip_mtbf_hours, each chip's mean time between failures"),
+    ("straggler_duration_s", "straggler_rate_per_hour", lambda s: s.straggler_rate_per_hour > 0,
+     "set faults.straggler_rate_per_hour for straggler episodes"),
+    ("straggler_slowdown", "straggler_rate_per_hour", lambda s: s.straggler_rate_per_hour > 0,
+     "set faults.straggler_rate_per_hour for straggler episodes"),
+    ("restart_delay_s", "crashes or chip_mtbf_hours",
+     lambda s: bool(s.crashes) or s.chip_mtbf_hours > 0, "no learner crashes"),
+    ("syncer_restart_delay_s", "syncer_crashes", lambda s: bool(s.syncer_crashes),
+     "the syncer never crashes"),
+)  # fmt: skip
+
+
+def unread_fields(spec: FaultSpec) -> list[tuple[str, str]]:
+    """(field, why) of the fields set off their defaults that nothing in `spec` reads (a
+    slowdown factor with no slow learners, a chip count with no chip failures, ...)."""
+    default = FaultSpec()
+    out = []
+    for field, reader, reads, fix in _READ_ONLY_WITH:
+        if getattr(spec, field) != getattr(default, field) and not reads(spec):
+            out.append((field, f"only read with faults.{reader} set: {fix}"))
+    if spec.slow_fraction > 0 and spec.slow_factor == 1:
+        out.append(("slow_fraction", "slows its learners by faults.slow_factor, which is 1"))
+    return out
+
+
 def speed_factors_of(spec: FaultSpec, num_learners: int) -> np.ndarray:
     """Each learner's constant step-time multiplier: `speed_factors`, or `slow_factor` for
     the last `slow_fraction` of the learners, or 1 (stragglers and noise come on top)."""

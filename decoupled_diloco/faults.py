@@ -43,6 +43,7 @@ from decoupled_diloco.fault_spec import (
     fault_spec_from_dict,
     speed_factors_of,
     timed_in_seconds,
+    unread_fields,
     validate_fault_spec,
 )
 
@@ -53,9 +54,11 @@ __all__ = [
     "FaultEvent",
     "FaultSchedule",
     "FaultSpec",
+    "SlowdownDebt",
     "fault_spec_from_dict",
     "merge_intervals",
     "timed_in_seconds",
+    "unread_fields",
     "validate_fault_spec",
 ]
 

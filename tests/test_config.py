@@ -248,6 +248,52 @@ def test_a_data_parallel_run_says_which_syncer_keys_it_ignores(small_config, cap
     assert caplog.text.count("diloco.fragments is ignored") == 1
 
 
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"faults.slow_factor": 1.18}, "faults.slow_factor is ignored"),
+        ({"faults.slow_fraction": 0.5}, "faults.slow_fraction is ignored"),
+        ({"faults.chips_per_learner": 4}, "faults.chips_per_learner is ignored"),
+        ({"faults.straggler_slowdown": 3.0}, "faults.straggler_slowdown is ignored"),
+        ({"faults.syncer_restart_delay_s": 30.0}, "faults.syncer_restart_delay_s is ignored"),
+        ({"faults.restart_delay_s": 30.0}, "faults.restart_delay_s is ignored"),
+        (
+            {"model.sliding_window": 16, "model.attention_pattern": ("global",)},
+            "model.sliding_window is ignored",
+        ),
+        ({"ray.max_restarts": 5}, "ray.max_restarts is ignored"),
+        ({"runtime": "ray", "local_syncer": "process"}, "local_syncer is ignored"),
+    ],
+)
+def test_keys_the_run_never_reads_are_warned_of(small_config, caplog, overrides, key):
+    """A fault knob whose fault is off (a slowdown factor with no slow learner, chips with
+    no chip failures), a window with no local layer, another runtime's keys: each warned
+    of, and none when what reads it is on."""
+    import logging
+
+    readers = {
+        "faults.slow_factor": {"faults.slow_fraction": 0.5},
+        "faults.slow_fraction": {"faults.slow_factor": 1.18},
+        "faults.chips_per_learner": {"faults.chip_mtbf_hours": 1.0},
+        "faults.straggler_slowdown": {"faults.straggler_rate_per_hour": 1.0},
+        "faults.syncer_restart_delay_s": {"faults.syncer_crashes": (5.0,)},
+        "faults.restart_delay_s": {"faults.crashes": ((0, 5.0),)},
+        "model.sliding_window": {"model.attention_pattern": ("local", "global")},
+        "ray.max_restarts": {"runtime": "ray"},
+        "local_syncer": {"runtime": "local"},
+    }
+    name = key.split(" ")[0]
+    synced = {"diloco.learners": 2, "diloco.sync_every": 4}
+    with caplog.at_level(logging.WARNING):
+        c = small_config(**synced, **overrides)
+        config_lib.check_before_world(c, require_packages=False)
+        assert key in caplog.text
+        caplog.clear()
+        c = small_config(**synced, **{**overrides, **readers[name]})
+        config_lib.check_before_world(c, require_packages=False)
+        assert "is ignored" not in caplog.text
+
+
 def test_a_warmup_past_the_run_is_warned_of(small_config, caplog):
     """A TPU config's 1000 warmup steps kept by a 200-step run: the lr peaked at 0.2x."""
     import logging
