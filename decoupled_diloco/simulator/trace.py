@@ -113,15 +113,31 @@ def chip_trace(chips: int, learners: int, p: SimParams) -> Trace:
 
 def schedule_trace(schedule: faults.FaultSchedule, chips_per_learner: int) -> Trace:
     """FaultSpec mode: one unit per learner; crashes, restarts, joins and leaves come from
-    the schedule (the same timeline a real run replays)."""
+    the schedule (the same timeline a real run replays).
+
+    Events at one instant are ordered so that the unit is in service right after it exactly
+    when the schedule has it up (`FaultSchedule.is_up`): leaves, restarts of earlier
+    crashes, joins, then crashes, each followed by its own restart if the delay is 0. The
+    schedule's order (crash before restart and join) would hide a crash at the instant the
+    learner's last outage ends or its membership begins, since it hits no unit in service.
+    """
     m, horizon = schedule.num_learners, schedule.horizon_s
-    kinds = {"crash": FAIL, "restart": BACK, "leave": LEAVE, "join": JOIN}
-    rows = [(e.time, kinds[e.kind], e.learner) for e in schedule.events if e.kind in kinds]
-    back_of = {(a, i): b for i, d in enumerate(schedule.down) for a, b in d}
+    rows = []  # (time, rank, learner, crash index, kind, back): sorted, ties by rank
+    for i in range(m):
+        for n, (a, b) in enumerate(schedule.down[i]):
+            rows.append((a, 3, i, n, FAIL, b))
+            if b < horizon and schedule.is_member(i, b):  # (the schedule's restart event)
+                rows.append((b, 3 if b == a else 1, i, n, BACK, b))
+        for join, leave in schedule.member_windows[i]:
+            if 0 < join < horizon:
+                rows.append((join, 2, i, 0, JOIN, join))
+            if leave < horizon:
+                rows.append((leave, 0, i, 0, LEAVE, leave))
+    rows.sort(key=lambda r: r[:4])
     time = np.asarray([r[0] for r in rows], dtype=np.float64)
-    kind = np.asarray([r[1] for r in rows], dtype=np.int64)
+    kind = np.asarray([r[4] for r in rows], dtype=np.int64)
     unit = np.asarray([r[2] for r in rows], dtype=np.int64)
-    back = np.asarray([back_of.get((t, u), t) if k == FAIL else t for t, k, u in rows])
+    back = np.asarray([r[5] for r in rows], dtype=np.float64)
     member_s = sum(
         min(b, horizon) - a for wins in schedule.member_windows for a, b in wins if a < horizon
     )
@@ -131,9 +147,9 @@ def schedule_trace(schedule: faults.FaultSchedule, chips_per_learner: int) -> Tr
         unit_learner=np.arange(m),
         initial_up=np.asarray([schedule.is_member(i, 0.0) for i in range(m)]),
         allocated_chip_s=float(member_s) * chips_per_learner,
-        time=time.reshape(-1),
-        kind=kind.reshape(-1),
-        unit=unit.reshape(-1),
-        back=back.reshape(-1).astype(np.float64),
+        time=time,
+        kind=kind,
+        unit=unit,
+        back=back,
         syncer_down=tuple(schedule.syncer_down),
     )

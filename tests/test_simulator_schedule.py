@@ -1,0 +1,47 @@
+"""The simulator in FaultSpec mode agrees with the schedule a real run replays
+(`FaultSchedule.is_up`, its down intervals and membership windows)."""
+
+import pytest
+
+from decoupled_diloco.faults import FaultSpec
+from decoupled_diloco.simulator import SimParams, simulate
+
+# Timings of a toy CPU run (as in test_simulator.py).
+CPU = SimParams(
+    horizon_days=1000.0 / 86400,
+    detect_s=0.0,
+    reconfig_s=2.0,
+    restart_s=0.0,
+    restore_s=5.0,
+    step_s=3.0,
+    checkpoint_interval_s=30.0,
+    checkpoint_cost_s=0.0,
+    sync_period_s=8.0,
+    fragments=4,
+)
+
+
+@pytest.mark.parametrize("method", ["dp", "elastic_dp", "decoupled"])
+@pytest.mark.parametrize(
+    "tied",
+    [
+        # a second crash at the instant the first outage ends (the schedule: down to 140)
+        lambda dt: FaultSpec(crashes=((0, 100.0), (0, 120.0 + dt)), restart_delay_s=20.0),
+        # a crash at the instant the learner's membership begins
+        lambda dt: FaultSpec(
+            crashes=((0, 100.0 + dt),), membership=((0, 100.0, float("inf")),), restart_delay_s=20.0
+        ),
+        # zero restart delay: each crash's restart at its own instant, after it
+        lambda dt: FaultSpec(crashes=((0, 100.0), (0, 100.0 + dt)), restart_delay_s=0.0),
+    ],
+    ids=["crash_at_restart", "crash_at_join", "zero_delay_twice"],
+)
+def test_a_crash_at_a_tied_instant_counts_as_one_a_microsecond_later(method, tied):
+    """Events at one instant used the schedule's order (crash before restart and join): the
+    crash hit a learner not yet back in service and was dropped, while the run keeps it
+    down (a review found the learner running through the schedule's second outage)."""
+    at, later = (simulate(method, 2, 2, CPU, tied(dt)) for dt in (0.0, 1e-6))
+    assert at.failures == later.failures
+    assert at.goodput == pytest.approx(later.goodput, abs=1e-8)
+    assert at.uptime == pytest.approx(later.uptime, abs=1e-8)
+    assert at.recoveries == later.recoveries
