@@ -2,7 +2,7 @@
 
 Every element-wise loop walks its tensors in cache-sized chunks: the few float32
 temporaries of one chunk stay in cache and each input is streamed from memory once per
-pass. Reductions (norms) accumulate per chunk in float64.
+pass. Norms are float32 dots over rows of `ROW` values, summed in float64 (`sq_norm`).
 
 A leaf of several chunks is split into contiguous spans of chunks that run on a shared
 thread pool (`threads` workers; numpy releases the GIL inside each operation), so one
@@ -24,6 +24,10 @@ import numpy as np
 # such threads in three runs of four (one was 10% slower), and no slower alone (2026-11-26,
 # experiments/results/merge_gil/).
 CHUNK = 1 << 18
+# Values per float32 dot in `sq_norm`. One float32 dot over a whole chunk was off by up to
+# ~1e-6 relative (random data); rows of 4096 summed in float64 are good to ~1e-8 at the
+# same speed. RDA needs that: its offers' norms decide when their directions cancel.
+ROW = 4096
 F32 = np.float32
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -75,11 +79,23 @@ def flat(x) -> np.ndarray:
 
 
 def sq_norm(x, threads: int | None = 1) -> float:
-    """‖x‖² with float32 dots per chunk summed in float64 (long float32 sums drift)."""
+    """‖x‖² of x as float32: float32 dots over rows of `ROW` values, summed in float64.
+
+    Other dtypes are cast to float32 a chunk at a time (a float16 dot overflows at 65504,
+    a bfloat16 one keeps 8 bits). Overflows to inf where a row's ‖·‖² passes float32's
+    largest value (~3.4e38: a value above ~1.8e19, or a row of RMS above ~2.9e17).
+    """
     x = flat(x)
 
     def span(a, b):
-        return [float(np.dot(x[s], x[s])) for s in slices(b, a)]
+        sqs = []
+        for s in slices(b, a):
+            c = x[s] if x.dtype == F32 else x[s].astype(F32)
+            whole = c.size - c.size % ROW
+            rows, rest = c[:whole].reshape(-1, ROW), c[whole:]
+            row_sqs = rows[:, None, :] @ rows[:, :, None]  # (np.vecdot needs numpy 2)
+            sqs.append(float(row_sqs.sum(dtype=np.float64)) + float(rest @ rest))
+        return sqs
 
     return float(sum(map_spans(span, x.size, threads)))
 

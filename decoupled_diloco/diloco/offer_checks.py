@@ -188,8 +188,9 @@ def check_payload(offer, expected: dict) -> tuple[Reason | None, tuple[dict, dic
         if v.dtype != np.float32:
             return Reason("payload", f"{k}: dtype {v.dtype} != float32"), None
     # ‖v‖² per leaf is the finiteness check (NaN/inf propagate into it; so does a float32
-    # overflow of values > ~1e19, which RDA could not merge either) and, kept with the
-    # offer, spares the merge one of RDA's read passes over the offers.
+    # overflow, which RDA could not merge either: `chunks.sq_norm` dots rows of 4096 values
+    # in float32, so a value above ~1.8e19 or a row of RMS above ~2.9e17) and, kept with
+    # the offer, spares the merge one of RDA's read passes over the offers.
     sq_norms = merge.offer_sq_norms(arrays)
     for k, q in sq_norms.items():
         if not math.isfinite(q):
