@@ -49,6 +49,15 @@ from decoupled_diloco.diloco.chunks import (
 WEIGHTINGS = ("tokens", "uniform")
 NORMALIZATIONS = ("roster", "merged")
 RULES = ("rda", "mean")
+# RDA's direction u = Σ d̂_m φ(v_m) has ‖u‖ <= Σ d̂_m = 1, and ‖u‖ -> 0 as the offers'
+# directions cancel. Its float32 value is off by at most M + 1 half-ulps of Σ|d̂_m φ(v_m)|
+# per element (φ's coefficient, M products, M − 1 sums): ‖error‖ <= (M + 1) · 2^-24 · Σ d̂_m
+# over the nonzero offers, whatever their length. One 2^-24 more each for the offers' norms
+# (`chunks.sq_norm`: ~1e-8 relative) and for the offers' own float32 rounding. A u shorter
+# than 8x that, `_U_NOISE` · (M + 3) · Σ d̂_m (2.4e-6 for two offers; cancelling offers
+# measured ~40x below it), is noise: scaled up to the radius it would step Θ an offer's full
+# length in a direction no offer took, so RDA's Δ is 0 there.
+_U_NOISE = 8 * 2.0**-24
 
 
 def token_weights(
@@ -189,10 +198,10 @@ def _rda_direction(
     """(u, scale) with RDA's Δ = scale · u for one leaf.
 
     u = Σ d̂_m φ(v_m) is the weighted mean direction (d̂: the direction weights, ŵ if None;
-    a new float32 array, or a view into `scratch`) and scale =
-    (Σ ŵ_m ‖v_m‖) / ‖u‖, or 0 when u vanishes (φ(0) = 0). Costs two read passes over the
-    offers, one if `sq_norms` (‖v_m‖², None where unknown) are given. A single offer is
-    its own RDA (‖v‖·φ(φ(v)) = v): then u is that offer itself.
+    a new float32 array, or a view into `scratch`) and scale = (Σ ŵ_m ‖v_m‖) / ‖u‖, or 0
+    when u is rounding noise (`_U_NOISE`). Offers of norm <= eps count as zero (φ(0) = 0).
+    Costs two read passes over the offers, one if `sq_norms` (‖v_m‖², None where unknown)
+    are given. A single offer is its own RDA (‖v‖·φ(φ(v)) = v): then u is that offer itself.
     """
     d_hat = w_hat if d_hat is None else d_hat
     known = zip(leaves, sq_norms, strict=True)
@@ -200,11 +209,13 @@ def _rda_direction(
     if len(leaves) == 1:
         return leaves[0], (1.0 if norms[0] > eps else 0.0)
     radius = float(np.dot(w_hat, norms))
-    a = np.where(norms > eps, d_hat / np.where(norms > eps, norms, 1.0), 0.0)
+    live = norms > eps
+    a = np.where(live, d_hat / np.where(live, norms, 1.0), 0.0)
     out = None if scratch is None else scratch.array(np.shape(leaves[0]))
     u, u_sq_norm = weighted_sum(leaves, a, threads, out)
     u_norm = np.sqrt(u_sq_norm)
-    return u, (radius / u_norm if u_norm > eps else 0.0)
+    noise = _U_NOISE * (len(leaves) + 3) * float(np.sum(d_hat[live]))
+    return u, (radius / u_norm if u_norm > noise else 0.0)
 
 
 def merge_rda(
@@ -220,8 +231,9 @@ def merge_rda(
     Δ = (Σ w‖v‖ / Σw) · φ(Σ d φ(v) / Σd), φ(x) = x / ‖x‖, φ(0) = 0, with direction weights
     d = w unless `direction` gives them (`direction_weights`). The norm of Δ is the
     weighted mean norm of the offers however many are merged (unless their directions
-    cancel exactly, then Δ = 0); plain averaging would shrink it for diverse directions.
-    `sq_norms[m]` = `offer_sq_norms(vs[m])`, if already known, saves a pass.
+    cancel to within float32 rounding, `_U_NOISE`: then Δ = 0); plain averaging would shrink
+    it for diverse directions. Offers of norm <= `eps` count as zero. `sq_norms[m]` =
+    `offer_sq_norms(vs[m])`, if already known, saves a pass.
     """
     vs, w_hat, norms, d_hat = _contributors_with(vs, w, sq_norms, direction)
     out = {}
