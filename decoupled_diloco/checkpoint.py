@@ -111,8 +111,9 @@ class Checkpointer:
         self._lock = threading.Lock()
         # Remote paths (gs://..., for multi-node Ray runs) go to orbax as they are.
         self.directory = paths.resolve(directory)
-        # Steps refused on restore since the owner last looked: (step, reason, moved to).
-        self.refused: list[tuple[int, str, str]] = []
+        # Steps refused on restore since the owner last looked: (step, reason, moved to;
+        # None: it could not be moved).
+        self.refused: list[tuple[int, str, str | None]] = []
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -199,17 +200,19 @@ class Checkpointer:
         self.manager.close()
 
 
-def set_aside(src: epath.Path, reason: str) -> str:
+def set_aside(src: epath.Path, reason: str) -> str | None:
     """Moves a refused step directory `<checkpoints>/<name>/<step>` out of its manager's
-    sight to `<checkpoints>/corrupt/<name>-<step>` (kept for inspection); returns where."""
+    sight to `<checkpoints>/corrupt/<name>-<step>` (kept for inspection); returns where, or
+    None when it could not be moved (it stays, refused again at every restore)."""
     dst = src.parent.parent / "corrupt" / f"{src.parent.name}-{src.name}"
     if dst.exists():
         dst = dst.with_name(f"{dst.name}-{int(time.time())}")
-    logging.error("checkpoint %s refused (%s); moved to %s", src, reason, dst)
+    logging.error("checkpoint %s refused (%s); moving it to %s", src, reason, dst)
     try:
         paths.move_tree(src, dst)  # on GCS object by object: no folders, no renames
     except OSError as e:  # a read-only copy: leave it, but never use it
-        logging.error("could not move %s aside: %s", src, e)
+        logging.error("could not move %s aside (%s): it stays where it is", src, e)
+        return None
     return str(dst)
 
 

@@ -66,7 +66,10 @@ class FragmentCheckpointer:
         self.path = paths.resolve(directory)  # local: absolute; gs://...: as it is
         self.directory = str(self.path)
         self.max_to_keep, self.read_only = max_to_keep, read_only
-        self.refused: list[tuple[int, str, str]] = []  # (step, reason, moved to), as Checkpointer
+        self.refused: list[tuple[int, str, str | None]] = []  # (step, reason, moved to), as
+        # Checkpointer. Steps refused that could not be moved aside: never kept in place of
+        # a good one (`commit` counts max_to_keep over the others).
+        self._unusable: set[int] = set()
         self._lock = threading.Lock()  # the loop's saver thread vs. its restores
         self._orbax = _writer()
         if not read_only:
@@ -124,7 +127,8 @@ class FragmentCheckpointer:
             tmp.write_text(text)
             tmp.rename(target)
         with self._lock:
-            for old in self.all_steps()[: -self.max_to_keep]:
+            usable = [s for s in self.all_steps() if s not in self._unusable]
+            for old in usable[: -self.max_to_keep]:
                 (self.path / str(old)).rmtree()
 
     # --- restoring --------------------------------------------------------------------
@@ -173,7 +177,10 @@ class FragmentCheckpointer:
                 if not self.read_only:
                     for bad, why in refused:
                         reason = why.split(": ", 1)[1]
-                        self.refused.append((bad, reason, set_aside(self.path / str(bad), reason)))
+                        moved = set_aside(self.path / str(bad), reason)
+                        self.refused.append((bad, reason, moved))
+                        if moved is None:
+                            self._unusable.add(bad)
                 return out
         raise CorruptCheckpointError(
             "no kept checkpoint step can be trusted: " + "; ".join(why for _, why in refused)

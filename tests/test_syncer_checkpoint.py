@@ -427,3 +427,107 @@ def test_what_a_save_costs_ignores_merge_less_saves_and_one_slow_save(tmp_path, 
         monkeypatch.setattr(SyncerLoop, "save", fake_save)
         loop._save_or_keep_error()
         assert loop.save_seconds == cost, version
+
+
+def _restarted_loop(directory, params=None, record=lambda r: None):
+    """A new life of the syncer loop built from the checkpoint in `directory`."""
+    params = params or {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    return SyncerLoop(0, RUN, PLAN, params, ListLink(), FragmentCheckpointer(str(directory)),
+                      schedule=None, clock=lambda: 100.0, record=record,
+                      emulate_outages=False, restarted=True)  # fmt: skip
+
+
+def test_a_finished_leave_during_a_save_is_in_that_checkpoint(tmp_path):
+    """The registry was taken when the save began: a learner that left finished while the
+    fragments were written was restored 'joined, unfinished' (it never says so again), timed
+    out as dead and dropped out of the merge roster, rescaling every later merge."""
+    run = Run(tmp_path)
+    run.merge(0, seed=1)
+    writing, release = threading.Event(), threading.Event()
+    write = run.loop.ckpt.write_fragment
+
+    def held_write(n, p, arrays, info):
+        if not writing.is_set():
+            writing.set()
+            assert release.wait(30)
+        return write(n, p, arrays, info)
+
+    run.loop.ckpt.write_fragment = held_write
+    assert run.loop.save_in_background() and writing.wait(30)
+    run.serve(Leave(0, 0, run.now, True))
+    release.set()
+    run.loop.wait_for_save()
+    restored = _restored(tmp_path).learners[0]
+    assert restored.finished and not restored.joined
+    assert not run.loop.save()  # what was saved is what the syncer holds
+
+
+def test_a_refused_step_that_cannot_be_moved_never_displaces_a_good_one(tmp_path, monkeypatch):
+    """A refused step left in place (its move failed: a read-only parent, an object-store
+    error) was reported as moved and still counted for max_to_keep: the next commit
+    deleted the last step that verifies, keeping the bad one."""
+    from decoupled_diloco import checkpoint
+
+    run = Run(tmp_path)
+    run.merge(0, seed=1)
+    assert run.loop.save()
+    run.merge(3, seed=2)
+    assert run.loop.save()
+    (tmp_path / "2" / "manifest.json").write_text("[1]")
+
+    def cannot_move(src, dst):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(checkpoint.paths, "move_tree", cannot_move)
+    records = []
+    loop = _restarted_loop(tmp_path, record=records.append)
+    refused = [r for r in records if r["event"] == "checkpoint_refused"]
+    assert [(r["checkpoint_step"], r["moved_to"]) for r in refused] == [(2, None)]
+    loop.syncer.handle(Join(0, 1, 100.0, 0, TOKENS), 100.0)
+    for n in range(2):  # two more saves: max_to_keep (2) good steps stay, 1 is dropped last
+        p, step = 1 + n, PLAN.offsets[1 + n] + H
+        loop.syncer.handle(Offer(learner=0, incarnation=1, fragment=p, step=step, c_steps=H,
+                                 c_tokens=H * TOKENS, base_version=loop.syncer.version[p],
+                                 time=100.0, epoch=loop.syncer.epoch, nbytes=1,
+                                 payload=compression.encode(
+                                     {k: np.full(SHAPES[k], 0.01, np.float32)
+                                      for k in PLAN.names[p]}, "none")), 100.0)  # fmt: skip
+        assert loop.save()
+        assert loop.ckpt.all_steps() == ([1, 2, 3] if n == 0 else [2, 3, 4])
+
+
+def test_a_checkpoint_of_another_model_or_layout_is_refused_at_restore(tmp_path):
+    """The fragment plan names leaves only: a model of another width matched it, and the
+    restored syncer refused every offer of the real model; a missing fragment was a bare
+    KeyError."""
+    from decoupled_diloco.diloco import syncer_state
+
+    run = Run(tmp_path)
+    run.merge(0, seed=1)
+    assert run.loop.save()
+    wider = {k: np.zeros((s[0], 2 * s[1]), np.float32) for k, s in SHAPES.items()}
+    with pytest.raises(ValueError, match=r"theta of fragment 0 does not fit the model: block_0"):
+        _restarted_loop(tmp_path, wider)
+    parts, meta = FragmentCheckpointer(str(tmp_path)).restore()
+    state, meta = syncer_state.join_parts(parts, meta)
+    del state["momentum"]["1"]
+    fresh = Run(tmp_path / "fresh").loop.syncer
+    with pytest.raises(ValueError, match="has no momentum of fragment 1, which this syncer owns"):
+        syncer_state.load(fresh, state, meta, 0.0)
+
+
+def test_a_restore_with_fewer_learners_drops_the_ones_beyond(tmp_path):
+    """A forced resume with fewer learners re-registered the missing ones: a finished one
+    stayed in the merge roster for good, halving every merge."""
+    from decoupled_diloco.diloco import syncer_state
+
+    run = Run(tmp_path)
+    run.merge(0, seed=1)
+    assert run.loop.save()
+    parts, meta = FragmentCheckpointer(str(tmp_path)).restore()
+    state, meta = syncer_state.join_parts(parts, meta)
+    meta["learners"]["1"] = list(meta["learners"]["0"])
+    meta["learners"]["1"][4] = True  # finished: in the roster
+    fresh = Run(tmp_path / "fresh").loop.syncer
+    syncer_state.load(fresh, state, meta, 0.0)
+    assert sorted(fresh.learners) == [0] and fresh.registry.roster(0.0) in ([0], [])

@@ -11,6 +11,7 @@ of a lost life are void, learners offer again).
 """
 
 import numpy as np
+from absl import logging
 
 from decoupled_diloco.diloco import merge, refusals
 from decoupled_diloco.diloco.fragments import FragmentPlan
@@ -76,11 +77,16 @@ def _entry(i) -> list:
     return [i.incarnation, i.joined, i.step, i.tokens_per_step, i.finished, i.counted, i.joined_at]
 
 
+def registry_meta(syncer) -> dict:
+    """The learner registry's part of `shared_meta`."""
+    return {str(m): _entry(i) for m, i in syncer.learners.items()}
+
+
 def shared_meta(syncer) -> dict:
     """The JSON part of a checkpoint that belongs to no one fragment."""
     return {
         "plan": syncer.plan.to_json(),
-        "learners": {str(m): _entry(i) for m, i in syncer.learners.items()},
+        "learners": registry_meta(syncer),
         "stats": dict(syncer.stats),
         "offer_scale": syncer.scale.to_json(),
         # Records (merges.jsonl / events.jsonl lines) this shard had emitted: those after
@@ -91,7 +97,10 @@ def shared_meta(syncer) -> dict:
 
 def load(syncer, state: dict, meta: dict, now: float) -> None:
     """Restores a checkpoint into `syncer`; every registered learner counts as seen at
-    `now`. ValueError if the checkpoint was written with another fragment plan."""
+    `now`. ValueError if the checkpoint was written with another fragment plan, lacks a
+    fragment this syncer owns, or holds arrays of other shapes than its model's (a forced
+    resume past a changed config). Learners beyond `syncer.num_learners` (a forced resume
+    with fewer) are dropped: they would stay in the merge roster for good."""
     saved = meta.get("plan")
     if saved is not None and FragmentPlan.from_json(saved) != syncer.plan:
         raise ValueError(
@@ -99,6 +108,7 @@ def load(syncer, state: dict, meta: dict, now: float) -> None:
             "fragment_strategy, sync_every or the model changed since): resume with the "
             "run's original settings or start a new workdir"
         )
+    _check_arrays(syncer, state)
     # Own copies (writable, C-contiguous): merges update Θ and the momenta in place.
     own = lambda tree: {k: np.array(v, np.float32, order="C") for k, v in tree.items()}
     for p in syncer.owned:
@@ -117,9 +127,37 @@ def load(syncer, state: dict, meta: dict, now: float) -> None:
         syncer.pending[p] = {}
         syncer.round_open[p] = syncer.quorum_at[p] = None
     for m, (inc, joined, step, *rest) in meta.get("learners", {}).items():
+        if int(m) >= syncer.num_learners:
+            logging.warning("the syncer checkpoint registers learner %s, but the run has %d "
+                            "learners: it is dropped", m, syncer.num_learners)  # fmt: skip
+            continue
         syncer.register(int(m), int(inc), bool(joined), now, int(step), *rest)
     syncer.log_position = int(meta.get("log_position", 0))
     syncer.scale.load_json(meta.get("offer_scale", {}))
     syncer.stats.update(
         {k: int(n) for k, n in meta.get("stats", {}).items() if refusals.is_count(k)}
     )
+
+
+def _check_arrays(syncer, state: dict) -> None:
+    """Every owned fragment is in the checkpoint, its Θ and momenta with the model's leaves
+    and shapes (the plan names the leaves only: a model of another width matches it)."""
+    for p in syncer.owned:
+        for part in ("theta", "momentum"):
+            saved = state.get(part, {}).get(str(p))
+            if saved is None:
+                raise ValueError(
+                    f"the syncer checkpoint has no {part} of fragment {p}, which this syncer "
+                    "owns (diloco.syncer_shards changed since?): resume with the run's "
+                    "original settings or start a new workdir"
+                )
+            want = {k: np.shape(v) for k, v in syncer.theta[p].items()}
+            got = {k: np.shape(v) for k, v in saved.items()}
+            if got != want:
+                diff = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+                k = diff[0]
+                raise ValueError(
+                    f"the syncer checkpoint's {part} of fragment {p} does not fit the model: "
+                    f"{k} is {got.get(k, 'missing')} there, {want.get(k, 'absent')} in the "
+                    f"model ({len(diff)} leaves differ; the model changed since?)"
+                )

@@ -10,7 +10,8 @@ Checkpoints (orbax, `fragment_checkpoint.py`) are streamed from a saver thread, 
 serving thread never writes one: every `diloco.syncer_checkpoint_seconds` the saver copies
 one fragment (Θ, momentum, version, slot, vector clock) under the lock, writes it outside
 the lock while merges of every fragment go on, takes the next, and commits a manifest with
-the registry, counters and event-log position (taken when the save began). A save of s
+the counters and event-log position taken when the save began and the learner registry as
+it is at the commit (a learner that left finished meanwhile never says so again). A save of s
 seconds puts the next one at least s / `diloco.syncer_checkpoint_duty` after its start
 (`checkpoint_gap`), so however large the model, writing checkpoints takes at most that
 share of the syncer host's time (and of its GIL). s is the shorter of the last two saves
@@ -317,6 +318,10 @@ class SyncerLoop:
             versions[p] = info["version"]
         if self.before_commit is not None and not self.before_commit():
             return False
+        with self.lock:  # the registry as it is now: a learner that left finished while
+            if self.syncer is not life:  # the fragments were written never sends it again
+                return False
+            meta["learners"], registry = syncer_state.registry_meta(life), _registry_key(life)
         self.ckpt.commit(n, entries, meta)
         self._saved_key = tuple(sorted(versions.items())), registry
         return True
