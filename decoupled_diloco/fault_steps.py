@@ -108,8 +108,10 @@ def in_seconds(spec, step_s: float, speeds=None):
     the step time of the fastest learner, which sets the lead step (syncer crashes,
     membership). `speeds`: each learner's step-time multiplier (`fault_spec.
     speed_factors_of`; None: all 1): a learner's crash at its own step s comes at
-    s·step_s·speed/min(speeds). Outages are not added: a crashed learner reaches its later
-    steps later than that (the simulator's own timeline holds the outage, not the shift)."""
+    s·step_s·speed/min(speeds), plus `restart_delay_s` for each of its crashes before it (it
+    reached step s that much later; the steps it redoes after a restore are not added). A
+    learner's crashes at one step are one crash, as `StepTriggers` fires them: placed at s
+    alone, a crash a few steps after another fell inside that one's outage and was lost."""
     if spec.unit != "steps":
         return spec
     if not step_s > 0:
@@ -122,10 +124,15 @@ def in_seconds(spec, step_s: float, speeds=None):
     def at(learner) -> float:
         return step_s * (own[int(learner)] if int(learner) < len(own) else fastest) / fastest
 
+    crashes, earlier = [], {}  # learner -> its crashes placed so far
+    for i, s in sorted({(int(i), int(s)) for i, s in spec.crashes}):
+        k = earlier.get(i, 0)
+        crashes.append((i, s * at(i) + k * spec.restart_delay_s))
+        earlier[i] = k + 1
     return dataclasses.replace(
         spec,
         unit="seconds",
-        crashes=tuple((i, s * at(i)) for i, s in spec.crashes),
+        crashes=tuple(crashes),
         membership=tuple((i, a * lead_s, b * lead_s) for i, a, b in spec.membership),
         syncer_crashes=tuple(s * lead_s for s in spec.syncer_crashes),
     )

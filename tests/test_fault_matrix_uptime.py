@@ -293,6 +293,22 @@ def test_simulator_places_a_slow_learners_step_schedule_at_its_own_pace():
     assert fault_steps.in_seconds(halves, 0.5, [1.0, 2.0]).crashes == ((1, 100.0),)
 
 
+def test_a_learners_later_step_crashes_come_after_its_earlier_outages():
+    """A step crash fires when the learner completes that step, which a learner down for an
+    earlier crash reaches that much later: placed at s*step_s alone, a crash two steps after
+    another fell inside that one's outage, and the simulator dropped it."""
+    p = SimParams(horizon_days=200 / 86400, step_s=1.0, restore_s=1.0, sync_period_s=8.0,
+                  fragments=4)  # fmt: skip
+    close = FaultSpec(unit="steps", crashes=((0, 12), (1, 30), (0, 10), (0, 12)),
+                      restart_delay_s=5.0)  # fmt: skip
+    placed = fault_steps.in_seconds(close, 1.0)
+    assert placed.crashes == ((0, 10.0), (0, 17.0), (1, 30.0))  # one crash per step
+    far = dataclasses.replace(close, crashes=((0, 10), (0, 20)))
+    for method in ("decoupled", "elastic_dp"):
+        assert simulate(method, 2, 2, p, close).failures == 3
+        assert simulate(method, 2, 2, p, far).failures == 2
+
+
 @pytest.mark.parametrize(
     "fields, match",
     [
