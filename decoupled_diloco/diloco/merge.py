@@ -290,8 +290,9 @@ def merge_outer_step(
     how many threads split each leaf's chunks (None/0: the host's cores; the result is the
     same for any count). `scratch`: where RDA puts u (reused memory: no page faults on
     the merge's critical path; see `chunks.Scratch`), else a new array per leaf.
-    `theta_copy` {leaf: array of its size}: also receives the new Θ, chunk by chunk while
-    in cache (the syncer's reply, `reply_buffers.py`).
+    `theta_copy` {leaf: writable C-contiguous float32 array of its size}: also receives the
+    new Θ, chunk by chunk while in cache (the syncer's reply, `reply_buffers.py`). Every
+    leaf's buffers are checked before any leaf steps.
     """
     if rule not in RULES:
         raise ValueError(f"diloco.merge={rule!r}; expected one of {RULES}")
@@ -299,8 +300,8 @@ def merge_outer_step(
         raise ValueError(f"scale must be finite and >= 0, got {scale}")
     vs, w_hat, norms, d_hat = _contributors_with(vs, w, sq_norms, direction)
     check_same_leaves([theta, vs[0]])
-    if theta_copy is not None and set(theta_copy) != set(theta):
-        raise ValueError(f"theta_copy leaves differ: {sorted(set(theta_copy) ^ set(theta))[:5]}")
+    if theta_copy is not None:  # all checked before any leaf steps
+        _check_theta_copy(theta, theta_copy)
     decay, look = outer.momentum_terms(momentum, work, clock)
     bufs, theta_out, bufs_out = outer.outputs(theta, state, inplace)
     delta_sq_norm = 0.0
@@ -320,6 +321,17 @@ def merge_outer_step(
             )
     out = theta_out, (state if inplace else outer.OuterState(bufs_out))
     return (*out, float(np.sqrt(delta_sq_norm))) if return_delta_norm else out
+
+
+def _check_theta_copy(theta: dict, theta_copy: dict) -> None:
+    if set(theta_copy) != set(theta):
+        raise ValueError(f"theta_copy leaves differ: {sorted(set(theta_copy) ^ set(theta))[:5]}")
+    for k, x in theta_copy.items():
+        ok = isinstance(x, np.ndarray) and x.dtype == _F32 and x.flags.c_contiguous
+        if not (ok and x.flags.writeable and x.size == np.size(theta[k])):
+            raise ValueError(f"theta_copy[{k!r}] must be writable C-contiguous float32 of "
+                             f"{np.size(theta[k])} values, got {getattr(x, 'dtype', type(x))} "
+                             f"{np.shape(x)}")  # fmt: skip
 
 
 ROUTER_SUFFIX = "moe/router"  # MoE router leaves: "block_<i>/moe/router" [D, E]

@@ -62,10 +62,17 @@ def momentum_terms(momentum: float, work: float = 1.0, clock: str = "merge") -> 
 
 
 def outputs(theta: dict, state: OuterState, inplace: bool) -> tuple[dict, dict, dict]:
-    """(momentum in, Θ out, momentum out): the inputs themselves if `inplace`, else new."""
+    """(momentum in, Θ out, momentum out): the inputs themselves if `inplace`, else new.
+
+    Checks every leaf before any is written: a step that failed half-way through would
+    leave Θ part stepped, part not.
+    """
     extra = set(state.momentum) - set(theta)
     if extra:
         raise ValueError(f"outer state has leaves not in the fragment: {sorted(extra)[:5]}")
+    for k, buf in state.momentum.items():  # (numpy would broadcast or cut a wrong one)
+        if np.shape(buf) != np.shape(theta[k]):
+            raise ValueError(f"momentum[{k!r}]: shape {np.shape(buf)} != Θ's {np.shape(theta[k])}")
     bufs = {
         k: state.momentum[k] if k in state.momentum else np.zeros(np.shape(v), F32)
         for k, v in theta.items()
