@@ -42,7 +42,7 @@ import numpy as np
 from decoupled_diloco import fault_steps, faults
 from decoupled_diloco.simulator import timeline as tlm
 from decoupled_diloco.simulator.params import METHODS, SimParams, validate_sim_params
-from decoupled_diloco.simulator.trace import Trace, chip_trace, schedule_trace
+from decoupled_diloco.simulator.trace import JOIN, Trace, chip_trace, schedule_trace
 
 _MC_STEPS = 32  # Monte-Carlo steps for the expected slowest-slice wait
 
@@ -241,9 +241,11 @@ def _timelines(
     else:
         loss = tlm.checkpoint_loss(interval_s)
         owner_E, owner_U = np.zeros(len(trace.unit), int), np.zeros(len(chips_U), int)
+    # A unit that joins in the middle of an outage is in service from its restart (BACK) on.
+    usable_E = (trace.kind != JOIN) | (trace.back <= trace.time)
     out = []
     for g in range(groups):
-        sel = owner_E == g
+        sel = (owner_E == g) & usable_E
         out.append(
             tlm.elastic_timeline(
                 (trace.time[sel].tolist(), trace.kind[sel].tolist(), trace.unit[sel].tolist()),

@@ -75,7 +75,9 @@ def restart_timeline(
     graceful_relaunch_s + restore_s after the leave at the earliest. After each
     relaunch the job computes checkpoint_interval_s, stalls checkpoint_cost_s for a
     snapshot, and so on: the stalls are lost work too. A join or leave relaunches the job at
-    its new size after a snapshot: graceful_relaunch_s + restore_s, nothing else lost.
+    its new size after a snapshot: graceful_relaunch_s + restore_s, nothing else lost; a
+    unit that joins in the middle of an outage (its back later than the join) is awaited
+    as a failed one is.
     """
     tl = Timeline()
     snap = snapshot_loss(checkpoint_interval_s, checkpoint_cost_s)
@@ -114,7 +116,11 @@ def restart_timeline(
                 tl.lost_chip_s += live * snap(t - run_start, False)
             if state != _PAUSE:
                 state, rec_end = _PAUSE, t + graceful_relaunch_s + restore_s
+                awaited, relaunched = {}, t + graceful_relaunch_s
                 tl.recoveries += 1
+            if joining and b > t:  # it joins in the middle of an outage: awaited as failed
+                awaited[u] = b
+                rec_end = max(rec_end, b + restore_s)
             live += unit_chips[u] if joining else -unit_chips[u]
     if state == _PAUSE and rec_end < horizon and live > 0:
         state, run_start = _RUN, rec_end

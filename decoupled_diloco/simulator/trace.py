@@ -20,7 +20,8 @@ class Trace:
     """Units and their events over [0, horizon_s).
 
     Event arrays are [E], sorted by time. `back` is, for a FAIL, when that unit (or its
-    replacement) is available again; for other kinds it equals `time`.
+    replacement) is available again; for a JOIN, when the joining unit is up (after `time`
+    if it joins in the middle of an outage); for other kinds it equals `time`.
     """
 
     horizon_s: float
@@ -129,8 +130,9 @@ def schedule_trace(schedule: faults.FaultSchedule, chips_per_learner: int) -> Tr
             if b < horizon and schedule.is_member(i, b):  # (the schedule's restart event)
                 rows.append((b, 3 if b == a else 1, i, n, BACK, b))
         for join, leave in schedule.member_windows[i]:
-            if 0 < join < horizon:
-                rows.append((join, 2, i, 0, JOIN, join))
+            if 0 < join < horizon:  # back: when a learner that joins mid-outage is up
+                ends = [b for a, b in schedule.down[i] if a < join < b]
+                rows.append((join, 2, i, 0, JOIN, ends[0] if ends else join))
             if leave < horizon:
                 rows.append((leave, 0, i, 0, LEAVE, leave))
     rows.sort(key=lambda r: r[:4])
