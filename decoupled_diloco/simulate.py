@@ -199,7 +199,8 @@ def main(argv):
             check_fault_spec_flags(given, FLAGS.method, spec.unit)
         check_size(FLAGS.method, FLAGS.chips, FLAGS.learners, params, spec)
         if spec is not None:
-            faults.validate_fault_spec(spec, FLAGS.learners)  # before any arithmetic on it
+            # before any arithmetic on it, over the timeline it is drawn on (--horizon_days)
+            faults.validate_fault_spec(spec, FLAGS.learners, horizon_s=params.horizon_s)
         result = simulate(FLAGS.method, FLAGS.chips, FLAGS.learners, params, spec)
     except ValueError as e:
         sys.exit(f"error: {e}")  # (a UsageError would print every flag's help above it)

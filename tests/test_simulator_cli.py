@@ -1,0 +1,27 @@
+"""`python -m decoupled_diloco.simulate`: what the command line checks before it simulates."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _simulate(*flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "decoupled_diloco.simulate", *flags, "--json"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def test_a_fault_spec_is_checked_over_the_simulated_horizon():
+    """A crash on day 10 of the default 14-day horizon happens; the command checked the
+    spec over the run's 7-day fault timeline and refused it (a review found it)."""
+    spec = '{"crashes": [[0, 864000.0]], "restart_delay_s": 20.0}'
+    out = _simulate("--method=dp", "--chips=2", "--learners=2", f"--fault_spec={spec}")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["failures"] == 1
+    late = _simulate(
+        "--method=dp", "--chips=2", "--learners=2", f"--fault_spec={spec}", "--horizon_days=5"
+    )
+    assert "past the 432000 s fault timeline" in late.stderr
