@@ -206,6 +206,9 @@ def test_a_run_that_took_no_step_starts_over_with_a_changed_config(small_config,
     # How often Python threads switch is speed, not math: free to change on a resume.
     faster = config_lib.validate(small_config(**{"data.seq_len": 4096, "gil_switch_ms": 1.0}))
     assert workdir.check_resume(str(tmp_path), faster, True, False) == ["gil_switch_ms"]
+    # Nor is where the syncer runs (a thread or a process: the same checkpoints).
+    moved = config_lib.validate(small_config(**{"data.seq_len": 4096, "local_syncer": "process"}))
+    assert workdir.check_resume(str(tmp_path), moved, True, False) == ["local_syncer"]
     (tmp_path / "checkpoints" / "learner_0" / "4").rmdir()
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert workdir.trained(str(tmp_path), smaller)

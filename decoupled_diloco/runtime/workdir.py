@@ -58,6 +58,7 @@ FREE_TO_CHANGE = frozenset(
         "train.prefetch",
         "train.metrics_lag",
         "gil_switch_ms",  # (how often Python threads switch: speed, not math)
+        "local_syncer",  # (the syncer in a thread or a process: one checkpoint format)
         "diloco.stage_merges",
         "diloco.device_rebase",
         "diloco.merge_threads",
