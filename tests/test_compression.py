@@ -98,6 +98,27 @@ def test_int1_keeps_signs_and_block_mean_abs():
     np.testing.assert_array_equal(zeros, 0.0)
 
 
+def test_int1_of_huge_finite_values_is_finite():
+    # 256 values of 1e37 sum past float32's range (~3.4e38); their mean |x| does not.
+    rng = np.random.default_rng(4)
+    blocks = [
+        np.full(256, 1e37),
+        3e38 * np.where(np.arange(256) % 2, 1, -1),
+        rng.standard_normal(256),
+        np.r_[np.ones(255), np.inf],  # still poisons its block
+        np.full(5, -3e38),  # a short last block
+    ]
+    x = np.concatenate(blocks).astype(np.float32)
+    y = decode(encode({"x": x}, "int1", 256))["x"]
+    finite = np.ones(x.size, bool)
+    finite[3 * 256 : 4 * 256] = False
+    assert np.all(np.isfinite(y[finite])) and not np.any(np.isfinite(y[~finite]))
+    assert np.all(np.sign(y[finite]) == np.sign(x[finite]))
+    for start in (0, 256, 512, 1024):
+        xb, yb = x[start : start + 256], y[start : start + 256]
+        np.testing.assert_allclose(np.abs(yb), np.mean(np.abs(xb), dtype=np.float64), rtol=1e-6)
+
+
 def test_nbytes_ratios():
     x = {"w": np.random.default_rng(4).standard_normal((64, 1024)).astype(np.float32)}
     fp32 = x["w"].nbytes

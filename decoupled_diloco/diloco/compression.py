@@ -113,7 +113,12 @@ def _encode_sign(flat: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndar
     counts = np.full(blocks.shape[0], block_size, np.float32)
     if flat.size % block_size:
         counts[-1] = flat.size % block_size
-    scales = (blocks.sum(axis=1, dtype=np.float32) / counts).astype(np.float32)
+    with np.errstate(over="ignore"):
+        sums = blocks.sum(axis=1, dtype=np.float32)
+    scales = sums / counts
+    over = np.isinf(sums)  # finite values can sum past float32's range (256 of 1e37)
+    if over.any():  # (rare: not every block pays for float64)
+        scales[over] = blocks[over].sum(axis=1, dtype=np.float64) / counts[over]
     return np.packbits(flat >= 0, bitorder="little"), scales
 
 
