@@ -275,6 +275,9 @@ def test_million_chips_over_weeks_is_fast():
             ("dp", 1_200_000, 1, dataclasses.replace(SHORT, chip_mtbf_years=1e-4)),
             "failures expected .chips x horizon / chip MTBF. above 20,000,000",
         ),
+        # A synchronous job's pace with a schedule: arrays per learner (~36 KB each).
+        (("dp", 200_000, 200_000, SHORT, FaultSpec()), "learners .200,000. above 100,000"),
+        (("elastic_dp", 200_000, 200_000, SHORT, FaultSpec()), "above 100,000 .* ~7 GB"),
     ],
 )
 def test_bad_input_names_the_key(args, key):

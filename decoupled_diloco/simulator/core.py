@@ -71,6 +71,10 @@ class SimResult:
 # 210 MB, 12M chips and 0.46M failures 173 MB).
 MAX_CHIPS = 100_000_000
 MAX_FAILURES = 20_000_000
+# With a FaultSpec, a synchronous job's pace is sampled per learner at up to
+# _PACE_SAMPLES instants (~36 KB a learner: 20,000 learners took 0.77 GB).
+MAX_PACED_LEARNERS = 100_000
+_PACE_SAMPLES = 2048
 
 
 def _check(method: str, chips: int, learners: int, p: SimParams, spec) -> None:
@@ -102,6 +106,13 @@ def _check(method: str, chips: int, learners: int, p: SimParams, spec) -> None:
             f"chips ({chips:,}) above {MAX_CHIPS:,}: the simulation keeps arrays per chip "
             "and per slice in memory (~16 bytes a chip, ~70 a slice: --slice_chips=1 at "
             "100M chips takes ~7 GB)"
+        )
+    if spec is not None and method != "decoupled" and learners > MAX_PACED_LEARNERS:
+        raise ValueError(
+            f"learners ({learners:,}) above {MAX_PACED_LEARNERS:,} for --method={method} with "
+            f"a fault spec: the job's pace is sampled per learner at up to {_PACE_SAMPLES} "
+            f"instants (~36 KB a learner, ~{learners * 36e3 / 1e9:.0f} GB here): simulate "
+            "fewer learners"
         )
     failures = _failures_per_s(chips, p, spec) * p.horizon_s
     if failures > MAX_FAILURES:
@@ -148,7 +159,7 @@ def _schedule_efficiency(schedule: faults.FaultSchedule, p: SimParams, method: s
     learner that left or is down paces nothing; a DP job runs only while every member is
     up)."""
     horizon = schedule.horizon_s
-    n = int(min(2048, np.ceil(horizon / p.step_s)))
+    n = int(min(_PACE_SAMPLES, np.ceil(horizon / p.step_s)))
     t = (np.arange(n) + 0.5) * (horizon / n)
     f = schedule.step_time_factors(np.floor(t / p.step_s).astype(np.int64), t)
     member, running = _running(schedule, t)
