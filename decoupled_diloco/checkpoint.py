@@ -192,6 +192,12 @@ class Checkpointer:
 
     def _set_aside(self, step: int, reason: str) -> None:
         moved = set_aside(self.directory / str(step), reason)
+        if moved is None:  # left in place it would stay the latest step (a later save of
+            try:  # that step skipped as done) and count for max_to_keep, pruning good ones
+                (self.directory / str(step)).rmtree()
+                logging.error("checkpoint %s/%d deleted instead", self.directory, step)
+            except OSError as e:
+                logging.error("could not delete %s/%d either: %s", self.directory, step, e)
         self.manager.reload()
         self.refused.append((step, reason, moved))
 

@@ -87,6 +87,30 @@ def test_a_corrupted_newest_step_falls_back_to_the_previous_kept_step(tmp_path):
     ckpt.close()
 
 
+def test_a_refused_step_that_cannot_be_moved_aside_is_deleted(tmp_path, monkeypatch):
+    """Left in place it stayed the latest step: the learner skipped saving that step again
+    (`save_learner` saw it saved) and orbax's max_to_keep pruned the good step instead."""
+    from decoupled_diloco import checkpoint
+
+    def cannot_move(src, dst):
+        raise OSError("object store error")
+
+    d = tmp_path / "learner_0"
+    big = {"w": np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)}
+    _save(d, 1, big)
+    _save(d, 2, {"w": big["w"] + 1})
+    flip_values(d / "2")
+    monkeypatch.setattr(checkpoint.paths, "move_tree", cannot_move)
+    ckpt = Checkpointer(str(d))
+    _, meta = ckpt.restore({"w": np.zeros((256, 256), np.float32)})
+    assert meta["step"] == 1 and [(s, m) for s, _, m in ckpt.refused] == [(2, None)]
+    assert ckpt.latest_step() == 1 and not (d / "2").exists()
+    for step in (2, 3):
+        assert ckpt.save(step, {"w": big["w"] * step}, {"step": step})
+    assert ckpt.manager.all_steps() == [2, 3]
+    ckpt.close()
+
+
 def test_readable_but_wrong_values_are_caught_by_the_checksum(tmp_path):
     d = tmp_path / "syncer_0"
     good = {"theta": np.ones((4, 4), np.float32), "version": np.int64(3)}
