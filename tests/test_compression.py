@@ -53,6 +53,18 @@ def test_round_trip_within_stated_bound_per_block(method, block_size):
             assert np.max(np.abs(yb - xb)) <= bound, (name, start)
 
 
+@pytest.mark.parametrize("method", ["int8", "int4", "int2"])
+def test_bound_holds_where_the_block_scale_is_subnormal_or_zero(method):
+    # absmax / qmax below 2^-150 rounds the scale to 0 (the block decodes to zeros), and a
+    # subnormal scale is off by up to 2^-150 (codes clip at qmax): errors of ~qmax · 2^-150
+    tiny, rng = np.float32(2.0**-149), np.random.default_rng(5)
+    for units in [*range(1, 300), 1000, 4321, 2**20, 2**23]:
+        x = (rng.integers(-units, units + 1, 64) * tiny).astype(np.float32)
+        x[7] = units * tiny
+        err = np.max(np.abs(decode(encode({"x": x}, method, 64))["x"] - x))
+        assert err <= max_abs_error_bound(x, method, 64), units
+
+
 def test_none_is_exact_and_decoded_views_are_read_only():
     x = inputs()
     enc = encode(x, "none")

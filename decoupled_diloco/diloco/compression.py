@@ -7,7 +7,9 @@ consecutive elements, the last one possibly shorter):
         |x| below bf16's largest finite value (~3.39e38: larger ones round to inf).
   intN  N in {8, 4, 2}: symmetric absmax scaling per block, scale = absmax / (2^(N-1) - 1),
         q = round(x / scale) in [-(2^(N-1) - 1), 2^(N-1) - 1]: |err| <= scale / 2 (plus
-        float32 rounding). int4 packs two values per byte, int2 four ({-1, 0, 1} · absmax).
+        float32 rounding; a scale below float32's normal range is rounded to a multiple of
+        2^-149, or to 0, which adds up to 2^(N-1) · 2^-150 ≈ 1e-43 for int8). int4 packs two
+        values per byte, int2 four ({-1, 0, 1} · absmax).
   int1  the sign bit, 8 per byte, times the block's mean |x| (1-bit SGD style). Keeps
         each element's sign and each block's mean |x|, but no elementwise bound: lossy.
 Scales travel as float32. Non-finite inputs poison their block (decode gives NaN there),
@@ -203,8 +205,9 @@ def _check_codes(name, method, n, block_size, payload, scales) -> None:
 def max_abs_error_bound(x: np.ndarray, method: str, block_size: int = 256) -> float:
     """The stated bound on max |decode(encode(x)) − x| for one tensor x (float32 input).
 
-    Includes float32 rounding slack (a few ulps of the block absmax) for intN; inf for
-    int1, which has no elementwise bound.
+    Includes float32 rounding slack for intN: a few ulps of the block absmax, and the
+    subnormal scale's absolute rounding (module docstring); inf for int1, which has no
+    elementwise bound.
     """
     _check(method, block_size)
     flat = np.asarray(x, np.float32).reshape(-1)
@@ -217,4 +220,7 @@ def max_abs_error_bound(x: np.ndarray, method: str, block_size: int = 256) -> fl
         return 2.0**-8 * absmax + 2.0**-134  # second term: half the bf16 subnormal spacing
     scales = _absmax_scales(flat, _INT_BITS[method], block_size)
     qmax = (1 << (_INT_BITS[method] - 1)) - 1
-    return float(np.max(scales / 2 + 8 * _F32_EPS * scales * qmax))
+    # A scale under 2^-126 is rounded to a multiple of 2^-149 (to 0 below 2^-150): codes
+    # that clip at qmax and the decoded product then err by up to (qmax + 1) · 2^-150.
+    subnormal = (qmax + 1) * 2.0**-149  # (twice that: slack, as for normal scales)
+    return float(np.max(scales / 2 + 8 * _F32_EPS * scales * qmax)) + subnormal
