@@ -3,9 +3,12 @@ the divergence of the learners' MoE routers (a merge diagnostic).
 
 Arrays are dicts {leaf name: np.ndarray}; all math is float32 except scalar reductions
 (norms, weights), which accumulate in float64. Norms are per tensor (per leaf). Loops walk
-tensors in cache-sized chunks (`chunks.py`); `merge_outer_step` computes exactly
-`outer.outer_step(theta, scale · merge(vs, w, rule), ...)` (same float32 operations, so
-the same bits) without materialising Δ, and in place if asked: the syncer's fast path.
+tensors in cache-sized chunks (`chunks.py`); `merge_outer_step` computes
+`outer.outer_step(theta, scale · merge(vs, w, rule), ...)` without materialising Δ, and in
+place if asked: the syncer's fast path. With scale = 1 it makes the same float32 operations,
+so the same bits. Another scale it folds into the merge's coefficients (one rounding where
+the composition rounds Δ, then scale · Δ): the two then agree to float32 rounding, a few
+ulps of the largest term summed into each value, not bit for bit.
 
 Nothing here mutates its inputs unless called with `inplace=True`: the syncer may still
 hold (or be sending, or checkpointing) the arrays it passes in.
@@ -281,10 +284,11 @@ def merge_outer_step(
     """`outer.outer_step(theta, scale · merge(vs, w, rule, direction), state, lr, momentum,
     nesterov, work=work, clock=clock)`, fused.
 
-    Same float32 operations, so the same result, but Δ is formed chunk by chunk inside the
-    outer step instead of as a fragment-sized array (RDA still materialises its direction
-    u, since ‖u‖ is needed before the first chunk can be scaled). With `inplace=True`
-    (the syncer owns Θ and the momentum) nothing fragment-sized is allocated for "mean".
+    The same bits with scale = 1 (float32 rounding apart otherwise: module docstring), but
+    Δ is formed chunk by chunk inside the outer step instead of as a fragment-sized array
+    (RDA still materialises its direction u, since ‖u‖ is needed before the first chunk can
+    be scaled). With `inplace=True` (the syncer owns Θ and the momentum) nothing
+    fragment-sized is allocated for "mean".
     `scale` and `work` come from `weigh`; `sq_norms` as in `merge_rda`. With
     `return_delta_norm`, also returns ‖Δ‖ (Δ including `scale`) over all leaves. `threads`:
     how many threads split each leaf's chunks (None/0: the host's cores; the result is the
