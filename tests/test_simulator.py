@@ -156,6 +156,19 @@ def test_syncer_crash_costs_uptime_not_goodput():
     assert r.goodput == pytest.approx(1.0) and r.downtime_seconds == pytest.approx(40.0)
 
 
+def test_syncer_crashes_count_as_failures_as_in_the_run_ledger():
+    """The run's ledger counts a syncer crash among its failures (accounting.failure of
+    ("syncer", shard)); the simulator left them out (a review found `failures` compared in
+    experiments/goodput_failures.py). One inside another's outage never happens (the
+    schedule drops it), a zero-delay one still does; DP has no syncer."""
+    spec = FaultSpec(crashes=((0, 100.0),), syncer_crashes=(300.0, 320.0, 500.0, 900.0),
+                     syncer_restart_delay_s=40.0)  # fmt: skip
+    assert simulate("decoupled", 3, 3, CPU, spec).failures == 1 + 3
+    instant = dataclasses.replace(spec, syncer_restart_delay_s=0.0)
+    assert simulate("decoupled", 3, 3, CPU, instant).failures == 1 + 4
+    assert simulate("dp", 3, 3, CPU, spec).failures == 1
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_one_learner_is_exactly_elastic_dp(seed):
     """M = 1, K = 1: the learner is an elastic job over all its units, so every number

@@ -18,7 +18,9 @@ Accounting, identical for every method:
   outside the job's allocation, for every method alike.
 * uptime = fraction of the horizon in which the global model advances: the job runs (DP,
   elastic DP), or >= K learners run and the syncer is up (Decoupled DiLoCo).
-* downtime_seconds = (1 - uptime) * horizon; failures = failures that hit hardware in service.
+* downtime_seconds = (1 - uptime) * horizon; failures = failures that hit hardware in service,
+  and for Decoupled DiLoCo each syncer crash the schedule keeps (one that starts an outage:
+  as the run's ledger counts them, which with diloco.syncer_shards = S counts one per shard).
   Real runs measure uptime from the advances they see (runtime/accounting.py): the same
   quantity, except that a measured outage counts the whole gap between the advances around
   it, and outages shorter than two sync periods (2·H steps, `tolerance_steps`) are not seen.
@@ -310,8 +312,9 @@ def simulate(
     # The discarded chip-time was running at the group's efficiency too: what it lost is
     # its share of the useful work (subtracted whole, its idle share counted twice).
     useful = sum(e * (tl.chip_s() - tl.lost_chip_s) for e, tl in zip(eff_G, tls, strict=True))
+    syncer_down = trace.syncer_down if method == "decoupled" else ()  # (DP has no syncer)
     if method == "decoupled":
-        down_s = _quorum_down_s(tls, p.quorum, trace.syncer_down, horizon)
+        down_s = _quorum_down_s(tls, p.quorum, syncer_down, horizon)
     else:
         down_s = tls[0].down_s(horizon)
     run_chip_s = sum(tl.chip_s() for tl in tls)
@@ -324,7 +327,7 @@ def simulate(
         goodput=float(max(useful, 0.0) / trace.allocated_chip_s),
         uptime=1.0 - down_s / horizon,
         downtime_seconds=down_s,
-        failures=sum(tl.failures for tl in tls),
+        failures=sum(tl.failures for tl in tls) + len(syncer_down),
         recoveries=sum(tl.recoveries for tl in tls),
         # (weighted by running chip-time; nothing ran: the groups' plain mean)
         sync_efficiency=float(
