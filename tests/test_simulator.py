@@ -169,6 +169,16 @@ def test_syncer_crashes_count_as_failures_as_in_the_run_ledger():
     assert simulate("dp", 3, 3, CPU, spec).failures == 1
 
 
+def test_a_run_down_throughout_has_uptime_zero_not_below():
+    """The syncer is down from 0.03 s to past the 0.3 s horizon: the down pieces summed to
+    0.30000000000000004 s and the uptime came out -2.2e-16 (a review found it)."""
+    p = dataclasses.replace(CPU, horizon_days=0.3 / 86400)
+    spec = FaultSpec(syncer_crashes=(0.03,), syncer_restart_delay_s=10.0,
+                     membership=((0, 0.2, float("inf")),))  # fmt: skip
+    r = simulate("decoupled", 1, 1, p, spec)
+    assert r.uptime == 0.0 and r.downtime_seconds == r.horizon_s == 0.3
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_one_learner_is_exactly_elastic_dp(seed):
     """M = 1, K = 1: the learner is an elastic job over all its units, so every number

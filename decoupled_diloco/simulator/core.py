@@ -317,6 +317,7 @@ def simulate(
         down_s = _quorum_down_s(tls, p.quorum, syncer_down, horizon)
     else:
         down_s = tls[0].down_s(horizon)
+    down_s = min(max(down_s, 0.0), horizon)  # (summed pieces can round past the horizon)
     run_chip_s = sum(tl.chip_s() for tl in tls)
     return SimResult(
         method=method,
