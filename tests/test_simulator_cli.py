@@ -25,3 +25,12 @@ def test_a_fault_spec_is_checked_over_the_simulated_horizon():
         "--method=dp", "--chips=2", "--learners=2", f"--fault_spec={spec}", "--horizon_days=5"
     )
     assert "past the 432000 s fault timeline" in late.stderr
+
+
+def test_more_fragments_than_any_model_has_is_refused_by_name():
+    """--fragments=1e12 ended in a numpy MemoryError traceback (a review found it)."""
+    big = _simulate("--method=decoupled", "--chips=2", "--learners=2", "--fragments=1000000000000")
+    assert big.stderr.strip().splitlines() == [
+        "error: fragments must be at most 10,000 (a fragment is at least one parameter leaf), "
+        "got 1,000,000,000,000"
+    ]

@@ -29,6 +29,9 @@ from decoupled_diloco.fault_spec import MAX_SLOWDOWN, MAX_SPEED_NOISE
 METHODS = ("dp", "elastic_dp", "decoupled")
 
 YEAR_S = 365.0 * 24 * 3600
+# A fragment holds at least one parameter leaf (diloco/fragments.py), and no model has this
+# many; the simulator keeps an array per fragment.
+MAX_FRAGMENTS = 10_000
 # The bounds of the fault schedule's own log-normal noise and slowdowns (fault_spec.py).
 MAX_LOG_STD, MAX_SLOW_FACTOR = MAX_SPEED_NOISE, MAX_SLOWDOWN
 
@@ -128,7 +131,9 @@ class SimParams:
         "[paper's H = 24 steps of step_s] Decoupled DiLoCo: time between two offers of the "
         "same fragment. A learner that loses its whole state loses on average half of it.",
     )
-    fragments: int = _p(24, "[paper] P: fragments, offered on staggered schedules.")
+    fragments: int = _p(
+        24, f"[paper] P: fragments, offered on staggered schedules (at most {MAX_FRAGMENTS:,})."
+    )
     quorum: int = _p(
         1,
         "[paper] K: minimum quorum. The global model advances while >= K learners run and "
@@ -201,6 +206,11 @@ def validate_sim_params(p: SimParams) -> None:
     for name in ("slice_chips", "fragments", "quorum"):
         if int(getattr(p, name)) != getattr(p, name) or getattr(p, name) < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {getattr(p, name)}")
+    if p.fragments > MAX_FRAGMENTS:
+        raise ValueError(
+            f"fragments must be at most {MAX_FRAGMENTS:,} (a fragment is at least one "
+            f"parameter leaf), got {p.fragments:,}"
+        )
     if not 0 <= p.slow_fraction <= 1:
         raise ValueError(f"slow_fraction must be in [0, 1], got {p.slow_fraction}")
     if int(p.seed) != p.seed or not 0 <= p.seed < 2**63:  # (-5 ran as 2**63 - 5's trace)
