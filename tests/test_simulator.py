@@ -73,6 +73,7 @@ def test_work_lost_is_charged_at_the_efficiency_it_ran_at():
         ("slow_factor", 1e5, "slow_factor must be at most 10000"),
         ("seed", -5, r"seed must be an integer in \[0, 2\*\*63\)"),  # (wrapped to 2**63 - 5)
         ("fragments", 10**12, "fragments must be at most 10,000"),  # (a MemoryError)
+        ("step_s", 1e-300, r"step_s .1e-300 s. leaves .* past the 2\*\*53"),  # (a bad cast)
     ],
 )
 def test_infinite_or_unlivable_timings_are_refused(field, value, message):

@@ -34,3 +34,16 @@ def test_more_fragments_than_any_model_has_is_refused_by_name():
         "error: fragments must be at most 10,000 (a fragment is at least one parameter leaf), "
         "got 1,000,000,000,000"
     ]
+
+
+def test_a_step_too_short_to_count_in_the_horizon_is_refused_by_name():
+    """--step_s=1e-300 with a schedule gave an overflowing cast's RuntimeWarning and a number
+    anyway (a review found it)."""
+    spec = '{"crashes": [[0, 100.0]]}'
+    tiny = _simulate("--method=dp", "--chips=2", "--learners=2", f"--fault_spec={spec}",
+                     "--step_s=1e-300")  # fmt: skip
+    assert tiny.returncode != 0 and tiny.stdout == ""
+    assert tiny.stderr.strip().splitlines() == [
+        "error: step_s (1e-300 s) leaves 1.21e+306 steps in the 14-day horizon, past the 2**53 "
+        "a step count holds: use a longer step_s or a shorter horizon_days"
+    ]

@@ -32,6 +32,9 @@ YEAR_S = 365.0 * 24 * 3600
 # A fragment holds at least one parameter leaf (diloco/fragments.py), and no model has this
 # many; the simulator keeps an array per fragment.
 MAX_FRAGMENTS = 10_000
+# Steps in the horizon: a time's step index (t / step_s) is exact in float64 and int64
+# below 2**53; past it the cast overflows.
+MAX_STEPS = 2**53
 # The bounds of the fault schedule's own log-normal noise and slowdowns (fault_spec.py).
 MAX_LOG_STD, MAX_SLOW_FACTOR = MAX_SPEED_NOISE, MAX_SLOWDOWN
 
@@ -210,6 +213,12 @@ def validate_sim_params(p: SimParams) -> None:
         raise ValueError(
             f"fragments must be at most {MAX_FRAGMENTS:,} (a fragment is at least one "
             f"parameter leaf), got {p.fragments:,}"
+        )
+    if not p.horizon_s / p.step_s < MAX_STEPS:
+        raise ValueError(
+            f"step_s ({p.step_s:g} s) leaves {p.horizon_s / p.step_s:.3g} steps in the "
+            f"{p.horizon_days:g}-day horizon, past the 2**53 a step count holds: use a "
+            "longer step_s or a shorter horizon_days"
         )
     if not 0 <= p.slow_fraction <= 1:
         raise ValueError(f"slow_fraction must be in [0, 1], got {p.slow_fraction}")
