@@ -4,9 +4,10 @@
 
 Panels: train loss (per learner) and the global model's eval loss against tokens and against
 wall time, with faults on the time axis (crashes, rejoins, syncer outages, members joining
-and leaving); from merges.jsonl, learners per merge and staleness, and quorum wait and grace
-used, over time; MoE expert load per layer where the model has experts. The table (printed,
-and written to report.md) gives the run's summary and per-learner figures.
+and leaving, learners out for good); from merges.jsonl, learners per merge and staleness,
+and quorum wait and grace used, over time; MoE expert load per layer where the model has
+experts. The table (printed, and written to report.md) gives the run's summary and
+per-learner figures.
 """
 
 import json
@@ -25,6 +26,11 @@ FAULT_MARKS = {  # event -> (colour, label) on the time axes
     "rejoin": ("tab:green", "rejoin"),
     "member_join": ("tab:olive", "member joins"),
     "learner_leave": ("tab:gray", "member leaves"),
+    # Out for good: Ray's restarts exhausted, stopped for repeating one error, or down when
+    # its membership ended (under Ray also after either of the first two).
+    "learner_lost": ("darkred", "learner lost (restarts exhausted)"),
+    "learner_stopped": ("tab:brown", "learner stopped (same error repeated)"),
+    "learner_gone": ("tab:pink", "learner gone for good"),
     "syncer_crash": ("black", "syncer down"),
     "syncer_restore": ("tab:cyan", "syncer restored"),
 }
