@@ -242,6 +242,28 @@ def test_a_drop_of_an_offer_to_a_lost_syncer_life_spares_its_re_offer():
     assert s.proto.frags[0].in_flight is None and s.proto.frags[0].refused == 1
 
 
+def test_a_drop_of_an_offer_an_arrived_version_holds_does_not_offer_it_again():
+    """A version holding our offer arrived (applied at s + τ); then a drop of that offer (a
+    retrying link or a router refusing a copy the syncer merged). Taken as a refusal, the
+    offer's steps stayed in W and were offered and merged a second time."""
+    c = DilocoConfig(learners=1, sync_every=4, fragments=1, overlap=2)
+    proto = Learner(0, c, make_fragment_plan(SHAPES, 1, "balanced", 4), 64, lambda: 0.0)
+    theta0 = initial_params()
+    proto.start([Snapshot({0: 0}, theta0, 0.0, epoch=0, merged={0: {}})])
+    for _ in range(4):
+        proto.stepped()
+    (offer,) = proto.due_offers()  # step 4
+    materialize(offer, {k: v + 1 for k, v in theta0.items()})
+    proto.stepped()  # step 5 < 4 + τ: the version waits
+    held = Merged(0, 1, compression.encode(theta0, "none"), (0,), 0.0, epoch=0,
+                  merged={0: (0, 4)})  # fmt: skip
+    proto.handle([held, Dropped(0, 0, 0, 4, "a copy refused", 0.0, epoch=0)])
+    proto.stepped()  # step 6 = 4 + τ
+    (update,) = proto.apply_due()
+    assert update.rebase.sent is not None  # its work leaves W with the version
+    assert proto.unmerged_steps() == [2] and proto.frags[0].refused == 0
+
+
 def test_a_crash_after_a_syncer_restore_does_not_count_the_rolled_back_steps_again():
     """Learner 0's offers of steps 2 and 4 were merged and applied; the syncer restored
     version 1 (its clock holds step 2), rolling back the merge of step 4, whose steps 3-4

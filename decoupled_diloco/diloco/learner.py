@@ -269,7 +269,12 @@ class Learner:
                 # Ours, and of the syncer life it was made in: a drop of an offer to a lost
                 # life may arrive after we offered that work again, at the same step.
                 ours = (msg.step, msg.incarnation, msg.epoch)
-                if t is not None and ours == (t.step, self.incarnation, t.envelope.epoch):
+                # A version that arrived holding it outranks the drop (a retrying link or a
+                # router may refuse a copy of an offer the syncer merged): applied at s + τ,
+                # it takes the offer's work out of W; offered again, it would count twice.
+                held = f.arrived is not None and self._holds(f.arrived.merged, t)
+                if t is not None and not held and ours == (t.step, self.incarnation,
+                                                           t.envelope.epoch):  # fmt: skip
                     f.in_flight, f.wanted = None, True  # its work is still in W: offer again
                     f.refused += 1
                     if f.refused > 1:
