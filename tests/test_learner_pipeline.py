@@ -391,8 +391,19 @@ def test_a_decoupled_runs_rows_carry_host_share_and_mfu(small_config, tmp_path, 
         return out
 
     monkeypatch.setattr(boundary.MergeStager, "take", counting)
+    from decoupled_diloco.runtime.learner_loop import LearnerLoop
+
+    at_boundary = {}  # (learner, step) -> merges applied by the end of its boundary
+    step_boundary = LearnerLoop._boundary
+
+    def recording(self):
+        step_boundary(self)
+        at_boundary[self.m, self.step] = self.proto.applied_merges
+
+    monkeypatch.setattr(LearnerLoop, "_boundary", recording)
     over = {"diloco.learners": 2, "diloco.sync_every": 4, "diloco.fragments": 2,
-            "diloco.overlap": 1, "train.steps": 12, "train.log_every": 1}  # fmt: skip
+            "diloco.overlap": 1, "train.steps": 12, "train.log_every": 1,
+            "train.metrics_lag": 1}  # fmt: skip
     cfg = small_config(**over)
     run = config_lib.validate(cfg)
     LocalRuntime(run, str(tmp_path), verbose=False).run()
@@ -401,6 +412,11 @@ def test_a_decoupled_runs_rows_carry_host_share_and_mfu(small_config, tmp_path, 
     rows = [r for r in rows if isinstance(r.get("learner"), int) and "loss" in r]
     assert rows and any(hits), "no merge was applied from staged device arrays"
     assert any(r.get("merges_applied", 0) > 0 for r in rows)  # and the rows count them
+    # A row is written metrics_lag steps after its step: its counts are its step's still.
+    assert [r["merges_applied"] for r in rows] == [
+        at_boundary[r["learner"], r["step"]] for r in rows
+    ]
+    assert len(set(at_boundary.values())) > 2  # merges were applied along the way
     # diloco.device_rebase (the default): rebases and offers' v computed on the devices
     assert max(r["device_rebases"] for r in rows) > 0
     assert max(r["device_offers"] for r in rows) > 0

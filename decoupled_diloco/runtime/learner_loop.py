@@ -298,6 +298,9 @@ class LearnerLoop:
                     self._boundary()
                 except RunAbortedError:
                     break  # the run failed elsewhere: its work is saved below, as at a stop
+                # Its row's protocol counters, as of this step's boundary: the row is
+                # written train.metrics_lag steps later, when they have moved on.
+                unread[-1] = (*unread[-1], self._protocol_counters())
             # A save, an evaluation and the last step read this step's own metrics (NaN
             # check, row) now: the device's wait for it is this step's compute, read inside
             # its time (after the loop it would be allocation and no step's time); the
@@ -664,7 +667,7 @@ class LearnerLoop:
         its row, DP evaluation. True if its loss is not finite and the run has a syncer."""
         if finished is None:
             return False
-        step, metrics = finished
+        step, metrics, *counters = finished
         with self.times.reading_device():
             host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
         if metrics_diverged(host) and self.plan is not None:
@@ -676,7 +679,7 @@ class LearnerLoop:
             step % run.train.log_every and step != run.train.steps and not evaluate
         ):
             return False
-        rec = self._row(step, host)
+        rec = self._row(step, host, counters[0] if counters else None)
         if evaluate:
             params = self.replica.state.params
             rec["eval_loss"], seconds = self.times.time_evaluation(lambda: self.evaluate(params))
@@ -685,7 +688,22 @@ class LearnerLoop:
         self.sink.row(rec)
         return False
 
-    def _row(self, step: int, metrics: dict) -> dict:
+    def _protocol_counters(self) -> dict:
+        """The protocol's running counts a row reports (`_row`), as they are now."""
+        stager = self.stager
+        return {
+            "merges_applied": self.proto.applied_merges,
+            "merges_deferred": self.proto.deferrals,
+            "stage_ms": round(1e3 * stager.job_seconds, 3)
+            if stager and stager.job_seconds
+            else None,
+            "device_rebases": stager.rebases if stager and stager.device_rebase else None,
+            "device_offers": stager.offers_on_device if stager and stager.device_rebase else None,
+            "delays": (self.proto.delay_steps, self.proto.delays),
+        }
+
+    def _row(self, step: int, metrics: dict, counters: dict | None = None) -> dict:
+        """Step's row; `counters`: the protocol's counts as of its boundary (None: now)."""
         now = self.clock()
         last_t, last_step = self._rate
         self._rate = (now, step)
@@ -711,20 +729,16 @@ class LearnerLoop:
             # Seconds this learner's thread has waited for its protocol ops' background
             # compile (`Replica.precompile`): start-up, not the step's cost.
             rec["compile_wait_s"] = round(waited, 4)
-        if self.proto is not None:  # merges applied, and boundaries one waited for placement
-            rec["merges_applied"] = self.proto.applied_merges
-            rec["merges_deferred"] = self.proto.deferrals
-            if self.stager is not None and self.stager.job_seconds:
-                # Computing and placing one merge's update (the stager's moving mean):
-                # above a step, a learner that never waits defers merges to place them.
-                rec["stage_ms"] = round(1e3 * self.stager.job_seconds, 3)
-            if self.stager is not None and self.stager.device_rebase:
-                # Rebases and offers' outer gradients the devices computed, since this
-                # learner's loop started (diloco.device_rebase).
-                rec["device_rebases"] = self.stager.rebases
-                rec["device_offers"] = self.stager.offers_on_device
+        if self.proto is not None:
+            # Merges applied, boundaries one waited for placement (merges_deferred), the
+            # stager's moving mean of computing and placing one merge's update (stage_ms:
+            # above a step, a learner that never waits defers merges to place them), and
+            # the rebases and offers' outer gradients the devices computed since this
+            # learner's loop started (diloco.device_rebase).
+            counters = counters or self._protocol_counters()
+            rec.update({k: v for k, v in counters.items() if k != "delays" and v is not None})
             # Mean steps from our offers to the merges holding them, since the previous row.
-            total, n = self.proto.delay_steps, self.proto.delays
+            total, n = counters["delays"]
             last_total, last_n = self._delays
             if n > last_n:
                 rec["merge_delay_steps"] = round((total - last_total) / (n - last_n), 2)
