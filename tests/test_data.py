@@ -437,6 +437,53 @@ def test_a_damaged_gzip_file_is_skipped_or_named_never_a_traceback(tmp_path):
         sources.read_documents([("late.txt.gz", root / "late.txt.gz")])
 
 
+def test_a_corpus_folder_that_cannot_be_listed_is_named_not_skipped(tmp_path, monkeypatch):
+    """os.walk and glob pass over a folder they cannot list (permission denied, a stale
+    mount): every file below it left the corpus without a word, while an unreadable file
+    is an error. (Faked: the tests may run as root, whom permissions do not stop.)"""
+    _write_corpus(tmp_path / "c" / "open", num_files=2)
+    _write_corpus(tmp_path / "c" / "locked", num_files=2)
+    locked = str(tmp_path / "c" / "locked")
+    scandir, access = os.scandir, os.access
+
+    def denied(path="."):
+        if os.fspath(path) == locked:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    monkeypatch.setattr(os, "access", lambda p, mode: os.fspath(p) != locked and access(p, mode))
+    for path in ("c", "c/**/*.txt", "c/locked/*.txt", "c/*/*.txt"):
+        with pytest.raises(ValueError, match=f"data.path: cannot list the folder {locked}"):
+            sources.path_files(str(tmp_path / path))
+    assert len(sources.path_files(str(tmp_path / "c" / "open"))) == 2
+
+
+def test_a_byte_cap_reads_only_what_it_keeps(tmp_path):
+    """max_corpus_bytes (a smoke run's 1 KB of a multi-GB corpus) read, and decompressed,
+    every file whole before cutting it: the memory of the file, not of the cap."""
+    import tracemalloc
+
+    line = b"the quick brown fox jumps over the lazy dog\n"
+    (tmp_path / "big.txt").write_bytes(line * 400_000)  # 18 MB
+    (tmp_path / "big.txt.gz").write_bytes(gzip.compress(line * 400_000, compresslevel=1))
+    for name in ("big.txt", "big.txt.gz"):
+        tracemalloc.start()
+        try:
+            (doc,) = sources.read_documents([(name, tmp_path / name)], max_bytes=1000)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert doc.text == (line * 30).decode()[:1000]
+        assert peak < 2_000_000, f"{name}: {peak / 1e6:.1f} MB read for a 1 KB cap"
+    # The part past the cap is never read: damage there is no error under a cap.
+    damaged = bytearray(gzip.compress(line * 20_000))
+    damaged[-100] ^= 0xFF
+    (tmp_path / "late.txt.gz").write_bytes(bytes(damaged))
+    (doc,) = sources.read_documents([("late.txt.gz", tmp_path / "late.txt.gz")], max_bytes=500)
+    assert len(doc.text) == 500
+
+
 @pytest.mark.parametrize("codec", ["utf-16", "utf-16-be", "utf-32"])
 def test_utf16_and_utf32_text_with_a_byte_order_mark_is_text(tmp_path, codec):
     """Windows tools write UTF-16 with a byte order mark: its NUL bytes made it "binary",

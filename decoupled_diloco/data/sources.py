@@ -179,7 +179,7 @@ def _files_below(root: epath.Path) -> list[tuple[str, epath.Path]]:
     out = []
     if not paths.is_remote(root):
         chains: dict[str, frozenset] = {}  # folder -> the real folders from root down to it
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        for dirpath, dirnames, filenames in os.walk(root, onerror=_unlistable, followlinks=True):
             real = os.path.realpath(dirpath)
             above = chains.get(os.path.dirname(dirpath), frozenset())
             if real in above:  # a link to a folder above it: a loop
@@ -201,6 +201,12 @@ def _files_below(root: epath.Path) -> list[tuple[str, epath.Path]]:
         if not any(part.startswith(".") for part in rel.split("/")):
             out.append((rel, epath.Path(f"{scheme}://{key}")))
     return out
+
+
+def _unlistable(e: OSError):
+    """A folder of the corpus that cannot be listed is an error, as an unreadable file is:
+    skipped, every file below it would leave the corpus without a word."""
+    raise ValueError(f"data.path: cannot list the folder {e.filename}: {e.strerror or e}") from e
 
 
 def _clean_pattern(pattern: str) -> str:
@@ -228,6 +234,12 @@ def _glob(pattern: str) -> list[str]:
     made that 2**40 paths (a hang)."""
     if not paths.is_remote(pattern):
         if "**" not in pattern:
+            # glob skips a folder it cannot list without a word: its files would be missed
+            parent = os.path.dirname(pattern) or "."
+            for folder in glob.glob(parent) if any(c in parent for c in "*?[") else [parent]:
+                if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):
+                    raise ValueError(f"data.path: cannot list the folder {folder} that "
+                                     f"{pattern!r} looks in: permission denied")  # fmt: skip
             return sorted(glob.glob(pattern))
         base = _glob_root(pattern)
         parts = pattern[len(base) :].split("/")
@@ -295,10 +307,8 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
     such lines, and one of an array of such objects (`_json_records`)."""
     docs, total, invalid, nul = [], 0, [], []
     for name, path in files:
-        try:
-            data = path.read_bytes()
-            if _gzipped(name):
-                data = gzip.decompress(data)
+        try:  # under a cap, no more than it keeps (and a byte to tell the file goes on)
+            data = _read_bytes(path, _gzipped(name), max_bytes - total + 1 if max_bytes else -1)
         except (OSError, EOFError, zlib.error) as e:  # (zlib: damaged past the sniff)
             raise ValueError(f"cannot read corpus file {path}: {e}") from e
         cut = bool(max_bytes) and len(data) > max_bytes - total  # the cap ends this file
@@ -336,6 +346,16 @@ def read_documents(files: list[tuple[str, pathlib.Path]], max_bytes: int = 0) ->
             "U+FFFD, e.g. in %s", len(nul), sum(n for _, n in nul), nul[0][0],
         )  # fmt: skip
     return docs
+
+
+def _read_bytes(path, gzipped: bool, limit: int) -> bytes:
+    """A file's bytes, decompressed if `gzipped`; its first `limit` only when limit >= 0:
+    a 1 KB cap on a multi-GB file (or a small .gz of one) reads 1 KB, not the file."""
+    with path.open("rb") as f:
+        if not gzipped:
+            return f.read(limit)
+        with gzip.GzipFile(fileobj=f) as g:
+            return g.read(limit)
 
 
 def _unicode_bom(data: bytes) -> str | None:
