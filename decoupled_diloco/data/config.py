@@ -4,7 +4,10 @@ import dataclasses
 
 SOURCES = ("stdlib", "shakespeare", "path", "tfds")
 TOKENIZERS = ("byte", "sentencepiece")
-# 256 byte-fallback pieces + <unk> + <eos> + "\n" + at least one learned merge.
+# 256 byte-fallback pieces + <unk> + <eos> + "\n" + at least one more: the floor for any
+# corpus. Training needs one more piece per distinct character (those covering 99.95% of
+# the text: dozens for English, thousands for CJK), which only the corpus tells; training
+# names the number when data.spm_vocab_size is below it.
 MIN_SPM_VOCAB_SIZE = 260
 # T5's public sentencepiece model: 32,000 pieces trained on Common Crawl / C4 (Raffel et al.
 # 2020, arXiv 1910.10683), in a public bucket every Google Cloud VM can read. The TPU configs'

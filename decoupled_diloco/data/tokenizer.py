@@ -1,11 +1,14 @@
 """Tokenizers: utf-8 bytes (vocab 256) or a sentencepiece BPE model, pre-trained (a .model
 file, local or gs://) or trained on the corpus and cached.
 
-Both round-trip text exactly and give the id that separates documents (`eos_id`).
+The byte tokenizer and a model trained here round-trip text exactly; a pre-trained model
+encodes and decodes as sentencepiece does (its normalizer may change whitespace or characters).
+Each gives the id that separates documents (`eos_id`).
 """
 
 import hashlib
 import io
+import re
 from collections.abc import Callable
 from typing import Protocol
 
@@ -22,6 +25,9 @@ _SPM_RECIPE = "bpe-identity-bytefallback-v2"
 # sentencepiece trains on lines and drops longer ones from training (not from encoding):
 # longer lines are cut into pieces of at most this many bytes (`_training_lines`).
 _SPM_MAX_LINE_BYTES = 1 << 14
+# Characters covering this share of the corpus get a piece each; rarer ones byte fallback.
+_SPM_CHARACTER_COVERAGE = 0.9995
+_SPM_FIXED_PIECES = 256 + 3  # byte pieces, <unk>, <eos>, "\n": the pieces before characters
 _LINES_PER_CALL = 4096  # lines one encode call takes (`SentencePieceTokenizer.encode`)
 _MARK = "\u2581"  # sentencepiece's whitespace mark ("▁")
 
@@ -68,15 +74,24 @@ class SentencePieceTokenizer:
         self.eos_id = int(self._sp.eos_id())
         if self.eos_id < 0:
             raise ValueError("sentencepiece model has no <eos> piece to separate documents")
-        # When "\n" is a user-defined piece no other piece spans it, so encoding line by line
-        # gives the same ids as encoding the whole text, ~1.5x faster (BPE cost grows with
-        # the length of each encoded string).
-        self._newline_id = self._sp.piece_to_id("\n") if _newline_is_a_piece(model_proto) else None
+        # Two shortcuts encode a text in parts: line by line when "\n" is a user-defined piece
+        # (no other piece spans it, so the ids are those of the whole text, ~1.5x faster: BPE
+        # cost grows with the length of each encoded string), and a literal U+2581 on its own
+        # (below). Parts encode like the whole only when the normalizer adds nothing at a
+        # part's start and drops no whitespace at its ends (no dummy prefix: a "▁" before each
+        # line; no removal of extra whitespace), as in the recipe trained here. A model with
+        # sentencepiece's defaults (a user's own, Llama's) encodes whole texts.
+        model = _model_of(model_proto)
+        spec = model.normalizer_spec if model is not None else None
+        in_parts = spec is not None and not (spec.add_dummy_prefix or spec.remove_extra_whitespaces)
+        newline = in_parts and _newline_is_a_piece(model)
+        self._newline_id = self._sp.piece_to_id("\n") if newline else None
         # A literal U+2581 is sentencepiece's own whitespace mark: encoded as text it came
         # back a space. It is encoded as its UTF-8 bytes' fallback pieces instead (decoded
-        # as the character); a model without byte pieces keeps sentencepiece's reading.
+        # as the character); a model without byte pieces, or one encoding whole texts, keeps
+        # sentencepiece's reading.
         marks = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _MARK.encode()]
-        self._mark_ids = marks if self._sp.unk_id() not in marks else None
+        self._mark_ids = marks if in_parts and self._sp.unk_id() not in marks else None
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         out = self._sp.encode(texts)
@@ -107,14 +122,20 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
 
-def _newline_is_a_piece(model_proto: bytes) -> bool:
+def _model_of(model_proto: bytes):
+    """The model's ModelProto (pieces, normalizer options), or None without protobuf, which
+    sentencepiece's model_pb2 needs (texts are then encoded whole: the same ids, slower)."""
     try:
         from sentencepiece import sentencepiece_model_pb2 as model_pb2
-    except ImportError:  # needs protobuf; without it, encode whole texts (same ids, slower)
-        return False
+    except ImportError:
+        return None
     model = model_pb2.ModelProto()
     model.ParseFromString(model_proto)
-    user_defined = model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    return model
+
+
+def _newline_is_a_piece(model) -> bool:
+    user_defined = type(model).SentencePiece.USER_DEFINED
     return any(p.piece == "\n" and p.type == user_defined for p in model.pieces)
 
 
@@ -170,7 +191,7 @@ def train_sentencepiece(text: str, vocab_size: int, cache_dir: epath.Path) -> by
             add_dummy_prefix=False,
             allow_whitespace_only_pieces=True,
             byte_fallback=True,
-            character_coverage=0.9995,  # rarer characters go to byte fallback
+            character_coverage=_SPM_CHARACTER_COVERAGE,
             user_defined_symbols=["\n"],
             unk_id=0,
             eos_id=1,
@@ -181,6 +202,17 @@ def train_sentencepiece(text: str, vocab_size: int, cache_dir: epath.Path) -> by
             minloglevel=2,
         )
     except RuntimeError as e:
+        too_few = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+        if too_few:  # one piece per character the coverage keeps, beside the fixed pieces
+            needed = int(too_few.group(1))
+            raise ValueError(
+                f"data.spm_vocab_size={vocab_size} is too small for this corpus: sentencepiece "
+                f"needs at least {needed} pieces, {_SPM_FIXED_PIECES} fixed ones (256 byte "
+                f"pieces, <unk>, <eos>, newline) and one for each of the corpus's "
+                f"{needed - _SPM_FIXED_PIECES} distinct characters at character_coverage="
+                f"{_SPM_CHARACTER_COVERAGE} (a CJK corpus has thousands); set "
+                f"data.spm_vocab_size >= {needed}, and more to leave room for merges"
+            ) from e
         raise ValueError(
             f"data.spm_vocab_size={vocab_size}: sentencepiece could not train on this corpus "
             f"({len(text)} characters): {e}"
@@ -214,6 +246,7 @@ def load_sentencepiece(model_path: str) -> SentencePieceTokenizer:
     path = paths.resolve(model_path)
     try:
         found = path.is_file()
+        folder = not found and path.is_dir()
         data = path.read_bytes() if found else b""
     except OSError as e:  # a bucket out of reach: no network, no credentials (gcsfs, aiohttp)
         raise ValueError(
@@ -221,8 +254,14 @@ def load_sentencepiece(model_path: str) -> SentencePieceTokenizer:
             f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}):"
             " check its network and credentials, or copy the model to a local file"
         ) from e
+    if folder:
+        raise ValueError(
+            f"data.spm_model_path={model_path!r}: {path} is a directory; name the .model file"
+        )
     if not found:
         raise ValueError(f"data.spm_model_path={model_path!r}: no such file")
+    if not data:  # sentencepiece reads 0 bytes as a model without pieces
+        raise ValueError(f"data.spm_model_path={model_path!r}: {path} is empty (0 bytes)")
     try:
         tokenizer = SentencePieceTokenizer(data)
     except (RuntimeError, OSError) as e:  # sentencepiece: "could not parse ModelProto"
@@ -230,6 +269,8 @@ def load_sentencepiece(model_path: str) -> SentencePieceTokenizer:
             f"data.spm_model_path={model_path!r}: {path} is not a readable sentencepiece "
             f"model ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
         ) from e
+    except ValueError as e:  # a model without <eos>
+        raise ValueError(f"data.spm_model_path={model_path!r}: {e}") from e
     known = KNOWN_SPM_PIECES.get(model_path)
     if known is not None and tokenizer.vocab_size != known:  # validation took `known` on trust
         raise ValueError(
