@@ -46,6 +46,9 @@ def test_expert_capacity():
     assert expert_capacity(10, k=1, num_experts=4, capacity_factor=1.0) == 3  # ceil(2.5)
     assert expert_capacity(8, k=2, num_experts=4, capacity_factor=0.0) == 8  # dropless
     assert expert_capacity(8, k=2, num_experts=4, capacity_factor=100.0) == 8  # never > tokens
+    # The rule in exact arithmetic: 1.1 * 100 / 10 is 11.000000000000002 in floats (ceil 12).
+    assert expert_capacity(100, k=1, num_experts=10, capacity_factor=1.1) == 11
+    assert expert_capacity(300, k=1, num_experts=10, capacity_factor=1.1) == 33
 
 
 def test_top_k_matches_lax_top_k_and_breaks_ties_to_the_lower_index():

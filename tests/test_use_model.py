@@ -408,6 +408,7 @@ def test_a_capacity_moe_decodes_as_the_training_forward_routes_its_window(group)
     buffers: the prefill dropped what training kept, the steps dropped nothing (a review
     measured a next-token total variation of 0.18 on a trained model)."""
     from decoupled_diloco.models.decode import decode_step, init_cache
+    from decoupled_diloco.models.transformer import Transformer
 
     cfg = models.get_model_config("tiny_moe", capacity_factor=0.5)  # half the tokens drop
     params = models.init_params(cfg, jax.random.key(1))
@@ -428,6 +429,13 @@ def test_a_capacity_moe_decodes_as_the_training_forward_routes_its_window(group)
     full, aux = models.forward(cfg, params, jnp.asarray(padded))
     assert float(aux["dropped_fraction"]) > 0.2
     np.testing.assert_allclose(jnp.concatenate(decoded, axis=1), full[:, :S], atol=2e-4)
+    # A write past the cache's end: XLA would move it back over earlier positions' slots.
+    with pytest.raises(ValueError, match="the KV cache holds 30 positions: writing 1 at "
+                                         "position 30 runs past its end"):  # fmt: skip
+        decode_step(cfg, params, jnp.asarray(tokens[:, :1]), cache, S, window)
+    with pytest.raises(ValueError, match="writing 2 at position 29 runs past its end"):
+        Transformer(cfg).apply({"params": params}, jnp.asarray(tokens[:, :2]),
+                                      init_cache(cfg, 2, S), 29, group=window)  # fmt: skip
 
 
 def test_decoding_puts_the_parameters_on_the_device_once(monkeypatch):

@@ -67,9 +67,19 @@ def _apply(cfg: ModelConfig, params: dict, tokens_BT: jax.Array, cache: list, in
     return logits_BTV, cache
 
 
-# Logits of the T tokens written at positions index..index+T-1, and the new cache; `group`:
-# a capacity MoE's routing group (the module doc; 0: the cache's length).
-decode_step = jax.jit(_apply, static_argnums=(0, 5), donate_argnums=3)
+_decode_step = jax.jit(_apply, static_argnums=(0, 5), donate_argnums=3)
+
+
+def decode_step(cfg: ModelConfig, params: dict, tokens_BT, cache: list, index, group: int = 0):
+    """Logits of the T tokens written at positions index..index+T-1, and the new cache
+    (`cache` is donated); `group`: a capacity MoE's routing group (the module doc; 0: the
+    cache's length). ValueError if they do not fit the cache: inside the jitted step, XLA
+    would move the write back over earlier positions' slots (wrong logits, no error)."""
+    length, fresh = cache[0]["k"].shape[1], tokens_BT.shape[1]
+    if not isinstance(index, jax.core.Tracer) and int(index) + fresh > length:
+        raise ValueError(f"the KV cache holds {length} positions: writing {fresh} at "
+                         f"position {int(index)} runs past its end")  # fmt: skip
+    return _decode_step(cfg, params, tokens_BT, cache, index, group)
 
 
 def sample_token(logits_BV: jax.Array, rng, temperature: float, top_k: int,
@@ -153,7 +163,7 @@ def _checked_prefill(cfg: ModelConfig, params: dict, batch: int, start: int, tot
     ValueError naming both if not (on the CPU the OS would kill the process instead)."""
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, total))
     tokens = jax.ShapeDtypeStruct((batch, start), jnp.int32)
-    compiled = decode_step.lower(cfg, params, tokens, cache, 0, group).compile()
+    compiled = _decode_step.lower(cfg, params, tokens, cache, 0, group).compile()
     plan = compiled.memory_analysis()
     have = free_bytes(jax.devices()[0])
     if plan is None or have is None:

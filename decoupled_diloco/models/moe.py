@@ -34,6 +34,7 @@ the expert weights (FSDP-like) instead of moving tokens; expert-parallel droples
 ragged all-to-all inside shard_map.
 """
 
+import fractions
 import math
 
 import flax.linen as nn
@@ -60,7 +61,10 @@ def expert_capacity(group_size: int, k: int, num_experts: int, capacity_factor: 
     """Slots per expert and group: ceil(cf * tokens * k / E), at most tokens; <= 0 -> all."""
     if capacity_factor <= 0:
         return group_size
-    return min(group_size, math.ceil(capacity_factor * group_size * k / num_experts))
+    # In exact arithmetic: in floats 1.1 * 100 / 10 is 11.000000000000002, whose ceil gave
+    # every expert a slot more than the rule (capacity_factor as the decimal it was written).
+    exact = fractions.Fraction(repr(float(capacity_factor))) * group_size * k / num_experts
+    return min(group_size, math.ceil(exact))
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

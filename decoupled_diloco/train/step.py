@@ -198,8 +198,10 @@ def microbatched_value_and_grad(model_cfg, params, batch_BT1: jax.Array, microba
     are router_z_loss, expert_load and dropped_fraction (token means); load_balance_loss
     (E * sum_e f_e * P_e, a product of batch means) becomes the mean of each microbatch's
     own balance loss, as with gradient accumulation elsewhere (it then also balances within
-    each microbatch), so with MoE `total_loss` and the router's gradient differ slightly
-    from one big batch.
+    each microbatch), so with MoE `total_loss` differs slightly from one big batch, and so
+    does the gradient of every parameter the balance loss reaches through the router's
+    inputs (all below the last MoE layer: a few percent at init for tiny_moe; with
+    model.load_balance_weight = 0 the gradients are the big batch's).
     """
     grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
     B = batch_BT1.shape[0]
