@@ -279,6 +279,12 @@ def test_preset_shapes_and_param_counts(preset):
         ),
         (dict(moe_layers="some"), "model.moe_layers"),
         (dict(not_a_field=1), "not_a_field"),
+        # a value of the wrong type (from Python: the CLI's flags are typed) failed late
+        (dict(d_model=64.5), "model.d_model (64.5) must be an int"),
+        (dict(num_layers=True), "model.num_layers (True) must be an int"),
+        (dict(qk_norm=1), "model.qk_norm (1) must be a bool"),
+        (dict(dtype=None), "model.dtype (None) must be a string"),
+        (dict(capacity_factor="1.25"), "model.capacity_factor ('1.25') must be a number"),
     ],
 )
 def test_bad_config_raises_naming_the_field(overrides, field):

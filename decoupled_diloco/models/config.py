@@ -6,6 +6,7 @@ branches on a preset's name.
 
 import dataclasses
 import math
+import numbers
 
 ATTENTION_KINDS = ("global", "local")
 MOE_LAYER_CHOICES = ("none", "all", "every_other")
@@ -233,6 +234,14 @@ def _require(ok: bool, message: str) -> None:
 
 def validate_model_config(cfg: ModelConfig) -> None:
     """Raises ValueError naming the offending field ("model.<field>") if `cfg` is unusable."""
+    kinds = {int: ("an int", numbers.Integral), float: ("a number", numbers.Real),
+             bool: ("a bool (True or False)", bool), str: ("a string", str)}  # fmt: skip
+    for f in dataclasses.fields(cfg):  # (a float width ended in a shape error deep in flax)
+        if f.type in kinds:
+            value, (what, accepted) = getattr(cfg, f.name), kinds[f.type]
+            bad_bool = isinstance(value, bool) and f.type is not bool
+            _require(isinstance(value, accepted) and not bad_bool,
+                     f"model.{f.name} ({value!r}) must be {what}")  # fmt: skip
     for f in dataclasses.fields(cfg):  # inf / nan pass every range check below, then misbehave
         value = getattr(cfg, f.name)
         if isinstance(value, float):
