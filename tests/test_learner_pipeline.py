@@ -43,6 +43,28 @@ def test_prefetch_resumes_at_the_next_batch_after_set_state_and_close():
     ahead.close()
 
 
+def test_prefetch_skips_batches_without_placing_them():
+    """A rejoin skips the steps Θ already holds: each skipped batch was placed on the
+    devices (the prefetcher's `put`) only to be dropped."""
+    placed = []
+
+    def put(batch):
+        placed.append(batch)
+        return batch
+
+    plain, ahead = _iterator(), Prefetch(_iterator(), depth=2, put=put)
+    np.testing.assert_array_equal(next(ahead), next(plain))
+    for _ in range(6):
+        next(plain)
+    ahead.close()  # (what the reader placed ahead so far is not the skip's)
+    placed.clear()
+    ahead.skip(6)
+    assert ahead.get_state() == plain.get_state()
+    np.testing.assert_array_equal(next(ahead), next(plain))
+    assert len(placed) <= 3  # the next batch and the reader's look-ahead, none skipped
+    ahead.close()
+
+
 def test_prefetch_places_batches_on_its_own_thread():
     threads = []
 

@@ -62,6 +62,15 @@ class Prefetch:
         batch, self._state = item
         return batch
 
+    def skip(self, n: int) -> None:
+        """Moves past the next `n` batches without placing them: read on this thread (a
+        record stream's batches depend on what it reads) but never sent to the devices,
+        as `next` would (a rejoin skipping the steps Θ already holds)."""
+        self.close()
+        for _ in range(n):
+            next(self._source)
+        self._state = self._source.get_state()
+
     def get_state(self) -> dict:
         return self._state
 

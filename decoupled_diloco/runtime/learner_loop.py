@@ -484,8 +484,11 @@ class LearnerLoop:
         lacking = {p: spans_minus(h, end, counted.get(p, ())) for p, h in by_fragment.items()}
         lost, spans = self._count_lacking(lacking)
         if skipped:
-            for _ in range(skipped):  # the data Θ already holds is not read again
-                next(self.data)
+            if hasattr(self.data, "skip"):  # the data Θ already holds is not trained on
+                self.data.skip(skipped)  # (nor placed on the devices) again
+            else:
+                for _ in range(skipped):
+                    next(self.data)
             self.step = self.proto.step = self.step + skipped
         from_checkpoint = self.restored is not None or self.away in ("start", "process_restart")
         if not skipped and self.away in ("crash", "nan") and not from_checkpoint:
