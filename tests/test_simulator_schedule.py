@@ -2,23 +2,10 @@
 (`FaultSchedule.is_up`, its down intervals and membership windows)."""
 
 import pytest
+from test_simulator import CPU  # the toy CPU run's timings
 
 from decoupled_diloco.faults import FaultSpec
-from decoupled_diloco.simulator import SimParams, simulate
-
-# Timings of a toy CPU run (as in test_simulator.py).
-CPU = SimParams(
-    horizon_days=1000.0 / 86400,
-    detect_s=0.0,
-    reconfig_s=2.0,
-    restart_s=0.0,
-    restore_s=5.0,
-    step_s=3.0,
-    checkpoint_interval_s=30.0,
-    checkpoint_cost_s=0.0,
-    sync_period_s=8.0,
-    fragments=4,
-)
+from decoupled_diloco.simulator import simulate
 
 
 @pytest.mark.parametrize("method", ["dp", "elastic_dp", "decoupled"])
