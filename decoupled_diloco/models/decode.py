@@ -25,6 +25,7 @@ import numpy as np
 
 from decoupled_diloco.host_memory import available_host_bytes
 from decoupled_diloco.models.config import ModelConfig
+from decoupled_diloco.models.layers import check_cache_room
 from decoupled_diloco.models.transformer import Transformer
 
 
@@ -73,12 +74,9 @@ _decode_step = jax.jit(_apply, static_argnums=(0, 5), donate_argnums=3)
 def decode_step(cfg: ModelConfig, params: dict, tokens_BT, cache: list, index, group: int = 0):
     """Logits of the T tokens written at positions index..index+T-1, and the new cache
     (`cache` is donated); `group`: a capacity MoE's routing group (the module doc; 0: the
-    cache's length). ValueError if they do not fit the cache: inside the jitted step, XLA
-    would move the write back over earlier positions' slots (wrong logits, no error)."""
-    length, fresh = cache[0]["k"].shape[1], tokens_BT.shape[1]
-    if not isinstance(index, jax.core.Tracer) and int(index) + fresh > length:
-        raise ValueError(f"the KV cache holds {length} positions: writing {fresh} at "
-                         f"position {int(index)} runs past its end")  # fmt: skip
+    cache's length). ValueError if they do not fit the cache (`layers.check_cache_room`,
+    checked here: inside the jitted step the index is traced)."""
+    check_cache_room(cache[0]["k"].shape[1], tokens_BT.shape[1], index)
     return _decode_step(cfg, params, tokens_BT, cache, index, group)
 
 

@@ -90,6 +90,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale)
 
 
+def check_cache_room(length: int, fresh: int, index) -> None:
+    """ValueError if writing `fresh` positions at `index` runs past a KV cache of `length`:
+    XLA moves such a write back inside it, over earlier positions' slots, while RoPE and the
+    mask keep the true positions (wrong logits, no error). A traced index is the caller's to
+    bound (`decode.generate` sizes the cache)."""
+    if not isinstance(index, jax.core.Tracer) and int(index) + fresh > length:
+        raise ValueError(f"the KV cache holds {length} positions: writing {fresh} at "
+                         f"position {int(index)} runs past its end")  # fmt: skip
+
+
 class Attention(nn.Module):
     """Causal self-attention, MHA / GQA / MQA, optional QK-norm, logit softcap, sliding window.
 
@@ -124,13 +134,7 @@ class Attention(nn.Module):
         if cache is None:
             k_BSKG, v_BSKG, positions_S = k_BTKG, v_BTKG, positions_T
         else:
-            # XLA moves a write past the cache's end back inside it, over earlier positions'
-            # slots, while RoPE and the mask keep the true ones: wrong logits, no error. A
-            # traced index is the caller's to bound (`decode.generate` sizes the cache).
-            length, fresh = cache["k"].shape[1], x_BTD.shape[1]
-            if not isinstance(index, jax.core.Tracer) and int(index) + fresh > length:
-                raise ValueError(f"the KV cache holds {length} positions: writing {fresh} "
-                                 f"at position {int(index)} runs past its end")  # fmt: skip
+            check_cache_room(cache["k"].shape[1], x_BTD.shape[1], index)
             start = (0, index, 0, 0)
             k_BSKG = jax.lax.dynamic_update_slice(
                 cache["k"], k_BTKG.astype(cache["k"].dtype), start
