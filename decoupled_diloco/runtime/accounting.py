@@ -1,7 +1,9 @@
 """Goodput and uptime accounting of real runs (the quantities the simulator predicts).
 
 goodput = useful learner compute / allocated learner compute (from a learner's first step
-to its last, minus time it spends evaluating, which is not training; its steps' waits for
+to its last, minus time it spends evaluating, which is not training, and minus time it is out
+of the membership between a leave and its next window, whose chips are not the job's, as in
+the simulator's allocation (simulator/core.py); its steps' waits for
 merges and for their data are allocated but not compute, runtime/step_times.py; the tail
 after its last step, final offers and checkpoint, is not allocation), where a learner's step is
 useful once its work reached a merged global fragment (per fragment, weighted by the
@@ -177,6 +179,10 @@ class Ledger:
         self.outages: list[tuple] = []  # (who, failure, restart) of learners and syncer shards
         self.finished = [math.nan] * num_learners
         self.idle_seconds = [0.0] * num_learners  # allocated but not training (evaluation)
+        # Out of the membership (scavenged capacity given back): not allocated. `_away`:
+        # learner -> when it left, until its next window opens.
+        self.away_seconds = [0.0] * num_learners
+        self._away: dict[int, float] = {}
 
     @classmethod
     def of_run(cls, run) -> "Ledger":
@@ -196,6 +202,20 @@ class Ledger:
     def idle(self, m: int, seconds: float) -> None:
         with self._lock:
             self.idle_seconds[m] += seconds
+
+    def leave(self, m: int, now: float) -> None:
+        """Learner m left the membership at `now` (`learner_leave`): no longer allocated."""
+        with self._lock:
+            self._away.setdefault(m, now)
+
+    def join(self, m: int, now: float) -> None:
+        """Learner m's next membership window opened at `now` (`member_join`): allocated
+        again. A join with no leave before it (a late joiner's first) changes nothing: its
+        allocation begins at its first step."""
+        with self._lock:
+            left = self._away.pop(m, None)
+            if left is not None and not math.isnan(self.started[m]):
+                self.away_seconds[m] += max(now - left, 0.0)
 
     def advance(self, now: float) -> None:
         with self._lock:
@@ -401,6 +421,9 @@ class Ledger:
             if not math.isnan(self.finished[m]):
                 return
             self.finished[m] = now
+            left = self._away.pop(m, None)
+            if left is not None:  # out of the membership at the end: allocated until it left
+                self.away_seconds[m] += max(now - left, 0.0)
             if m in self._down:  # the run ended during its outage
                 self.last_step = max(self.last_step, now)
 
@@ -438,7 +461,8 @@ class Ledger:
             steps = self.useful_steps[m] if uses_syncer else final_step
             useful += min(steps, self.steps[m]) * per_step
             end = self.finished[m] if not math.isnan(self.finished[m]) else wall
-            allocated += max(end - self.started[m] - self.idle_seconds[m], 1e-9)
+            off = self.idle_seconds[m] + self.away_seconds[m]
+            allocated += max(end - self.started[m] - off, 1e-9)
         uptime, downtime = self.uptime(wall)
         return {
             "merges": self.merges,

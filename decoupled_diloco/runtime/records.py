@@ -99,6 +99,13 @@ class RunLog:
             ledger.counted_crash_lost += rec.get("lost_steps", 0)
         elif kind == "nan_at_end":  # (its last steps diverged: not offered, lost)
             ledger.counted_crash_lost += rec.get("lost_steps", 0)
+        elif kind == "learner_leave":  # (scavenged capacity given back: not allocated)
+            ledger.leave(rec["learner"], t)
+        elif kind == "member_join":
+            # Allocated again from when its window opened (its start-up is in it), not from
+            # this event, written once it has joined; never before it left.
+            opened = rec.get("window_opened")
+            ledger.join(rec["learner"], t if opened is None else min(opened, t))
         elif kind == "learner_gone":  # (down for good: what Θ lacks of its life is lost)
             ledger.left_down(rec["learner"], rec["life_start"], rec["step"])
         elif kind == "syncer_crash":
