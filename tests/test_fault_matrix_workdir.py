@@ -183,6 +183,33 @@ def _try_lock(path) -> bool:
         return True
 
 
+def test_a_remote_lease_outlives_a_failed_renewal(tmp_path, monkeypatch):
+    """One renewal that the object store fails (a timeout, a 503) ended the renewing thread:
+    the lease then ran out under the live run, and the next starter took its workdir over."""
+    from etils import epath
+    from fake_gcs import fake_gcs
+
+    from decoupled_diloco.runtime import workdir_lock
+
+    monkeypatch.setattr(workdir_lock, "RENEW_SECONDS", 0.05)
+    with fake_gcs(str(tmp_path / "gcs")), workdir_lock.lock("gs://bkt/w") as lease:
+        path = epath.Path("gs://bkt/w/run.lock")
+        write, failed = type(lease.path).write_bytes, []
+
+        def flaky(self, data):
+            if not failed:
+                failed.append(self)
+                raise OSError("503 Service Unavailable")
+            return write(self, data)
+
+        monkeypatch.setattr(type(lease.path), "write_bytes", flaky)
+        taken = json.loads(path.read_text())["renewed"]
+        time.sleep(0.5)
+        assert failed, "no renewal was tried"
+        assert lease._thread.is_alive()
+        assert json.loads(path.read_text())["renewed"] > taken  # renewed after the failure
+
+
 def test_a_run_that_took_no_step_starts_over_with_a_changed_config(small_config, tmp_path):
     """What a start that failed before its first step leaves (its config, an empty metrics
     file, incarnation counters, an empty checkpoint folder) binds nothing; one metrics row

@@ -129,10 +129,19 @@ class Lease:
 
     def _renew(self) -> None:
         while not self._stop.wait(RENEW_SECONDS):
-            if not self._ours():
-                logging.error("lost the workdir lock %s to %s", self.path, self.lost)
-                return
-            self.path.write_bytes(self._record())
+            try:
+                if not self._ours():
+                    logging.error("lost the workdir lock %s to %s", self.path, self.lost)
+                    return
+                self.path.write_bytes(self._record())
+            except Exception as e:
+                # An object store's passing error (a timeout, a 503) must not end the
+                # renewals: the lease would run out under a live run, and the next starter
+                # take the workdir over while it still writes there. The next try is
+                # RENEW_SECONDS away, well within LEASE_SECONDS.
+                logging.warning(
+                    "could not renew the workdir lock %s (%s); trying again", self.path, e
+                )
 
     def release(self) -> None:
         self._stop.set()
