@@ -445,20 +445,25 @@ class Ledger:
         down = sum(b - a for a, b in gaps)
         return 1.0 - down / (end - start), down
 
-    def accounting(self, wall: float, uses_syncer: bool, learner_steps: list[int]) -> dict:
+    def accounting(self, wall: float, uses_syncer: bool, learner_steps: list[int],
+                   start_steps: list[int] | None = None) -> dict:  # fmt: skip
         """Goodput, uptime and downtime of `summary` (an interrupted attempt's record)."""
-        out = self.summary(wall, uses_syncer, learner_steps)
+        out = self.summary(wall, uses_syncer, learner_steps, start_steps)
         return {k: out[k] for k in ("goodput", "uptime", "global_downtime_seconds")}
 
-    def summary(self, wall: float, uses_syncer: bool, learner_steps: list[int]) -> dict:
-        """`learner_steps`: each learner's final step (a run without a syncer counts the
-        steps that survive to the end as useful)."""
+    def summary(self, wall: float, uses_syncer: bool, learner_steps: list[int],
+                start_steps: list[int] | None = None) -> dict:  # fmt: skip
+        """`learner_steps`: each learner's final step, `start_steps` the step this attempt
+        began at (its checkpoint's; default 0): a run without a syncer counts the steps
+        between them, those that survive to the end, as useful (not every step this attempt
+        took: a resumed attempt's redone steps after a restore are lost)."""
         useful = allocated = 0.0
+        start_steps = start_steps or [0] * len(learner_steps)
         for m, final_step in enumerate(learner_steps):
             if self.steps[m] == 0:
                 continue
             per_step = self.step_seconds[m] / self.steps[m]
-            steps = self.useful_steps[m] if uses_syncer else final_step
+            steps = self.useful_steps[m] if uses_syncer else final_step - start_steps[m]
             useful += min(steps, self.steps[m]) * per_step
             end = self.finished[m] if not math.isnan(self.finished[m]) else wall
             off = self.idle_seconds[m] + self.away_seconds[m]

@@ -284,6 +284,8 @@ class LocalRuntime:
         self._build()
         self.t0 = time.monotonic()  # (before the restores: their refusals are events too)
         resumed = [loop.restore(params_too=True) for loop in self.loops]
+        # Where this attempt's training begins: its steps before are not its own to count.
+        self.start_steps = [loop.step for loop in self.loops]
         for loop in self.loops:  # a process that runs the run takes new lives (next_life)
             loop.take_life(loop.incarnation)
         earlier = self.log.metrics.count()  # rows of earlier attempts
@@ -353,7 +355,9 @@ class LocalRuntime:
             steps = [loop.step for loop in self.loops]
             raise RunInterruptedError(
                 f"interrupted at learner steps {steps}",
-                self.log.ledger.accounting(self.now(), self.run_cfg.uses_syncer, steps),
+                self.log.ledger.accounting(
+                    self.now(), self.run_cfg.uses_syncer, steps, self.start_steps
+                ),
             )
         if self.halt_after is not None:
             return None
@@ -482,7 +486,9 @@ class LocalRuntime:
             steps,
             self.total_tokens(),
             wall,
-            self.log.ledger.summary(wall, run.uses_syncer, [loop.step for loop in self.loops]),
+            self.log.ledger.summary(
+                wall, run.uses_syncer, [loop.step for loop in self.loops], self.start_steps
+            ),
             stats,
             self.lock_probe.summary(),
             self.log.merges.count(),
