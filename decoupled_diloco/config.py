@@ -208,7 +208,8 @@ def _dataclass_from(dc, section: ml_collections.ConfigDict, prefix: str, **extra
         if isinstance(v, list):
             v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
         values[k] = v
-    if dc in (DilocoConfig, RayConfig):  # (other sections check their types themselves)
+    if dc in (DilocoConfig, RayConfig, sharding.MeshConfig, DistributedConfig):
+        # (other sections check their types themselves)
         _check_types(dc, values, prefix)
     values.update(extra)
     return dc(**values)
@@ -631,7 +632,8 @@ def _devices_per_learner(asked: int, m: int, runtime: str, n_dev: int) -> int:
     the process's devices (round-robin when there are more learners than groups), so the
     group size must divide the device count: else the remainder would sit idle. Ray learners
     own devices in their own processes (a TPU slice each), not the driver's."""
-    if asked < 0 or (runtime == "local" and asked > n_dev):
+    whole = isinstance(asked, int) and not isinstance(asked, bool)  # (None, True: a file's)
+    if not whole or asked < 0 or (runtime == "local" and asked > n_dev):
         raise ValueError(
             f"devices_per_learner must be in [0, {n_dev}] (0 = all devices / learners), got {asked}"
         )

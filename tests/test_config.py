@@ -313,6 +313,8 @@ def test_a_warmup_past_the_run_is_warned_of(small_config, caplog):
         ("diloco.max_wait", None, "float"),  # (a TypeError deep in validation)
         ("diloco.learners", True, "int"),  # (ran as "True learner")
         ("ray.poll_seconds", None, "float"),
+        ("mesh.fsdp", True, "int"),  # (ran as an fsdp axis of 1)
+        ("distributed.num_processes", None, "int"),  # (a TypeError traceback, before a join)
     ],
 )
 def test_a_config_files_values_of_the_wrong_type_are_named(small_config, key, value, want):
@@ -323,6 +325,16 @@ def test_a_config_files_values_of_the_wrong_type_are_named(small_config, key, va
     with c.unlocked():  # (a config file's own value: no FieldReference type to pass)
         c[section][name] = value
     with pytest.raises(ValueError, match=rf"{key} must be a {want}, got {value!r}"):
+        config_lib.validate(c)
+
+
+@pytest.mark.parametrize("value", [None, True])
+def test_a_config_files_devices_per_learner_of_the_wrong_type_is_named(small_config, value):
+    """None was a TypeError traceback ('<' between None and int), True ran one device each."""
+    c = small_config()
+    with c.unlocked():
+        c.devices_per_learner = value
+    with pytest.raises(ValueError, match=rf"devices_per_learner must be in .*got {value}"):
         config_lib.validate(c)
 
 
