@@ -848,6 +848,45 @@ def test_run_fails_when_every_learner_is_stopped(cluster, small_config, tmp_path
     assert {e["learner"] for e in _events(tmp_path, "learner_stopped")} == {0, 1}
 
 
+def _syncer_failing_after_a_merge():
+    """A syncer actor class whose serving loop raises once its shard has merged (in every
+    process); defined here so that cloudpickle sends it by value."""
+    from decoupled_diloco.runtime.ray.syncer import SyncerActor
+
+    class FailingSyncer(SyncerActor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            loop, serve_turn = self.loop, self.loop.serve_turn
+
+            def failing_turn(*a, **kw):
+                if loop.syncer is not None and loop.syncer.stats.get("merges", 0) >= 1:
+                    raise RuntimeError("injected syncer failure")
+                return serve_turn(*a, **kw)
+
+            loop.serve_turn = failing_turn
+
+    return FailingSyncer
+
+
+def test_run_fails_at_once_with_the_shards_error_when_a_syncer_is_lost_for_good(
+    cluster, small_config, tmp_path, monkeypatch
+):
+    """The syncer shard raises after its first merge and has no restart left: the run stops
+    then, with the shard's error, not when the learners have trained on without merges to
+    the end and waited out their final syncs (and then with Ray's ActorDiedError)."""
+    from decoupled_diloco.runtime.ray import runtime as ray_runtime
+
+    monkeypatch.setattr(ray_runtime, "SyncerActor", _syncer_failing_after_a_merge())
+    over = {"diloco.learners": 2, "diloco.quorum": 1, "ray.max_restarts": 0}
+    runtime = RayRuntime(config_lib.validate(_ray_config(small_config, **over)), str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"syncer shard 0 is lost for good \(ray.max_restarts=0"
+                       r".*last error: RuntimeError: injected syncer failure"):  # fmt: skip
+        runtime.run()
+    (error,) = _events(tmp_path, "syncer_error", shard=0)
+    assert "injected syncer failure" in error["error"]
+    assert not _events(tmp_path, "final_sync_unconfirmed")  # no learner waited for it
+
+
 # --- offer validation across the process boundary -------------------------------------------
 @ray.remote(num_cpus=0)
 class _Inbox:

@@ -22,7 +22,8 @@ transport, over Ray (`links.py`). The driver (this file) only launches, watches 
 A learner whose process dies more than `ray.max_restarts` times is lost (`learner_lost`), one
 that raises the same error `ray.max_same_failures` times in a row is stopped
 (`learner_stopped`, failures.py): the run goes on without it, and fails only when no learner
-is left. An error no restart can fix
+is left. A syncer shard whose restarts are exhausted fails the run at once, with its last
+error (its fragments could never merge again). An error no restart can fix
 (`preflight.FatalRunError`) is reported by the actor's poll and stops the run at once.
 
 Differences from the local runtime, from real process boundaries: rows and records buffered
@@ -103,6 +104,7 @@ class RayRuntime:
         # Ray restarted counts from 0, and its predecessor's bytes stay the run's.
         self._traffic: dict[tuple[int, int, str], dict] = {}
         self._traffic_lock = threading.Lock()  # (the attempt's heartbeat reads it)
+        self._syncer_errors: dict[int, str] = {}  # shard -> its last `syncer_error`
         self._started: dict[int, int] = {}  # learner -> the step this attempt started from
         self._died_at: dict[int, int] = {}  # learner -> the last step its dead process reported
         # learner -> the step its current life began (its start, rejoin or member_join; a
@@ -293,6 +295,8 @@ class RayRuntime:
         """A syncer shard's poll or `finish`: its records since the last, its traffic."""
         for rec in out["records"]:
             self.log.record(rec)
+            if rec.get("event") == "syncer_error":
+                self._syncer_errors[shard] = rec["error"]
         self._note_traffic(shard, out, out["traffic"])
 
     def _stopped(self, wall: float) -> RunInterruptedError:
@@ -324,7 +328,9 @@ class RayRuntime:
             try:
                 out = ray.get(ref)
             except ray.exceptions.ActorDiedError as e:  # restarts exhausted: gone for good
-                if key[0] == "learner" and key[1] not in self.lost:
+                if key[0] == "syncer":
+                    raise self._syncer_lost(key[1], e) from e
+                if key[1] not in self.lost:
                     m = key[1]
                     self._leave(m)
                     self._remove(m, False, str(e))
@@ -341,6 +347,18 @@ class RayRuntime:
                     self.log.event({"event": "fatal_error", "shard": key[1],
                                     "error": out["fatal"], "time": self.now()})  # fmt: skip
                 raise FatalRunError(out["fatal"])
+
+    def _syncer_lost(self, shard: int, e: Exception) -> RuntimeError:
+        """Syncer shard `shard` is gone for good (Ray's restarts exhausted). Unlike a lost
+        learner, no one can stand in for it: its fragments would never merge again while
+        the learners trained on apart to the end and then waited out their final syncs, so
+        the run stops now, with the shard's own last error rather than Ray's."""
+        why = self._syncer_errors.get(shard) or str(e).strip().splitlines()[0]
+        return RuntimeError(
+            f"syncer shard {shard} is lost for good (ray.max_restarts="
+            f"{self.run_cfg.ray.max_restarts} exhausted): its fragments can no longer merge; "
+            f"last error: {why}. Its last checkpoint is under {self.ckpt_dir}/syncer_{shard}"
+        )
 
     def _learner_started(self, m: int, step: int) -> None:
         """The first of learner m's processes in this attempt to report starts from `step`
