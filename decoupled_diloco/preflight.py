@@ -168,7 +168,7 @@ def check_workdir_files(workdir: str) -> None:
         if why is None and name == run_files.RUN_CONFIG:
             try:
                 run_files.config_from_json(value)
-            except (TypeError, ValueError, KeyError) as e:
+            except (TypeError, ValueError, KeyError, AttributeError) as e:  # (as read_config)
                 why = f"not a run config ({_one_line(e)})"
         if why is not None:
             raise FatalRunError(

@@ -970,6 +970,15 @@ def test_a_workdir_that_is_a_file_is_one_line(small_config, tmp_path):
         launch.run(run, str(tmp_path / "afile" / "sub"), verbose=False)
 
 
+@pytest.mark.parametrize("section", ["model", "train"])
+def test_a_run_config_whose_section_is_not_an_object_is_named(tmp_path, section):
+    """A run_config.json without its digest (older, or edited by hand) whose section is not
+    an object was an AttributeError traceback at start-up, not a named run file."""
+    (tmp_path / run_files.RUN_CONFIG).write_text(json.dumps({section: 3}))
+    with pytest.raises(preflight.FatalRunError, match=r"run_config.json holds not a run config"):
+        preflight.check_workdir_files(str(tmp_path))
+
+
 def test_a_swapped_or_damaged_tokenizer_model_is_named(small_config, tmp_path, fresh_corpora):
     """The run's tokenizer.model was read on trust: another valid model was used to score
     (5.73 against 4.80), garbage raised sentencepiece's RuntimeError, and a resume's remedy
