@@ -140,6 +140,11 @@ def check_workdir_path(workdir: str) -> None:
     path = os.path.abspath(os.path.expanduser(workdir))
     probe = path
     while not os.path.exists(probe):  # the deepest part of it that exists
+        if os.path.islink(probe):  # (no folder can be made where a dangling link lies)
+            raise FatalRunError(
+                f"--workdir={workdir}: {probe} is a link to {os.readlink(probe)}, which does "
+                "not exist (a disk not mounted?): make its target or give another folder"
+            )
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         where = "is a file" if probe == path else f"lies below a file ({probe})"

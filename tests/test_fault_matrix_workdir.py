@@ -968,6 +968,11 @@ def test_a_workdir_that_is_a_file_is_one_line(small_config, tmp_path):
         launch.run(run, str(tmp_path / "afile"), verbose=False)
     with pytest.raises(FatalRunError, match=r"afile/sub lies below a file \(.*afile\)"):
         launch.run(run, str(tmp_path / "afile" / "sub"), verbose=False)
+    # A link whose target is gone (a disk not mounted): a FileExistsError traceback.
+    (tmp_path / "link").symlink_to(tmp_path / "unmounted")
+    for where in (tmp_path / "link", tmp_path / "link" / "sub"):
+        with pytest.raises(FatalRunError, match=r"link is a link to .*unmounted, which does"):
+            launch.run(run, str(where), verbose=False)
 
 
 @pytest.mark.parametrize("section", ["model", "train"])
