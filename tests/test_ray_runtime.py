@@ -887,6 +887,36 @@ def test_run_fails_at_once_with_the_shards_error_when_a_syncer_is_lost_for_good(
     assert not _events(tmp_path, "final_sync_unconfirmed")  # no learner waited for it
 
 
+def _syncer_failing_to_start():
+    """A syncer actor class whose constructor raises (say, on a checkpoint it cannot restore);
+    defined here so that cloudpickle sends it by value."""
+    from decoupled_diloco.runtime.ray.syncer import SyncerActor
+
+    class UnstartableSyncer(SyncerActor):
+        def __init__(self, *args, **kwargs):
+            raise ValueError("injected: syncer checkpoint unreadable")
+
+    return UnstartableSyncer
+
+
+def test_run_fails_at_once_with_the_error_of_a_syncer_that_cannot_start(
+    cluster, small_config, tmp_path, monkeypatch
+):
+    """Ray restarts no actor whose constructor raised: the run stops at the driver's first
+    poll with the constructor's error, not after the learners' joins time out
+    (diloco.join_timeout, again in every restarted process), nor with Ray's wrapped message."""
+    from decoupled_diloco.runtime.ray import runtime as ray_runtime
+
+    monkeypatch.setattr(ray_runtime, "SyncerActor", _syncer_failing_to_start())
+    over = {"diloco.learners": 2, "diloco.join_timeout": 120.0}
+    runtime = RayRuntime(config_lib.validate(_ray_config(small_config, **over)), str(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"syncer shard 0 failed to start \(ValueError: "
+                       r"injected: syncer checkpoint unreadable\)"):  # fmt: skip
+        runtime.run()
+    assert time.monotonic() - start < 100.0  # (the learners' joins would time out at 120 s)
+
+
 # --- offer validation across the process boundary -------------------------------------------
 @ray.remote(num_cpus=0)
 class _Inbox:

@@ -348,12 +348,19 @@ class RayRuntime:
                                     "error": out["fatal"], "time": self.now()})  # fmt: skip
                 raise FatalRunError(out["fatal"])
 
-    def _syncer_lost(self, shard: int, e: Exception) -> RuntimeError:
-        """Syncer shard `shard` is gone for good (Ray's restarts exhausted). Unlike a lost
+    def _syncer_lost(self, shard: int, e: ray.exceptions.ActorDiedError) -> RuntimeError:
+        """Syncer shard `shard` is gone for good (Ray's restarts exhausted, or its constructor
+        raised: a checkpoint it cannot restore, say). Unlike a lost
         learner, no one can stand in for it: its fragments would never merge again while
         the learners trained on apart to the end and then waited out their final syncs, so
         the run stops now, with the shard's own last error rather than Ray's."""
-        why = self._syncer_errors.get(shard) or str(e).strip().splitlines()[0]
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        if e.actor_init_failed:  # Ray's message ends with the constructor's exception
+            return RuntimeError(
+                f"syncer shard {shard} failed to start ({lines[-1]}); Ray does not restart an "
+                "actor whose constructor raised, and the run cannot merge without it"
+            )
+        why = self._syncer_errors.get(shard) or lines[0]
         return RuntimeError(
             f"syncer shard {shard} is lost for good (ray.max_restarts="
             f"{self.run_cfg.ray.max_restarts} exhausted): its fragments can no longer merge; "
