@@ -108,9 +108,20 @@ def sample(
     # A batch advances every row to the longest prompt + max_new_tokens: a shorter prompt's
     # row runs on past its own max_new_tokens, which are all it keeps.
     return [
-        (p, tok.decode(row[len(x) : len(x) + max_new_tokens]))
+        (p, _completion(tok, row[: len(x)], row[len(x) : len(x) + max_new_tokens]))
         for p, x, row in zip(batch, ids, out, strict=True)
     ]
+
+
+def _completion(tok, prompt_ids, new_ids) -> str:
+    """The text `new_ids` add after `prompt_ids`. Decoded alone, a sentencepiece model with a
+    dummy prefix (Llama's, T5's) drops the leading space of their first piece ("▁brown"
+    starts a text as "brown"): prompt and sample read "the quickbrown". Decoded after the
+    prompt, the sample's text is what follows the prompt's own."""
+    before = tok.decode(prompt_ids)
+    whole = tok.decode([*prompt_ids, *new_ids])
+    # (a normalizer could decode the prompt otherwise in context: then the sample alone)
+    return whole[len(before) :] if whole.startswith(before) else tok.decode(new_ids)
 
 
 def main(argv) -> None:
