@@ -17,7 +17,7 @@ import ml_collections  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from decoupled_diloco import profiling  # noqa: E402
+from decoupled_diloco import paths, profiling  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an ml_collections config file under configs/.", lock_config=True
@@ -186,7 +186,9 @@ def _install_profiler(run) -> None:
         start, stop = profiling.check_steps(_PROFILE.value, run)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    directory = os.path.join(_WORKDIR.value, "profile")
+    # Where the run writes (paths.resolve: "~" expanded, as launch.run does; the shell leaves
+    # the "~" of --workdir=~/x alone).
+    directory = str(paths.resolve(_WORKDIR.value) / "profile")
     profiling.install(profiling.StepProfiler(directory, start, stop))
 
 

@@ -143,3 +143,28 @@ def test_the_profile_window_is_checked_against_the_run(small_config):
     ray_run = dataclasses.replace(run, runtime="ray")
     with pytest.raises(ValueError, match="runtime 'local' only"):
         profiling.check_steps("3:12", ray_run)
+
+
+def test_a_tilde_workdirs_trace_goes_where_the_run_writes(small_config, tmp_path, monkeypatch):
+    """--workdir=~/x reaches the program with its "~" (the shell expands only a word that
+    starts with one); the run writes to $HOME/x, and so must the trace (it went to ./~/x)."""
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    installed = []
+    monkeypatch.setattr(profiling, "install", installed.append)
+    run = config_lib.validate(small_config(**{"train.steps": 12}))
+    parsed = flags.FLAGS.is_parsed()
+    flags.FLAGS.mark_as_parsed()
+    try:
+        with flagsaver.flagsaver(workdir="~/run", profile="2:4"):
+            main._install_profiler(run)
+    finally:
+        if not parsed:
+            flags.FLAGS.unparse_flags()
+    assert installed[0].directory == str(tmp_path / "run" / "profile")
