@@ -311,7 +311,25 @@ def _load_export(root: epath.Path, step: int | None) -> Model:
     config = run_files.read_config(str(root))
     tokenizer = run_files.read_tokenizer(str(root), config.data)
     manager = _manager(root / PARAMS)
-    arrays, _ = _restore(manager, manager.latest_step())
-    manager.close()
+    n = manager.latest_step()
+    try:
+        if n is None:
+            raise CorruptCheckpointError(f"{root / PARAMS} holds no saved parameters: the "
+                                         "export is damaged; export the run again")  # fmt: skip
+        arrays, _ = _restore(manager, n)
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:
+        # Damaged orbax files fail in orbax's own read, whose errors name neither the export
+        # nor the damage (bad bytes in its metadata: "'utf-8' codec can't decode byte 0xff");
+        # refused as the run's learner checkpoints are (its first line: TensorStore's errors
+        # carry ~60 lines of state).
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CorruptCheckpointError(
+            f"{root / PARAMS}/{n} cannot be read ({type(e).__name__}: {first}): the export is "
+            "damaged; export the run again"
+        ) from e
+    finally:
+        manager.close()
     params = {k: np.asarray(v, np.float32) for k, v in arrays.items()}
     return Model(config, tokenizer, params, f"export of {info.get('source', '?')}", exported)
