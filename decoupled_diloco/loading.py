@@ -189,12 +189,12 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
         saves = ckpt.all_steps()
         if not saves:
             raise FileNotFoundError(f"syncer shard {shard}: no checkpoint in {ckpt_dir}")
-        refused, reached = [], {}
+        refused, reached = {}, {}  # (save number: why refused)
         for n in saves:
             try:
                 reached[n] = _learner_step(ckpt, n)
             except CorruptCheckpointError as e:
-                refused.append(str(e))
+                refused[n] = str(e)
         ok = sorted((n for n in reached if step is None or reached[n] <= step), reverse=True)
         if not ok and not refused:
             raise ValueError(
@@ -205,18 +205,21 @@ def _syncer_theta(ckpt_dir: epath.Path, config: RunConfig, step: int | None):
             try:
                 parts, _ = ckpt.read(n, momentum=False)
             except CorruptCheckpointError as e:
-                refused.append(str(e))
+                refused[n] = str(e)
                 continue
             for arrays, _ in parts.values():
                 params.update({k: np.asarray(v, np.float32) for k, v in arrays["theta"].items()})
-            picked.append(f"#{n} (learner step {reached[n]})" + _refused_note(refused))
+            # Only saves after the one used were passed over: an unreadable manifest of an
+            # older one read "1 newer refused, an older one is used" beside the newest.
+            passed = [why for m, why in sorted(refused.items()) if m > n]
+            picked.append(f"#{n} (learner step {reached[n]})" + _refused_note(passed))
             reached_steps.append(reached[n])
             break
         else:
             ckpt.close()
             raise CorruptCheckpointError(
                 f"syncer shard {shard}: no checkpoint{_at_or_before(step)} can be trusted: "
-                + "; ".join(refused)
+                + "; ".join(refused[m] for m in sorted(refused))
             )
         ckpt.close()
     source = "syncer checkpoints " + ", ".join(picked)
