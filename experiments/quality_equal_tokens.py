@@ -126,6 +126,9 @@ def best_runs(results) -> dict[str, list]:
     best: dict[str, tuple[float, list]] = {}
     for name, runs in harness.by_arm(results).items():
         mean = harness.stat([r.summary["final_eval_loss"] for r in runs])[0]
+        # A diverged lr (nan: a seed's loss is nan) is never best while another lr is finite:
+        # nan < x is False, so a nan met first would otherwise stay "best" for good.
+        mean = mean if math.isfinite(mean) else math.inf
         if base_name(name) not in best or mean < best[base_name(name)][0]:
             best[base_name(name)] = (mean, runs)
     return {base: runs for base, (_, runs) in best.items()}
@@ -198,10 +201,14 @@ def markdown(results) -> str:
         )
     header = ["arm", "params", "final eval loss", "ratio to its DP", "merges",
               "learners / merge", "bytes / token", "bytes vs DP", "wall (s)"]  # fmt: skip
-    tokens = results[0].summary["tokens"]
+    # Every run's tokens, not the first's: a --smoke run (every learner at the smoke batch),
+    # a --budget_s cap or a crash leaves arms at different tokens, and the note says so.
+    tokens = harness.tokens_per_run(results)
+    if harness.equal_tokens(results) is not None:
+        tokens += f", {total_batch()} sequences per step in total"
     note = (
-        f"Quality at equal tokens ({harness.mode_note()}): {tokens:,} tokens per run, "
-        f"{total_batch()} sequences per step in total; stdlib corpus, byte-level; eval loss in "
+        f"Quality at equal tokens ({harness.mode_note()}): {tokens}; "
+        "stdlib corpus, byte-level; eval loss in "
         "nats/byte on the same held-out sequences for every arm. Ratio = arm / its family's "
         "data-parallel run (dense: DP; MoE: MoE DP), per seed, then averaged. DP bytes/token: "
         f"ring all-reduce of fp32 gradients over {DP_REPLICAS} replicas (the M = 4 learners' "

@@ -201,8 +201,8 @@ def markdown(results) -> str:
         for name, value, limit, ok in targets(groups)
     ]  # fmt: skip
     note = (
-        f"Quality targets ({harness.mode_note()}); {results[0].summary['tokens']:,} tokens per "
-        "run; eval loss in nats per token on the same held-out sequences.\n\n"
+        f"Quality targets ({harness.mode_note()}); {harness.tokens_per_run(results)}; eval loss "
+        "in nats per token on the same held-out sequences.\n\n"
     )
     header = ["arm", "final eval loss", "÷ DP", "seed spread", "steps per offer",
               "merge delay (steps)", "offer to merge (s)", "lock wait (ms)"]  # fmt: skip

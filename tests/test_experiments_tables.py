@@ -1,0 +1,81 @@
+"""What the quality scripts' tables claim (experiments/quality_equal_tokens.py,
+quality_targets.py): the tokens every run saw, and which swept lr is an arm's best."""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _script(code: str) -> str:
+    """Runs `code` in a fresh interpreter in the checkout (a script's absl flags are global)."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+# Tables of hand-made summaries (no run): `run(name, tokens, loss)` is one seed-0 run of an
+# arm, with its real --smoke config (quality_equal_tokens counts the model's parameters).
+RESULTS = """
+import math, sys
+sys.path.insert(0, "experiments")
+sys.argv = ["%s.py", "--smoke", *%r]
+w = __import__(sys.argv[0][:-3])
+import harness
+from absl import flags
+from tables import Result
+flags.FLAGS(sys.argv)
+arms = {a.name: a for a in w.arms()}
+def run(name, tokens=6144, loss=2.0):
+    c = harness.config_for(arms[name], 0, harness.QUICK, harness.FULL)
+    summary = {"final_eval_loss": loss, "tokens": tokens, "steps": 6, "merges": 3,
+               "mean_learners_per_merge": 2.0, "bytes_per_token": 1.0, "wall_seconds": 5.0}
+    return Result(arms[name], 0, summary, None, c)
+"""
+
+
+def test_the_quality_tables_claim_equal_tokens_only_where_every_run_saw_them():
+    """Under --smoke (every learner takes the smoke batch), a --budget_s cap or a crash,
+    arms end at different tokens; the note said the first run's tokens were every run's."""
+    notes = {}
+    for name, other in (("quality_equal_tokens", "decoupled_m4"), ("quality_targets", "decoupled")):
+        code = (
+            RESULTS % (name, [])
+            + f"""
+print("unequal:", w.markdown([run("dp", 6144), run("{other}", 24576)]).splitlines()[0])
+print("equal:", w.markdown([run("dp", 6144), run("{other}", 6144)]).splitlines()[0])
+"""
+        )
+        lines = _script(code).splitlines()
+        unequal, equal = (next(x for x in lines if x.startswith(k)) for k in ("unequal:", "equal:"))
+        assert "tokens per run differ between arms (6,144 to 24,576: not equal tokens)" in unequal
+        assert "6,144 tokens per run" not in unequal, name
+        assert "6,144 tokens per run" in equal, name
+        notes[name] = unequal, equal
+    # quality_equal_tokens's claim of a total batch (4 learners at the quick batch: 32) goes
+    # with equal tokens only
+    unequal, equal = notes["quality_equal_tokens"]
+    assert "in total" not in unequal and "6,144 tokens per run, 32 sequences per step" in equal
+
+
+def test_a_diverged_lr_is_never_an_arms_best():
+    """An lr whose loss is nan is not the best of a sweep where another lr is finite, in
+    whichever order --inner_lrs lists them (nan < x is False: met first, it stayed best)."""
+    code = (
+        RESULTS % ("quality_equal_tokens", ["--inner_lrs=0.1,0.003,0.006"])
+        + """
+best = w.best_runs([run("dp@lr0.1", loss=math.nan), run("dp@lr0.003", loss=2.0),
+                    run("dp@lr0.006", loss=1.9), run("decoupled_m4@lr0.1", loss=math.nan),
+                    run("decoupled_m4@lr0.003", loss=math.nan)])
+print("best:", {base: runs[0].arm.name for base, runs in best.items()})
+table = w.best_lr_table([run("dp@lr0.1", loss=math.nan), run("dp@lr0.003", loss=2.0)])
+print("row:", table.splitlines()[-1])
+"""
+    )
+    lines = _script(code).splitlines()
+    best, row = (next(x for x in lines if x.startswith(k)) for k in ("best:", "row:"))
+    # every lr of decoupled_m4 diverged: one of them is still shown (as nan), the arm kept
+    assert best == "best: {'dp': 'dp@lr0.006', 'decoupled_m4': 'decoupled_m4@lr0.1'}"
+    assert row.split("|")[2].strip() == "0.003", row  # the table's "best inner lr" cell
