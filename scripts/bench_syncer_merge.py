@@ -118,6 +118,13 @@ flags.register_validator("ks", lambda v: bool(v) and _numbers(v, int, 1),
 flags.register_validator("reps", lambda v: v is None or v >= 1, "--reps: at least 1")
 flags.register_validator("threads", lambda v: v >= 0, "--threads: >= 0 (0: every core)")
 flags.register_validator("k", lambda v: v >= 1, "--k: offers per merge, at least 1")
+# --part=gil's flags, refused here rather than as a traceback after the first measurements:
+# with no busy thread the "bursts/s kept" column divides by an idle rate of 0.
+flags.register_validator("busy_threads", lambda v: v >= 1, "--busy_threads: at least 1")
+flags.register_validator("chunks", lambda v: bool(v) and _numbers(v, int, 1),
+                         "--chunks: elements per chunk, integers >= 1")  # fmt: skip
+flags.register_validator("switch_ms", lambda v: bool(v) and _numbers(v, float, 0),
+                         "--switch_ms: milliseconds >= 0 (0: Python's default)")  # fmt: skip
 
 
 def fragment_leaves(n: int) -> dict[str, int]:

@@ -37,6 +37,10 @@ def test_script_starts_and_lists_its_flags(name):
         ("bench_accelerator.py", "--max_batch=2", "--max_batch=2 is below the first batch"),
         ("bench_syncer_merge.py", "--sizes=0", "--sizes: Mi-params, each at least"),
         ("bench_syncer_merge.py", "--reps=0", "--reps: at least 1"),
+        # --part=gil: a ZeroDivisionError or ValueError after its first measurements
+        ("bench_syncer_merge.py", "--busy_threads=0", "--busy_threads: at least 1"),
+        ("bench_syncer_merge.py", "--chunks=65536,0", "--chunks: elements per chunk"),
+        ("bench_syncer_merge.py", "--switch_ms=-1", "--switch_ms: milliseconds >= 0"),
     ],
 )
 def test_benchmarks_refuse_bad_flags_before_measuring(script, flag, message):
