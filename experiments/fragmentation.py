@@ -168,10 +168,13 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     out = harness.setup()
-    write_plans(out)
     if flags.FLAGS.plan_only:
+        write_plans(out)
         return
     results = harness.run_arms(arms, out)
+    # (after run_arms: --check_configs runs and writes nothing, here nor in the published
+    # folder, and a typo in --arms or --set leaves no folder)
+    write_plans(out)
     table, plans = markdown(results)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (name, per_step) in enumerate(plans.items()):

@@ -79,3 +79,14 @@ print("row:", table.splitlines()[-1])
     # every lr of decoupled_m4 diverged: one of them is still shown (as nan), the arm kept
     assert best == "best: {'dp': 'dp@lr0.006', 'decoupled_m4': 'decoupled_m4@lr0.1'}"
     assert row.split("|")[2].strip() == "0.003", row  # the table's "best inner lr" cell
+
+
+def test_check_configs_writes_nothing_but_the_configs(tmp_path):
+    """--check_configs runs nothing and writes only <out>/configs.json: fragmentation.py
+    wrote its gemma_2b plans first, so without --out it rewrote the published
+    experiments/results/fragmentation/fragmentation_plan.{md,png}."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "fragmentation.py"), "--check_configs",
+           f"--out={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs.json"]
