@@ -5,11 +5,11 @@ seeds. `run_arms` runs each (arm, seed) in this process, one after the other (ea
 whole machine), into <out>/runs/<arm>_s<seed>/, with a progress line per 10% of a run's steps
 (at most one per 3 s, at least one a minute). A finished run is reused only if its resolved
 config (and wall-clock budget) is the one the current flags would build and the code that
-ran it is today's (a hash of the package's sources and the jax/flax/optax versions):
-experiment.json in the run directory holds both, so --quick results never stand in for full
-ones, an edited arm reruns and so does every run after a code change (--reuse_other_code
-keeps runs made by other code, naming them); --fresh reruns everything. An interrupted
-experiment resumes where it stopped.
+ran it is today's (a hash of the package's sources, the jax/flax/optax versions and Python's,
+whose standard library is the default corpus): experiment.json in the run directory holds
+both, so --quick results never stand in for full ones, an edited arm reruns and so does
+every run after a code change (--reuse_other_code keeps runs made by other code, naming
+them); --fresh reruns everything. An interrupted experiment resumes where it stopped.
 
 Flags every script shares (define_flags); without --quick/--smoke a script runs its full
 mode (200 steps x batch 16 per learner unless it says otherwise, >= 2 seeds):
@@ -230,7 +230,11 @@ def check_configs(arms_fn, out: pathlib.Path, quick: dict, full: dict) -> None:
 @functools.cache
 def code_fingerprint() -> str:
     """16 hex digits of sha256 over the package's Python sources (path and bytes) and the
-    versions of the libraries a run's numbers depend on: what made a run besides its config."""
+    versions of the libraries a run's numbers depend on: what made a run besides its config.
+    Python's own version too: the default corpus (data.source "stdlib") is the running
+    interpreter's standard library, other text under another Python."""
+    import platform
+
     import flax
     import jax
     import optax
@@ -239,6 +243,7 @@ def code_fingerprint() -> str:
 
     root = pathlib.Path(decoupled_diloco.__file__).parent
     versions = f"jax {jax.__version__} flax {flax.__version__} optax {optax.__version__}"
+    versions += f" python {platform.python_version()}"
     h = hashlib.sha256(versions.encode())
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")

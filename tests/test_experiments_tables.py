@@ -90,3 +90,32 @@ def test_check_configs_writes_nothing_but_the_configs(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configs.json"]
+
+
+FINGERPRINT = """
+import pathlib, platform, sys
+sys.path.insert(0, "experiments")
+sys.argv = ["precision.py", "--smoke"]
+import harness, precision
+from absl import flags
+flags.FLAGS(sys.argv)
+rundir = pathlib.Path("%s")
+rundir.mkdir()
+(rundir / "summary.json").write_text("{}")
+stamp = {"hash": "0123456789abcdef", "code": harness.code_fingerprint()}
+(rundir / "experiment.json").write_text(__import__("json").dumps(stamp))
+print("same python:", harness._reusable(rundir, stamp))
+harness.code_fingerprint.cache_clear()
+platform.python_version = lambda: "3.99.0"  # another interpreter: another stdlib corpus
+now = {"hash": stamp["hash"], "code": harness.code_fingerprint()}
+print("other python:", harness._reusable(rundir, now))
+"""
+
+
+def test_a_run_made_under_another_python_is_run_again(tmp_path):
+    """The default corpus (data.source "stdlib") is the running interpreter's standard
+    library: a cached run of the same config and package made under another Python trained
+    on other text, and is not reused as today's."""
+    out = _script(FINGERPRINT % (tmp_path / "run")).splitlines()
+    assert "same python: True" in out and "other python: False" in out, out
+    assert any("cached run was made by other code" in line for line in out), out
