@@ -917,6 +917,42 @@ def test_run_fails_at_once_with_the_error_of_a_syncer_that_cannot_start(
     assert time.monotonic() - start < 100.0  # (the learners' joins would time out at 120 s)
 
 
+def _syncer_always_failing():
+    """A syncer actor class whose serving loop raises at once in every process; defined here
+    so that cloudpickle sends it by value."""
+    from decoupled_diloco.runtime.ray.syncer import SyncerActor
+
+    class AlwaysFailing(SyncerActor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+            def failing_turn(*a, **kw):
+                raise RuntimeError("injected syncer failure")
+
+            self.loop.serve_turn = failing_turn
+
+    return AlwaysFailing
+
+
+def test_run_fails_when_a_syncer_shard_fails_the_same_way_in_every_life(
+    cluster, small_config, tmp_path, monkeypatch
+):
+    """Unlimited restarts (the TPU configs' setting) and a shard raising the same error in
+    every process, merging nothing: after ray.max_same_failures = 2 the run fails with the
+    error, instead of Ray restarting the shard for as long as the learners train apart."""
+    from decoupled_diloco.runtime.ray import runtime as ray_runtime
+
+    monkeypatch.setattr(ray_runtime, "SyncerActor", _syncer_always_failing())
+    over = {"diloco.learners": 2, "diloco.join_timeout": 60.0, "ray.max_restarts": -1,
+            "ray.max_same_failures": 2}  # fmt: skip
+    runtime = RayRuntime(config_lib.validate(_ray_config(small_config, **over)), str(tmp_path))
+    why = r"syncer shard 0 failed 2 times in a row .*max_same_failures=2.*injected syncer failure"
+    with pytest.raises(RuntimeError, match=why):
+        runtime.run()
+    assert len(_events(tmp_path, "syncer_error", shard=0)) == 2
+    assert not _events(tmp_path, "learner_error")  # (no join waited out its timeout)
+
+
 # --- offer validation across the process boundary -------------------------------------------
 @ray.remote(num_cpus=0)
 class _Inbox:

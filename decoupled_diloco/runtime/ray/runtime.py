@@ -22,8 +22,9 @@ transport, over Ray (`links.py`). The driver (this file) only launches, watches 
 A learner whose process dies more than `ray.max_restarts` times is lost (`learner_lost`), one
 that raises the same error `ray.max_same_failures` times in a row is stopped
 (`learner_stopped`, failures.py): the run goes on without it, and fails only when no learner
-is left. A syncer shard whose restarts are exhausted fails the run at once, with its last
-error (its fragments could never merge again). An error no restart can fix
+is left. A syncer shard whose restarts are exhausted, or that raises the same error
+`ray.max_same_failures` times in a row with no merge in between, fails the run at once, with
+its last error (its fragments could never merge again). An error no restart can fix
 (`preflight.FatalRunError`) is reported by the actor's poll and stops the run at once.
 
 Differences from the local runtime, from real process boundaries: rows and records buffered
@@ -105,6 +106,11 @@ class RayRuntime:
         self._traffic: dict[tuple[int, int, str], dict] = {}
         self._traffic_lock = threading.Lock()  # (the attempt's heartbeat reads it)
         self._syncer_errors: dict[int, str] = {}  # shard -> its last `syncer_error`
+        # The learners' stopping rule, for shards: with unlimited restarts (the TPU configs)
+        # a shard raising the same error in every life would restart forever and never
+        # merge. Its "step" is the count of its merges recorded here: one breaks a streak.
+        self._syncer_repeats = failures.RepeatedFailures(rc.max_same_failures)
+        self._syncer_merges: dict[int, int] = {}  # shard -> its merge records so far
         self._started: dict[int, int] = {}  # learner -> the step this attempt started from
         self._died_at: dict[int, int] = {}  # learner -> the last step its dead process reported
         # learner -> the step its current life began (its start, rejoin or member_join; a
@@ -293,11 +299,26 @@ class RayRuntime:
 
     def _syncer_report(self, shard: int, out: dict) -> None:
         """A syncer shard's poll or `finish`: its records since the last, its traffic."""
+        repeated = None  # the message when the shard failed the same way too often
         for rec in out["records"]:
             self.log.record(rec)
-            if rec.get("event") == "syncer_error":
+            merges = self._syncer_merges.get(shard, 0)
+            if rec.get("event") == "merge":
+                self._syncer_merges[shard] = merges + 1
+                self._syncer_repeats.progressed(shard, merges + 1)
+            elif rec.get("event") == "syncer_error":
                 self._syncer_errors[shard] = rec["error"]
+                if self._syncer_repeats.failed(shard, rec["error"], merges):
+                    n = self._syncer_repeats.streaks[shard].count
+                    repeated = (
+                        f"syncer shard {shard} failed {n} times in a row with the same error, "
+                        f"merging nothing in between (ray.max_same_failures="
+                        f"{self._syncer_repeats.limit}); Ray would restart it again and again: "
+                        f"last error: {rec['error']}"
+                    )
         self._note_traffic(shard, out, out["traffic"])
+        if repeated:  # (its records all written first)
+            raise RuntimeError(repeated)
 
     def _stopped(self, wall: float) -> RunInterruptedError:
         """The end of a run a Ctrl-C stopped (learners and syncer shards saved), with this
