@@ -40,7 +40,9 @@ class RayConfig:
     # (a learner whose restarts are exhausted is lost: the run goes on without it)
     max_same_failures: int = 3  # a learner raising the same error (type + message, numbers
     # normalised) this many times in a row, without training past the step of the last one,
-    # is stopped, not restarted (runtime/ray/failures.py); the run goes on without it; 0 = never
+    # is stopped, not restarted (runtime/ray/failures.py); the run goes on without it. A
+    # syncer shard raising the same error this many times in a row with no merge in between
+    # fails the run. 0 = never
     accelerator: str = "cpu"  # "cpu" (fake CPU devices per process) | "tpu" (a slice each)
     num_cpus: int = 0  # CPUs a local cluster advertises; 0 = os.cpu_count()
     temp_dir: str = "/tmp/ray_dd"  # a local cluster's session files (Ray's socket paths are
@@ -508,6 +510,16 @@ def check_before_world(c: ml_collections.ConfigDict, require_packages: bool = Tr
         )
     _check_faults_fit_the_run(fault_spec, diloco_cfg)
     _warn_of_unread_keys(c.runtime, model_over, model_cfg, fault_spec, ray_cfg, local_syncer)
+    crashes = len(fault_spec.syncer_crashes)
+    if c.runtime == "ray" and 0 <= ray_cfg.max_restarts < crashes:
+        # Each scheduled syncer crash kills every shard's process (runtime/ray/runtime.py),
+        # using one of its restarts; a shard out of restarts fails the run.
+        raise ValueError(
+            f"faults.syncer_crashes schedules {crashes} syncer crash(es), but "
+            f"ray.max_restarts={ray_cfg.max_restarts} lets a syncer shard's process restart "
+            f"only that often: crash {ray_cfg.max_restarts + 1} would end the run; raise "
+            "ray.max_restarts (-1 = unlimited)"
+        )
     if c.runtime == "ray" and fault_spec.unit == "steps" and fault_spec.membership:
         raise ValueError(
             'faults.membership with faults.unit="steps" needs the local runtime: a Ray '

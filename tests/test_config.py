@@ -154,6 +154,21 @@ def test_a_syncer_outage_within_the_join_timeout_is_accepted(small_config):
     assert config_lib.validate(c).faults.syncer_restart_delay_s == 900.0
 
 
+def test_a_ray_run_with_more_syncer_crashes_than_restarts_is_refused(small_config):
+    """Each scheduled syncer crash costs every Ray syncer shard one restart, and a shard out
+    of restarts fails the run: refused at start-up, not at crash max_restarts + 1."""
+    base = {"diloco.learners": 2, "diloco.sync_every": 4, "runtime": "ray",
+            "faults.syncer_crashes": [5.0, 9.0]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"2 syncer crash\(es\), but ray\.max_restarts=1"):
+        config_lib.validate(small_config(**base, **{"ray.max_restarts": 1}))
+    for restarts in (2, -1):  # enough, and unlimited
+        c = small_config(**base, **{"ray.max_restarts": restarts})
+        assert config_lib.validate(c, require_packages=False).ray.max_restarts == restarts
+    # The local runtime restarts its syncer without Ray: max_restarts is not read there.
+    local = small_config(**{**base, "runtime": "local"})
+    assert len(config_lib.validate(local).faults.syncer_crashes) == 2
+
+
 def test_a_ray_run_without_ray_says_how_to_install_it(small_config, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
