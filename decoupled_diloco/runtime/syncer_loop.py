@@ -33,6 +33,7 @@ from decoupled_diloco.diloco.offer_checks import RunBounds
 from decoupled_diloco.diloco.syncer import Syncer, snapshot_bytes
 from decoupled_diloco.diloco.transport import SyncerLink
 from decoupled_diloco.fragment_checkpoint import FragmentCheckpointer
+from decoupled_diloco.runtime.links import CLOSE_TIMEOUT_S, join_thread
 
 POLL_S = 0.02  # seconds: longest block on the inbox, and the poll while down
 
@@ -85,6 +86,7 @@ class SyncerLoop:
         self._saver: threading.Thread | None = None  # the checkpoint being written, if any
         self._saver_error: BaseException | None = None
         self._save_times: list[float] = []  # seconds of the last two saves holding merges
+        self._abandoned = False  # the loop failed: no save commits any more
         # Bytes the ended lives of this loop's syncer received and sent (a life's count dies
         # with it; the checkpoint does not keep it: the traffic after the save happened too).
         self._past_traffic = {"bytes_in": 0, "bytes_out": 0}
@@ -94,6 +96,17 @@ class SyncerLoop:
     # --- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """Serves until `stop`, then merges what is pending and saves a final checkpoint."""
+        try:
+            self._serve(stop)
+        except BaseException:
+            # A failed syncer is a dead one: the save it was writing is never committed, and
+            # its thread ends before the failure is raised. Left writing, it went on past
+            # the failed run (whose runtime closes the checkpointer next, and whose workdir
+            # lock is then released) and committed a checkpoint into it afterwards.
+            self._abandon_save()
+            raise
+
+    def _serve(self, stop: threading.Event) -> None:
         if self.restarted:  # a restarted process: wait out the outage, then announce
             while not self.schedule.syncer_up(self.clock()) and not stop.is_set():
                 time.sleep(POLL_S)
@@ -267,6 +280,14 @@ class SyncerLoop:
         self._saver.start()
         return True
 
+    def _abandon_save(self) -> None:
+        """Makes the checkpoint being written give up at its next fragment, uncommitted,
+        and waits (a bounded time) for its thread; what made it fail, if anything, goes
+        with it (the caller raises its own failure)."""
+        self._abandoned = True
+        join_thread(self._saver, CLOSE_TIMEOUT_S, f"syncer{self.shard}-checkpoint")
+        self._saver, self._saver_error = None, None
+
     def wait_for_save(self) -> None:
         """Waits for the checkpoint being written; re-raises what made it fail (a syncer
         whose checkpoints fail must fail, as one whose merges fail)."""
@@ -308,8 +329,8 @@ class SyncerLoop:
         entries, versions = {}, {}
         for p in life.owned:
             with self.lock:
-                if self.syncer is not life:  # this life died: its save is never committed
-                    return False
+                if self.syncer is not life or self._abandoned:  # this life died: its save
+                    return False  # is never committed
                 arrays, info = syncer_state.fragment_part(life, p)
             entries[p] = self.ckpt.write_fragment(n, p, arrays, info)
             del arrays  # before the next fragment's copy: one fragment at a time
@@ -319,8 +340,8 @@ class SyncerLoop:
         if self.before_commit is not None and not self.before_commit():
             return False
         with self.lock:  # the registry as it is now: a learner that left finished while
-            if self.syncer is not life:  # the fragments were written never sends it again
-                return False
+            if self.syncer is not life or self._abandoned:  # the fragments were written
+                return False  # never sends it again
             meta["learners"], registry = syncer_state.registry_meta(life), _registry_key(life)
         self.ckpt.commit(n, entries, meta)
         self._saved_key = tuple(sorted(versions.items())), registry
