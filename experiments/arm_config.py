@@ -126,6 +126,17 @@ def set_key(c, key: str, value) -> None:
     node[last] = value
 
 
+# The keys `_finish` sets for every arm and seed, with where to set them instead: an override
+# of one (--set) would be replaced without a word, while the table's note still named it.
+SET_PER_RUN = {
+    "name": "each run is named <arm>_s<seed>",
+    "seed": "give the seeds with --seeds",
+    "data.seed": "give the seeds with --seeds",
+    "faults.seed": "give the seeds with --seeds (the arms of a seed share its faults)",
+    "train.eval_batches": "every arm is scored on the same EVAL_SEQUENCES of its mode",
+}
+
+
 def _finish(c, name: str, seed: int, eval_sequences: int) -> None:
     """Seeds, eval set size, and the rules every arm shares."""
     c.name = name

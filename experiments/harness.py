@@ -52,7 +52,15 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import outputs  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
-from arm_config import FULL, QUICK, SMOKE, Arm, build_config, for_cpu_validation  # noqa: E402
+from arm_config import (  # noqa: E402
+    FULL,
+    QUICK,
+    SET_PER_RUN,
+    SMOKE,
+    Arm,
+    build_config,
+    for_cpu_validation,
+)
 from outputs import results_dir  # noqa: E402
 from tables import (  # noqa: E402
     Result,
@@ -145,6 +153,8 @@ def extra_overrides() -> dict:
         key, sep, text = item.partition("=")
         if not sep:
             raise app.UsageError(f"--set={item!r}: expected key=value")
+        if key in SET_PER_RUN:
+            raise app.UsageError(f"--set={item!r}: {key} is set for each run ({SET_PER_RUN[key]})")
         try:
             out[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):

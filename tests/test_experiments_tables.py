@@ -1,5 +1,6 @@
-"""What the quality scripts' tables claim (experiments/quality_equal_tokens.py,
-quality_targets.py): the tokens every run saw, and which swept lr is an arm's best."""
+"""What the experiments' tables claim and what their runs were made from: the tokens every
+run saw and which swept lr is an arm's best (quality_equal_tokens.py, quality_targets.py),
+what --check_configs writes, which cached runs are reused, which --set overrides are kept."""
 
 import pathlib
 import subprocess
@@ -119,3 +120,32 @@ def test_a_run_made_under_another_python_is_run_again(tmp_path):
     out = _script(FINGERPRINT % (tmp_path / "run")).splitlines()
     assert "same python: True" in out and "other python: False" in out, out
     assert any("cached run was made by other code" in line for line in out), out
+
+
+SET_PER_RUN = """
+import sys
+sys.path.insert(0, "experiments")
+sys.argv = ["precision.py", "--smoke", *%r]
+import harness, precision
+from absl import app, flags
+flags.FLAGS(sys.argv)
+try:
+    print("overrides:", harness.extra_overrides())
+except app.UsageError as e:
+    print("usage error:", e)
+"""
+
+
+def test_an_override_of_what_each_run_sets_is_refused():
+    """arm_config._finish sets each run's name, seeds and eval set after the overrides:
+    --set=seed=5 was replaced by the run's seed without a word, while the table's note
+    (mode_note) still listed "--set seed=5"."""
+    for item, why in (("seed=5", "give the seeds with --seeds"),
+                      ("faults.seed=5", "give the seeds with --seeds"),
+                      ("train.eval_batches=2", "the same EVAL_SEQUENCES")):  # fmt: skip
+        out = _script(SET_PER_RUN % ([f"--set={item}"],)).splitlines()[-1]
+        key = item.partition("=")[0]
+        assert out.startswith(f"usage error: --set={item!r}: {key} is set for each run"), out
+        assert why in out, out
+    kept = _script(SET_PER_RUN % (["--set=train.learning_rate=0.002"],)).splitlines()[-1]
+    assert kept == "overrides: {'train.learning_rate': 0.002}"
