@@ -26,7 +26,7 @@ from decoupled_diloco import cli  # noqa: E402  (imports no JAX)
 cli.xla_flags()  # before JAX starts: 8 fake CPU devices, no CUDA graphs
 
 import ray  # noqa: E402
-from absl import flags, logging  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
 from decoupled_diloco import seeds  # noqa: E402
@@ -128,6 +128,15 @@ class Sampler:
         self._stop.set()
         self._thread.join()
         inside = [(t, c) for t, c in self.samples if all(skip <= s < steps for s, _ in c.values())]
+        # A window shorter than two samples (a fast machine, few --steps), or one in which a
+        # learner made no step, has no rate: said so, not an IndexError or a division by 0.
+        first, last = (inside[0][1], inside[-1][1]) if inside else ({}, {})
+        if len(inside) < 2 or any(last[m][0] == step for m, (step, _) in first.items()):
+            raise RuntimeError(
+                f"{len(inside)} samples (every {self._period:g} s) while every learner was "
+                f"within steps [{skip}, {steps}), with a step made by each between the first "
+                "and last: too short a window to measure; give more --steps"
+            )
         (t0, a), (t1, b) = inside[0], inside[-1]
         rate = statistics.mean((b[m][0] - a[m][0]) / (t1 - t0) for m in a)
         cpu = statistics.mean((b[m][1] - a[m][1]) / (b[m][0] - a[m][0]) for m in a)
@@ -203,6 +212,8 @@ def main(argv) -> None:
     steps = _STEPS.value or (40 if quick else 80)
     skip = _SKIP.value or (8 if quick else 10)
     repeats = _REPEATS.value or (1 if quick else 2)
+    if skip + 5 > steps:  # (as bench_learner_overhead: a window of a few steps at least)
+        raise app.UsageError(f"--steps ({steps}) must exceed --skip ({skip}) by at least 5")
     from decoupled_diloco import compile_cache
 
     compile_cache.enable()

@@ -37,6 +37,8 @@ def test_script_starts_and_lists_its_flags(name):
         ("bench_accelerator.py", "--max_batch=2", "--max_batch=2 is below the first batch"),
         ("bench_syncer_merge.py", "--sizes=0", "--sizes: Mi-params, each at least"),
         ("bench_syncer_merge.py", "--reps=0", "--reps: at least 1"),
+        # an IndexError once both arms had run: no sample in a window of 2 steps
+        ("bench_ray_overhead.py", "--steps=10", "--steps (10) must exceed --skip (8) by at"),
         # --part=gil: a ZeroDivisionError or ValueError after its first measurements
         ("bench_syncer_merge.py", "--busy_threads=0", "--busy_threads: at least 1"),
         ("bench_syncer_merge.py", "--chunks=65536,0", "--chunks: elements per chunk"),
@@ -280,3 +282,38 @@ def test_trace_summary_reads_device_busy_and_thread_roles(tmp_path):
     proc = subprocess.run(cmd[:2] + [str(tmp_path / "nothing")], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "no *.trace.json.gz" in proc.stderr, proc.stderr
+
+
+RAY_SAMPLER = """
+import os, sys, time
+sys.path.insert(0, "scripts")
+import bench_ray_overhead as b
+pid = os.getpid()
+for label, steps in (("one sample", [0, 5, 9, 40]), ("no step", [0, 9, 9, 9, 40]),
+                     ("measured", [0, 9, 20, 30, 40])):
+    seen = iter(steps)
+    def probe():  # both learners at the same step, in the same process (its CPU seconds)
+        step = next(seen, 40)
+        return {0: (pid, step), 1: (pid, step)}
+    sampler = b.Sampler(probe, period=0.02)
+    time.sleep(0.3)
+    try:
+        print(label, "rate", sampler.result(8, 40)[0] > 0)
+    except RuntimeError as e:
+        print(label, "error", e)
+"""
+
+
+def test_ray_overhead_names_a_window_too_short_to_measure():
+    """bench_ray_overhead's steps/s come from the samples taken while every learner is within
+    [--skip, --steps): with fewer than two of them (a fast machine, few steps) it failed
+    after both arms ran, with an IndexError or a ZeroDivisionError, and with learners that
+    made no step between them, CPU seconds per step divided by 0."""
+    proc = subprocess.run([sys.executable, "-c", RAY_SAMPLER], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, none, measured = proc.stdout.splitlines()[-3:]
+    assert one.startswith("one sample error 1 samples (every 0.02 s)"), one
+    assert "too short a window to measure; give more --steps" in one
+    assert none.startswith("no step error 3 samples"), none
+    assert measured == "measured rate True", measured
