@@ -4,9 +4,12 @@ two processes, the same run as with a syncer thread, a dead syncer process fails
 import collections
 import contextlib
 import dataclasses
+import errno
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from multiprocessing import shared_memory
@@ -121,6 +124,66 @@ def test_without_room_in_shared_memory_a_message_goes_whole_through_the_pipe(ech
     _assert_same(payload, back)
     assert w.inline_fallbacks == 1 and w.bytes_sent == 0 and not w._lent and not w._free
     assert w.bytes_received > 0  # the child had room: its echo came through shared memory
+
+
+def test_a_segment_the_file_system_cannot_back_is_never_written(echo, monkeypatch):
+    """The free-space check passed, but another sender took the room before this one wrote
+    (two shards' forwarders, a syncer process's replies): the new segment's pages cannot be
+    reserved, and the message goes whole through the pipe instead of writing past the end
+    of /dev/shm, which killed the process with SIGBUS."""
+    w, child = echo
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wire_lib.os, "posix_fallocate", no_room, raising=False)
+    ns = wire_lib._pid_namespace()
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(f"ddw_{ns}_{os.getpid()}_")}
+    payload = _payload(np.random.default_rng(3))
+    w.send("x", payload, i=0)
+    _, _, back = w.recv(timeout=60)
+    _assert_same(payload, back)
+    assert w.inline_fallbacks == 1 and w.bytes_sent == 0 and not w._lent and not w._free
+    after = {n for n in os.listdir("/dev/shm") if n.startswith(f"ddw_{ns}_{os.getpid()}_")}
+    assert after <= before  # the segment it could not back is gone
+
+
+_RACE = """
+import multiprocessing, threading, numpy as np
+from decoupled_diloco.runtime import wire as wire_lib
+pipes = [multiprocessing.Pipe(duplex=True) for _ in range(2)]
+senders, receivers = [wire_lib.Wire(a) for a, _ in pipes], [wire_lib.Wire(b) for _, b in pipes]
+msg = {"theta": np.ones(22 << 18, np.float32)}  # 22 MB each, 40 MB of /dev/shm
+segment, both = wire_lib.Wire._segment, threading.Barrier(2)
+def together(self, n):  # both have their segment before either writes into it
+    seg = segment(self, n)
+    both.wait(30)
+    return seg
+wire_lib.Wire._segment = together
+threads = [threading.Thread(target=w.send, args=("x", msg)) for w in senders]
+[t.start() for t in threads]
+got = [r.recv(30)[2]["theta"] for r in receivers]
+[t.join() for t in threads]
+assert all(np.array_equal(g, msg["theta"]) for g in got)
+print("inline", sorted(w.inline_fallbacks for w in senders))
+"""
+
+
+def test_two_senders_that_passed_the_free_space_check_together_do_not_die(tmp_path):
+    """The race itself, in a private mount namespace whose /dev/shm is a 40 MB tmpfs (needs
+    unshare and the right to mount: skipped elsewhere)."""
+    script = tmp_path / "race.py"
+    script.write_text(_RACE)
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs -o size=40m tmpfs /dev/shm"],
+                           capture_output=True, check=False)  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"no private /dev/shm here: {probe.stderr.decode().strip()}")
+    cmd = f"mount -t tmpfs -o size=40m tmpfs /dev/shm && exec {sys.executable} {script}"
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", cmd],
+                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # SIGBUS: -7 / 135
+    assert "inline [0, 1]" in out.stdout  # one went through shared memory, one whole
 
 
 def test_a_dead_peer_is_an_error_not_a_hang(echo):

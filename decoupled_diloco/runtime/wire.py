@@ -27,6 +27,7 @@ receive on one thread and send on another cannot wait on each other.
 
 import collections
 import contextlib
+import errno
 import io
 import math
 import os
@@ -107,6 +108,22 @@ def _shm_free_bytes() -> float:
     except OSError:
         return math.inf
     return st.f_bavail * st.f_frsize
+
+
+def _reserve(seg: shared_memory.SharedMemory) -> bool:
+    """Backs a new segment's pages now; False when the file system has no room for them.
+    The free-space check before it is no reservation: senders that pass it together (the
+    shards' forwarders, a syncer process's replies) wrote more than there was, and the
+    first write past the end killed the process with SIGBUS. (Where the platform cannot
+    reserve, the check alone stands, as before.)"""
+    fallocate, fd = getattr(os, "posix_fallocate", None), getattr(seg, "_fd", -1)
+    if fallocate is None or fd < 0:
+        return True
+    try:
+        fallocate(fd, 0, seg.size)
+    except OSError as e:
+        return e.errno != errno.ENOSPC  # (a file system without fallocate: unreserved)
+    return True
 
 
 def _round_up(n: int, to: int) -> int:
@@ -199,10 +216,15 @@ class Wire:
             if fits:  # the smallest idle one that fits
                 seg = min(fits, key=lambda s: s.size)
                 self._free.remove(seg)
-            else:
-                if _shm_free_bytes() < size + _SHM_HEADROOM:
-                    return None
-                seg = shared_memory.SharedMemory(_segment_name(), create=True, size=size)
+                self._lent[seg.name] = seg
+                return seg
+        if _shm_free_bytes() < size + _SHM_HEADROOM:
+            return None
+        seg = shared_memory.SharedMemory(_segment_name(), create=True, size=size)
+        if not _reserve(seg):
+            _release(seg, unlink=True)
+            return None
+        with self._pool_lock:
             self._lent[seg.name] = seg
         return seg
 
