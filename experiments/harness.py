@@ -25,7 +25,7 @@ mode (200 steps x batch 16 per learner unless it says otherwise, >= 2 seeds):
                 wired, but cannot run on this machine; needs a checkpoint folder every VM
                 reaches: --set=ray.checkpoint_dir=gs://BUCKET/ckpt (<experiment>/<run> below)
   --arms        run only these arms;  --set=key=value  an extra override for every arm
-  --budget_s    wall-clock cap per run (0: the script's default, if any)
+  --budget_s    wall-clock cap per run (0: the script's default, if any); local runs only
   --check_configs  build and validate every arm's config in every mode and scale (writes
                 <out>/configs.json), run nothing
 Config building (lengths per mode, equal eval sets, TPU scaling) lives in arm_config.py.
@@ -360,6 +360,18 @@ def _run_local(run, rundir: pathlib.Path, label: str, budget_s: float) -> dict:
         thread.join()
 
 
+def check_budget(arm: str, runtime: str, budget: float) -> None:
+    """A usage error where a wall-clock cap would not stop the arm's runs: only the local
+    runtime's (`_run_local`) is watched; a Ray run ran to its step budget while the others
+    stopped at the cap, and the tables said every run had it."""
+    if budget and runtime != "local":
+        cap = f"--budget_s={budget:g}" if flags.FLAGS.budget_s else f"the script's {budget:g} s"
+        raise app.UsageError(
+            f"arm {arm}: a wall-clock cap ({cap}) stops runs of the local runtime only; "
+            f"this arm runs on {runtime!r}"
+        )
+
+
 def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
              budget_s: dict | None = None) -> list[Result]:  # fmt: skip
     """Runs every (arm, seed) not already done; `arms` is a list or a function returning one
@@ -375,15 +387,16 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
     if FLAGS.budget_s < 0:
         raise app.UsageError(f"--budget_s={FLAGS.budget_s:g}: a cap in seconds, >= 0 (0: none)")
     parse_seeds(FLAGS.seeds)  # even where --smoke or --quick run seed 0 alone
+    budget = FLAGS.budget_s or (budget_s or {}).get(mode(), 0.0)
     arms = selected(arms_fn())
     for arm in arms:  # fail fast: a typo in the last arm must not cost the first hour
         try:
-            config_lib.validate(config_for(arm, seeds()[0], quick, full))
+            run = config_lib.validate(config_for(arm, seeds()[0], quick, full))
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # (--set, --scale)
             raise app.UsageError(f"arm {arm.name}: {e}") from e
+        check_budget(arm.name, run.runtime, budget)
     if FLAGS.smoke and not FLAGS.arms and len(arms) > 2:
         arms = [arms[0], arms[-1]]
-    budget = FLAGS.budget_s or (budget_s or {}).get(mode(), 0.0)
     todo = [(a, s) for s in seeds() for a in arms]
     print(f"{len(todo)} runs: {len(arms)} arms x seeds {seeds()}, {mode_note()}", flush=True)
     (out / "runs").mkdir(parents=True, exist_ok=True)

@@ -149,3 +149,40 @@ def test_an_override_of_what_each_run_sets_is_refused():
         assert why in out, out
     kept = _script(SET_PER_RUN % (["--set=train.learning_rate=0.002"],)).splitlines()[-1]
     assert kept == "overrides: {'train.learning_rate': 0.002}"
+
+
+BUDGET = """
+import sys
+sys.path.insert(0, "experiments")
+sys.argv = ["%s.py", "--smoke", "--set=runtime=ray", "--out=%s", *%r]
+script = __import__(sys.argv[0][:-3])
+import harness
+from absl import app, flags
+from decoupled_diloco.runtime import launch
+flags.FLAGS(sys.argv)
+def launched(run, workdir, verbose=True):  # stands for a Ray run (which no cap stops)
+    print(f"launched on {run.runtime}", flush=True)
+    raise SystemExit(0)
+launch.run = launched
+try:
+    harness.run_arms(script.arms, harness.out_dir(), budget_s=getattr(script, "BUDGET_S", None))
+except app.UsageError as e:
+    print("usage error:", e)
+"""
+
+
+def test_a_wall_clock_cap_is_refused_where_it_would_not_stop_the_runs(tmp_path):
+    """Only local runs are watched for --budget_s (or a script's own cap): a Ray run went on
+    to its step budget while local arms stopped at the cap, the table saying all had it."""
+    out = tmp_path / "out"
+    capped = _script(BUDGET % ("quorum_grace", out, ["--arms=K4", "--budget_s=5"]))
+    assert capped.splitlines()[-1] == (
+        "usage error: arm K4: a wall-clock cap (--budget_s=5) stops runs of the local runtime "
+        "only; this arm runs on 'ray'"
+    )
+    assert not out.exists()
+    default = _script(BUDGET % ("goodput_failures", out, ["--arms=decoupled"]))
+    assert "(the script's 60 s)" in default.splitlines()[-1], default
+    # without a cap, a Ray arm runs
+    free = _script(BUDGET % ("quorum_grace", out, ["--arms=K4"]))
+    assert free.splitlines()[-1] == "launched on ray", free
