@@ -177,7 +177,9 @@ def config_for(arm: Arm, seed: int, quick: dict, full: dict):
     FLAGS, m = flags.FLAGS, mode()
     length = {"smoke": SMOKE, "quick": quick, "full": full}[m]
     c = build_config(arm, seed, FLAGS.scale, m, length, extra_overrides())
-    if FLAGS.scale == "tpu" and c.ray.checkpoint_dir:  # one folder per experiment and run
+    # One folder per experiment and run (a Ray run's learners and syncer save there; that
+    # folder is removed with the run's when it is run again: `_fresh_checkpoints`).
+    if (FLAGS.scale == "tpu" or c.runtime == "ray") and c.ray.checkpoint_dir:
         root = c.ray.checkpoint_dir.rstrip("/")
         c.ray.checkpoint_dir = f"{root}/{out_dir().name}/{c.name}"
     return c
@@ -360,6 +362,20 @@ def _run_local(run, rundir: pathlib.Path, label: str, budget_s: float) -> dict:
         thread.join()
 
 
+def _fresh_checkpoints(run) -> None:
+    """Removes the checkpoints a Ray run keeps outside its run directory (ray.checkpoint_dir,
+    one per run: `config_for`) before the run is run again, as the run directory is: left
+    there, the launch found a run that trained but no run_config.json beside it and refused
+    to start (an interrupted run, an edited arm, --fresh, a code change)."""
+    from etils import epath
+
+    if run.runtime == "ray" and run.ray.checkpoint_dir:
+        folder = epath.Path(run.ray.checkpoint_dir)
+        if folder.exists():
+            print(f"    removing the earlier attempt's checkpoints in {folder}", flush=True)
+            folder.rmtree()
+
+
 def check_budget(arm: str, runtime: str, budget: float) -> None:
     """A usage error where a wall-clock cap would not stop the arm's runs: only the local
     runtime's (`_run_local`) is watched; a Ray run ran to its step budget while the others
@@ -410,6 +426,7 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
             if rundir.exists():
                 shutil.rmtree(rundir)  # a partial run would resume from its checkpoints
             run = config_lib.validate(c)
+            _fresh_checkpoints(run)
             print(f"  {arm.name} seed {seed}: {run.train.steps} steps x {run.num_learners} "
                   f"learner(s) x batch {run.train.batch_size}", flush=True)  # fmt: skip
             if run.runtime == "local":

@@ -186,3 +186,40 @@ def test_a_wall_clock_cap_is_refused_where_it_would_not_stop_the_runs(tmp_path):
     # without a cap, a Ray arm runs
     free = _script(BUDGET % ("quorum_grace", out, ["--arms=K4"]))
     assert free.splitlines()[-1] == "launched on ray", free
+
+
+RAY_CHECKPOINTS = """
+import pathlib, sys
+sys.path.insert(0, "experiments")
+root, out = pathlib.Path("%s"), pathlib.Path("%s")
+sys.argv = ["quorum_grace.py", "--smoke", "--arms=K4", "--set=runtime=ray",
+            f"--set=ray.checkpoint_dir={root}", f"--out={out}"]
+import harness, quorum_grace as q
+from absl import flags
+from decoupled_diloco.runtime import launch, workdir as workdir_lib
+flags.FLAGS(sys.argv)
+stale = root / "out" / "K4_s0" / "learner_0" / "12"  # an earlier attempt's checkpoint
+stale.mkdir(parents=True)
+(stale / "params").write_text("saved")
+def launched(run, workdir, verbose=True):  # launch.run's own check, then no Ray run
+    print("checkpoints of", run.ray.checkpoint_dir.removeprefix(str(root)), flush=True)
+    try:
+        workdir_lib.check_resume(workdir, run, False, False)
+        print("launched", flush=True)
+    except ValueError as e:
+        print("refused:", e, flush=True)
+    raise SystemExit(0)
+launch.run = launched
+harness.run_arms(q.arms, harness.out_dir())
+"""
+
+
+def test_a_ray_run_run_again_starts_without_its_earlier_checkpoints(tmp_path):
+    """A Ray run saves under ray.checkpoint_dir, outside its run directory: a run run again
+    (interrupted, an edited arm, --fresh, a code change) had its run directory removed but
+    not those checkpoints, and its launch refused a run that trained without its
+    run_config.json. Each run has its own folder there (<experiment>/<run>), removed too."""
+    lines = _script(RAY_CHECKPOINTS % (tmp_path / "ckpt", tmp_path / "out")).splitlines()
+    assert "checkpoints of /out/K4_s0" in lines, lines
+    assert lines[-1] == "launched", lines
+    assert not (tmp_path / "ckpt" / "out" / "K4_s0").exists()
