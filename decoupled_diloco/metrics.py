@@ -13,11 +13,22 @@ from decoupled_diloco import paths
 
 
 def _clean(x):
+    """`x` as strict JSON data: a non-finite float as its str ("nan", "inf", "-inf", which
+    report.number reads back), at any depth and inside arrays too (json.dumps would write
+    the NaN and Infinity no JSON parser but Python's accepts)."""
+    if hasattr(x, "tolist"):  # numpy and jax arrays and scalars (a np.float32 is no float)
+        x = x.tolist()
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
-    if hasattr(x, "tolist"):
-        return x.tolist()
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
     return x
+
+
+def _dumps(record: dict, **kwargs) -> str:
+    return json.dumps(_clean(record), allow_nan=False, **kwargs)
 
 
 def parse_jsonl(text: str, name: str) -> list[dict]:
@@ -72,7 +83,7 @@ class JsonlWriter:
                 self._file.replace_content(content[:end])
 
     def write(self, record: dict) -> None:
-        line = json.dumps({k: _clean(v) for k, v in record.items()})
+        line = _dumps(record)
         with self._lock:
             self._file.append((line + "\n").encode())
 
@@ -82,7 +93,7 @@ class JsonlWriter:
         with self._lock:
             records = parse_jsonl(self._file.content().decode(), self._name)
             kept = [r for r in records if keep(r)]
-            self._file.replace_content("".join(json.dumps(r) + "\n" for r in kept).encode())
+            self._file.replace_content("".join(_dumps(r) + "\n" for r in kept).encode())
         return len(records) - len(kept)
 
     def count(self) -> int:
@@ -96,7 +107,7 @@ class JsonlWriter:
 
 
 def write_json(path: str, obj: dict) -> None:
-    text = json.dumps({k: _clean(v) for k, v in obj.items()}, indent=2, sort_keys=True)
+    text = _dumps(obj, indent=2, sort_keys=True)
     paths.write_atomic(path, text)
 
 
