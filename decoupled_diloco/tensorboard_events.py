@@ -79,6 +79,15 @@ def _field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
+def _float32(value: float) -> bytes:
+    """`value` as a little-endian float32; one past float32's range is inf of its sign, as a
+    float32 cast gives (struct raised OverflowError, which stopped the thread writing)."""
+    try:
+        return struct.pack("<f", value)
+    except OverflowError:
+        return struct.pack("<f", math.copysign(math.inf, value))
+
+
 def event(
     wall_time: float,
     step: int = 0,
@@ -96,7 +105,7 @@ def event(
         out += _field(7, b"\x08\x01")  # session_log {status: START}
     if scalars:
         values = b"".join(
-            _field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", value))
+            _field(1, _field(1, tag.encode()) + b"\x15" + _float32(value))
             for tag, value in scalars.items()
         )
         out += _field(5, values)

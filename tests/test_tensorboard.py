@@ -51,6 +51,24 @@ def test_tensorboard_itself_reads_the_files(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("eval_loss")] == [(3, 0.25)]
 
 
+def test_a_value_past_float32_is_its_signed_inf_and_the_file_goes_on(tmp_path):
+    """TensorBoard's scalars are float32: a row's float64 field past that range (1e300)
+    raised OverflowError in the thread writing the row, and the row was lost with it."""
+    from tensorboard.backend.event_processing import event_accumulator as accumulator
+
+    w = tbe.RunWriter(tmp_path)
+    w.row({"learner": 0, "step": 1, "ppl": 1e300, "low": -1e300, "top": 3.4028234663852886e38})
+    w.row({"learner": 0, "step": 2, "ppl": 5.0, "low": -1.0, "top": 1.0})
+    w.close()
+    acc = accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "learner_0")).Reload()
+    got = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in ("ppl", "low", "top")}
+    assert got == {
+        "ppl": [(1, math.inf), (2, 5.0)],
+        "low": [(1, -math.inf), (2, -1.0)],
+        "top": [(1, np.float32(3.4028234663852886e38)), (2, 1.0)],  # the largest float32 stays
+    }
+
+
 def test_the_steps_a_resume_redoes_are_drawn_once(tmp_path):
     """A resumed run (a new process, new files) logs again the steps past its checkpoints,
     and a restarted Ray learner process those past its restore: TensorBoard drew both
