@@ -181,8 +181,12 @@ def validate_fault_spec(
         _fail("speed_factors", f"must all be >= 1 (slowdowns: a learner runs at its "
               f"device's pace or slower; scale them so the fastest is 1), got "
               f"{spec.speed_factors}")  # fmt: skip
-    if any(not x >= 0 for x in spec.link_latency_s + spec.link_bandwidth_bps):
-        _fail("link_latency_s", "and faults.link_bandwidth_bps values must be >= 0")
+    # Each on its own: the error names the one at fault, and a list and a tuple (a spec built
+    # in Python) cannot be concatenated.
+    for field in ("link_latency_s", "link_bandwidth_bps"):
+        negative = [x for x in getattr(spec, field) if not x >= 0]
+        if negative:
+            _fail(field, f"values must be >= 0, got {negative[0]}")
     for entry in spec.membership:
         learner_ok(entry[0], "membership")
         if not 0 <= entry[1] < entry[2]:

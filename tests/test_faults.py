@@ -206,7 +206,14 @@ def test_fault_spec_from_dict_round_trip_and_unknown_key():
         ({"speed_factors": (0.25, 1.0)}, r"faults.speed_factors must all be >= 1"),
         ({"speed_noise": -0.1}, "faults.speed_noise"),
         ({"link_latency_s": (0.1, 0.1, 0.1)}, "faults.link_latency_s"),
-        ({"link_bandwidth_bps": (-1.0, 1.0)}, "faults.link_bandwidth_bps"),
+        # the field at fault first (the two were named together, latency first), and a list
+        # beside a tuple (a spec built in Python) was a TypeError
+        ({"link_bandwidth_bps": (-1.0, 1.0)}, "^faults.link_bandwidth_bps values must be >= 0"),
+        (
+            {"link_latency_s": [0.1, 0.2], "link_bandwidth_bps": (1e6, -1.0)},
+            "^faults.link_bandwidth_bps values must be >= 0, got -1.0",
+        ),
+        ({"link_latency_s": [0.1, -0.2]}, "^faults.link_latency_s values must be >= 0, got -0.2"),
         ({"membership": ((0, 5.0, 5.0),)}, "faults.membership"),
         ({"membership": ((9, 0.0, 5.0),)}, "faults.membership"),
         ({"syncer_crashes": (-1.0,)}, "faults.syncer_crashes"),
@@ -245,6 +252,16 @@ def test_fault_spec_from_dict_round_trip_and_unknown_key():
 def test_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         validate_fault_spec(FaultSpec(**kwargs), 2)
+
+
+def test_link_lists_may_be_python_lists():
+    """A spec built in Python may hold lists where a config holds tuples: the check of the
+    link values added the two fields together, a TypeError for a list beside a tuple."""
+    spec = FaultSpec(link_latency_s=[0.5, 0.0], link_bandwidth_bps=(8e3, 0.0))
+    validate_fault_spec(spec, 2)
+    sched = FaultSchedule(spec, 2, 100.0)
+    assert sched.transfer_seconds(0, 1000) == pytest.approx(0.5 + 1.0)
+    assert sched.transfer_seconds(1, 1000) == 0.0
 
 
 def test_a_membership_window_may_stay_open():
