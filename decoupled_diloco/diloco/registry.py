@@ -99,9 +99,14 @@ class Registry:
         if reason:
             return reason
         info = self.touch(m, now)
+        # A new life reports its own steps: a restarted process resumes its last checkpoint,
+        # steps behind where its previous life got. Kept at that life's highest step, its
+        # offers stood for slots it had not reached (rounds.offer_slot) and were late in
+        # rounds its own next offers should have paced.
+        new_life = known is None or incarnation != known.incarnation
+        info.step = int(step) if new_life else max(info.step, int(step))
         info.incarnation, info.joined, info.finished = incarnation, True, False
         info.confirmed, info.counted, info.joined_at = True, bool(counted), int(joined_at)
-        info.step = max(info.step, int(step))
         info.tokens_per_step = int(tokens_per_step) or info.tokens_per_step
         return None
 

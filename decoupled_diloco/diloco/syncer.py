@@ -81,7 +81,8 @@ class Syncer:
         # fragment -> learner -> (incarnation, step, version) of its latest merged offer
         self.merged_into: dict[int, dict[int, tuple[int, int, int]]] = {p: {} for p in self.owned}
         # learner -> the slot its latest merged offer stood for (rounds.offer_slot at the
-        # merge: its reported step counts), against which `last_slot` was covered
+        # merge: its reported step counts), against which `last_slot` was covered; -1 once
+        # a new life of it joined (that life has reached no slot yet)
         self.merged_slot: dict[int, dict[int, int]] = {p: {} for p in self.owned}
         # fragment -> learner -> (offer, decoded outer gradient, its per-leaf ‖v‖²)
         self.pending: dict[int, dict[int, tuple[Offer, dict, dict]]] = {p: {} for p in self.owned}
@@ -178,6 +179,8 @@ class Syncer:
         # syncer shard knows its own fragments' merges only.
         founding = not any(self.version.values())
         joined_at = msg.step if announced else -1
+        known = self.registry.get(msg.learner)
+        new_life = known is None or known.incarnation != msg.incarnation
         reason = self.registry.join(
             msg.learner, msg.incarnation, msg.step, msg.tokens_per_step, now, founding, joined_at
         )
@@ -187,6 +190,13 @@ class Syncer:
         for p in self.owned:  # offers of an earlier life are void
             if self.pending[p].pop(msg.learner, None) is not None:
                 self._round_gone(p)
+            # The slot its earlier life reached is not this life's (a restarted process
+            # resumes its checkpoint, behind it): left in, it kept `paced_slot` there, and
+            # with K < M the others' offers waited for catch-up rounds, which wait for every
+            # live learner, until the new life caught up. (-1, not removed: a restore takes
+            # a missing entry from the merged step's slot.)
+            if new_life and msg.learner in self.merged_slot[p]:
+                self.merged_slot[p][msg.learner] = -1
         # What Θ holds of the learner's earlier lives stays in the fragments' clocks (and so
         # in this snapshot and in every checkpoint) until its new life's first merge: a
         # resume in between must not take that work for lost (or train it again).
