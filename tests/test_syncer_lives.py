@@ -83,3 +83,23 @@ def test_a_life_rejoining_at_its_own_step_keeps_its_reported_step():
     assert s.registry.learners[0].step == 5
     late = dataclasses.replace(offer(0, 8, base=0, incarnation=1), c_steps=3)
     assert s.slot(late) == 2  # its own step's slot, not that of step 13
+
+
+def test_a_join_of_the_current_life_again_keeps_its_pending_offer():
+    """K = M = 2. Learner 0's Join delivered again (a link retrying it) while its offer is
+    pending: the offer is of this life, not an earlier one, so it stays and merges with
+    learner 1's (voided unannounced, the learner would keep it in flight for good, never
+    offer the fragment again, and every round would wait for it), and the life stays in
+    the weights' roster. A new life's Join still voids the earlier life's offer."""
+    s = make_syncer(learners=2, quorum=2)
+    for m in (0, 1):
+        s.handle(offer(m, 4, base=0), 1.0)
+    assert s.version[0] == 1
+    s.handle(offer(0, 8, base=1), 2.0)
+    s.handle(Join(0, 0, 0.0, 0), 2.5)
+    assert s.registry.learners[0].counted and 0 in s.registry.roster(2.5)
+    (m,) = merges(s.handle(offer(1, 8, base=1), 3.0))
+    assert m.learners == (0, 1) and m.steps == (8, 8)
+    s.handle(offer(0, 12, base=2), 4.0)
+    s.handle(Join(0, 1, 4.5, 12), 4.5)
+    assert 0 not in s.pending[0]

@@ -106,7 +106,9 @@ class Registry:
         new_life = known is None or incarnation != known.incarnation
         info.step = int(step) if new_life else max(info.step, int(step))
         info.incarnation, info.joined, info.finished = incarnation, True, False
-        info.confirmed, info.counted, info.joined_at = True, bool(counted), int(joined_at)
+        # (Its Join again keeps a life in the roster that its accepted offers put there.)
+        info.counted = bool(counted) or (not new_life and info.counted)
+        info.confirmed, info.joined_at = True, int(joined_at)
         info.tokens_per_step = int(tokens_per_step) or info.tokens_per_step
         return None
 

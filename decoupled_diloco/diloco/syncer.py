@@ -187,8 +187,11 @@ class Syncer:
         if reason:
             self.refusals.drop_message(msg, reason, now)
             return []
-        for p in self.owned:  # offers of an earlier life are void
-            if self.pending[p].pop(msg.learner, None) is not None:
+        for p in self.owned:
+            # Offers of an earlier life are void. Those of this life are not: its Join again
+            # (a link retrying it) voided them silently, and the learner, told neither
+            # Merged nor Dropped, kept the offer in flight and never offered p again.
+            if new_life and self.pending[p].pop(msg.learner, None) is not None:
                 self._round_gone(p)
             # The slot its earlier life reached is not this life's (a restarted process
             # resumes its checkpoint, behind it): left in, it kept `paced_slot` there, and
