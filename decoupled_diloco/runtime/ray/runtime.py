@@ -394,6 +394,11 @@ class RayRuntime:
         earlier attempt logged past it are redone (and logged again) now. (The local runtime
         drops them before its learners start.)"""
         self._started[m] = step
+        # A step schedule is checked from the step the learner starts at, as the local
+        # runtime's learner checks it before each step: the first poll that sees the learner
+        # may find it many steps on, and its crashes scheduled in between then fire there
+        # (late, as every polled step's), where they were taken as passed and never fired.
+        self.schedule.learner_reached(m, step, self.now())
         if self._earlier_rows:
             self.log.metrics.retain(lambda r: r["learner"] != m or r.get("step", 0) <= step)
 
