@@ -10,7 +10,7 @@ import numpy as np
 from decoupled_diloco.diloco import compression
 from decoupled_diloco.diloco.config import DilocoConfig
 from decoupled_diloco.diloco.fragments import make_fragment_plan
-from decoupled_diloco.diloco.messages import Heartbeat, Join, Merged, Offer
+from decoupled_diloco.diloco.messages import Dropped, Heartbeat, Join, Merged, Offer
 from decoupled_diloco.diloco.syncer import Syncer
 
 SHAPES = {"embedder/input_embedding": (16, 8), "block_0/w": (8, 8)}
@@ -103,3 +103,22 @@ def test_a_join_of_the_current_life_again_keeps_its_pending_offer():
     s.handle(offer(0, 12, base=2), 4.0)
     s.handle(Join(0, 1, 4.5, 12), 4.5)
     assert 0 not in s.pending[0]
+
+
+def test_an_offer_a_new_life_voids_is_logged_as_dropped():
+    """Learner 0's pending offer of life 0 is void once life 1 joins: it is never merged,
+    and like every offer that will not be merged it is logged and counted with its reason
+    (before, it vanished without a record: its steps were neither merged nor refused), and
+    its learner, whose life is over, is not told."""
+    s = make_syncer(learners=2, quorum=2)
+    records = []
+    s._emit = records.append
+    s.handle(offer(0, 4, base=0), 1.0)
+    out = s.handle(Join(0, 1, 1.5, 4), 1.5)
+    assert not any(isinstance(msg, Dropped) for _, msg in out)
+    (drop,) = [r for r in records if r["event"] == "drop_offer"]
+    assert [drop[k] for k in ("learner", "step", "incarnation", "kind")] == [0, 4, 0, "new_life"]
+    assert s.stats["drop_offer:new_life"] == 1 and s.stats["dropped_offers"] == 1
+    # Life 1 began at slot 1's due step: the round does not wait for it.
+    (m,) = merges(s.handle(offer(1, 4, base=0), 2.0))
+    assert m.learners == (1,)

@@ -191,7 +191,12 @@ class Syncer:
             # Offers of an earlier life are void. Those of this life are not: its Join again
             # (a link retrying it) voided them silently, and the learner, told neither
             # Merged nor Dropped, kept the offer in flight and never offered p again.
-            if new_life and self.pending[p].pop(msg.learner, None) is not None:
+            void = self.pending[p].pop(msg.learner, None) if new_life else None
+            if void is not None:
+                # Logged like any offer that will not be merged (its steps are accounted
+                # for); no one to tell: its life is over.
+                why = f"its learner rejoined as incarnation {msg.incarnation}"
+                self.refusals.drop_offer(void[0], Reason("new_life", why), now, notify=False)
                 self._round_gone(p)
             # The slot its earlier life reached is not this life's (a restarted process
             # resumes its checkpoint, behind it): left in, it kept `paced_slot` there, and
