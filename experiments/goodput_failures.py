@@ -15,8 +15,8 @@ P, K, checkpoint interval and wall time as the simulator's timings.
            DP checkpoints every 50 steps; at most 300 s of wall time per run
   --quick  140 steps; 64 chips of 8 min MTBF (a crash every ~7.5 s), restarts after 4 s,
            DP checkpoints every 40 steps; at most 200 s per run
-The wall-clock cap (--budget_s overrides it) matters for DP: when crashes come faster than
-it gets from one checkpoint to the next, it redoes the same steps without end.
+The wall-clock cap (at --scale=cpu only; --budget_s overrides it) matters for DP: when crashes
+come faster than it gets from one checkpoint to the next, it redoes the same steps without end.
 Writes goodput_failures.{md,png,json} into --out.
 """
 
@@ -45,7 +45,7 @@ BUDGET_S = {"full": 300.0, "quick": 200.0, "smoke": 60.0}  # wall-clock cap per 
 
 
 def budget_s() -> float:
-    return harness.flags.FLAGS.budget_s or BUDGET_S[harness.mode()]
+    return harness.run_budget(BUDGET_S)
 
 
 def arms() -> list[harness.Arm]:
@@ -156,11 +156,13 @@ def markdown(results, sim_md: str) -> tuple[str, dict]:
     header = ["arm", "goodput (%) measured", "goodput (%) simulator", "uptime (%) measured",
               "uptime (%) simulator", "failures", "failures (sim)", "final eval loss",
               "steps done / budget", "wall (s)"]  # fmt: skip
+    cap = budget_s()
+    stops = (f"its step budget or after {cap:.0f} s of wall time, whichever comes first"
+             if cap else "its step budget")  # fmt: skip
     md = (
         "## Simulator (experiments/goodput_table.py)\n\n" + sim_md
-        + f"\n## CPU runs under the chaos schedule ({harness.mode_note()}); a run stops at "
-        f"its step budget or after {budget_s():.0f} s of wall time, whichever comes first\n\n"
-        + harness.table(header, body)
+        + f"\n## Runs under the chaos schedule ({harness.mode_note()}); a run stops at "
+        f"{stops}\n\n" + harness.table(header, body)
     )  # fmt: skip
     return md, preds
 

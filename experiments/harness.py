@@ -376,6 +376,17 @@ def _fresh_checkpoints(run) -> None:
             folder.rmtree()
 
 
+def run_budget(budget_s: dict | None) -> float:
+    """The wall-clock cap per run in seconds (0: none): --budget_s, else the script's own
+    `budget_s` for the mode at --scale=cpu only. A script's caps are sized for its tiny runs
+    on a 2-core machine; at mid and TPU scale they would cut real runs short (and a Ray
+    run's cannot be kept: `check_budget`)."""
+    FLAGS = flags.FLAGS
+    if FLAGS.budget_s:
+        return FLAGS.budget_s
+    return (budget_s or {}).get(mode(), 0.0) if FLAGS.scale == "cpu" else 0.0
+
+
 def check_budget(arm: str, runtime: str, budget: float) -> None:
     """A usage error where a wall-clock cap would not stop the arm's runs: only the local
     runtime's (`_run_local`) is watched; a Ray run ran to its step budget while the others
@@ -403,7 +414,7 @@ def run_arms(arms, out: pathlib.Path, quick: dict = QUICK, full: dict = FULL,
     if FLAGS.budget_s < 0:
         raise app.UsageError(f"--budget_s={FLAGS.budget_s:g}: a cap in seconds, >= 0 (0: none)")
     parse_seeds(FLAGS.seeds)  # even where --smoke or --quick run seed 0 alone
-    budget = FLAGS.budget_s or (budget_s or {}).get(mode(), 0.0)
+    budget = run_budget(budget_s)
     arms = selected(arms_fn())
     for arm in arms:  # fail fast: a typo in the last arm must not cost the first hour
         try:

@@ -186,6 +186,10 @@ def test_a_wall_clock_cap_is_refused_where_it_would_not_stop_the_runs(tmp_path):
     # without a cap, a Ray arm runs
     free = _script(BUDGET % ("quorum_grace", out, ["--arms=K4"]))
     assert free.splitlines()[-1] == "launched on ray", free
+    # a script's own caps are sized for its CPU-scale runs: at mid or TPU scale it has none
+    # (goodput_failures --scale=tpu ran into the refusal above)
+    scaled = _script(BUDGET % ("goodput_failures", out, ["--arms=decoupled", "--scale=mid"]))
+    assert scaled.splitlines()[-1] == "launched on ray", scaled
 
 
 RAY_CHECKPOINTS = """
