@@ -55,3 +55,33 @@ def test_a_learner_takes_parameters_and_merges_from_the_host_under_the_transfer_
         np.testing.assert_array_equal(params[k], merged.get(k, want), err_msg=k)
     leaf = models.flatten_params(replica.state.params)[name]
     assert leaf.sharding == replica.flat_shardings[name]
+
+
+def test_merges_of_every_kind_pass_the_transfer_guard():
+    """A merge's weight (1 − α for an add, α for a mix, 1 − α for a landing's set-aside)
+    reaches its jitted op as a device scalar placed explicitly: a Python float argument is
+    an implicit host transfer, so under the guard every merge failed (the default
+    `diloco.apply` "rebase" adds with weight 1 − α = 1). Whole leaves and a row slice."""
+    cfg = models.get_model_config("tiny")
+    mesh = sharding.make_mesh(jax.devices()[:2], sharding.MeshConfig(data=1, fsdp=2))
+    replica = Replica(cfg, TrainConfig(batch_size=8), mesh)
+    theta = models.flatten_params(jax.device_get(models.init_params(cfg, jax.random.key(0))))
+    leaf, rows = "final_norm/scale", "embedder/embedding[0:128]"
+    x = {leaf: np.full_like(theta[leaf], 0.5), rows: np.full((128, 64), 0.5, np.float32)}
+    replica.init_from_host(theta)
+    with jax.transfer_guard("disallow"):
+        replica.apply("add", replica.place(x))  # θ + x
+        replica.apply("mix", replica.place(x), alpha=0.5)  # (θ + x + x) / 2
+        replica.land(replica.place(x), replica.place(x), alpha=0.5)
+        params = replica.host_params()
+        held = transfer.to_host(replica.held)
+    want_leaf = (theta[leaf] + 0.5 + 0.5) / 2
+    np.testing.assert_allclose(params[leaf], 0.5 * want_leaf + 0.25, rtol=1e-6)
+    want_rows = (theta["embedder/embedding"][:128] + 0.5 + 0.5) / 2
+    np.testing.assert_allclose(params["embedder/embedding"][:128], 0.5 * want_rows + 0.25,
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    np.testing.assert_array_equal(params["embedder/embedding"][128:],
+                                  theta["embedder/embedding"][128:])  # fmt: skip
+    # R = (1 − α)·(θ + x − Θ_new) with x = Θ_new: (1 − α)·θ
+    np.testing.assert_allclose(held[leaf], 0.5 * want_leaf, rtol=1e-6)
+    np.testing.assert_allclose(held[rows], 0.5 * want_rows, rtol=1e-6, atol=1e-7)

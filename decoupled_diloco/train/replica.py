@@ -61,6 +61,13 @@ class Replica:
         )
         self._init_opt = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
         self._row_updates: dict = {}  # leaf -> jitted update of a row slice of it
+        # A merge op's weight (α or 1 − α) goes in as a float32 scalar on the mesh, placed
+        # explicitly (`_weight`): a Python float argument is an implicit host transfer, which
+        # `jax.transfer_guard("disallow")` refuses. Its shape for `precompile`'s lowerings:
+        self._weight_abstract = jax.ShapeDtypeStruct(
+            (), np.float32, sharding=sharding.replicated(mesh)
+        )
+        self._weights: dict[float, jax.Array] = {}  # weight -> its placed scalar
         self._flat_abstract = flatten_params(abstract)  # leaf -> shape and dtype
         # Members of a fragment -> its background `precompile`, until a copy or update of
         # the fragment waits for it.
@@ -207,8 +214,9 @@ class Replica:
                 ops.rebase_shift.lower(members, members).compile()
                 ops.rebase_held.lower(members, members, members).compile()
             if "land" in kinds:  # setting steps aside, and offering θ + R
-                ops.set_aside.lower(members, members, members, 1.0).compile()
-                ops.set_aside_onto.lower(members, members, members, members, 1.0).compile()
+                w = self._weight_abstract
+                ops.set_aside.lower(members, members, members, w).compile()
+                ops.set_aside_onto.lower(members, members, members, members, w).compile()
                 ops.plus.lower(members, members).compile()
                 ops.outer_plus.lower(members, members, members).compile()
             whole = {k: self._abstract_member(k) for k in names if parse_member(k)[1] is None}
@@ -219,7 +227,7 @@ class Replica:
                 for kind in kinds:
                     op = ops.leaf_update(kind, alpha)
                     if op is not None:
-                        op[0].lower(whole, whole, op[1]).compile()
+                        op[0].lower(whole, whole, self._weight_abstract).compile()
             for name in names:
                 leaf, rows = parse_member(name)
                 if rows is None:
@@ -230,7 +238,7 @@ class Replica:
                     _outer_rows.lower(part, full, rows.start, rows.stop).compile()
                 update = self._row_update(leaf)
                 for kind in {"add" if kind == "add" else "mix" for kind in kinds}:
-                    update.lower(full, part, rows.start, kind, alpha).compile()
+                    update.lower(full, part, rows.start, kind, self._weight_abstract).compile()
 
     def _abstract_member(self, name: str) -> jax.ShapeDtypeStruct:
         """A fragment member's shape, dtype and sharding on this replica (float32, as the
@@ -342,7 +350,7 @@ class Replica:
             if x and op is None:
                 flat.update(x)
             elif x:
-                flat.update(op[0]({k: flat[k] for k in x}, x, op[1]))
+                flat.update(op[0]({k: flat[k] for k in x}, x, self._weight(op[1])))
             for k, value in placed.items():
                 leaf, rows = parse_member(k)
                 if rows is not None:
@@ -368,9 +376,10 @@ class Replica:
         onto, fresh = [k for k in x if k in self.held], [k for k in x if k not in self.held]
         if onto:
             args = (_pick(d, onto) for d in (self.held, views, x, new))
-            self.held.update(ops.set_aside_onto(*args, s))
+            self.held.update(ops.set_aside_onto(*args, self._weight(s)))
         if fresh:
-            self.held.update(ops.set_aside(*(_pick(d, fresh) for d in (views, x, new)), s))
+            args = (_pick(d, fresh) for d in (views, x, new))
+            self.held.update(ops.set_aside(*args, self._weight(s)))
         self.apply("land", new, alpha)  # the mix, into θ's buffers even at α = 0
 
     def _on_devices(self, arrays: dict) -> dict:
@@ -381,7 +390,15 @@ class Replica:
 
     def _apply_rows(self, full, leaf: str, start: int, x, kind: str, alpha: float):
         """`apply` on rows start.. of one leaf (x placed); the leaf keeps its sharding."""
-        return self._row_update(leaf)(full, x, start, kind if kind == "add" else "mix", alpha)
+        kind = kind if kind == "add" else "mix"
+        return self._row_update(leaf)(full, x, start, kind, self._weight(alpha))
+
+    def _weight(self, value: float) -> jax.Array:
+        """`value` as a merge op's weight: a float32 scalar on the mesh (see __init__), placed
+        once per value (a run merges with one α)."""
+        if value not in self._weights:
+            self._weights[value] = jax.device_put(np.float32(value), self._weight_abstract.sharding)
+        return self._weights[value]
 
     def _row_update(self, leaf: str):
         """The jitted row-slice update of `leaf` (`_update_rows`, keeping its sharding)."""
