@@ -101,8 +101,8 @@ class Registry:
         info = self.touch(m, now)
         # A new life reports its own steps: a restarted process resumes its last checkpoint,
         # steps behind where its previous life got. Kept at that life's highest step, its
-        # offers stood for slots it had not reached (rounds.offer_slot) and were late in
-        # rounds its own next offers should have paced.
+        # offers would stand for slots it has not reached (rounds.offer_slot), and be late
+        # in rounds its own next offers should pace.
         new_life = known is None or incarnation != known.incarnation
         info.step = int(step) if new_life else max(info.step, int(step))
         info.incarnation, info.joined, info.finished = incarnation, True, False

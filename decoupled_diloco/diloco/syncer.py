@@ -188,9 +188,9 @@ class Syncer:
             self.refusals.drop_message(msg, reason, now)
             return []
         for p in self.owned:
-            # Offers of an earlier life are void. Those of this life are not: its Join again
-            # (a link retrying it) voided them silently, and the learner, told neither
-            # Merged nor Dropped, kept the offer in flight and never offered p again.
+            # Offers of an earlier life are void. Those of this life are not: voided by its
+            # Join again (a link retrying it), the learner, told neither Merged nor Dropped,
+            # would keep the offer in flight and never offer p again.
             void = self.pending[p].pop(msg.learner, None) if new_life else None
             if void is not None:
                 # Logged like any offer that will not be merged (its steps are accounted
@@ -199,10 +199,10 @@ class Syncer:
                 self.refusals.drop_offer(void[0], Reason("new_life", why), now, notify=False)
                 self._round_gone(p)
             # The slot its earlier life reached is not this life's (a restarted process
-            # resumes its checkpoint, behind it): left in, it kept `paced_slot` there, and
-            # with K < M the others' offers waited for catch-up rounds, which wait for every
-            # live learner, until the new life caught up. (-1, not removed: a restore takes
-            # a missing entry from the merged step's slot.)
+            # resumes its checkpoint, behind it): left in, it would hold `paced_slot` there,
+            # and with K < M the others' offers would wait for catch-up rounds, which wait
+            # for every live learner, until the new life caught up. (-1, not removed: a
+            # restore takes a missing entry from the merged step's slot.)
             if new_life and msg.learner in self.merged_slot[p]:
                 self.merged_slot[p][msg.learner] = -1
         # What Θ holds of the learner's earlier lives stays in the fragments' clocks (and so
