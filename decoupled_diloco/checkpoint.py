@@ -43,6 +43,14 @@ class CorruptCheckpointError(RuntimeError):
     """No kept step of a checkpoint directory could be verified."""
 
 
+class CheckpointSaveError(OSError):
+    """A step could not be written; nothing of it is kept."""
+
+
+# How TensorStore and XLA prefix an error: its absl status code.
+_STATUS_CODE = re.compile(r"^[A-Z_]+: ")
+
+
 _QUIET = False  # quiet_failed_read_leftovers has run
 
 
@@ -125,7 +133,8 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, arrays: Any, meta: dict, wait: bool = True) -> bool:
-        """False (and logged) when the arrays are not finite: such a state is not saved."""
+        """False (and logged) when the arrays are not finite: such a state is not saved.
+        Raises CheckpointSaveError when the step cannot be written (nothing of it kept)."""
         del wait  # saves are synchronous (see the note at the top of this module)
         try:
             meta = integrity.seal(arrays, meta)
@@ -133,15 +142,40 @@ class Checkpointer:
             logging.error("%s: step %d not saved: %s", self.directory, step, e)
             return False
         with self._lock:
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(
-                    arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-                ),
-                force=True,
-            )
-            self.manager.wait_until_finished()
+            try:
+                self.manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+                    ),
+                    force=True,
+                )
+                self.manager.wait_until_finished()
+            except Exception as e:
+                raise self._save_failed(step, e) from None
         return True
+
+    def _save_failed(self, step: int, e: Exception) -> "CheckpointSaveError":
+        """The error a failed save (a full disk, a folder it may not write) raises: the
+        step never committed, so the latest step is still the one before."""
+        # A full disk reaches us as TensorStore's `RESOURCE_EXHAUSTED: Failed writing ...`,
+        # which the entry points (cli.out_of_memory) read as device memory running out and
+        # answer with batch-size advice; the status code goes, the cause is not chained.
+        what = _STATUS_CODE.sub("", str(e).split("\n", 1)[0])
+        if len(what) > 500:  # the OS's reason ("No space left on device") comes last
+            what = f"{what[:150]} ... {what[-300:]}"
+        # The half-written step's folder (orbax's `<step>.orbax-checkpoint-tmp*`) holds
+        # disk a retry needs; orbax replaces it only when the same step is saved again.
+        for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            try:
+                tmp.rmtree()
+            except OSError as err:
+                logging.error("could not delete the half-written %s: %s", tmp, err)
+        return CheckpointSaveError(
+            f"{self.directory}: saving step {step} failed ({type(e).__name__}: {what}); the "
+            f"latest saved step is still {self.manager.latest_step()}: if the disk is full or "
+            "the folder not writable, fix that, then resume (the same command)"
+        )
 
     def restore(self, abstract_arrays: Any, step: int | None = None) -> tuple[Any, dict]:
         """The newest verified step (at or before `step`): (arrays, side-car).
