@@ -14,8 +14,9 @@ def available_host_bytes(root: str = "/") -> int | None:
 
 def cgroup_headroom(root: str = "/") -> int | None:
     """Bytes left under the memory limit of this process's cgroup (v2 `memory.max`, v1
-    `memory.limit_in_bytes`) above its usage, counting inactive page cache (which the kernel
-    reclaims first) as free; None without a limit."""
+    `memory.limit_in_bytes`) above its usage, counting its page cache (file pages, active or
+    inactive, which the kernel reclaims before it kills) as free, as MemAvailable counts
+    the host's; None without a limit."""
     try:
         with open(root + "proc/self/cgroup") as f:
             lines = [line.rstrip("\n").split(":", 2) for line in f]
@@ -24,10 +25,11 @@ def cgroup_headroom(root: str = "/") -> int | None:
     for _, controllers, path in lines:
         if controllers == "":  # v2: the unified hierarchy
             folder, names = f"{root}sys/fs/cgroup{path}", ("memory.max", "memory.current")
-            cache = "inactive_file"
+            cache = ("inactive_file", "active_file")
         elif "memory" in controllers.split(","):
             folder = f"{root}sys/fs/cgroup/memory{path}"
-            names, cache = ("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_inactive_file"
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            cache = ("total_inactive_file", "total_active_file")
         else:
             continue
         for where in (folder.rstrip("/"), folder[: len(folder) - len(path)].rstrip("/")):
@@ -38,8 +40,11 @@ def cgroup_headroom(root: str = "/") -> int | None:
             limit, usage = values
             if limit >= 2**60:  # "max", or v1's page-rounded 2**63
                 break
-            inactive = sum(int(n) for n in _fields(f"{where}/memory.stat", cache + " "))
-            return max(limit - usage + inactive, 0)
+            # Active file pages too: a file read twice (a corpus, a checkpoint) is active,
+            # and counting only the inactive ones refused runs that fit once it was reclaimed.
+            stat = f"{where}/memory.stat"
+            reclaimable = sum(int(n) for name in cache for n in _fields(stat, name + " "))
+            return max(limit - usage + reclaimable, 0)
     return None
 
 
