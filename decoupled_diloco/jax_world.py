@@ -58,6 +58,13 @@ class DistributedConfig:
                 "distributed.num_processes > 1 needs distributed.coordinator_address = "
                 f"'host:port' of process 0, got {self.coordinator_address!r}"
             )
+        port = int(self.coordinator_address.rsplit(":", 1)[1]) if self.enabled else 1
+        if not 1 <= port <= 65535:  # the pattern takes 5 digits; 0 would bind anywhere
+            raise ValueError(
+                f"distributed.coordinator_address={self.coordinator_address!r}: the port must "
+                "be in [1, 65535] (the other processes connect to it; they would wait "
+                f"distributed.initialization_timeout={self.initialization_timeout} s)"
+            )
         if not self.enabled and self.coordinator_address:
             raise ValueError(
                 f"distributed.coordinator_address={self.coordinator_address!r} is set but "
