@@ -222,7 +222,9 @@ class Checkpointer:
                 refused.append((s, reason))
         # None verifies: all stay, so a retry fails alike instead of starting afresh.
         raise CorruptCheckpointError("no kept checkpoint step can be trusted: " + "; ".join(
-            f"{self.directory}/{s}: {why}" for s, why in refused))  # fmt: skip
+            f"{self.directory}/{s}: {why}" for s, why in refused) + ". Put a good copy of "
+            "one of these step folders in its place (from a backup), then run the same "
+            "command again")  # fmt: skip
 
     def _set_aside(self, step: int, reason: str) -> None:
         moved = set_aside(self.directory / str(step), reason)

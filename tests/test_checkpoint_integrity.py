@@ -168,6 +168,7 @@ def test_no_good_step_stops_with_every_file_named(tmp_path):
         with pytest.raises(CorruptCheckpointError) as e:
             ckpt.restore({"w": np.zeros_like(w)})
         assert f"{d}/2:" in str(e.value) and f"{d}/1:" in str(e.value)
+        assert str(e.value).endswith("then run the same command again")  # what to do
         assert ckpt.latest_step() == 2 and not ckpt.refused
 
 
